@@ -1,0 +1,201 @@
+"""The functional API: one function per fused op, and the one place that chooses between a Triton
+kernel (`fastbert.kernels.<op>`) and the pure-PyTorch reference (`fastbert.reference`).
+
+`backend` is "auto" (default; None means the same), "triton" or "torch".
+- auto: Triton when the tensors are on CUDA and Triton imports, the reference otherwise. The
+  environment variable FASTBERT_BACKEND=triton|torch changes what "auto" means.
+- triton: the kernels. On CPU tensors this needs TRITON_INTERPRET=1 (Triton's interpreter);
+  otherwise it raises RuntimeError rather than silently running something else.
+- torch: the reference, everywhere.
+Arguments are checked here, before any kernel runs, with errors that name the argument.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+from fastbert import reference
+
+BACKENDS = ("auto", "triton", "torch")
+GELU_APPROXIMATIONS = ("none", "tanh")
+REDUCTIONS = ("mean", "sum")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_import_error() -> str | None:
+    """None when Triton imports, else why not."""
+    try:
+        importlib.import_module("triton")
+    except Exception as exc:  # ImportError, or a broken install raising anything else
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: str | None, *tensors: torch.Tensor | None) -> str:
+    """Return "triton" or "torch" for these tensors, or raise if the request cannot run."""
+    backend = "auto" if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    on_cuda = all(t.is_cuda for t in tensors if t is not None)
+    if backend == "auto":
+        env = os.environ.get("FASTBERT_BACKEND", "")
+        if env not in ("", "auto", "triton", "torch"):
+            raise ValueError(f"FASTBERT_BACKEND must be 'auto', 'triton' or 'torch', got {env!r}")
+        if env in ("triton", "torch"):
+            backend = env
+        else:
+            return "triton" if on_cuda and triton_import_error() is None else "torch"
+    if backend == "triton":
+        if triton_import_error() is not None:
+            raise RuntimeError(f"backend='triton' was requested but Triton does not import ({triton_import_error()})")
+        if not on_cuda and not interpreter_enabled():
+            devices = sorted({str(t.device) for t in tensors if t is not None})
+            raise RuntimeError(
+                f"backend='triton' needs CUDA tensors, got tensors on {devices}; set TRITON_INTERPRET=1 "
+                "(before importing fastbert) to run the kernels on CPU in Triton's interpreter, "
+                "or use backend='torch'")
+    return backend
+
+
+def _kernel(name: str):
+    return importlib.import_module(f"fastbert.kernels.{name}")
+
+
+def _check_last_dim(name: str, tensor: torch.Tensor, size: int, what: str) -> None:
+    if tensor.shape[-1] != size:
+        raise ValueError(f"{name} has last dimension {tensor.shape[-1]}, expected {size} ({what})")
+
+
+def _check_dropout(dropout_p: float) -> None:
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+
+
+def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, training=True, backend=None):
+    """LayerNorm(dropout(x) + residual) over the last dim (residual=None: LayerNorm(dropout(x))).
+
+    x, residual [..., H] of one dtype; weight, bias [H]. Returns [..., H] in x's dtype.
+    """
+    hidden = x.shape[-1]
+    _check_last_dim("weight", weight, hidden, "x's hidden size")
+    _check_last_dim("bias", bias, hidden, "x's hidden size")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual has shape {tuple(residual.shape)}, expected x's shape {tuple(x.shape)}")
+    _check_dropout(dropout_p)
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps!r}")
+    if resolve_backend(backend, x, weight, bias, residual) == "triton":
+        return _kernel("layer_norm").layer_norm(x, weight, bias, eps, residual, dropout_p, training)
+    return reference.layer_norm(x, weight, bias, eps, residual, dropout_p, training)
+
+
+def bias_gelu(x, bias, approximate="none", backend=None):
+    """gelu(x + bias); x [..., N], bias [N]; approximate "none" (exact erf) or "tanh"."""
+    _check_last_dim("bias", bias, x.shape[-1], "x's last dimension")
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
+    if resolve_backend(backend, x, bias) == "triton":
+        return _kernel("bias_gelu").bias_gelu(x, bias, approximate)
+    return reference.bias_gelu(x, bias, approximate)
+
+
+def linear_bias_gelu(x, weight, bias, approximate="none", backend=None):
+    """gelu(x @ weight.T + bias), the FFN up-projection and its activation.
+
+    x [..., K]; weight [N, K]; bias [N]. On the Triton path this is the faster of the two measured
+    forms (see PERF.md): a matmul with bias + GELU in its epilogue, or cuBLAS then `bias_gelu`.
+    """
+    _check_last_dim("weight", weight, x.shape[-1], "x's last dimension")
+    _check_last_dim("bias", bias, weight.shape[0], "weight's output size")
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
+    if resolve_backend(backend, x, weight, bias) == "triton":
+        return _kernel("bias_gelu").linear_bias_gelu(x, weight, bias, approximate)
+    return reference.linear_bias_gelu(x, weight, bias, approximate)
+
+
+def qkv_projection(x, weight, bias, num_heads, backend=None):
+    """x [B, S, H] -> (q, k, v) each [B, heads, S, H/heads]; packed x [T, H] -> each [T, heads, H/heads].
+
+    weight [3H, H] (query, key, value rows in that order), bias [3H].
+    """
+    hidden = x.shape[-1]
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be [B, S, H] or [T, H], got shape {tuple(x.shape)}")
+    if num_heads <= 0 or hidden % num_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be positive and divide the hidden size {hidden}")
+    if tuple(weight.shape) != (3 * hidden, hidden):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {(3 * hidden, hidden)}")
+    if tuple(bias.shape) != (3 * hidden,):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(3 * hidden,)}")
+    if resolve_backend(backend, x, weight, bias) == "triton":
+        return _kernel("qkv").qkv_projection(x, weight, bias, num_heads)
+    return reference.qkv_projection(x, weight, bias, num_heads)
+
+
+def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, backend=None):
+    """softmax(q k^T * scale + key padding mask) v, bidirectional.
+
+    q, k, v [B, heads, S, d]; attention_mask [B, S], 1 = token, 0 = padding (bool or int).
+    scale defaults to d ** -0.5. Padded query rows come out as zeros; never NaN.
+    """
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must share one [B, heads, S, d] shape, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    batch, _, seqlen, _ = q.shape
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, seqlen):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(batch, seqlen)}")
+    _check_dropout(dropout_p)
+    if resolve_backend(backend, q, k, v, attention_mask) == "triton":
+        return _kernel("attention").attention(q, k, v, attention_mask, dropout_p, scale, training)
+    return reference.attention(q, k, v, attention_mask, dropout_p, scale, training)
+
+
+def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None, training=True, backend=None):
+    """Attention over packed sequences: q, k, v [T, heads, d]; cu_seqlens int32 [B+1] (0, ..., T);
+    max_seqlen the longest sequence. Each token attends to the tokens of its own sequence only."""
+    if q.dim() != 3 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must share one [T, heads, d] shape, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be int32 [B+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    _check_dropout(dropout_p)
+    if resolve_backend(backend, q, k, v, cu_seqlens) == "triton":
+        return _kernel("attention").attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training)
+    return reference.attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training)
+
+
+unpad = reference.unpad
+pad = reference.pad
+
+
+def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="mean",
+                         label_smoothing=0.0, backend=None):
+    """Cross entropy of x @ weight.T + bias, never holding the full [N, V] logits.
+
+    x [N, H]; weight [V, H]; bias [V] or None; target int [N] in [0, V) or ignore_index.
+    Returns (loss fp32 scalar, num_correct int64 scalar). "mean" divides by the labelled rows;
+    no labelled row gives loss 0 and zero gradients.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x [N, H] and weight [V, H] must share H, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(weight.shape[0],)}")
+    if tuple(target.shape) != (x.shape[0],) or target.is_floating_point():
+        raise ValueError(f"target must be an integer tensor of shape {(x.shape[0],)}, "
+                         f"got {target.dtype} {tuple(target.shape)}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    if resolve_backend(backend, x, weight, bias, target) == "triton":
+        return _kernel("mlm_loss").linear_cross_entropy(x, weight, bias, target, ignore_index, reduction,
+                                                        label_smoothing)
+    return reference.linear_cross_entropy(x, weight, bias, target, ignore_index, reduction, label_smoothing)

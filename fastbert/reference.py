@@ -1,0 +1,167 @@
+"""Pure-PyTorch reference of every fused op: the eager baseline, the CPU path, and the oracle the
+Triton kernels are tested against. Same signatures and semantics as `fastbert.ops`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, training=True):
+    """LayerNorm(dropout(x) + residual) over the last dim. x, residual [..., H]; weight, bias [H]."""
+    h = F.dropout(x, dropout_p, training) if dropout_p > 0 else x
+    if residual is not None:
+        h = h + residual
+    return F.layer_norm(h, (h.shape[-1],), weight, bias, eps)
+
+
+def bias_gelu(x, bias, approximate="none"):
+    """gelu(x + bias). x [..., N]; bias [N]; approximate "none" (erf) or "tanh"."""
+    return F.gelu(x + bias, approximate=approximate)
+
+
+def linear_bias_gelu(x, weight, bias, approximate="none"):
+    """gelu(x @ weight.T + bias): the FFN up-projection with its activation. weight [N, K]."""
+    return F.gelu(F.linear(x, weight, bias), approximate=approximate)
+
+
+def qkv_projection(x, weight, bias, num_heads):
+    """One matmul for query, key and value.
+
+    x [B, S, H] -> q, k, v each [B, heads, S, d]; x [T, H] (packed tokens) -> each [T, heads, d].
+    weight [3H, H] holds the query, key and value rows in that order (HF's three Linear layers
+    concatenated); bias [3H].
+    """
+    hidden = x.shape[-1]
+    head_dim = hidden // num_heads
+    qkv = F.linear(x, weight, bias)  # [..., 3H]
+    if x.dim() == 2:
+        return qkv.view(x.shape[0], 3, num_heads, head_dim).unbind(1)
+    batch, seqlen = x.shape[:2]
+    qkv = qkv.view(batch, seqlen, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)  # [3, B, heads, S, d]
+    return qkv.unbind(0)
+
+
+def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True):
+    """softmax(q k^T * scale + key mask) v, bidirectional.
+
+    q, k, v [B, heads, S, d]; attention_mask [B, S] with 1 = token, 0 = padding (bool or int).
+    Padded query rows come out as zeros, so a fully padded sequence gives zeros, never NaN.
+    """
+    p = dropout_p if training else 0.0
+    if attention_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=scale)
+    keep = attention_mask.to(torch.bool)  # [B, S]
+    # A finite large negative (not -inf) keeps fully padded rows finite; they are zeroed below.
+    additive = torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
+    additive = additive.masked_fill(~keep, torch.finfo(q.dtype).min)[:, None, None, :]  # [B, 1, 1, S]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=p, scale=scale)
+    return out * keep[:, None, :, None].to(out.dtype)
+
+
+def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None, training=True):
+    """Attention over packed sequences. q, k, v [T, heads, d]; cu_seqlens int32 [B+1]."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [B]
+    positions = torch.arange(max_seqlen, device=q.device)
+    mask = positions[None, :] < lengths[:, None]  # [B, S]
+    indices = mask.flatten().nonzero().flatten()
+    batch = lengths.numel()
+
+    def to_padded(t):  # [T, heads, d] -> [B, heads, S, d]
+        return pad(t, indices, batch, max_seqlen).transpose(1, 2)
+
+    out = attention(to_padded(q), to_padded(k), to_padded(v), mask, dropout_p, scale, training)
+    return out.transpose(1, 2).flatten(0, 1)[indices]  # [T, heads, d]
+
+
+def unpad(hidden, attention_mask):
+    """Remove padding. hidden [B, S, ...]; attention_mask [B, S].
+
+    Returns (packed [T, ...], indices int64 [T] into the flattened B*S positions,
+    cu_seqlens int32 [B+1], max_seqlen int). Lengths come from the mask's row sums, so the
+    packed order follows the mask's 1s left to right.
+    """
+    keep = attention_mask.to(torch.bool)
+    lengths = keep.sum(dim=1, dtype=torch.int32)  # [B]
+    indices = keep.flatten().nonzero().flatten()  # [T]
+    cu_seqlens = F.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
+    max_seqlen = int(lengths.max()) if lengths.numel() else 0
+    return hidden.flatten(0, 1)[indices], indices, cu_seqlens, max_seqlen
+
+
+def pad(packed, indices, batch, seqlen):
+    """Inverse of `unpad`: scatter packed [T, ...] back to zeros-filled [B, S, ...]."""
+    out = packed.new_zeros((batch * seqlen, *packed.shape[1:]))
+    out = out.index_copy(0, indices, packed)  # out-of-place, so autograd flows to `packed`
+    return out.view(batch, seqlen, *packed.shape[1:])
+
+
+# Rows of logits materialised at once: bounds the reference's memory at chunk x V floats.
+CROSS_ENTROPY_CHUNK_ROWS = 1024
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Cross entropy of x @ weight.T + bias, in row chunks, with the gradient computed chunk by chunk
+    in the forward (the logits' gradient softmax - target is known there), so neither pass holds
+    the [N, V] logits."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, ignore_index, reduction, label_smoothing):
+        rows, vocab = x.shape[0], weight.shape[0]
+        valid = target != ignore_index  # [N]
+        count = valid.sum()
+        # mean over labelled rows; a batch with no labelled row gives 0, not 0/0
+        scale = 1.0 / count.clamp(min=1).to(torch.float32) if reduction == "mean" else torch.ones((), device=x.device)
+        needs_grad = any(ctx.needs_input_grad[:3])
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        correct = torch.zeros((), dtype=torch.int64, device=x.device)
+        grad_x = torch.zeros_like(x) if needs_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if needs_grad else None
+        grad_b = torch.zeros(vocab, dtype=torch.float32, device=x.device) if needs_grad and bias is not None else None
+        for start in range(0, rows, CROSS_ENTROPY_CHUNK_ROWS):
+            xs = x[start:start + CROSS_ENTROPY_CHUNK_ROWS]
+            ts = target[start:start + CROSS_ENTROPY_CHUNK_ROWS]
+            vs = valid[start:start + CROSS_ENTROPY_CHUNK_ROWS]
+            logits = F.linear(xs, weight, bias).float()  # [n, V]
+            log_probs = torch.log_softmax(logits, dim=-1)
+            safe_t = torch.where(vs, ts, 0).long()
+            nll = -log_probs.gather(1, safe_t[:, None]).squeeze(1)  # [n]
+            smooth = -log_probs.mean(dim=1)  # [n]
+            row_loss = (1.0 - label_smoothing) * nll + label_smoothing * smooth
+            loss += torch.where(vs, row_loss, 0.0).sum()
+            correct += ((logits.argmax(dim=1) == ts) & vs).sum()
+            if needs_grad:
+                # d loss / d logits = softmax - ((1 - eps) onehot + eps / V), on labelled rows only
+                grad_logits = log_probs.exp_()
+                grad_logits.sub_(label_smoothing / vocab)
+                grad_logits.scatter_add_(1, safe_t[:, None], torch.full_like(nll[:, None], label_smoothing - 1.0))
+                grad_logits.mul_((vs.float() * scale)[:, None])
+                grad_x[start:start + CROSS_ENTROPY_CHUNK_ROWS] = (grad_logits.to(weight.dtype) @ weight).to(x.dtype)
+                grad_w += grad_logits.t() @ xs.float()
+                if grad_b is not None:
+                    grad_b += grad_logits.sum(dim=0)
+        loss = loss * scale
+        if needs_grad:
+            ctx.save_for_backward(grad_x, grad_w, grad_b)
+            ctx.param_dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_correct):
+        grad_x, grad_w, grad_b = ctx.saved_tensors
+        weight_dtype, bias_dtype = ctx.param_dtypes
+        grad_x = grad_x * grad_loss.to(grad_x.dtype)
+        grad_w = (grad_w * grad_loss).to(weight_dtype)
+        grad_b = None if grad_b is None else (grad_b * grad_loss).to(bias_dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+    """Cross entropy of x @ weight.T + bias without holding the full logits.
+
+    x [N, H]; weight [V, H]; bias [V] or None; target int [N]. Returns (loss fp32 scalar,
+    num_correct int64 scalar: labelled rows whose argmax is the target). reduction "mean" divides
+    by the number of labelled rows (0 labelled rows give loss 0 and zero gradients), "sum" does not.
+    """
+    return _LinearCrossEntropy.apply(x, weight, bias, target, ignore_index, reduction, label_smoothing)

@@ -1,0 +1,23 @@
+"""fastbert: a BERT engine whose hot paths are Triton kernels.
+
+`kernels/` is installed as the subpackage `fastbert.kernels`, never as a top-level
+module `kernels` (transformers probes that top-level name for its kernel hub).
+"""
+from setuptools import setup
+
+setup(
+    name="fastbert",
+    version="0.1.0",
+    description="BERT with fused Triton kernels, a drop-in for HuggingFace transformers' BERT",
+    python_requires=">=3.10",
+    packages=["fastbert", "fastbert.kernels", "fastbert.train", "fastbert.data"],
+    package_dir={"fastbert.kernels": "kernels"},
+    install_requires=["torch>=2.4", "numpy", "safetensors", "tqdm"],
+    extras_require={
+        # triton ships with CUDA builds of torch; on a CPU machine it is needed for the interpreter tests
+        "test": ["pytest", "pytest-xdist", "triton", "transformers", "tokenizers"],
+        "bench": ["pytest-benchmark", "matplotlib", "transformers"],
+        "hf": ["transformers", "tokenizers"],
+    },
+    entry_points={"console_scripts": ["fastbert = fastbert.cli:main"]},
+)

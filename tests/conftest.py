@@ -1,0 +1,32 @@
+"""Test set-up shared by every test file.
+
+Without a GPU the Triton kernels run in Triton's interpreter, which is chosen when a kernel is
+defined: TRITON_INTERPRET must be set before any fastbert.kernels module is imported.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (bf16 kernels, timings)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
