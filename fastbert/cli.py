@@ -1,0 +1,35 @@
+"""The `fastbert` command. Each subcommand lives in its own module with a `main(argv) -> int`;
+this file only routes to it, importing nothing heavy until a subcommand is chosen."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module with main(argv), one-line help)
+COMMANDS = {
+    "convert": ("fastbert.hf", "convert an HF BERT checkpoint directory to fastbert's and back (checks parity)"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: fastbert <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_text}" for name, (_, help_text) in COMMANDS.items()]
+    lines += ["", "`fastbert <command> --help` describes a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"fastbert: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
