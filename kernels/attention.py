@@ -1,0 +1,618 @@
+# Bidirectional (non-causal) scaled dot-product attention, flash style, forward and backward:
+#     out = dropout(softmax(q k^T * scale + key mask)) v
+# for BERT's self-attention, on a padded batch with a [B, S] key padding mask (`attention`) or on packed
+# tokens with cu_seqlens (`attention_varlen`). The S x S scores never exist in memory.
+#
+# Algorithm (FlashAttention-2). The forward runs one program per (query block, head, sequence); it streams
+# the key/value blocks of its sequence through an online softmax kept in fp32 (running max m, running sum
+# l, rescaled accumulator), in base 2 (scores are multiplied by scale * log2(e) and exponentiated with
+# exp2), and writes only the output and the per-row log-sum-exp. The backward recomputes the scores
+# blockwise from q, k and the saved log-sum-exp, with no atomics, so it is deterministic: a preprocess
+# kernel gives delta = rowsum(dO * O); one kernel per key block loops over query blocks for dk and dv;
+# one kernel per query block loops over key blocks for dq. Padded and packed layouts share these kernels
+# (constexpr VARLEN): a sequence is a row offset into the layout, a row count and a range [lo, hi) of
+# rows that can hold tokens. With a mask, lo/hi are its first and last 1 (+1), so right padding (the
+# common case) skips the padded key and query blocks entirely, and the mask itself is read inside that
+# range, so any 0/1 pattern works. Padded query rows are written as zeros with log-sum-exp +inf, which
+# makes their probabilities, and so every gradient through them, exactly zero; a fully padded sequence
+# gives zeros, never NaN.
+#
+# Dropout drops probability (row, col) of head h of sequence b when the uniform float of Philox
+# (seed; counters col, row, h, b) is below p, and scales the kept ones by 1 / (1 - p). The counters are
+# the element's position within its sequence, so the backward regenerates the forward's mask, and the
+# padded and packed layouts of the same batch draw the same mask. The seed is an int64 tensor drawn with
+# torch's generator on the tensors' device (no host sync; torch.manual_seed reproduces a mask).
+#
+# Limits. Head dim 32, 64 or 128; fp32, fp16 or bf16 (q, k, v of one dtype; fp32 dots use IEEE fp32, not
+# TF32, so fp32 results match fp32 references); any sequence length (blocks are masked, not padded);
+# heads and batch up to 65535 (grid axes); q, k, v and the output gradient with any strides (offsets
+# across sequences and heads are int64; offsets inside one sequence must fit int32, checked). Block sizes
+# are autotuned on the GPU per (sequence length bucket, head dim, dtype, flags); the autotuned choice is
+# fixed within a process, so results are bitwise reproducible there.
+#
+# Sources: Dao, "FlashAttention-2" (2023), algorithms 1 and 2; the Triton tutorial "Fused Attention"
+# (06-fused-attention.py: base-2 softmax, the dk/dv and dq kernel split, delta preprocess);
+# flash-attention's flash_attn_triton.py and its varlen interface (cu_seqlens, max_seqlen).
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_GRID_AXIS = 65535  # CUDA's limit on grid axes 1 and 2 (heads, sequences)
+LOG2E = 1.4426950408889634
+INT32_MAX = 2**31 - 1
+
+
+def _configs(gpu_shapes, interpreter_shape):
+    """Autotuning candidates (BLOCK_M, BLOCK_N, num_warps, num_stages); under Triton's interpreter (CPU)
+    one fixed shape, with BLOCK_M != BLOCK_N so the tests exercise blocks of two sizes."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        gpu_shapes = [interpreter_shape]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in gpu_shapes]
+
+
+# Keyed by the sequence-length bucket, not the length, so that varying batch lengths do not retune.
+AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "VARLEN", "HAS_MASK", "DROPOUT"]
+# Forward: large query blocks amortise the K/V loads; 8 warps for 128 x 128 tiles.
+FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3),
+                        (64, 32, 4, 2)], (64, 32, 4, 1))
+# dk/dv: one program per key block holds k, v, dk, dv; small query blocks stream through it.
+DKDV_CONFIGS = _configs([(32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3),
+                         (16, 64, 4, 2)], (32, 64, 4, 1))
+# dq: one program per query block holds q, dO, dq; small key blocks stream through it.
+DQ_CONFIGS = _configs([(128, 32, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3),
+                       (64, 16, 4, 2)], (64, 32, 4, 1))
+PREPROCESS_BLOCK_M = 64
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _sequence_span(CU_SEQLENS, KEY_LO, KEY_HI, b, seqlen, VARLEN: tl.constexpr, HAS_MASK: tl.constexpr):
+    """(row offset of the sequence's first token in the layout, rows the sequence owns, lo, hi): rows
+    outside [lo, hi) are padding."""
+    if VARLEN:
+        seq_start = tl.load(CU_SEQLENS + b).to(tl.int64)
+        n_rows = (tl.load(CU_SEQLENS + b + 1) - tl.load(CU_SEQLENS + b)).to(tl.int32)
+        lo = 0
+        hi = n_rows
+    else:
+        seq_start = 0
+        n_rows = seqlen
+        if HAS_MASK:
+            lo = tl.load(KEY_LO + b)
+            hi = tl.load(KEY_HI + b)
+        else:
+            lo = 0
+            hi = seqlen
+    return seq_start, n_rows, lo, hi
+
+
+@triton.jit
+def _token_valid(KEY_MASK, stride_mb, stride_ms, b64, idx, lo, hi, HAS_MASK: tl.constexpr):
+    """Which positions idx of sequence b64 hold tokens. One mask serves keys and queries (self-attention)."""
+    valid = (idx >= lo) & (idx < hi)
+    if HAS_MASK:
+        valid = valid & (tl.load(KEY_MASK + b64 * stride_mb + idx * stride_ms, mask=valid, other=0) != 0)
+    return valid
+
+
+@triton.jit
+def _dropout_keep(seed, b, h, rows, cols, dropout_p):
+    """Keep-mask of the probabilities at (rows, cols) of head h of sequence b: rows and cols broadcast
+    against each other, the result has their broadcast shape, in either orientation."""
+    c0 = cols + rows * 0
+    c1 = rows + cols * 0
+    r, _, _, _ = tl.philox(seed, c0, c1, h + c0 * 0, b + c0 * 0)
+    return tl.uint_to_uniform_float(r) >= dropout_p
+
+
+@triton.autotune(configs=FWD_CONFIGS, key=AUTOTUNE_KEY)
+@triton.jit
+def _attention_fwd_kernel(
+    Q,  # [B, heads, S, d] (VARLEN: [T, heads, d]), strides (stride_qb, stride_qh, stride_qs, stride_qd)
+    K,  # like Q
+    V,  # like Q
+    Out,  # like Q, Q's dtype
+    LSE,  # [B, heads, S] fp32 (VARLEN: [heads, T]): base-2 log-sum-exp of each row; +inf for padded rows
+    KEY_MASK,  # [B, S] uint8, 1 = token (HAS_MASK)
+    KEY_LO,  # [B] int32: first position of the mask holding a token (HAS_MASK)
+    KEY_HI,  # [B] int32: last such position + 1 (HAS_MASK)
+    CU_SEQLENS,  # [B + 1] int32 token offsets of the sequences (VARLEN)
+    SEED,  # [1] int64 Philox seed (DROPOUT)
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_lb, stride_lh, stride_mb, stride_ms,
+    seqlen,  # S (VARLEN: max_seqlen)
+    seqlen_bucket,  # next power of two of seqlen: only an autotuning key
+    scale_log2,  # scale * log2(e)
+    dropout_p, keep_scale,  # keep_scale = 1 / (1 - dropout_p)
+    HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    h64 = h.to(tl.int64)
+    b64 = b.to(tl.int64)
+    seq_start, n_rows, lo, hi = _sequence_span(CU_SEQLENS, KEY_LO, KEY_HI, b, seqlen, VARLEN, HAS_MASK)
+    Q += b64 * stride_qb + h64 * stride_qh + seq_start * stride_qs
+    K += b64 * stride_kb + h64 * stride_kh + seq_start * stride_ks
+    V += b64 * stride_vb + h64 * stride_vh + seq_start * stride_vs
+    Out += b64 * stride_ob + h64 * stride_oh + seq_start * stride_os
+    LSE += b64 * stride_lb + h64 * stride_lh + seq_start
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    in_rows = rows < n_rows
+    row_valid = _token_valid(KEY_MASK, stride_mb, stride_ms, b64, rows, lo, hi, HAS_MASK)
+    q = tl.load(Q + rows[:, None] * stride_qs + dims[None, :] * stride_qd, mask=in_rows[:, None], other=0.0)
+    if DROPOUT:
+        seed = tl.load(SEED)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # A query block with no row in [lo, hi) holds only padding: it runs no iteration and writes zeros.
+    block_live = (pid_m * BLOCK_M < hi) & (pid_m * BLOCK_M + BLOCK_M > lo)
+    n_start = (lo // BLOCK_N) * BLOCK_N
+    n_end = tl.where(block_live, hi, n_start)
+    for start_n in range(n_start, n_end, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_valid = _token_valid(KEY_MASK, stride_mb, stride_ms, b64, cols, lo, hi, HAS_MASK)
+        in_cols = cols < hi
+        kt = tl.load(K + cols[None, :] * stride_ks + dims[:, None] * stride_kd, mask=in_cols[None, :], other=0.0)
+        s = tl.dot(q, kt, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+        s = tl.where(col_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row whose keys so far are all masked has m = -inf; exponentiating against 0 instead keeps
+        # its p and alpha at exactly 0 rather than NaN from (-inf) - (-inf).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            # the normaliser l sums the probabilities before dropout; only the values are dropped
+            p = tl.where(_dropout_keep(seed, b, h, rows[:, None], cols[None, :], dropout_p), p, 0.0)
+        v = tl.load(V + cols[:, None] * stride_vs + dims[None, :] * stride_vd, mask=in_cols[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    # Every token row sees at least itself, so l > 0 on valid rows; padded rows get zeros.
+    l_safe = tl.where(row_valid, l_i, 1.0)
+    out = tl.where(row_valid[:, None], acc * (keep_scale / l_safe)[:, None], 0.0)
+    lse = tl.where(row_valid, m_i + tl.math.log2(l_safe), float("inf"))
+    tl.store(Out + rows[:, None] * stride_os + dims[None, :] * stride_od, out.to(Out.dtype.element_ty),
+             mask=in_rows[:, None])
+    tl.store(LSE + rows, lse, mask=in_rows)
+
+
+@triton.jit
+def _attention_bwd_preprocess_kernel(
+    Out,  # [B, heads, S, d] (VARLEN: [T, heads, d]), the forward's output
+    DO,  # like Out: the output's gradient
+    DELTA,  # [B, heads, S] fp32 (VARLEN: [heads, T]), laid out like the forward's LSE
+    CU_SEQLENS,  # [B + 1] int32 (VARLEN)
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_lb, stride_lh,
+    seqlen,
+    HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    # delta_i = sum_j P~_ij dP~_ij = dO_i . O_i (P~ the dropped probabilities): the row term of dS.
+    pid_m = tl.program_id(0)
+    h64 = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    seq_start, n_rows, _, _ = _sequence_span(CU_SEQLENS, CU_SEQLENS, CU_SEQLENS, b, seqlen, VARLEN, False)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    in_rows = rows < n_rows
+    out_ptrs = Out + b64 * stride_ob + h64 * stride_oh + (seq_start + rows[:, None]) * stride_os
+    do_ptrs = DO + b64 * stride_dob + h64 * stride_doh + (seq_start + rows[:, None]) * stride_dos
+    o = tl.load(out_ptrs + dims[None, :] * stride_od, mask=in_rows[:, None], other=0.0).to(tl.float32)
+    do = tl.load(do_ptrs + dims[None, :] * stride_dod, mask=in_rows[:, None], other=0.0).to(tl.float32)
+    tl.store(DELTA + b64 * stride_lb + h64 * stride_lh + seq_start + rows, tl.sum(o * do, 1), mask=in_rows)
+
+
+# Backward math, per head, with s = scale * q k^T, P = softmax(s) (recomputed as exp2(s*log2e - lse)),
+# Z the dropout keep-mask, P~ = P * Z / (1 - p) and O = P~ V:
+#     dV = P~^T dO
+#     dP = (dO V^T) * Z / (1 - p)                        (gradient w.r.t. P through the dropout)
+#     dS = P * (dP - delta),  delta_i = sum_j P_ij dP_ij = dO_i . O_i
+#     dQ = scale * dS K,      dK = scale * dS^T Q
+# Masked keys have P = 0 (so dS = 0); padded query rows have lse = +inf (so P = 0).
+
+@triton.autotune(configs=DKDV_CONFIGS, key=AUTOTUNE_KEY)
+@triton.jit
+def _attention_bwd_dkdv_kernel(
+    Q, K, V,  # [B, heads, S, d] (VARLEN: [T, heads, d]), any strides
+    DO,  # like Q: the output's gradient
+    DK, DV,  # like K, V
+    LSE, DELTA,  # [B, heads, S] fp32 (VARLEN: [heads, T]): the forward's log-sum-exp, the preprocess' delta
+    KEY_MASK, KEY_LO, KEY_HI, CU_SEQLENS, SEED,  # as in the forward
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dkb, stride_dkh, stride_dks, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+    stride_lb, stride_lh, stride_mb, stride_ms,
+    seqlen, seqlen_bucket, scale, scale_log2, dropout_p, keep_scale,
+    HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # One program per key block; the transposed scores s^T [BLOCK_N, BLOCK_M] keep keys on the rows.
+    pid_n = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    h64 = h.to(tl.int64)
+    b64 = b.to(tl.int64)
+    seq_start, n_rows, lo, hi = _sequence_span(CU_SEQLENS, KEY_LO, KEY_HI, b, seqlen, VARLEN, HAS_MASK)
+    Q += b64 * stride_qb + h64 * stride_qh + seq_start * stride_qs
+    K += b64 * stride_kb + h64 * stride_kh + seq_start * stride_ks
+    V += b64 * stride_vb + h64 * stride_vh + seq_start * stride_vs
+    DO += b64 * stride_dob + h64 * stride_doh + seq_start * stride_dos
+    DK += b64 * stride_dkb + h64 * stride_dkh + seq_start * stride_dks
+    DV += b64 * stride_dvb + h64 * stride_dvh + seq_start * stride_dvs
+    LSE += b64 * stride_lb + h64 * stride_lh + seq_start
+    DELTA += b64 * stride_lb + h64 * stride_lh + seq_start
+
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    in_cols = cols < n_rows
+    col_valid = _token_valid(KEY_MASK, stride_mb, stride_ms, b64, cols, lo, hi, HAS_MASK)
+    k = tl.load(K + cols[:, None] * stride_ks + dims[None, :] * stride_kd, mask=in_cols[:, None], other=0.0)
+    v = tl.load(V + cols[:, None] * stride_vs + dims[None, :] * stride_vd, mask=in_cols[:, None], other=0.0)
+    if DROPOUT:
+        seed = tl.load(SEED)
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    # Only rows in [lo, hi) can be tokens; a key block without any token gets zero gradients.
+    block_live = (pid_n * BLOCK_N < hi) & (pid_n * BLOCK_N + BLOCK_N > lo)
+    m_start = (lo // BLOCK_M) * BLOCK_M
+    m_end = tl.where(block_live, hi, m_start)
+    for start_m in range(m_start, m_end, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        in_rows = rows < hi
+        qt = tl.load(Q + rows[None, :] * stride_qs + dims[:, None] * stride_qd, mask=in_rows[None, :], other=0.0)
+        do = tl.load(DO + rows[:, None] * stride_dos + dims[None, :] * stride_dod, mask=in_rows[:, None], other=0.0)
+        lse = tl.load(LSE + rows, mask=in_rows, other=float("inf"))
+        delta = tl.load(DELTA + rows, mask=in_rows, other=0.0)
+        st = tl.dot(k, qt, input_precision="ieee") * scale_log2  # [BLOCK_N, BLOCK_M]
+        pt = tl.where(col_valid[:, None], tl.math.exp2(st - lse[None, :]), 0.0)
+        dpt = tl.dot(v, tl.trans(do), input_precision="ieee")  # (dO V^T)^T
+        if DROPOUT:
+            keep = _dropout_keep(seed, b, h, rows[None, :], cols[:, None], dropout_p)
+            pt_dropped = tl.where(keep, pt * keep_scale, 0.0)
+            dpt = tl.where(keep, dpt * keep_scale, 0.0)
+        else:
+            pt_dropped = pt
+        dv += tl.dot(pt_dropped.to(do.dtype), do, input_precision="ieee")
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision="ieee")
+
+    dk *= scale
+    tl.store(DK + cols[:, None] * stride_dks + dims[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
+             mask=in_cols[:, None])
+    tl.store(DV + cols[:, None] * stride_dvs + dims[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+             mask=in_cols[:, None])
+
+
+@triton.autotune(configs=DQ_CONFIGS, key=AUTOTUNE_KEY)
+@triton.jit
+def _attention_bwd_dq_kernel(
+    Q, K, V,  # [B, heads, S, d] (VARLEN: [T, heads, d]), any strides
+    DO,  # like Q
+    DQ,  # like Q
+    LSE, DELTA,  # [B, heads, S] fp32 (VARLEN: [heads, T])
+    KEY_MASK, KEY_LO, KEY_HI, CU_SEQLENS, SEED,  # as in the forward
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+    stride_lb, stride_lh, stride_mb, stride_ms,
+    seqlen, seqlen_bucket, scale, scale_log2, dropout_p, keep_scale,
+    HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # One program per query block, looping over the key blocks: dq is owned by one program, no atomics.
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    h64 = h.to(tl.int64)
+    b64 = b.to(tl.int64)
+    seq_start, n_rows, lo, hi = _sequence_span(CU_SEQLENS, KEY_LO, KEY_HI, b, seqlen, VARLEN, HAS_MASK)
+    Q += b64 * stride_qb + h64 * stride_qh + seq_start * stride_qs
+    K += b64 * stride_kb + h64 * stride_kh + seq_start * stride_ks
+    V += b64 * stride_vb + h64 * stride_vh + seq_start * stride_vs
+    DO += b64 * stride_dob + h64 * stride_doh + seq_start * stride_dos
+    DQ += b64 * stride_dqb + h64 * stride_dqh + seq_start * stride_dqs
+    LSE += b64 * stride_lb + h64 * stride_lh + seq_start
+    DELTA += b64 * stride_lb + h64 * stride_lh + seq_start
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    in_rows = rows < n_rows
+    q = tl.load(Q + rows[:, None] * stride_qs + dims[None, :] * stride_qd, mask=in_rows[:, None], other=0.0)
+    do = tl.load(DO + rows[:, None] * stride_dos + dims[None, :] * stride_dod, mask=in_rows[:, None], other=0.0)
+    lse = tl.load(LSE + rows, mask=in_rows, other=float("inf"))
+    delta = tl.load(DELTA + rows, mask=in_rows, other=0.0)
+    if DROPOUT:
+        seed = tl.load(SEED)
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    block_live = (pid_m * BLOCK_M < hi) & (pid_m * BLOCK_M + BLOCK_M > lo)
+    n_start = (lo // BLOCK_N) * BLOCK_N
+    n_end = tl.where(block_live, hi, n_start)
+    for start_n in range(n_start, n_end, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_valid = _token_valid(KEY_MASK, stride_mb, stride_ms, b64, cols, lo, hi, HAS_MASK)
+        in_cols = cols < hi
+        kt = tl.load(K + cols[None, :] * stride_ks + dims[:, None] * stride_kd, mask=in_cols[None, :], other=0.0)
+        vt = tl.load(V + cols[None, :] * stride_vs + dims[:, None] * stride_vd, mask=in_cols[None, :], other=0.0)
+        s = tl.dot(q, kt, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+        p = tl.where(col_valid[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, vt, input_precision="ieee")
+        if DROPOUT:
+            keep = _dropout_keep(seed, b, h, rows[:, None], cols[None, :], dropout_p)
+            dp = tl.where(keep, dp * keep_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision="ieee")
+
+    dq *= scale
+    tl.store(DQ + rows[:, None] * stride_dqs + dims[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
+             mask=in_rows[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host launchers
+# ----------------------------------------------------------------------------------------------------
+
+def _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p) -> None:
+    """Raise ValueError for what the kernels do not support, before anything is launched."""
+    varlen = cu_seqlens is not None
+    layout = "[T, heads, d]" if varlen else "[B, heads, S, d]"
+    if q.dim() != (3 if varlen else 4) or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must share one {layout} shape, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} has dtype {tensor.dtype}; the Triton attention supports {SUPPORTED_DTYPES}")
+        if tensor.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {tensor.dtype}, expected q's dtype {q.dtype}")
+    for name, tensor in (("k", k), ("v", v), ("attention_mask", key_mask), ("cu_seqlens", cu_seqlens),
+                         ("seed", seed)):
+        if tensor is not None and tensor.device != q.device:
+            raise ValueError(f"{name} is on {tensor.device}, q on {q.device}; all must share one device")
+    head_dim = q.shape[-1]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim (q's last dimension) is {head_dim}; the Triton attention supports "
+                         f"{SUPPORTED_HEAD_DIMS}")
+    heads = q.shape[-2] if varlen else q.shape[1]
+    batch = cu_seqlens.numel() - 1 if varlen else q.shape[0]
+    for name, size in (("number of heads", heads), ("batch size (number of sequences)", batch)):
+        if size > MAX_GRID_AXIS:
+            raise ValueError(f"{name} is {size}; the Triton attention supports at most {MAX_GRID_AXIS}")
+    if varlen:
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 1:
+            raise ValueError(f"cu_seqlens must be int32 [B+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        if not isinstance(max_seqlen, int) or max_seqlen < 0 or (max_seqlen == 0 and q.shape[0] > 0):
+            raise ValueError(f"max_seqlen must be an int >= the longest sequence (>= 1 when there are tokens), "
+                             f"got {max_seqlen!r}")
+    elif key_mask is not None and tuple(key_mask.shape) != (q.shape[0], q.shape[2]):
+        raise ValueError(f"attention_mask has shape {tuple(key_mask.shape)}, expected {(q.shape[0], q.shape[2])}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    seqlen = max_seqlen if varlen else q.shape[2]
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        reach = seqlen * abs(tensor.stride(-3 if varlen else -2)) + head_dim * abs(tensor.stride(-1))
+        if reach > INT32_MAX:
+            raise ValueError(f"{name}: one sequence spans {reach} elements (sequence length {seqlen} x its "
+                             f"stride); offsets within a sequence must fit int32 ({INT32_MAX})")
+
+
+def _bhsd_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int, int]:
+    """(batch, head, sequence, dim) strides of [B, heads, S, d], or of packed [T, heads, d] (batch 0)."""
+    if varlen:
+        return 0, t.stride(1), t.stride(0), t.stride(2)
+    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
+
+
+def _empty_like_qkv(q: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """An output of q's shape. Padded ones are laid out [B, S, heads, d] in memory, so that merging the
+    heads back into [B, S, heads * d] for the output projection is a view, as for packed [T, heads, d]."""
+    if varlen:
+        return q.new_empty(q.shape)
+    batch, heads, seqlen, head_dim = q.shape
+    return q.new_empty((batch, seqlen, heads, head_dim)).transpose(1, 2)
+
+
+def _new_row_stats(q: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """fp32 per-row statistics: [B, heads, S], or [heads, T] when packed."""
+    shape = (q.shape[1], q.shape[0]) if varlen else q.shape[:3]
+    return q.new_empty(shape, dtype=torch.float32)
+
+
+def _row_stats_strides(stats: torch.Tensor, varlen: bool) -> tuple[int, int]:
+    return (0, stats.stride(0)) if varlen else (stats.stride(0), stats.stride(1))
+
+
+def _mask_and_bounds(q, key_mask):
+    """The key mask as uint8 [B, S] (1 = token) and, per sequence, the first token position and the last
+    + 1 as int32 [B] (S and 0 for a fully padded sequence), from torch ops on the device: no host sync."""
+    if key_mask is None:
+        return q, q, q, 0, 0  # placeholders for pointers the kernels do not read
+    keep = key_mask != 0  # [B, S] bool
+    seqlen = keep.shape[1]
+    positions = torch.arange(seqlen, device=keep.device, dtype=torch.int32)
+    lo = torch.where(keep, positions, seqlen).amin(dim=1).to(torch.int32)
+    hi = torch.where(keep, positions + 1, 0).amax(dim=1).to(torch.int32)
+    mask = keep.view(torch.uint8)
+    return mask, lo, hi, mask.stride(0), mask.stride(1)
+
+
+def _launch_meta(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale):
+    """What every kernel launch shares: (grid dims (heads, sequences), mask pointers and strides,
+    cu_seqlens, seed, scalars, constexpr flags)."""
+    varlen = cu_seqlens is not None
+    if varlen:
+        heads, batch, seqlen = q.shape[1], cu_seqlens.numel() - 1, max_seqlen
+    else:
+        batch, heads, seqlen = q.shape[0], q.shape[1], q.shape[2]
+    mask, lo, hi, stride_mb, stride_ms = _mask_and_bounds(q, None if varlen else key_mask)
+    pointers = (mask, lo, hi, q if cu_seqlens is None else cu_seqlens, q if seed is None else seed)
+    scalars = dict(seqlen=seqlen, seqlen_bucket=triton.next_power_of_2(max(seqlen, 1)),
+                   scale_log2=scale * LOG2E, dropout_p=dropout_p, keep_scale=1.0 / (1.0 - dropout_p))
+    flags = dict(HEAD_DIM=q.shape[-1], VARLEN=varlen, HAS_MASK=key_mask is not None and not varlen,
+                 DROPOUT=seed is not None and dropout_p > 0.0)
+    return (heads, batch), pointers, (stride_mb, stride_ms), scalars, flags
+
+
+@torch.library.custom_op("fastbert::attention_fwd", mutates_args=())
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
+                  cu_seqlens: Optional[torch.Tensor], max_seqlen: int, seed: Optional[torch.Tensor],
+                  dropout_p: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded (cu_seqlens None): q, k, v [B, heads, S, d], key_mask [B, S] (nonzero = token) or None.
+    Packed (cu_seqlens int32 [B+1]): q, k, v [T, heads, d], max_seqlen >= the longest sequence.
+    Any strides. seed int64 [1] (dropout with probability dropout_p) or None.
+
+    Returns out (q's shape and dtype; padded query rows are zeros) and the fp32 base-2 log-sum-exp of
+    each row ([B, heads, S], or [heads, T]) for the backward. Raises ValueError for unsupported input.
+    """
+    _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p)
+    varlen = cu_seqlens is not None
+    out = _empty_like_qkv(q, varlen)
+    lse = _new_row_stats(q, varlen)
+    if q.numel() == 0:
+        return out, lse
+    (heads, batch), pointers, mask_strides, scalars, flags = _launch_meta(
+        q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale)
+    grid = lambda meta: (triton.cdiv(scalars["seqlen"], meta["BLOCK_M"]), heads, batch)  # noqa: E731
+    _attention_fwd_kernel[grid](
+        q, k, v, out, lse, *pointers,
+        *_bhsd_strides(q, varlen), *_bhsd_strides(k, varlen), *_bhsd_strides(v, varlen),
+        *_bhsd_strides(out, varlen), *_row_stats_strides(lse, varlen), *mask_strides,
+        scalars["seqlen"], scalars["seqlen_bucket"], scalars["scale_log2"], scalars["dropout_p"],
+        scalars["keep_scale"], **flags,
+    )
+    return out, lse
+
+
+@attention_fwd.register_fake
+def _(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale):
+    _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p)
+    varlen = cu_seqlens is not None
+    return _empty_like_qkv(q, varlen), _new_row_stats(q, varlen)
+
+
+@torch.library.custom_op("fastbert::attention_bwd", mutates_args=())
+def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, key_mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                  max_seqlen: int, seed: Optional[torch.Tensor], dropout_p: float,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of `attention_fwd` from its inputs, output, log-sum-exp and seed (the same
+    dropout mask is regenerated). dout has out's shape, any strides. Deterministic: no atomics."""
+    varlen = cu_seqlens is not None
+    dq, dk, dv = (_empty_like_qkv(t, varlen) for t in (q, k, v))
+    if q.numel() == 0:
+        return dq, dk, dv
+    (heads, batch), pointers, mask_strides, scalars, flags = _launch_meta(
+        q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale)
+    seqlen = scalars["seqlen"]
+    delta = _new_row_stats(q, varlen)
+    stats_strides = _row_stats_strides(lse, varlen)
+    _attention_bwd_preprocess_kernel[(triton.cdiv(seqlen, PREPROCESS_BLOCK_M), heads, batch)](
+        out, dout, delta, pointers[3], *_bhsd_strides(out, varlen), *_bhsd_strides(dout, varlen),
+        *stats_strides, seqlen, HEAD_DIM=flags["HEAD_DIM"], VARLEN=varlen, BLOCK_M=PREPROCESS_BLOCK_M,
+    )
+    inputs_strides = (*_bhsd_strides(q, varlen), *_bhsd_strides(k, varlen), *_bhsd_strides(v, varlen),
+                      *_bhsd_strides(dout, varlen))
+    tail = (*stats_strides, *mask_strides, seqlen, scalars["seqlen_bucket"], scale, scalars["scale_log2"],
+            dropout_p, scalars["keep_scale"])
+    _attention_bwd_dkdv_kernel[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_N"]), heads, batch)](
+        q, k, v, dout, dk, dv, lse, delta, *pointers, *inputs_strides,
+        *_bhsd_strides(dk, varlen), *_bhsd_strides(dv, varlen), *tail, **flags,
+    )
+    _attention_bwd_dq_kernel[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)](
+        q, k, v, dout, dq, lse, delta, *pointers, *inputs_strides, *_bhsd_strides(dq, varlen), *tail, **flags,
+    )
+    return dq, dk, dv
+
+
+@attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale):
+    varlen = cu_seqlens is not None
+    return tuple(_empty_like_qkv(t, varlen) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, key_mask, cu_seqlens, seed)
+    ctx.max_seqlen, ctx.dropout_p, ctx.scale = max_seqlen, dropout_p, scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, key_mask, cu_seqlens, seed = ctx.saved_tensors
+    dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, key_mask, cu_seqlens, ctx.max_seqlen, seed,
+                               ctx.dropout_p, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public entry points (the signatures `fastbert.ops` calls)
+# ----------------------------------------------------------------------------------------------------
+
+def _dropout_seed(dropout_p: float, training: bool, device: torch.device) -> tuple[float, Optional[torch.Tensor]]:
+    """(effective dropout probability, int64 [1] seed or None). The seed comes from torch's generator on
+    the device, so torch.manual_seed reproduces the mask, without a host sync."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if not training or dropout_p == 0.0:
+        return 0.0, None
+    return float(dropout_p), torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+
+
+def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True):
+    """softmax(q k^T * scale + key padding mask) v with dropout on the probabilities, bidirectional.
+
+    q, k, v [B, heads, S, d] fp32/fp16/bf16 with d in SUPPORTED_HEAD_DIMS, any strides;
+    attention_mask [B, S] (bool or int; 1 = token, 0 = padding) or None; scale None means d ** -0.5.
+    Returns [B, heads, S, d] in q's dtype: padded query rows are zeros (a fully padded sequence gives
+    zeros, never NaN) with zero gradients. Raises ValueError for unsupported input.
+    """
+    dropout_p, seed = _dropout_seed(dropout_p, training, q.device)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    out, _ = attention_fwd(q, k, v, attention_mask, None, q.shape[2] if q.dim() == 4 else 0, seed, dropout_p,
+                           scale)
+    return out
+
+
+def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None, training=True):
+    """Attention over packed sequences: each token attends to the tokens of its own sequence only.
+
+    q, k, v [T, heads, d]; cu_seqlens int32 [B+1] (0, ..., T); max_seqlen an int >= the longest sequence
+    (a smaller value leaves the rows past it unwritten). Dropout draws the same mask as `attention` on
+    the padded layout of the same batch. Returns [T, heads, d] in q's dtype.
+    """
+    dropout_p, seed = _dropout_seed(dropout_p, training, q.device)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    out, _ = attention_fwd(q, k, v, None, cu_seqlens, max_seqlen, seed, dropout_p, scale)
+    return out
