@@ -1,0 +1,99 @@
+"""MLM + NSP examples from tokenised documents, as BERT's create_pretraining_data.py builds them.
+
+Each document (a list of sentences, each a list of token ids) is cut into chunks of whole sentences
+of about target_length tokens: max_seq_length - 3, or with probability short_seq_prob a length
+drawn in [2, max_seq_length - 3], so that the model also sees short inputs. A chunk is split at a
+random sentence boundary into segment A and the rest; with probability 1/2 segment B is that rest
+(the actual next text, next_sentence_label 0), otherwise B is a run of sentences from a random
+other document (label 1) and the unused rest of the chunk goes back to be used by the next chunk.
+The pair is truncated to max_seq_length - 3 by dropping tokens of the longer segment, from the
+front or the back at random, and laid out as [CLS] A [SEP] B [SEP] with token types 0 for
+[CLS] A [SEP] and 1 for B [SEP].
+
+One change to Google's code: a chunk of a single sentence that must continue with the actual next
+text is split inside the sentence (Google draws a random B for every single-sentence chunk), so
+that B is the actual next text 50% of the time, as the paper states, rather than less often.
+Masking is not done here: the loader masks anew every epoch (fastbert.data.masking).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+IS_NEXT, RANDOM_NEXT = 0, 1  # next_sentence_label, HF's convention
+
+
+@dataclass
+class Example:
+    tokens: list[int]  # [CLS] A [SEP] B [SEP]
+    a_length: int  # tokens of [CLS] A [SEP]: token type 0 below it, 1 from it on
+    next_sentence_label: int  # IS_NEXT or RANDOM_NEXT
+
+
+def truncate_pair(a: list[int], b: list[int], max_tokens: int, rng: random.Random) -> None:
+    """Drop tokens of the longer segment (B on a tie), from its front or back at random, in place."""
+    while len(a) + len(b) > max_tokens:
+        longer = a if len(a) > len(b) else b
+        del longer[0 if rng.random() < 0.5 else -1]
+
+
+def _random_segment(documents, document_index: int, target: int, rng: random.Random) -> list[int]:
+    """A run of sentences of about `target` tokens from a document other than document_index."""
+    other = rng.randrange(len(documents) - 1)
+    other += other >= document_index
+    document = documents[other]
+    tokens: list[int] = []
+    for sentence in document[rng.randrange(len(document)):]:
+        tokens += sentence
+        if len(tokens) >= target:
+            break
+    return tokens
+
+
+def document_examples(documents: list[list[list[int]]], document_index: int, max_seq_length: int,
+                      short_seq_prob: float, cls_id: int, sep_id: int, rng: random.Random) -> list[Example]:
+    """Examples from documents[document_index]; the others supply random B segments.
+
+    documents: each a non-empty list of non-empty sentences of token ids; at least 2 documents.
+    """
+    max_tokens = max_seq_length - 3
+    target = rng.randint(2, max_tokens) if rng.random() < short_seq_prob else max_tokens
+    document = documents[document_index]
+    examples = []
+    chunk: list[list[int]] = []
+    length = 0
+    i = 0
+    while i < len(document):
+        chunk.append(document[i])
+        length += len(document[i])
+        if i == len(document) - 1 or length >= target:
+            a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
+            a = [t for sentence in chunk[:a_end] for t in sentence]
+            single_sentence = len(chunk) == 1
+            if rng.random() < 0.5 or (single_sentence and len(a) < 2):
+                label = RANDOM_NEXT
+                b = _random_segment(documents, document_index, target - len(a), rng)
+                i -= len(chunk) - a_end  # the chunk's unused sentences start the next chunk
+            elif single_sentence:
+                label = IS_NEXT
+                cut = rng.randint(1, len(a) - 1)
+                a, b = a[:cut], a[cut:]
+            else:
+                label = IS_NEXT
+                b = [t for sentence in chunk[a_end:] for t in sentence]
+            truncate_pair(a, b, max_tokens, rng)
+            examples.append(Example([cls_id, *a, sep_id, *b, sep_id], len(a) + 2, label))
+            chunk, length = [], 0
+        i += 1
+    return examples
+
+
+def create_examples(documents: list[list[list[int]]], max_seq_length: int, short_seq_prob: float,
+                    dupe_factor: int, cls_id: int, sep_id: int, rng: random.Random) -> list[Example]:
+    """Examples of every document, dupe_factor times over (each pass cuts the documents differently)."""
+    if len(documents) < 2:
+        raise ValueError(f"next sentence prediction needs at least 2 documents, got {len(documents)}")
+    if max_seq_length < 5:
+        raise ValueError(f"max_seq_length must be at least 5 ([CLS] A [SEP] B [SEP]), got {max_seq_length}")
+    return [example for _ in range(dupe_factor) for index in range(len(documents))
+            for example in document_examples(documents, index, max_seq_length, short_seq_prob, cls_id, sep_id, rng)]
