@@ -546,6 +546,9 @@ class BertForQuestionAnswering(BertPreTrainedModel):
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
+        if config.num_labels != 2:
+            raise ValueError(f"BertForQuestionAnswering needs config.num_labels == 2 (start and end logits), "
+                             f"got {config.num_labels}")
         self.num_labels = config.num_labels
         self.bert = BertModel(config, add_pooling_layer=False)
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)

@@ -1,0 +1,164 @@
+"""Parity with transformers' BERT classes on the same weights: outputs and gradients, fp32, padded batches."""
+import pytest
+import torch
+
+import fastbert
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ = 99, 11
+LENGTHS = (11, 6, 1)  # one full, one half, one single-token sequence
+CLASSES = ["BertModel", "BertForPreTraining", "BertForMaskedLM", "BertForNextSentencePrediction",
+           "BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering",
+           "BertForMultipleChoice"]
+
+
+def hf_config(**overrides):
+    values = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=128, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0, num_labels=3)
+    return transformers.BertConfig(**{**values, **overrides})
+
+
+def make_batch(name, generator):
+    """Inputs and labels for one class; labels only touch real (non-padding) tokens."""
+    batch = len(LENGTHS)
+    ids = torch.randint(1, VOCAB, (batch, SEQ), generator=generator)
+    mask = (torch.arange(SEQ)[None, :] < torch.tensor(LENGTHS)[:, None]).long()
+    types = (torch.arange(SEQ)[None, :] >= 3).long().expand(batch, SEQ).clone()
+    inputs = dict(input_ids=ids * mask, attention_mask=mask, token_type_ids=types * mask)
+    token_labels = torch.where((torch.rand(batch, SEQ, generator=generator) < 0.5) & mask.bool(),
+                               torch.randint(0, VOCAB, (batch, SEQ), generator=generator), -100)
+    token_labels[:, 0] = ids[:, 0]  # at least one label per sequence
+    if name == "BertForPreTraining":
+        inputs.update(labels=token_labels, next_sentence_label=torch.tensor([0, 1, 1]))
+    elif name == "BertForMaskedLM":
+        inputs.update(labels=token_labels)
+    elif name == "BertForNextSentencePrediction":
+        inputs.update(labels=torch.tensor([1, 0, 1]))
+    elif name == "BertForSequenceClassification":
+        inputs.update(labels=torch.tensor([2, 0, 1]))
+    elif name == "BertForTokenClassification":
+        inputs.update(labels=torch.where(mask.bool(), token_labels % 3, -100))
+    elif name == "BertForQuestionAnswering":
+        # transformers' QA loss is a softmax over every position, padding included, and fastbert's
+        # padded positions differ by design (their attention output is zero): compare on full rows.
+        inputs.update(attention_mask=torch.ones_like(mask), start_positions=torch.tensor([1, 4, 0]),
+                      end_positions=torch.tensor([3, 7, 0]))
+    elif name == "BertForMultipleChoice":
+        inputs = {k: v[None].repeat(2, 1, 1) for k, v in inputs.items()}
+        inputs["input_ids"][1] = inputs["input_ids"][1].flip(0)
+        inputs.update(labels=torch.tensor([2, 0]))
+    return inputs
+
+
+def hf_named_grads(model):
+    """Gradients keyed by HF parameter names (fastbert's fused qkv split back into query/key/value)."""
+    grads = {}
+    for name, param in model.named_parameters():
+        if name.endswith(("qkv.weight", "qkv.bias")):
+            prefix, kind = name.rsplit(".qkv.", 1)
+            for part, value in zip(("query", "key", "value"), param.grad.chunk(3)):
+                grads[f"{prefix}.{part}.{kind}"] = value
+        else:
+            grads[name] = param.grad
+    return grads
+
+
+def compare_outputs(name, theirs, ours, mask):
+    real = mask.bool()
+    for key in ours.keys():
+        if key not in theirs or not torch.is_tensor(ours[key]) or key in ("loss",):
+            continue
+        a, b = theirs[key], ours[key]
+        if a.dim() >= 2 and tuple(a.shape[: mask.dim()]) == tuple(mask.shape):
+            a, b = a[real], b[real]  # per-token outputs: padded positions are not meaningful
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}.{key}: {m}")
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_outputs_and_gradients_match_transformers(name):
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    hf_model = getattr(transformers, name)(hf_config(num_labels=2 if name == "BertForQuestionAnswering" else 3))
+    hf_model.train()
+    ours = fastbert.from_hf(hf_model, backend="torch")
+    assert type(ours).__name__ == name and ours.training
+    inputs = make_batch(name, generator)
+    theirs_out, ours_out = hf_model(**inputs), ours(**inputs)
+    compare_outputs(name, theirs_out, ours_out, inputs["attention_mask"])
+    if name == "BertModel":  # no loss of its own: a random projection of the real tokens and the pooler
+        weight = torch.randn(ours_out.last_hidden_state.shape, generator=generator)
+        keep = inputs["attention_mask"][..., None]
+
+        def loss_of(out):
+            return (out.last_hidden_state * weight * keep).sum() + out.pooler_output.sum()
+        loss_theirs, loss_ours = loss_of(theirs_out), loss_of(ours_out)
+    else:
+        loss_theirs, loss_ours = theirs_out.loss, ours_out.loss
+    torch.testing.assert_close(loss_ours, loss_theirs, atol=1e-5, rtol=1e-5)
+    loss_theirs.backward()
+    loss_ours.backward()
+    ours_grads = hf_named_grads(ours)
+    for key, param in hf_model.named_parameters():
+        if param.grad is None:
+            continue
+        torch.testing.assert_close(ours_grads[key], param.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{key}: {m}")
+
+
+def test_regression_and_multilabel_heads():
+    torch.manual_seed(0)
+    inputs = make_batch("BertModel", torch.Generator().manual_seed(2))
+    for num_labels, labels in ((1, torch.tensor([0.5, -1.0, 2.0])),
+                               (3, torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0], [1.0, 1.0, 0.0]]))):
+        hf_model = transformers.BertForSequenceClassification(hf_config(num_labels=num_labels)).eval()
+        ours = fastbert.from_hf(hf_model).eval()
+        a, b = hf_model(**inputs, labels=labels), ours(**inputs, labels=labels)
+        assert hf_model.config.problem_type == ours.config.problem_type
+        torch.testing.assert_close(b.loss, a.loss, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_pretraining_heads_without_logits_and_accuracies():
+    torch.manual_seed(0)
+    hf_model = transformers.BertForPreTraining(hf_config()).train()
+    ours = fastbert.from_hf(hf_model)
+    inputs = make_batch("BertForPreTraining", torch.Generator().manual_seed(3))
+    out = ours(**inputs)  # training with labels: the default skips the [B, S, V] logits
+    assert out.prediction_logits is None and out.mlm_accuracy is not None
+    full = ours(**inputs, return_logits=True)
+    labels = inputs["labels"]
+    labelled = labels != -100
+    expected = (full.prediction_logits.argmax(-1)[labelled] == labels[labelled]).float().mean()
+    torch.testing.assert_close(out.mlm_accuracy, expected)
+    expected_nsp = (full.seq_relationship_logits.argmax(-1) == inputs["next_sentence_label"]).float().mean()
+    torch.testing.assert_close(out.nsp_accuracy, expected_nsp)
+    torch.testing.assert_close(out.loss, out.mlm_loss + out.nsp_loss)
+    tuple_out = ours(**inputs, return_dict=False)
+    torch.testing.assert_close(tuple_out[0], out.loss)
+
+
+def test_unpad_matches_padded():
+    torch.manual_seed(0)
+    hf_model = transformers.BertForPreTraining(hf_config()).eval()
+    padded = fastbert.from_hf(hf_model).eval()
+    unpadded = fastbert.from_hf(hf_model, unpad=True).eval()
+    inputs = make_batch("BertForPreTraining", torch.Generator().manual_seed(4))
+    a, b = padded(**inputs, output_hidden_states=True), unpadded(**inputs, output_hidden_states=True)
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(b.prediction_logits[real], a.prediction_logits[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b.loss, a.loss, atol=1e-5, rtol=1e-5)
+    assert len(b.hidden_states) == len(a.hidden_states) == 3
+    assert (b.hidden_states[-1][~real] == 0).all()  # padding restored as zeros
+
+
+def test_output_attentions_matches_transformers():
+    torch.manual_seed(0)
+    hf_model = transformers.BertModel(hf_config(attn_implementation="eager")).eval()
+    ours = fastbert.from_hf(hf_model).eval()
+    inputs = make_batch("BertModel", torch.Generator().manual_seed(5))
+    a = hf_model(**inputs, output_attentions=True)
+    b = ours(**inputs, output_attentions=True)
+    real = inputs["attention_mask"].bool()
+    for x, y in zip(a.attentions, b.attentions):
+        torch.testing.assert_close(y.transpose(1, 2)[real], x.transpose(1, 2)[real], atol=1e-6, rtol=1e-5)
