@@ -98,6 +98,7 @@ def load_pretrained(cls, path, output_loading_info=False, **config_overrides):
     info = load_state(model, state)
     if len(dtypes) == 1:  # keep the checkpoint's precision, as transformers does with dtype="auto"
         model.to(dtypes.pop())
+    model.eval()  # as transformers: a loaded model starts in eval mode (dropout off)
     return (model, info) if output_loading_info else model
 
 

@@ -1,0 +1,112 @@
+"""fastbert.ops dispatch (auto / triton / torch, FASTBERT_BACKEND), its argument checks, unpad/pad,
+and torch.compile tracing a whole model on the reference path without graph breaks."""
+import pytest
+import torch
+
+import fastbert
+from fastbert import ops, reference
+
+
+def test_auto_resolves_to_torch_on_cpu(monkeypatch):
+    monkeypatch.delenv("FASTBERT_BACKEND", raising=False)
+    x = torch.zeros(2, 3)
+    assert ops.resolve_backend(None, x) == "torch"
+    assert ops.resolve_backend("auto", x) == "torch"
+    assert ops.resolve_backend("torch", x) == "torch"
+
+
+def test_environment_variable_sets_auto(monkeypatch):
+    x = torch.zeros(2, 3)
+    monkeypatch.setenv("FASTBERT_BACKEND", "torch")
+    assert ops.resolve_backend("auto", x) == "torch"
+    monkeypatch.setenv("FASTBERT_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert ops.resolve_backend("auto", x) == "triton"
+    assert ops.resolve_backend("torch", x) == "torch"  # an explicit choice wins over the variable
+    monkeypatch.setenv("FASTBERT_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="FASTBERT_BACKEND.*cuda"):
+        ops.resolve_backend("auto", x)
+
+
+def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(4, 128)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        ops.layer_norm(x, torch.ones(128), torch.zeros(128), backend="triton")
+    model = fastbert.BertModel(fastbert.BertConfig.tiny(backend="triton"))
+    with pytest.raises(RuntimeError, match="backend='triton'"):  # never a silent fallback
+        model(input_ids=torch.ones(1, 4, dtype=torch.long))
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="backend must be one of.*'gpu'"):
+        ops.bias_gelu(torch.zeros(2, 4), torch.zeros(4), backend="gpu")
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: ops.layer_norm(torch.zeros(2, 8), torch.ones(7), torch.zeros(8)), ["weight", "7", "8"]),
+    (lambda: ops.layer_norm(torch.zeros(2, 8), torch.ones(8), torch.zeros(8), residual=torch.zeros(2, 4)),
+     ["residual", "(2, 4)"]),
+    (lambda: ops.layer_norm(torch.zeros(2, 8), torch.ones(8), torch.zeros(8), dropout_p=1.0), ["dropout_p", "1.0"]),
+    (lambda: ops.bias_gelu(torch.zeros(2, 8), torch.zeros(8), approximate="fast"), ["approximate", "fast"]),
+    (lambda: ops.qkv_projection(torch.zeros(2, 3, 8), torch.zeros(24, 8), torch.zeros(24), 3), ["num_heads", "3"]),
+    (lambda: ops.qkv_projection(torch.zeros(2, 3, 8), torch.zeros(16, 8), torch.zeros(24), 2), ["weight", "(16, 8)"]),
+    (lambda: ops.attention(torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8),
+                           attention_mask=torch.ones(1, 5)), ["attention_mask", "(1, 5)"]),
+    (lambda: ops.attention_varlen(torch.zeros(4, 2, 8), torch.zeros(4, 2, 8), torch.zeros(4, 2, 8),
+                                  torch.tensor([0, 4]), 4), ["cu_seqlens", "int64"]),
+    (lambda: ops.linear_cross_entropy(torch.zeros(3, 8), torch.zeros(10, 8), None, torch.zeros(3),
+                                      ), ["target", "float32"]),
+    (lambda: ops.linear_cross_entropy(torch.zeros(3, 8), torch.zeros(10, 8), None, torch.zeros(3, dtype=torch.long),
+                                      reduction="none"), ["reduction", "none"]),
+])
+def test_argument_errors_name_the_argument(call, words):
+    with pytest.raises(ValueError) as info:
+        call()
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_unpad_pad_round_trip():
+    hidden = torch.randn(3, 5, 4)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    packed, indices, cu_seqlens, max_seqlen = ops.unpad(hidden, mask)
+    assert packed.shape == (8, 4) and max_seqlen == 5
+    assert cu_seqlens.tolist() == [0, 3, 8, 8] and cu_seqlens.dtype == torch.int32
+    restored = ops.pad(packed, indices, 3, 5)
+    assert torch.equal(restored, hidden * mask[..., None])
+
+
+def test_varlen_reference_equals_padded_reference():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 6, 8, dtype=torch.float64) for _ in range(3))
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] + [0] * 5])
+    padded = reference.attention(q, k, v, mask)
+    packed = [ops.unpad(t.transpose(1, 2), mask) for t in (q, k, v)]
+    _, indices, cu_seqlens, max_seqlen = packed[0]
+    out = reference.attention_varlen(packed[0][0], packed[1][0], packed[2][0], cu_seqlens, max_seqlen)
+    torch.testing.assert_close(ops.pad(out, indices, 3, 6), padded.transpose(1, 2))
+
+
+@pytest.mark.parametrize("unpad", [False, True])
+def test_torch_compile_traces_the_model_without_graph_breaks(unpad):
+    torch.manual_seed(0)
+    config = fastbert.BertConfig.tiny(backend="torch", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                      unpad=unpad)
+    model = fastbert.BertForPreTraining(config).eval()
+    ids = torch.randint(1, config.vocab_size, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    if unpad:  # unpad reads the lengths on the host: compile the encoder's layers instead
+        layer = model.bert.encoder.layer[0]
+        hidden = torch.randn(2, 7, config.hidden_size)
+        from fastbert.modeling import AttentionLayout
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        packed, _, cu_seqlens, max_seqlen = ops.unpad(hidden, mask)
+        layout = AttentionLayout(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        torch.testing.assert_close(compiled(packed, layout)[0], layer(packed, layout)[0])
+        return
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    expected = model(input_ids=ids, attention_mask=mask)
+    got = compiled(input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(got.prediction_logits, expected.prediction_logits)
