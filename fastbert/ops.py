@@ -68,6 +68,18 @@ def _kernel(name: str):
     return importlib.import_module(f"fastbert.kernels.{name}")
 
 
+def _kernel_inputs(*tensors):
+    """Floating tensors in the one dtype a kernel computes in: autocast's dtype when autocast is on
+    (custom ops are invisible to autocast, so this does what it would), else the first tensor's.
+    The casts are differentiable, so fp32 master weights still receive their gradients."""
+    device_type = tensors[0].device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = tensors[0].dtype
+    return [t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype else t for t in tensors]
+
+
 def _check_last_dim(name: str, tensor: torch.Tensor, size: int, what: str) -> None:
     if tensor.shape[-1] != size:
         raise ValueError(f"{name} has last dimension {tensor.shape[-1]}, expected {size} ({what})")
@@ -92,6 +104,7 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps!r}")
     if resolve_backend(backend, x, weight, bias, residual) == "triton":
+        x, weight, bias, residual = _kernel_inputs(x, weight, bias, residual)
         return _kernel("layer_norm").layer_norm(x, weight, bias, eps, residual, dropout_p, training)
     return reference.layer_norm(x, weight, bias, eps, residual, dropout_p, training)
 
@@ -102,6 +115,7 @@ def bias_gelu(x, bias, approximate="none", backend=None):
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
     if resolve_backend(backend, x, bias) == "triton":
+        x, bias = _kernel_inputs(x, bias)
         return _kernel("bias_gelu").bias_gelu(x, bias, approximate)
     return reference.bias_gelu(x, bias, approximate)
 
@@ -117,6 +131,7 @@ def linear_bias_gelu(x, weight, bias, approximate="none", backend=None):
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
     if resolve_backend(backend, x, weight, bias) == "triton":
+        x, weight, bias = _kernel_inputs(x, weight, bias)
         return _kernel("bias_gelu").linear_bias_gelu(x, weight, bias, approximate)
     return reference.linear_bias_gelu(x, weight, bias, approximate)
 
@@ -136,6 +151,7 @@ def qkv_projection(x, weight, bias, num_heads, backend=None):
     if tuple(bias.shape) != (3 * hidden,):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(3 * hidden,)}")
     if resolve_backend(backend, x, weight, bias) == "triton":
+        x, weight, bias = _kernel_inputs(x, weight, bias)
         return _kernel("qkv").qkv_projection(x, weight, bias, num_heads)
     return reference.qkv_projection(x, weight, bias, num_heads)
 
@@ -154,6 +170,7 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(batch, seqlen)}")
     _check_dropout(dropout_p)
     if resolve_backend(backend, q, k, v, attention_mask) == "triton":
+        q, k, v = _kernel_inputs(q, k, v)
         return _kernel("attention").attention(q, k, v, attention_mask, dropout_p, scale, training)
     return reference.attention(q, k, v, attention_mask, dropout_p, scale, training)
 
@@ -168,6 +185,7 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None,
         raise ValueError(f"cu_seqlens must be int32 [B+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
     _check_dropout(dropout_p)
     if resolve_backend(backend, q, k, v, cu_seqlens) == "triton":
+        q, k, v = _kernel_inputs(q, k, v)
         return _kernel("attention").attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training)
     return reference.attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training)
 
@@ -196,6 +214,7 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     if resolve_backend(backend, x, weight, bias, target) == "triton":
+        x, weight, bias = _kernel_inputs(x, weight, bias)
         return _kernel("mlm_loss").linear_cross_entropy(x, weight, bias, target, ignore_index, reduction,
                                                         label_smoothing)
     return reference.linear_cross_entropy(x, weight, bias, target, ignore_index, reduction, label_smoothing)
