@@ -7,7 +7,9 @@ import sys
 
 # subcommand -> (module with main(argv), one-line help)
 COMMANDS = {
-    "convert": ("fastbert.hf", "convert an HF BERT checkpoint directory to fastbert's and back (checks parity)"),
+    "prepare-data": ("fastbert.data.prepare", "corpus -> WordPiece tokenizer -> MLM + NSP example shards"),
+    "pretrain": ("fastbert.train.pretrain", "pretrain BERT (MLM + NSP), one process or under torchrun"),
+    "convert": ("fastbert.convert", "re-save an HF BERT directory cleanly; --check compares it with transformers"),
 }
 
 

@@ -1,0 +1,71 @@
+"""`fastbert convert SRC DST [--check]`: load any HF BERT directory fastbert reads (safetensors or .bin,
+sharded or not, legacy gamma/beta names), write it back as a clean HF directory (config.json +
+model.safetensors + the tokenizer files), and with --check compare fastbert on DST against transformers
+on SRC on a padded random batch."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+
+import torch
+
+from fastbert.config import BertConfig
+from fastbert.modeling import MODEL_CLASSES
+
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+CHECK_TOLERANCE = 1e-4  # fp32, absolute, on real (non-padding) tokens
+
+
+def model_class_name(path: str) -> str:
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        names = [n for n in json.load(f).get("architectures") or [] if n in MODEL_CLASSES]
+    return names[0] if names else "BertModel"
+
+
+def check_against_transformers(src: str, dst: str, name: str) -> float:
+    """Max abs difference of the first output between transformers(src) and fastbert(dst), real tokens only."""
+    import transformers
+
+    theirs = getattr(transformers, name).from_pretrained(src, dtype=torch.float32).eval()
+    ours = MODEL_CLASSES[name].from_pretrained(dst).float().eval()
+    config = BertConfig.from_json(dst)
+    generator = torch.Generator().manual_seed(0)
+    seqlen = min(64, config.max_position_embeddings)
+    ids = torch.randint(1, config.vocab_size, (4, seqlen), generator=generator)
+    lengths = torch.tensor([seqlen, seqlen // 2, 3, 1])
+    mask = (torch.arange(seqlen)[None, :] < lengths[:, None]).long()
+    with torch.no_grad():
+        a = theirs(input_ids=ids * mask, attention_mask=mask)[0]
+        b = ours(input_ids=ids * mask, attention_mask=mask)[0]
+    if a.dim() == 3 and a.shape[:2] == mask.shape:
+        a, b = a[mask.bool()], b[mask.bool()]
+    return (a - b).abs().max().item()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fastbert convert", description=__doc__)
+    parser.add_argument("src", help="HF BERT checkpoint directory to read")
+    parser.add_argument("dst", help="directory to write (config.json, model.safetensors, tokenizer files)")
+    parser.add_argument("--model-class", choices=sorted(MODEL_CLASSES),
+                        help="class to load as (default: config.json's architectures, else BertModel)")
+    parser.add_argument("--check", action="store_true", help="compare against transformers (needs it installed)")
+    args = parser.parse_args(argv)
+    name = args.model_class or model_class_name(args.src)
+    model, info = MODEL_CLASSES[name].from_pretrained(args.src, output_loading_info=True)
+    model.save_pretrained(args.dst)
+    copied = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(args.src, f))]
+    for file in copied:
+        shutil.copyfile(os.path.join(args.src, file), os.path.join(args.dst, file))
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{name}: {params / 1e6:.1f}M parameters, {model.config.num_hidden_layers} layers, "
+          f"hidden {model.config.hidden_size}; missing keys {info['missing_keys']}, "
+          f"unexpected keys {info['unexpected_keys']}")
+    print(f"wrote {args.dst} (model.safetensors, config.json{''.join(', ' + f for f in copied)})")
+    if args.check:
+        diff = check_against_transformers(args.src, args.dst, name)
+        verdict = "OK" if diff <= CHECK_TOLERANCE else "MISMATCH"
+        print(f"check against transformers: max abs difference {diff:.2e} (limit {CHECK_TOLERANCE:.0e}) {verdict}")
+        return 0 if diff <= CHECK_TOLERANCE else 1
+    return 0
