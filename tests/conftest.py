@@ -5,8 +5,12 @@ defined: TRITON_INTERPRET must be set before any fastbert.kernels module is impo
 """
 import os
 
-import pytest
-import torch
+# numpy's OpenBLAS threads spin against each other (and pytest -n 2's other worker) on a small CPU
+# machine, which made the interpreter's fp32 tl.dot ~1000x slower; set before numpy loads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,270 @@
+# Fused bias + GELU: y = gelu(x + bias), exact erf form ("none") or tanh approximation ("tanh"),
+# and the FFN up-projection with it, y = gelu(x @ weight.T + bias).
+#
+# bias_gelu: an elementwise kernel over [BLOCK_M, BLOCK_N] tiles of the 2-D view x [M, N]; the
+# forward saves x (not x + bias: same memory, and the backward recomputes the sum for free). The
+# backward kernel computes dx = dy * gelu'(x + bias) and, in the same pass, dbias = sum_rows dx: each
+# program owns a fixed group of rows and one column block, sums its rows' dx in fp32 in a fixed order
+# and writes one row of partial sums; torch sums the [groups, N] partials. No atomics, so dbias is
+# bitwise reproducible.
+#
+# linear_bias_gelu has two forms; LINEAR_BIAS_GELU_FORM picks the one the model uses:
+#   "epilogue"              one Triton matmul (kernels/matmul.py) with bias + GELU in its epilogue,
+#                           which also stores the pre-activation h = x @ weight.T + bias for the
+#                           backward; the backward runs the dx kernel above on h (no bias) to get
+#                           dh and dbias, then dx = dh @ weight and dweight = dh.T @ x (cuBLAS).
+#   "cublas_then_bias_gelu" x @ weight.T by cuBLAS, then the bias_gelu kernel; autograd chains the
+#                           two backwards.
+# The epilogue form saves one write and one read of the [M, N] activation in the forward; cuBLAS's
+# matmul may still be the faster one on a given GPU. The benchmark (see PERF.md) measures both, and
+# the switch below records the verdict.
+#
+# Limits: fp32, fp16, bf16; x and dy of any strides (leading dims that cannot be merged into one are
+# copied by reshape); any number of rows; N >= 1. Math in fp32, one rounding to the output dtype.
+# Sources: Megatron-LM's fused bias_gelu, Liger-Kernel's GEGLU/elementwise kernels.
+import torch
+import triton
+import triton.language as tl
+
+from fastbert.kernels.matmul import DTYPES, check_operands, gelu, gelu_grad, matmul_fwd
+
+APPROXIMATIONS = ("none", "tanh")
+LINEAR_BIAS_GELU_FORMS = ("epilogue", "cublas_then_bias_gelu")
+# The form linear_bias_gelu (the model's FFN up-projection) uses; a benchmark run settles it.
+LINEAR_BIAS_GELU_FORM = "epilogue"
+
+# Elements per tile of the elementwise kernels: enough work per program to hide latency on an H100
+# and few programs under the interpreter.
+_TILE_ELEMENTS = 4096
+_MAX_BLOCK_N = 1024
+
+
+@triton.jit
+def _bias_gelu_fwd_kernel(
+    x_ptr,  # [M, N]
+    bias_ptr,  # [N]
+    y_ptr,  # [M, N] contiguous
+    M, N,
+    stride_xm, stride_xn,
+    APPROXIMATE: tl.constexpr,  # "none" or "tanh"
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
+    b = tl.load(bias_ptr + cols, mask=cols < N, other=0.0)
+    y = gelu(x.to(tl.float32) + b.to(tl.float32)[None, :], APPROXIMATE)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_gelu_bwd_kernel(
+    dy_ptr,  # [M, N]
+    x_ptr,  # [M, N]
+    bias_ptr,  # [N] (read when HAS_BIAS)
+    dx_ptr,  # [M, N] contiguous
+    dbias_partial_ptr,  # [num_row_groups, N] fp32: column sums of dx over each group's rows
+    M, N, rows_per_group,
+    stride_dym, stride_dyn, stride_xm, stride_xn,
+    HAS_BIAS: tl.constexpr,
+    APPROXIMATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # y = gelu(z), z = x + bias:  dx = dy * gelu'(z);  dbias = sum over rows of dx.
+    group = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dbias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    first = group * rows_per_group
+    last = tl.minimum(first + rows_per_group, M)
+    for start in range(first, last, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        mask = (rows[:, None] < last) & col_mask[None, :]
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=mask, other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
+        dx = dy.to(tl.float32) * gelu_grad(x.to(tl.float32) + b[None, :], APPROXIMATE)
+        dx = dx.to(dx_ptr.dtype.element_ty)
+        tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dx, mask=mask)
+        # Sum the rounded dx, as autograd does for an unfused x + bias.
+        dbias += tl.sum(tl.where(mask, dx.to(tl.float32), 0.0), axis=0)
+    tl.store(dbias_partial_ptr + group * N + cols, dbias, mask=col_mask)
+
+
+def _blocks(cols: int) -> tuple[int, int]:
+    block_n = min(triton.next_power_of_2(cols), _MAX_BLOCK_N)
+    return _TILE_ELEMENTS // block_n, block_n
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., N] -> [M, N]: a view whenever the leading dims merge, whatever the strides."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _check(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> None:
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"x has dtype {x.dtype}; supported dtypes are {DTYPES}")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a last dimension of size >= 1, got shape {tuple(x.shape)}")
+    if bias is not None:
+        if tuple(bias.shape) != (x.shape[-1],):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(x.shape[-1],)}")
+        if bias.dtype != x.dtype or bias.device != x.device:
+            raise ValueError(f"bias is {bias.dtype} on {bias.device}, expected x's {x.dtype} on {x.device}")
+
+
+def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """gelu(x + bias). x [..., N] (any strides), bias [N], one dtype. Returns contiguous [..., N]."""
+    _check(x, bias, approximate)
+    x2 = _as_rows(x)
+    rows, cols = x2.shape
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return y
+    block_m, block_n = _blocks(cols)
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
+    _bias_gelu_fwd_kernel[grid](x2, bias, y, rows, cols, x2.stride(0), x2.stride(1),
+                                APPROXIMATE=approximate, BLOCK_M=block_m, BLOCK_N=block_n)
+    return y
+
+
+def _row_groups(rows: int, col_blocks: int, block_m: int, device: torch.device) -> int:
+    """How many row groups the backward splits M into: about four programs per SM in all. Depends
+    only on the shape and the device, so the dbias summation order is fixed for a given GPU."""
+    if device.type == "cuda":
+        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 4
+    return max(1, min(triton.cdiv(rows, block_m), triton.cdiv(target, col_blocks)))
+
+
+def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
+                  approximate: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of y = gelu(x + bias) (bias None: y = gelu(x)).
+
+    dy, x [..., N] (any strides), bias [N] or None. Returns (dx [..., N] contiguous in x's dtype,
+    dbias [N] in x's dtype, the column sums of dx).
+    """
+    _check(x, bias, approximate)
+    if dy.shape != x.shape or dy.dtype != x.dtype:
+        raise ValueError(f"dy is {dy.dtype} {tuple(dy.shape)}, expected x's {x.dtype} {tuple(x.shape)}")
+    x2, dy2 = _as_rows(x), _as_rows(dy)
+    rows, cols = x2.shape
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return dx, torch.zeros(cols, dtype=x.dtype, device=x.device)
+    block_m, block_n = _blocks(cols)
+    col_blocks = triton.cdiv(cols, block_n)
+    groups = _row_groups(rows, col_blocks, block_m, x.device)
+    rows_per_group = triton.cdiv(triton.cdiv(rows, groups), block_m) * block_m
+    groups = triton.cdiv(rows, rows_per_group)
+    partial = torch.empty((groups, cols), dtype=torch.float32, device=x.device)
+    _bias_gelu_bwd_kernel[(groups, col_blocks)](
+        dy2, x2, x2 if bias is None else bias, dx, partial, rows, cols, rows_per_group,
+        dy2.stride(0), dy2.stride(1), x2.stride(0), x2.stride(1),
+        HAS_BIAS=bias is not None, APPROXIMATE=approximate, BLOCK_M=block_m, BLOCK_N=block_n)
+    return dx, partial.sum(dim=0).to(x.dtype)
+
+
+# ---- custom ops: autograd and fake registrations so torch.compile traces through them ----
+
+@torch.library.custom_op("fastbert::bias_gelu", mutates_args=())
+def _bias_gelu_op(x: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
+    return bias_gelu_fwd(x, bias, approximate)
+
+
+@_bias_gelu_op.register_fake
+def _(x, bias, approximate):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("fastbert::bias_gelu_bwd", mutates_args=())
+def _bias_gelu_bwd_op(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
+                      approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return bias_gelu_bwd(dy, x, bias, approximate)
+
+
+@_bias_gelu_bwd_op.register_fake
+def _(dy, x, bias, approximate):
+    return x.new_empty(x.shape), x.new_empty(x.shape[-1:])
+
+
+def _bias_gelu_setup(ctx, inputs, output):
+    x, bias, approximate = inputs
+    ctx.save_for_backward(x, bias)
+    ctx.approximate = approximate
+
+
+def _bias_gelu_backward(ctx, dy):
+    x, bias = ctx.saved_tensors
+    dx, dbias = _bias_gelu_bwd_op(dy, x, bias, ctx.approximate)
+    return dx, dbias, None
+
+
+_bias_gelu_op.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_setup)
+
+
+@torch.library.custom_op("fastbert::linear_bias_gelu", mutates_args=())
+def _linear_bias_gelu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                         approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (gelu(h), h) with h = x @ weight.T + bias; x [M, K]. h is kept for the backward."""
+    check_operands(x, weight, bias)
+    y = x.new_empty((x.shape[0], weight.shape[0]))
+    pre = torch.empty_like(y)
+    matmul_fwd(x, weight, bias, y, "gelu_tanh" if approximate == "tanh" else "gelu", pre)
+    return y, pre
+
+
+@_linear_bias_gelu_op.register_fake
+def _(x, weight, bias, approximate):
+    y = x.new_empty((x.shape[0], weight.shape[0]))
+    return y, torch.empty_like(y)
+
+
+def _linear_bias_gelu_setup(ctx, inputs, output):
+    x, weight, _, approximate = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.approximate = approximate
+
+
+def _linear_bias_gelu_backward(ctx, dy, dpre):
+    # y = gelu(h), h = x W^T + b:  dh = dy * gelu'(h);  dx = dh W;  dW = dh^T x;  db = sum_rows dh.
+    # h is internal (the public function returns y only), so dpre is None.
+    x, weight, pre = ctx.saved_tensors
+    dh, dbias = _bias_gelu_bwd_op(dy, pre, None, ctx.approximate)
+    return dh @ weight, dh.t() @ x, dbias, None
+
+
+_linear_bias_gelu_op.register_autograd(_linear_bias_gelu_backward, setup_context=_linear_bias_gelu_setup)
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """gelu(x + bias), differentiable in x and bias. x [..., N], bias [N]; approximate "none" or "tanh".
+    Raises ValueError on a mismatched bias, an unsupported dtype or approximation."""
+    _check(x, bias, approximate)
+    return _bias_gelu_op(x, bias, approximate)
+
+
+def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                     approximate: str = "none") -> torch.Tensor:
+    """gelu(x @ weight.T + bias): x [..., K], weight [N, K], bias [N] -> [..., N], differentiable in
+    all three. The form is LINEAR_BIAS_GELU_FORM. Raises ValueError on mismatched shapes or dtypes."""
+    return _linear_bias_gelu(x, weight, bias, approximate, LINEAR_BIAS_GELU_FORM)
+
+
+def _linear_bias_gelu(x, weight, bias, approximate, form):
+    if form not in LINEAR_BIAS_GELU_FORMS:
+        raise ValueError(f"form must be one of {LINEAR_BIAS_GELU_FORMS}, got {form!r}")
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
+    x2 = _as_rows(x)
+    check_operands(x2, weight, bias)
+    if form == "cublas_then_bias_gelu":
+        return _bias_gelu_op(x @ weight.t(), bias, approximate)
+    y, _ = _linear_bias_gelu_op(x2, weight, bias, approximate)
+    return y.view(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,213 @@
+# Matmul with a fused epilogue: out = act(x @ weight.T + bias), for the two projections whose
+# epilogue is worth fusing.
+#
+#   - the FFN up-projection (kernels/bias_gelu.py): bias + GELU in the epilogue, optionally also
+#     storing the pre-activation x @ weight.T + bias that the backward needs;
+#   - the QKV projection (kernels/qkv.py): the bias, then a store that scatters the [M, 3H] tile
+#     straight into the attention layout [3, B, heads, S, d], so no transpose/contiguous follows.
+#
+# Algorithm: the tiled matmul of Triton's matmul tutorial: one program per [BLOCK_M, BLOCK_N] output
+# tile, tiles visited in GROUP_M-row super-groups so neighbouring programs share weight tiles in L2,
+# fp32 accumulation over BLOCK_K slices of K (masked on the last slice), the epilogue in fp32, one
+# rounding to the output dtype. fp32 operands use input_precision="ieee" (no TF32), so fp32 results
+# match torch's fp32 matmul rather than a 10-bit-mantissa approximation of it.
+#
+# The GELU and its derivative live here, as the epilogue's activations; the elementwise kernels of
+# kernels/bias_gelu.py use the same two functions, so both forms compute identical GELUs.
+#
+# Limits: x [M, K] and weight [N, K] of one dtype (fp32, fp16 or bf16), any strides; M, N, K >= 1.
+# Offsets are int64 (M * N passes 2**31 for large batches).
+# Sources: Triton tutorial 03-matrix-multiplication; Liger-Kernel's fused linear epilogues.
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ACTIVATIONS = ("none", "gelu", "gelu_tanh")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_SQRT_HALF = 0.7071067811865476  # 1 / sqrt(2)
+_INV_SQRT_2PI = 0.3989422804014327  # 1 / sqrt(2 pi)
+_SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2 / pi)
+_TANH_CUBIC = 0.044715
+
+
+@triton.jit
+def gelu(z, APPROXIMATE: tl.constexpr):
+    """GELU of fp32 z. "none": z * Phi(z) with the exact erf. "tanh": z * 0.5 (1 + tanh(u)),
+    u = sqrt(2/pi) (z + 0.044715 z^3), written as z * sigmoid(2u), which is exact algebra and
+    needs no tanh (not in every Triton version's tl.math) and does not overflow: exp(-2u) -> inf
+    gives 0, the right limit."""
+    if APPROXIMATE == "tanh":
+        u = _SQRT_2_OVER_PI * (z + _TANH_CUBIC * z * z * z)
+        return z / (1.0 + tl.exp(-2.0 * u))
+    else:
+        return 0.5 * z * (1.0 + tl.math.erf(z * _SQRT_HALF))
+
+
+@triton.jit
+def gelu_grad(z, APPROXIMATE: tl.constexpr):
+    """d gelu / dz at fp32 z.
+    "none":  Phi(z) + z phi(z),  Phi(z) = (1 + erf(z / sqrt 2)) / 2,  phi(z) = exp(-z^2 / 2) / sqrt(2 pi).
+    "tanh":  s + z s (1 - s) 2 u',  s = sigmoid(2u),  u' = sqrt(2/pi) (1 + 3 * 0.044715 z^2)."""
+    if APPROXIMATE == "tanh":
+        u = _SQRT_2_OVER_PI * (z + _TANH_CUBIC * z * z * z)
+        s = 1.0 / (1.0 + tl.exp(-2.0 * u))
+        du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_CUBIC * z * z)
+        return s + 2.0 * z * s * (1.0 - s) * du
+    else:
+        cdf = 0.5 * (1.0 + tl.math.erf(z * _SQRT_HALF))
+        return cdf + z * _INV_SQRT_2PI * tl.exp(-0.5 * z * z)
+
+
+def _configs():
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        # The interpreter runs each program in numpy: few large tiles are fastest, tuning is moot.
+        return [triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 256, "GROUP_M": 8})]
+    # Hopper-sized tiles (Triton tutorial / Liger choices); fp32 ones are pruned by shared memory.
+    shapes = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 32, 4, 4), (128, 64, 64, 4, 4),
+              (64, 128, 64, 4, 4), (64, 64, 64, 4, 4), (64, 64, 32, 5, 2)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
+            for bm, bn, bk, s, w in shapes]
+
+
+_SHARED_MEMORY_BYTES = 200 * 1024  # under the 227 KiB of an H100/H200 SM, with room for the epilogue
+
+
+def _prune_by_shared_memory(configs, named_args, **kwargs):
+    element = named_args["x_ptr"].element_size()
+    fitting = [c for c in configs
+               if (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * element
+               * max(c.num_stages, 1) <= _SHARED_MEMORY_BYTES]
+    return fitting or configs[-1:]
+
+
+@triton.autotune(configs=_configs(), key=["N", "K", "SPLIT_HEADS", "ACTIVATION", "STORE_PRE"],
+                 prune_configs_by={"early_config_prune": _prune_by_shared_memory})
+@triton.jit
+def _matmul_fwd_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    bias_ptr,  # [N]
+    out_ptr,  # [M, N], or [3, B, heads, S, d] with M = B * S and N = 3 * heads * d when SPLIT_HEADS
+    pre_ptr,  # [M, N] contiguous: x @ w.T + bias before the activation (written when STORE_PRE)
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk,
+    seqlen,  # S: row m is token (m // S, m % S) of the output; S = M for a plain [M, N] output
+    num_heads,
+    stride_ob, stride_os,  # output strides of the batch and sequence (row) indices
+    stride_o3, stride_oh, stride_od,  # output strides of which-of-qkv, head, and column within a head
+    HEAD_DIM: tl.constexpr,  # d; columns within a head are contiguous runs of HEAD_DIM
+    SPLIT_HEADS: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # "none", "gelu" (erf) or "gelu_tanh"
+    STORE_PRE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands, None (the default) for fp16/bf16
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_m = (pid // pids_per_group) * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % pids_per_group) % group_rows
+    pid_n = (pid % pids_per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows and columns past the edge wrap around instead of being masked: they load valid memory
+    # and their results are dropped by the store mask, which keeps the inner loop mask-free in M, N.
+    rows = (offs_m % M).to(tl.int64)
+    cols = (offs_n % N).to(tl.int64)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+    out_rows = offs_m.to(tl.int64)
+    out_cols = offs_n.to(tl.int64)
+    mask = (out_rows[:, None] < M) & (out_cols[None, :] < N)
+    if STORE_PRE:
+        tl.store(pre_ptr + out_rows[:, None] * N + out_cols[None, :], acc.to(pre_ptr.dtype.element_ty), mask=mask)
+    if ACTIVATION == "gelu":
+        acc = gelu(acc, "none")
+    elif ACTIVATION == "gelu_tanh":
+        acc = gelu(acc, "tanh")
+
+    row_off = (out_rows // seqlen) * stride_ob + (out_rows % seqlen) * stride_os  # [BLOCK_M]
+    if SPLIT_HEADS:
+        head = out_cols // HEAD_DIM  # 0 .. 3 * heads - 1: (which of q, k, v) * heads + head
+        col_off = (head // num_heads) * stride_o3 + (head % num_heads) * stride_oh + (out_cols % HEAD_DIM) * stride_od
+    else:
+        col_off = out_cols * stride_od
+    tl.store(out_ptr + row_off[:, None] + col_off[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
+    """Raise ValueError unless x [M, K], weight [N, K], bias [N] share a supported dtype and device."""
+    if x.dtype not in DTYPES:
+        raise ValueError(f"x has dtype {x.dtype}; supported dtypes are {DTYPES}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t.dtype != x.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype}, expected x's dtype {x.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, expected x's device {x.device}")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[1] == 0:
+        raise ValueError(f"x [M, K] and weight [N, K] must share K >= 1, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(weight.shape[0],)}")
+
+
+def matmul_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
+               activation: str = "none", pre: torch.Tensor | None = None) -> None:
+    """Write act(x @ weight.T + bias) into `out`.
+
+    x [M, K], weight [N, K], bias [N], any strides, one dtype. `out` is [M, N] (any strides), or
+    [3, B, heads, S, d] (any strides) with B * S = M and 3 * heads * d = N: the head-split store.
+    `pre`, if given, is a contiguous [M, N] that receives x @ weight.T + bias before the activation.
+    Raises ValueError on mismatched shapes, dtypes or an unknown activation.
+    """
+    check_operands(x, weight, bias)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    rows, inner = x.shape
+    cols = weight.shape[0]
+    if out.dim() == 5:
+        three, batch, heads, seqlen, head_dim = out.shape
+        if three != 3 or batch * seqlen != rows or 3 * heads * head_dim != cols:
+            raise ValueError(f"out has shape {tuple(out.shape)}, expected [3, B, heads, S, d] with B*S = {rows} "
+                             f"and 3*heads*d = {cols}")
+        stride_o3, stride_ob, stride_oh, stride_os, stride_od = out.stride()
+    elif tuple(out.shape) == (rows, cols):
+        seqlen, heads, head_dim = rows, 1, cols
+        stride_ob, stride_o3, stride_oh = 0, 0, 0
+        stride_os, stride_od = out.stride()
+    else:
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {(rows, cols)} or [3, B, heads, S, d]")
+    if pre is not None and (tuple(pre.shape) != (rows, cols) or not pre.is_contiguous()):
+        raise ValueError(f"pre must be a contiguous {(rows, cols)} tensor, got {tuple(pre.shape)}")
+    if rows == 0:
+        return
+
+    def grid(meta):
+        return (triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(cols, meta["BLOCK_N"]),)
+
+    _matmul_fwd_kernel[grid](
+        x, weight, bias, out, out if pre is None else pre,
+        rows, cols, inner,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        seqlen, heads, stride_ob, stride_os, stride_o3, stride_oh, stride_od,
+        HEAD_DIM=head_dim if out.dim() == 5 else 1, SPLIT_HEADS=out.dim() == 5,
+        ACTIVATION=activation, STORE_PRE=pre is not None,
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+    )

@@ -1,0 +1,178 @@
+# Fused QKV projection: qkv = x @ Wqkv.T + bias stored straight in the attention layout.
+#
+# Forward: one Triton matmul (kernels/matmul.py) over x [M, H] (M = B*S tokens) and Wqkv [3H, H]
+# whose epilogue adds the bias and scatters output column n = which*H + head*d + c of token
+# m = b*S + s to qkv[which, b, head, s, c] of one [3, B, heads, S, d] buffer (packed tokens
+# x [T, H]: [3, T, heads, d]). q, k, v are the three contiguous slices of that buffer, so no
+# transpose or contiguous copy follows the matmul (eager: addmm, view, transpose, contiguous).
+#
+# Backward: with dQKV [M, 3H] the gradient of the matmul's output in token-major order,
+#   dx = dQKV @ Wqkv,   dWqkv = dQKV^T @ x,   dbias = sum over tokens of dQKV.
+# A Triton kernel gathers dq, dk, dv (any strides: attention backwards hand over what they have)
+# into dQKV and sums its columns in the same pass into per-row-group fp32 partials (fixed order, no
+# atomics, so dbias is reproducible); the two matmuls are cuBLAS's.
+#
+# Limits: fp32, fp16, bf16; hidden size H >= 1 divisible by num_heads; any number of tokens; x of
+# any strides (a [B, S, H] whose B and S do not merge is copied by reshape). Offsets are int64.
+# Sources: Megatron-LM's fused QKV layout, flash-attention's qkv-packed interface.
+import torch
+import triton
+import triton.language as tl
+
+from fastbert.kernels.matmul import DTYPES, matmul_fwd
+
+_TILE_ELEMENTS = 4096
+_MAX_BLOCK_N = 256
+
+
+@triton.jit
+def _qkv_bwd_kernel(
+    grad_ptr,  # [B, heads, S, d]: dq, dk or dv (packed tokens: [1, heads, T, d])
+    dqkv_ptr,  # [M, 3H] contiguous; this launch fills columns [col_offset, col_offset + H)
+    dbias_partial_ptr,  # [num_row_groups, 3H] fp32: column sums of dqkv over each group's rows
+    M, H, seqlen, col_offset, rows_per_group,
+    stride_b, stride_h, stride_s, stride_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # dQKV[m, col_offset + c] = grad[m // S, c // d, m % S, c % d];  dbias[col_offset + c] = sum_m of it.
+    group = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < H
+    col_off = (cols // HEAD_DIM).to(tl.int64) * stride_h + (cols % HEAD_DIM) * stride_d  # [BLOCK_N]
+    dbias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    first = group * rows_per_group
+    last = tl.minimum(first + rows_per_group, M)
+    for start in range(first, last, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        mask = (rows[:, None] < last) & col_mask[None, :]
+        row_off = (rows // seqlen) * stride_b + (rows % seqlen) * stride_s  # [BLOCK_M]
+        g = tl.load(grad_ptr + row_off[:, None] + col_off[None, :], mask=mask, other=0.0)
+        tl.store(dqkv_ptr + rows[:, None] * (3 * H) + col_offset + cols[None, :], g, mask=mask)
+        dbias += tl.sum(g.to(tl.float32), axis=0)
+    tl.store(dbias_partial_ptr + group * (3 * H) + col_offset + cols, dbias, mask=col_mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, num_heads: int) -> None:
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be [B, S, H] or [T, H], got shape {tuple(x.shape)}")
+    hidden = x.shape[-1]
+    if x.dtype not in DTYPES:
+        raise ValueError(f"x has dtype {x.dtype}; supported dtypes are {DTYPES}")
+    if num_heads <= 0 or hidden % num_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be positive and divide the hidden size {hidden}")
+    if tuple(weight.shape) != (3 * hidden, hidden):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {(3 * hidden, hidden)}")
+    if tuple(bias.shape) != (3 * hidden,):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(3 * hidden,)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t.dtype != x.dtype or t.device != x.device:
+            raise ValueError(f"{name} is {t.dtype} on {t.device}, expected x's {x.dtype} on {x.device}")
+
+
+def _heads_view(t: torch.Tensor) -> torch.Tensor:
+    """[..., heads, S, d] view of one of q, k, v: [B, heads, S, d] as it is, [T, heads, d] as
+    [1, heads, T, d] (same memory, strides permuted)."""
+    return t if t.dim() == 4 else t.unsqueeze(0).transpose(1, 2)
+
+
+def qkv_projection_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """x [B, S, H] -> qkv [3, B, heads, S, d]; x [T, H] -> qkv [3, T, heads, d]; contiguous.
+
+    weight [3H, H] (query, key, value rows in that order), bias [3H], one dtype; x any strides.
+    Raises ValueError on mismatched shapes or dtypes.
+    """
+    _check(x, weight, bias, num_heads)
+    hidden = x.shape[-1]
+    head_dim = hidden // num_heads
+    if x.dim() == 3:
+        qkv = x.new_empty((3, x.shape[0], num_heads, x.shape[1], head_dim))
+        out = qkv
+    else:
+        qkv = x.new_empty((3, x.shape[0], num_heads, head_dim))
+        out = qkv.unsqueeze(1).transpose(2, 3)  # [3, 1, heads, T, d]
+    matmul_fwd(x.reshape(-1, hidden), weight, bias, out)
+    return qkv
+
+
+def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor,
+                       weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv shaped like q, k, v (any strides) -> (dx like x, dweight [3H, H], dbias [3H])."""
+    hidden = x.shape[-1]
+    x2 = x.reshape(-1, hidden)
+    rows = x2.shape[0]
+    grads = [_heads_view(g) for g in (dq, dk, dv)]
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        if g.dtype != x.dtype or g.shape[0] * g.shape[2] != rows or g.shape[1] * g.shape[3] != hidden:
+            raise ValueError(f"{name} is {g.dtype} {tuple(g.shape)}, which does not match x's "
+                             f"{x.dtype} {tuple(x.shape)}")
+    dqkv = x.new_empty((rows, 3 * hidden))
+    if rows == 0:
+        return torch.zeros_like(x), torch.zeros_like(weight), x.new_zeros(3 * hidden)
+    block_n = min(triton.next_power_of_2(hidden), _MAX_BLOCK_N)
+    block_m = _TILE_ELEMENTS // block_n
+    col_blocks = triton.cdiv(hidden, block_n)
+    # About four programs per SM over the three launches; fixed per shape and device (reproducible).
+    target = 4 * torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    groups = max(1, min(triton.cdiv(rows, block_m), triton.cdiv(target, 3 * col_blocks)))
+    rows_per_group = triton.cdiv(triton.cdiv(rows, groups), block_m) * block_m
+    groups = triton.cdiv(rows, rows_per_group)
+    partial = torch.empty((groups, 3 * hidden), dtype=torch.float32, device=x.device)
+    for which, g in enumerate(grads):
+        _qkv_bwd_kernel[(groups, col_blocks)](
+            g, dqkv, partial, rows, hidden, g.shape[2], which * hidden, rows_per_group, *g.stride(),
+            HEAD_DIM=g.shape[3], BLOCK_M=block_m, BLOCK_N=block_n)
+    dx = (dqkv @ weight).view(x.shape)
+    return dx, dqkv.t() @ x2, partial.sum(dim=0).to(x.dtype)
+
+
+# ---- custom ops: autograd and fake registrations so torch.compile traces through them ----
+
+@torch.library.custom_op("fastbert::qkv_projection", mutates_args=())
+def _qkv_projection_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, num_heads: int) -> torch.Tensor:
+    return qkv_projection_fwd(x, weight, bias, num_heads)
+
+
+@_qkv_projection_op.register_fake
+def _(x, weight, bias, num_heads):
+    head_dim = x.shape[-1] // num_heads
+    if x.dim() == 3:
+        return x.new_empty((3, x.shape[0], num_heads, x.shape[1], head_dim))
+    return x.new_empty((3, x.shape[0], num_heads, head_dim))
+
+
+@torch.library.custom_op("fastbert::qkv_projection_bwd", mutates_args=())
+def _qkv_projection_bwd_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor,
+                           weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return qkv_projection_bwd(dq, dk, dv, x, weight)
+
+
+@_qkv_projection_bwd_op.register_fake
+def _(dq, dk, dv, x, weight):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty(weight.shape[:1])
+
+
+class _QKVProjection(torch.autograd.Function):
+    """Returns q, k, v as slices of the forward op's buffer and takes their gradients separately, so
+    the backward gathers dq, dk, dv once (autograd's unbind backward would first stack them)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, num_heads):
+        ctx.save_for_backward(x, weight)
+        return _qkv_projection_op(x, weight, bias, num_heads).unbind(0)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        x, weight = ctx.saved_tensors
+        dx, dweight, dbias = _qkv_projection_bwd_op(dq, dk, dv, x, weight)
+        return dx, dweight, dbias, None
+
+
+def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, num_heads: int):
+    """x [B, S, H] -> (q, k, v) each [B, heads, S, H/heads]; x [T, H] -> each [T, heads, H/heads].
+
+    Contiguous outputs (three slices of one buffer), differentiable in x, weight and bias.
+    weight [3H, H], bias [3H]. Raises ValueError on mismatched shapes, dtypes or num_heads.
+    """
+    _check(x, weight, bias, num_heads)
+    return _QKVProjection.apply(x, weight, bias, num_heads)
