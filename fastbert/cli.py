@@ -7,6 +7,7 @@ import sys
 
 # subcommand -> (module with main(argv), one-line help)
 COMMANDS = {
+    "bench": ("fastbert.bench.cli", "benchmark kernels and models against PyTorch, torch.compile and transformers"),
     "prepare-data": ("fastbert.data.prepare", "corpus -> WordPiece tokenizer -> MLM + NSP example shards"),
     "pretrain": ("fastbert.train.pretrain", "pretrain BERT (MLM + NSP), one process or under torchrun"),
     "convert": ("fastbert.convert", "re-save an HF BERT directory cleanly; --check compares it with transformers"),

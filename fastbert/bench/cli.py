@@ -1,0 +1,46 @@
+"""`fastbert bench`: run a benchmark suite and write its JSON rows (see fastbert.bench.runner)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_OUT = "benchmarks/results"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fastbert bench",
+        description="Measure fastbert's kernels and models against eager PyTorch, torch.compile and transformers. "
+                    "Writes one JSON file of rows to --out; `python benchmarks/make_perf.py` turns the committed "
+                    "rows into PERF.md.")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, reference and torch providers "
+                      "(a few seconds; what CI runs)")
+    mode.add_argument("--suite", choices=("gpu", "cpu-memory", "smoke"),
+                      help="gpu: the whole suite on one CUDA GPU (H100/H200, under 10 minutes); cpu-memory: the "
+                           "MLM head's peak memory and time at full size on the CPU")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"directory for the JSON file (default {DEFAULT_OUT})")
+    p.add_argument("--only", metavar="REGEX", help="run only the items whose 'case provider' matches")
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help="stop starting new items after this long (gpu default 540); the rest are recorded as skipped")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no summary table at the end")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    suite = "smoke" if args.smoke or args.suite is None else args.suite
+    from fastbert.bench.runner import GPUUnavailable, run_suite, summary
+
+    command = ["fastbert", "bench", *(sys.argv[1:] if argv is None else argv)]
+    try:
+        path, rows = run_suite(suite, args.out, args.only, args.budget, not args.no_progress, command)
+    except GPUUnavailable as exc:
+        print(f"fastbert bench: {exc}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        print(summary(rows))
+    failed = [r for r in rows if r["status"] in ("error", "oom")]
+    print(f"{len(rows)} rows ({len(failed)} failed) written to {path}", file=sys.stderr)
+    return 1 if any(r["status"] == "error" for r in rows) else 0

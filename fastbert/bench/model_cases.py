@@ -1,0 +1,249 @@
+"""Whole-model benchmark cases: BertForPreTraining training steps, BertModel inference and the
+largest batch that fits, fastbert against transformers' BERT on the same config and batch.
+
+Providers:
+- "fastbert": config.backend="triton"; "fastbert-unpad": the same with config.unpad=True.
+- "fastbert-eager": fastbert's model on the reference ops (backend="torch"; the smoke run's provider).
+- "hf-sdpa": transformers' BertForPreTraining / BertModel with scaled_dot_product_attention (its default);
+  "hf-eager": its eager attention; "hf-sdpa+compile": torch.compile of hf-sdpa.
+
+A training step is forward (bf16 autocast on a GPU) with MLM + NSP labels, backward and an AdamW step
+(fused on a GPU), parameters in fp32. Inference runs the bf16 model under torch.inference_mode.
+Tokens are the non-padding tokens. Model FLOPs (per DESIGN.md, training = 3x forward):
+  forward = L * (T * (8H^2 + 4HI) + 4H * sum(len_i^2))     QKV + attention output + FFN, and attention
+          + B * 2H^2 (pooler) + N_mlm * (2H^2 + 2HV) + B * 4H   MLM head on the labelled tokens, NSP head
+counted the same for every provider (the useful work, not what a provider chooses to compute), so
+MFU = FLOPs / time / measured bf16 matmul rate ranks providers as tokens/s does.
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+import fastbert
+from fastbert.bench.op_cases import mask_from_lengths, random_lengths
+from fastbert.bench.timing import peak_memory, time_ms
+
+FASTBERT, UNPAD, EAGER = "fastbert", "fastbert-unpad", "fastbert-eager"
+HF_SDPA, HF_EAGER, HF_COMPILE = "hf-sdpa", "hf-eager", "hf-sdpa+compile"
+GPU_PROVIDERS = frozenset({FASTBERT, UNPAD, HF_COMPILE})
+LABEL_FRACTION = 0.15
+SIZES = {"base": fastbert.BertConfig.base, "large": fastbert.BertConfig.large, "tiny": fastbert.BertConfig.tiny}
+
+
+def oom_errors() -> tuple[type[BaseException], ...]:
+    return (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else (torch.cuda.OutOfMemoryError,)
+
+
+@dataclass
+class ModelCase:
+    mode: str  # "train" (BertForPreTraining step), "inference" (BertModel forward) or "capacity"
+    size: str  # "base", "large" or "tiny"
+    batch: int  # the batch asked for; train halves it until it fits, capacity searches upwards from it
+    seqlen: int
+    padded: bool  # lengths uniform in [S/4, S] instead of full sequences
+    providers: tuple[str, ...]
+
+    @property
+    def op(self) -> str:
+        return "model"
+
+    @property
+    def config(self) -> fastbert.BertConfig:
+        return SIZES[self.size]()
+
+    @property
+    def shape(self) -> dict:
+        return {"size": self.size, "batch": self.batch, "seqlen": self.seqlen, "padded": self.padded}
+
+    @property
+    def name(self) -> str:
+        return f"{self.mode}/{self.size},batch={self.batch},seqlen={self.seqlen}" + (",padded" if self.padded else "")
+
+    def provider_names(self) -> list[str]:
+        return list(self.providers)
+
+
+def make_batch(config: fastbert.BertConfig, batch: int, seqlen: int, padded: bool, device: torch.device) -> dict:
+    """A seeded pretraining batch: right padding, two segments, 15% of the real tokens labelled."""
+    g = torch.Generator().manual_seed(0)
+    lengths = random_lengths(batch, seqlen, g) if padded else torch.full((batch,), seqlen)
+    mask = mask_from_lengths(lengths, seqlen)  # [B, S]
+    positions = torch.arange(seqlen)[None, :]
+    input_ids = torch.randint(1, config.vocab_size, (batch, seqlen), generator=g) * mask  # padding = token 0
+    token_type_ids = ((positions >= (lengths[:, None] // 2)) & mask.bool()).long()
+    labels = torch.randint(0, config.vocab_size, (batch, seqlen), generator=g)
+    labels[(torch.rand((batch, seqlen), generator=g) >= LABEL_FRACTION) | ~mask.bool()] = -100
+    tensors = {"input_ids": input_ids, "attention_mask": mask.long(), "token_type_ids": token_type_ids,
+               "labels": labels, "next_sentence_label": torch.randint(0, 2, (batch,), generator=g)}
+    return {"tensors": {k: v.to(device) for k, v in tensors.items()}, "lengths": lengths}
+
+
+def model_flops(config: fastbert.BertConfig, lengths: torch.Tensor, labelled: int, mode: str) -> float:
+    """The module docstring's formula: 3x forward for a training step, the encoder + pooler for inference."""
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    tokens = float(lengths.sum())
+    squares = float((lengths.double() ** 2).sum())
+    batch = lengths.numel()
+    encoder = config.num_hidden_layers * (tokens * (8 * hidden ** 2 + 4 * hidden * inter) + 4 * hidden * squares)
+    forward = encoder + batch * 2 * hidden ** 2
+    if mode == "inference":
+        return forward
+    return 3 * (forward + labelled * (2 * hidden ** 2 + 2 * hidden * vocab) + batch * 4 * hidden)
+
+
+def build_model(provider: str, config: fastbert.BertConfig, mode: str, device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if provider in (FASTBERT, UNPAD, EAGER):
+        config = config.replace(backend="torch" if provider == EAGER else "triton", unpad=provider == UNPAD)
+        cls = fastbert.BertForPreTraining if mode != "inference" else fastbert.BertModel
+        with torch.device(device):
+            model = cls(config)
+    else:
+        import transformers
+
+        hf_config = transformers.BertConfig(**config.to_dict())
+        cls = transformers.BertForPreTraining if mode != "inference" else transformers.BertModel
+        with torch.device(device):
+            model = cls._from_config(hf_config, attn_implementation="eager" if provider == HF_EAGER else "sdpa")
+    if mode == "inference":
+        model = model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
+    else:
+        model.train()
+    return torch.compile(model) if provider == HF_COMPILE else model
+
+
+def make_step(provider: str, model: torch.nn.Module, optimizer, mode: str, tensors: dict,
+              device: torch.device) -> Callable[[], None]:
+    fastbert_model = provider in (FASTBERT, UNPAD, EAGER)
+    if mode == "inference":
+        inputs = {k: tensors[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+        extra = {"validate": False} if fastbert_model else {}
+
+        def infer():
+            with torch.inference_mode():
+                model(**inputs, **extra)
+        return infer
+
+    # validate=False: the checks sync with the host; return_logits=False: the training path
+    extra = {"validate": False, "return_logits": False} if fastbert_model else {}
+
+    def train_step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(**tensors, **extra).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return train_step
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class ProviderRun:
+    """One provider's model and optimizer, reused across the batch sizes tried."""
+
+    def __init__(self, case: ModelCase, provider: str, device: torch.device):
+        self.case, self.provider, self.device = case, provider, device
+        self.model = build_model(provider, case.config, case.mode, device)
+        self.optimizer = None
+        if case.mode != "inference":
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+    def step_for(self, batch: int, padded: bool) -> tuple[Callable[[], None], dict]:
+        data = make_batch(self.case.config, batch, self.case.seqlen, padded, self.device)
+        step = make_step(self.provider, self.model, self.optimizer, self.case.mode, data["tensors"], self.device)
+        return step, data
+
+    def fits(self, batch: int) -> bool:
+        """Two steps at this batch (the first allocates AdamW's state) without running out of memory."""
+        try:
+            step, _ = self.step_for(batch, self.case.padded)
+            step()
+            step()
+            ok = True
+        except oom_errors():
+            ok = False
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        _release(self.device)
+        return ok
+
+
+def measure_model(case: ModelCase, provider: str, device: torch.device, peaks: dict,
+                  timing: dict | None = None) -> list[dict]:
+    """One row: the step's median time, peak memory, tokens/s, sequences/s, TFLOP/s and MFU.
+    timing: keyword arguments of time_ms (default: at least 100 ms of warm-up and 500 ms of calls)."""
+    run = ProviderRun(case, provider, device)
+    if case.mode == "capacity":
+        return [capacity_row(case, run)]
+    batch = case.batch
+    while case.mode == "train" and batch > 1 and not run.fits(batch):  # the largest batch up to case.batch
+        batch //= 2
+    step, data = run.step_for(batch, case.padded)
+    timing = time_ms(step, device, **({"warmup_ms": 100.0, "rep_ms": 500.0} if timing is None else timing))
+    memory = peak_memory(step, device)
+    labelled = int((data["tensors"]["labels"] != -100).sum())
+    lengths = data["lengths"]
+    flops = model_flops(case.config, lengths, labelled, case.mode)
+    seconds = timing["median_ms"] * 1e-3
+    row = {"direction": "train_step" if case.mode == "train" else "inference", "batch": batch,
+           "tokens": int(lengths.sum()), "padding": round(1 - float(lengths.sum()) / (batch * case.seqlen), 4),
+           **timing, **memory, "flops": flops, "tflops": flops / seconds / 1e12,
+           "tokens_per_s": float(lengths.sum()) / seconds, "sequences_per_s": batch / seconds}
+    if peaks.get("tflops"):
+        row["mfu"] = row["tflops"] / peaks["tflops"]
+    return [row]
+
+
+def capacity_row(case: ModelCase, run: ProviderRun) -> dict:
+    """The largest batch whose training step fits: doubling from case.batch, then bisecting to
+    within an eighth of the last power of two that fitted."""
+    fitted, failed = 0, None
+    batch = case.batch
+    while failed is None and batch <= 1 << 14:
+        if run.fits(batch):
+            fitted, batch = batch, batch * 2
+        else:
+            failed = batch
+    if failed is not None and fitted:
+        resolution = max(1, fitted // 8)
+        while failed - fitted > resolution:
+            middle = (fitted + failed) // 2
+            fitted, failed = (middle, failed) if run.fits(middle) else (fitted, middle)
+    return {"direction": "capacity", "batch": fitted, "first_failed_batch": failed,
+            "total_memory_bytes": torch.cuda.get_device_properties(run.device).total_memory
+            if run.device.type == "cuda" else None}
+
+
+def gpu_model_cases() -> list[ModelCase]:
+    """Issue 7's shapes: training at phase 1 (S=128, batch up to 256) and phase 2 (S=512, up to 32),
+    full and padded, base and large; inference at (1, 128), (8, 512), (32, 128); the largest batch
+    at S=512. torch.compile only for BERT-base, as each compile takes about a minute."""
+    cases = []
+    for size in ("base", "large"):
+        for batch, seqlen in ((256, 128), (32, 512)):
+            for padded in (False, True):
+                providers = [FASTBERT] + ([UNPAD] if padded else []) + [HF_SDPA, HF_EAGER]
+                cases.append(ModelCase("train", size, batch, seqlen, padded, tuple(providers)))
+    for size in ("base", "large"):
+        for batch, seqlen in ((1, 128), (8, 512), (32, 128)):
+            for padded in (False, True):
+                providers = [FASTBERT] + ([UNPAD] if padded else []) + [HF_SDPA, HF_EAGER]
+                cases.append(ModelCase("inference", size, batch, seqlen, padded, tuple(providers)))
+    for case in cases:
+        if case.size == "base" and (case.mode == "train" or (case.batch, case.seqlen) == (32, 128)):
+            case.providers += (HF_COMPILE,)
+    cases.append(ModelCase("capacity", "base", 32, 512, False, (FASTBERT, HF_SDPA)))
+    return cases
+
+
+def smoke_model_cases() -> list[ModelCase]:
+    providers = (EAGER, HF_SDPA, HF_EAGER)
+    return [ModelCase("train", "tiny", 2, 16, True, providers), ModelCase("inference", "tiny", 2, 16, True, providers)]

@@ -1,0 +1,225 @@
+"""The suites, run item by item behind a progress bar, each measurement a JSON row.
+
+Suites:
+- "smoke": tiny fp32 shapes on the CPU, reference and torch providers only; seconds. CI runs it.
+- "gpu": everything issues 3, 4, 5 and 7 ask for, bf16, on one CUDA GPU, within a time budget
+  (default 540 s, so the suite ends inside 10 minutes); items left when the budget is spent are
+  written as rows with status "skipped", never silently dropped.
+- "cpu-memory": issue 5's MLM head at full size, fp32 on the CPU: peak allocated bytes and time.
+
+Rows are written to the output file after every item, so an interrupted run keeps what it measured.
+Each row: provenance (device, versions, commit, date, command), suite, case, op, shape, dtype,
+provider, direction, status, and the figures (median_ms, p20_ms, p80_ms, flops, tflops, bytes, gbps,
+their ratios to the measured peaks, peak memory; tokens/s, sequences/s and MFU for whole models).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from fastbert.bench import model_cases, op_cases
+from fastbert.bench.peaks import measure_peaks
+from fastbert.bench.provenance import provenance
+from fastbert.bench.timing import memory_meter_name, peak_memory, time_ms, timer_name
+
+SUITES = ("smoke", "gpu", "cpu-memory")
+GPU_BUDGET_S = 540.0
+STATUS = ("ok", "oom", "error", "skipped")
+
+
+class GPUUnavailable(RuntimeError):
+    pass
+
+
+@dataclass
+class WorkItem:
+    case: op_cases.OpCase | model_cases.ModelCase
+    provider: str
+    priority: int  # lower runs first: the budget cuts the least important items
+
+
+def suite_device(suite: str) -> torch.device:
+    if suite != "gpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise GPUUnavailable(
+            "the GPU suite needs a CUDA GPU and torch.cuda.is_available() is False on this machine; "
+            "run `fastbert bench --smoke` (CPU smoke run) or `fastbert bench --suite cpu-memory` here, "
+            "and `benchmarks/run_gpu.sh OUTDIR` on an H100 or H200")
+    from fastbert.ops import triton_import_error
+    if triton_import_error() is not None:
+        raise GPUUnavailable(f"the GPU suite runs fastbert's Triton kernels, but Triton does not import "
+                             f"({triton_import_error()})")
+    return torch.device("cuda")
+
+
+def work_items(suite: str) -> list[WorkItem]:
+    """The suite's (case, provider) pairs in the order they run."""
+    if suite == "smoke":
+        cases = [*op_cases.smoke_op_cases(), *model_cases.smoke_model_cases()]
+        excluded = op_cases.GPU_PROVIDERS | model_cases.GPU_PROVIDERS
+        return [WorkItem(c, p, 0) for c in cases for p in c.provider_names() if p not in excluded]
+    if suite == "cpu-memory":
+        return [WorkItem(c, p, 0) for c in op_cases.cpu_memory_cases() for p in (op_cases.EAGER, op_cases.TORCH)]
+    items = []
+    for case in op_cases.gpu_op_cases():
+        items += [WorkItem(case, p, 3 if p == op_cases.COMPILE else 0) for p in case.provider_names()]
+    for case in model_cases.gpu_model_cases():
+        base = {"train": 1, "inference": 2, "capacity": 5}[case.mode]
+        items += [WorkItem(case, p, 4 if p == model_cases.HF_COMPILE else base) for p in case.provider_names()]
+    return sorted(items, key=lambda item: item.priority)  # stable: case order kept within a priority
+
+
+def _derived(row: dict, peaks: dict) -> dict:
+    seconds = row["median_ms"] * 1e-3
+    if row.get("flops"):
+        row["tflops"] = row["flops"] / seconds / 1e12
+        if peaks.get("tflops"):
+            row["tflops_vs_peak"] = row["tflops"] / peaks["tflops"]
+    if row.get("bytes"):
+        row["gbps"] = row["bytes"] / seconds / 1e9
+        if peaks.get("gbps"):
+            row["gbps_vs_peak"] = row["gbps"] / peaks["gbps"]
+    return row
+
+
+def measure_op(case: op_cases.OpCase, provider: str, device: torch.device, peaks: dict,
+               directions: tuple[str, ...], timing: dict) -> list[dict]:
+    """Forward, backward and both, the way Liger-Kernel's benchmarks time them: the backward alone
+    replays one forward's graph (retain_graph), and no gradient accumulates between calls.
+    timing: keyword arguments of time_ms."""
+    inputs = case.make_inputs(device)
+    leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+    fn = case.provider(provider)
+
+    def forward():
+        return fn(**inputs)
+
+    grad_outputs = [torch.randn_like(o) if o.dim() else torch.ones_like(o) for o in forward()]
+    rows = []
+    for direction in directions:
+        for t in leaves:
+            t.grad = None
+        if direction == "fwd":
+            run = forward
+        elif direction == "bwd":
+            outputs = forward()
+
+            def run():
+                torch.autograd.backward(outputs, grad_outputs, retain_graph=True)
+        else:
+            def run():
+                torch.autograd.backward(forward(), grad_outputs)
+        row = {"direction": direction, **time_ms(run, device, leaves, **timing)}
+        for t in leaves:
+            t.grad = None
+        row.update(peak_memory(run, device))
+        row["flops"] = case.flops(direction) if case.flops else None
+        row["bytes"] = case.bytes(direction) if case.bytes else None
+        rows.append(_derived(row, peaks))
+    return rows
+
+
+def _release(device: torch.device, compiled: bool) -> None:
+    if compiled:
+        torch._dynamo.reset()  # each case compiles once; a shared cache would hit the recompile limit
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _case_fields(case) -> dict:
+    dtype = getattr(case, "dtype", None)
+    fields = {"case": case.name, "op": case.op, "shape": case.shape,
+              "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None}
+    if getattr(case, "notes", None):
+        fields["notes"] = case.notes
+    return fields
+
+
+def run_suite(suite: str, out_dir: str, only: str | None = None, budget_s: float | None = None,
+              progress: bool = True, command: list[str] | None = None) -> tuple[str, list[dict]]:
+    """Run a suite; return the path of the JSON file written under out_dir and its rows."""
+    if suite not in SUITES:
+        raise ValueError(f"suite must be one of {SUITES}, got {suite!r}")
+    device = suite_device(suite)
+    budget_s = (GPU_BUDGET_S if suite == "gpu" else None) if budget_s is None else budget_s
+    items = work_items(suite)
+    if only:
+        pattern = re.compile(only)
+        items = [i for i in items if pattern.search(f"{i.case.name} {i.provider}")]
+    common = {**provenance(device, command), "suite": suite, "timer": timer_name(device),
+              "memory_meter": memory_meter_name(device)}
+    os.makedirs(out_dir, exist_ok=True)
+    stamp = common["date"].replace(":", "").replace("-", "").replace("+0000", "Z")
+    path = os.path.join(out_dir, f"{suite}-{re.sub(r'[^A-Za-z0-9]+', '-', common['device']).strip('-')}-{stamp}.json")
+    start = time.monotonic()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = [{**common, "status": "ok", **r} for r in measure_peaks(device, dtype, quick=suite == "smoke")]
+    peaks = {"gbps": rows[0]["gbps"], "tflops": rows[1]["tflops"]}
+    directions = ("fwd+bwd",) if suite == "cpu-memory" else op_cases.DIRECTIONS
+    # the smoke run checks that every path runs and reports, not what it costs: one warm-up, three calls
+    timing = {"warmup_ms": 0.0, "rep_ms": 0.0} if suite == "smoke" else {}
+    _write(path, rows)
+
+    from tqdm import tqdm
+    bar = tqdm(items, desc=f"fastbert bench {suite}", unit="item", file=sys.stderr, disable=not progress,
+               dynamic_ncols=True)
+    for item in bar:
+        bar.set_postfix_str(f"{item.case.name} [{item.provider}]", refresh=False)
+        base = {**common, **_case_fields(item.case), "provider": item.provider}
+        if budget_s is not None and time.monotonic() - start > budget_s:
+            rows.append({**base, "status": "skipped", "error": f"time budget of {budget_s:.0f} s spent"})
+            continue
+        try:
+            if isinstance(item.case, model_cases.ModelCase):
+                measured = model_cases.measure_model(item.case, item.provider, device, peaks, timing)
+            else:
+                measured = measure_op(item.case, item.provider, device, peaks, directions, timing)
+            rows += [{**base, "status": "ok", **m} for m in measured]
+        except model_cases.oom_errors() as exc:
+            rows.append({**base, "status": "oom", "error": str(exc).splitlines()[0]})
+        except Exception as exc:  # one provider failing must not lose the rest of the run
+            traceback.print_exc(file=sys.stderr)
+            rows.append({**base, "status": "error", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                         if str(exc) else type(exc).__name__})
+        _release(device, item.provider in (op_cases.COMPILE, model_cases.HF_COMPILE))
+        _write(path, rows)
+    rows_total = time.monotonic() - start
+    for row in rows:
+        row["suite_seconds"] = round(rows_total, 1)
+    _write(path, rows)
+    return path, rows
+
+
+def _write(path: str, rows: list[dict]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(rows, f, indent=1, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def summary(rows: list[dict]) -> str:
+    """A plain-text table of the rows, for the terminal."""
+    lines = [f"{'case':<58} {'provider':<16} {'dir':<10} {'status':<7} {'ms':>9} {'TFLOP/s':>8} "
+             f"{'GB/s':>8} {'peak MB':>9}"]
+    for r in rows:
+        mem = r.get("peak_mem_extra_bytes") if r.get("peak_mem_bytes") is None else r.get("peak_mem_bytes")
+        cells = [f"{r.get('median_ms', float('nan')):9.3f}", _fmt(r.get("tflops"), 8, 1), _fmt(r.get("gbps"), 8, 0),
+                 _fmt(None if mem is None else mem / 2 ** 20, 9, 1)]
+        lines.append(f"{r['case'][:58]:<58} {r['provider']:<16} {str(r.get('direction', '')):<10} "
+                     f"{r['status']:<7} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def _fmt(value, width: int, digits: int) -> str:
+    return f"{value:{width}.{digits}f}" if isinstance(value, (int, float)) else " " * (width - 1) + "-"
