@@ -1,0 +1,252 @@
+"""kernels/layer_norm.py: fused residual + dropout + LayerNorm, forward and backward, against a float64
+reference with the tolerance rule (forward 2x PyTorch's own error in the same dtype, gradients 3x);
+dropout rate, reproducibility and forward/backward mask agreement; bitwise determinism; torch.compile;
+bad input. Runs under Triton's interpreter on CPU (conftest sets TRITON_INTERPRET=1)."""
+import pytest
+import torch
+
+from fastbert import ops, reference
+from fastbert.kernels import layer_norm as ln
+from tolerance import GRADIENT_FACTOR, assert_within_rule
+
+EPS = 1e-12
+CPU_DTYPES = (torch.float32, torch.float16)
+
+
+def _make_inputs(shape, dtype, device, with_residual, seed=0):
+    """x, weight, bias, residual (or None), dy: leaf tensors in `dtype`, x and residual of `shape`."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = shape[-1]
+
+    def rand(*size):
+        return torch.randn(*size, generator=gen).to(device=device, dtype=dtype)
+
+    x, dy = rand(*shape), rand(*shape)
+    weight, bias = 1.0 + 0.5 * rand(hidden), rand(hidden)
+    residual = rand(*shape) if with_residual else None
+    return x, weight, bias, residual, dy
+
+
+def _reference(x, weight, bias, residual, keep=None, dropout_p=0.0):
+    """reference.layer_norm with an explicit keep-mask standing for dropout."""
+    if keep is not None:
+        x = x * (keep.to(x.dtype) * (1.0 / (1.0 - dropout_p)))
+    return reference.layer_norm(x, weight, bias, EPS, residual)
+
+
+def _forward_backward(fn, x, weight, bias, residual, dy):
+    """Output and the gradients wrt x, weight, bias (and residual) of fn for upstream gradient dy."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
+    if residual is not None:
+        leaves.append(residual.detach().clone().requires_grad_())
+    y = fn(*leaves[:3], leaves[3] if residual is not None else None)
+    grads = torch.autograd.grad(y, leaves, dy)
+    return y.detach(), grads
+
+
+def _assert_matches_reference(x, weight, bias, residual, dy, kernel_fn, keep=None, dropout_p=0.0):
+    """Kernel vs float64 reference, bounded by PyTorch's own error in x's dtype (the tolerance rule)."""
+    def torch_fn(x_, w_, b_, r_):
+        return _reference(x_, w_, b_, r_, keep, dropout_p)
+
+    def double(t):
+        return None if t is None else t.double()
+
+    y, grads = _forward_backward(kernel_fn, x, weight, bias, residual, dy)
+    y_torch, grads_torch = _forward_backward(torch_fn, x, weight, bias, residual, dy)
+    y_exact, grads_exact = _forward_backward(torch_fn, double(x), double(weight), double(bias), double(residual),
+                                             dy.double())
+    assert y.dtype == x.dtype
+    assert_within_rule("y", y, y_torch, y_exact)
+    for name, g, g_torch, g_exact in zip(("dx", "dweight", "dbias", "dresidual"), grads, grads_torch, grads_exact):
+        assert g.dtype == g_torch.dtype, name
+        assert_within_rule(name, g, g_torch, g_exact, GRADIENT_FACTOR)
+    return grads
+
+
+def _kernel(dropout_p=0.0, training=True):
+    return lambda x, w, b, r: ln.layer_norm(x, w, b, EPS, r, dropout_p, training)
+
+
+def _keep_mask(shape, dropout_p, seed, device):
+    """The kernel's keep-mask for this seed: LayerNorm of dropout(ones) is > 0 exactly where kept."""
+    hidden = shape[-1]
+    ones = torch.ones(shape, device=device)
+    torch.manual_seed(seed)
+    y = ln.layer_norm(ones, torch.ones(hidden, device=device), torch.zeros(hidden, device=device), EPS, None,
+                      dropout_p, True)
+    return y > 0
+
+
+# Every listed row count and hidden size appears with and without a residual; 1000 rows as [10, 100, H].
+SHAPES_AND_RESIDUAL = [
+    ((1, 384), True), ((1, 1000), False),
+    ((7, 768), True), ((7, 1024), False),
+    ((113, 1000), True), ((113, 384), False),
+    ((10, 100, 1024), True), ((10, 100, 768), False),
+]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("shape,with_residual", SHAPES_AND_RESIDUAL, ids=str)
+def test_matches_reference(shape, with_residual, dtype, device):
+    inputs = _make_inputs(shape, dtype, device, with_residual)
+    _assert_matches_reference(*inputs, _kernel())
+
+
+@pytest.mark.parametrize("hidden", [128, 129, 4096, ln.MAX_HIDDEN])
+def test_hidden_size_range(hidden, device):
+    inputs = _make_inputs((3, hidden), torch.float32, device, with_residual=hidden % 2 == 0)
+    _assert_matches_reference(*inputs, _kernel())
+
+
+def test_zero_rows(device):
+    x, weight, bias, residual, dy = _make_inputs((0, 64), torch.float32, device, with_residual=True)
+    y, (dx, dweight, dbias, dresidual) = _forward_backward(_kernel(), x, weight, bias, residual, dy)
+    assert y.shape == (0, 64) and dx.shape == (0, 64) and dresidual.shape == (0, 64)
+    assert torch.equal(dweight, torch.zeros_like(dweight)) and torch.equal(dbias, torch.zeros_like(dbias))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_non_contiguous(dtype, device):
+    rows, hidden = 37, 384
+    x, weight, bias, _, _ = _make_inputs((rows, hidden), dtype, device, with_residual=False)
+    # x: a column slice (row stride 2H); residual: a transpose (column stride = rows); dy: every other column
+    x = torch.cat([x, x.flip(1)], dim=1)[:, :hidden]
+    residual = _make_inputs((hidden, rows), dtype, device, with_residual=False, seed=1)[0].t()
+    dy = _make_inputs((rows, 2 * hidden), dtype, device, with_residual=False, seed=2)[0][:, ::2]
+    assert not (x.is_contiguous() or residual.is_contiguous() or dy.is_contiguous())
+    _assert_matches_reference(x, weight, bias, residual, dy, _kernel())
+    # a permuted [B, S, H] input, and an upstream gradient with zero strides (from y.sum())
+    x3 = _make_inputs((5, 3, hidden), dtype, device, with_residual=False, seed=3)[0].transpose(0, 1)
+    dy3 = torch.ones((), dtype=dtype, device=device).expand(x3.shape)
+    _assert_matches_reference(x3, weight, bias, None, dy3, _kernel())
+
+
+@pytest.mark.parametrize("dropout_p", [0.1, 0.5])
+def test_dropout_rate(dropout_p, device):
+    shape = (100, 1024)  # 102400 elements
+    keep = _keep_mask(shape, dropout_p, seed=11, device=device)
+    dropped = 1.0 - keep.double().mean().item()
+    assert abs(dropped - dropout_p) < 0.01, f"dropped fraction {dropped:.4f}, expected {dropout_p}"
+
+
+def test_dropout_same_seed_same_mask(device):
+    shape = (7, 768)
+    first = _keep_mask(shape, 0.3, seed=5, device=device)
+    assert torch.equal(first, _keep_mask(shape, 0.3, seed=5, device=device))
+    assert not torch.equal(first, _keep_mask(shape, 0.3, seed=6, device=device))
+    # rows must not share a mask: the element offset, not the column alone, drives Philox
+    assert not torch.equal(first[0], first[1])
+
+
+def test_dropout_off_when_not_training(device):
+    x, weight, bias, residual, _ = _make_inputs((7, 384), torch.float32, device, with_residual=True)
+    y_eval = ln.layer_norm(x, weight, bias, EPS, residual, 0.5, training=False)
+    assert torch.equal(y_eval, ln.layer_norm(x, weight, bias, EPS, residual, 0.0, training=True))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_dropout_forward_backward_agree(dtype, device):
+    """The forward equals the reference under the seed's mask, and the backward regenerates that mask:
+    dx is exactly zero where the forward dropped and the gradients match the masked reference."""
+    shape, dropout_p, seed = (113, 768), 0.3, 1234
+    x, weight, bias, residual, dy = _make_inputs(shape, dtype, device, with_residual=True)
+    keep = _keep_mask(shape, dropout_p, seed, device)
+
+    def seeded_kernel(*args):
+        torch.manual_seed(seed)
+        return _kernel(dropout_p)(*args)
+
+    dx = _assert_matches_reference(x, weight, bias, residual, dy, seeded_kernel, keep, dropout_p)[0]
+    assert torch.equal(dx == 0, ~keep)
+
+
+def test_bitwise_deterministic(device):
+    x, weight, bias, residual, dy = _make_inputs((113, 1000), torch.float16, device, with_residual=True)
+
+    def run():
+        torch.manual_seed(21)
+        return _forward_backward(_kernel(0.1), x, weight, bias, residual, dy)
+
+    (y1, grads1), (y2, grads2) = run(), run()
+    assert torch.equal(y1, y2)
+    for name, g1, g2 in zip(("dx", "dweight", "dbias", "dresidual"), grads1, grads2):
+        assert torch.equal(g1, g2), name
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_fullgraph(backend, device):
+    """torch.compile traces the op without graph breaks (fullgraph=True raises on one), through the
+    fake and autograd registrations with aot_eager, and runs the same kernels with the same seed draw
+    as eager."""
+    x, weight, bias, residual, dy = _make_inputs((7, 384), torch.float32, device, with_residual=True)
+
+    def fn(x_, w_, b_, r_):
+        return ln.layer_norm(x_, w_, b_, EPS, r_, 0.2, True) * 2.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    torch.manual_seed(3)
+    y_compiled, grads_compiled = _forward_backward(compiled, x, weight, bias, residual, dy)
+    torch.manual_seed(3)
+    y_eager, grads_eager = _forward_backward(fn, x, weight, bias, residual, dy)
+    assert torch.equal(y_compiled, y_eager)
+    for name, g_compiled, g_eager in zip(("dx", "dweight", "dbias", "dresidual"), grads_compiled, grads_eager):
+        assert torch.equal(g_compiled, g_eager), name
+
+
+def test_custom_op_registrations(device):
+    """opcheck: schema, fake (meta) implementation and autograd registration agree with the kernel."""
+    x, weight, bias, residual, _ = _make_inputs((4, 128), torch.float32, device, with_residual=True)
+    for seed in (None, torch.tensor([123], dtype=torch.int64, device=device)):
+        args = (x.requires_grad_(), weight, bias, residual, seed, EPS, 0.0 if seed is None else 0.2)
+        torch.library.opcheck(torch.ops.fastbert.layer_norm_fwd.default, args)
+
+
+def _refuse_launch(*args, **kwargs):
+    raise AssertionError("a kernel was launched before the input check")
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return _refuse_launch
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(hidden=ln.MAX_HIDDEN + 1), f"hidden size (last dimension) {ln.MAX_HIDDEN + 1}"),
+    (dict(x_dtype=torch.float64), "x has dtype torch.float64"),
+    (dict(x_dtype=torch.int32), "x has dtype torch.int32"),
+    (dict(residual_dtype=torch.float16), "residual has dtype torch.float16, expected x's dtype torch.float32"),
+    (dict(weight_size=100), "weight has shape (100,), expected (128,)"),
+    (dict(residual_rows=5), "residual has shape (5, 128), expected x's shape (4, 128)"),
+    (dict(bias_device="meta"), "bias is on meta"),
+    (dict(dropout_p=1.0), "dropout_p must be in [0, 1), got 1.0"),
+])
+def test_bad_input(change, message, device, monkeypatch):
+    monkeypatch.setattr(ln, "_layer_norm_fwd_kernel", _NoLaunch())
+    hidden = change.get("hidden", 128)
+    x = torch.ones(4, hidden, device=device).to(change.get("x_dtype", torch.float32))
+    weight = torch.ones(change.get("weight_size", hidden), device=device)
+    bias = torch.zeros(hidden, device=change.get("bias_device", device))
+    residual = torch.ones(change.get("residual_rows", 4), hidden, device=device,
+                          dtype=change.get("residual_dtype", torch.float32))
+    with pytest.raises(ValueError) as error:
+        ln.layer_norm(x, weight, bias, EPS, residual, change.get("dropout_p", 0.0), True)
+    assert message in str(error.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,with_residual", [((1, 384), False), ((113, 1000), True), ((16, 512, 4096), True)],
+                         ids=str)
+def test_bf16_gpu(shape, with_residual, device):
+    inputs = _make_inputs(shape, torch.bfloat16, device, with_residual)
+    _assert_matches_reference(*inputs, _kernel())
+    keep = _keep_mask(shape, 0.1, seed=9, device=device)
+
+    def seeded_kernel(*args):
+        torch.manual_seed(9)
+        return _kernel(0.1)(*args)
+
+    dx = _assert_matches_reference(*inputs, seeded_kernel, keep, 0.1)[0]
+    assert torch.equal(dx == 0, ~keep)
