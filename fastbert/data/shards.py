@@ -93,13 +93,13 @@ class ShardedDataset:
         self._tokens, self._index = [], []
         for shard in self.metadata["shards"]:
             base = os.path.join(directory, shard["name"])
-            if shard["tokens"]:
-                self._tokens.append(np.memmap(base + ".bin", dtype=dtype, mode="r"))
-            else:  # np.memmap cannot map an empty file
-                self._tokens.append(np.zeros(0, dtype=dtype))
-            self._index.append(np.load(base + ".idx.npy", mmap_mode="r"))
-            if len(self._index[-1]) != shard["examples"] or len(self._tokens[-1]) != shard["tokens"]:
+            index = np.load(base + ".idx.npy", mmap_mode="r")
+            if len(index) != shard["examples"] or os.path.getsize(base + ".bin") != shard["tokens"] * dtype.itemsize:
                 raise ValueError(f"{base}: shard files do not match {INDEX_FILE} (truncated or overwritten?)")
+            self._index.append(index)
+            # np.memmap cannot map an empty file
+            self._tokens.append(np.memmap(base + ".bin", dtype=dtype, mode="r") if shard["tokens"]
+                                else np.zeros(0, dtype=dtype))
         self._starts = np.cumsum([0] + [len(i) for i in self._index])
         if self._starts[-1] == 0:
             raise ValueError(f"{directory!r} holds no examples")

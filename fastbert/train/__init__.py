@@ -1,0 +1,1 @@
+"""Training: pretraining (pretrain.py and its helpers) and fine-tuning."""

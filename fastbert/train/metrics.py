@@ -1,0 +1,67 @@
+"""Training throughput accounting: model FLOPs, the device's measured peak, MFU, JSON-lines metrics.
+
+FLOPs follow DESIGN.md: a [M,K]x[K,N] matmul is 2MNK, training is 3x the forward. Per sequence of
+s real tokens (padding is not counted, whatever the kernels do with it), the forward is
+    per layer: 2 s (4 H^2 + 2 H I)  [QKV, output, FFN]  +  4 s^2 H  [QK^T and PV]
+    heads:     2 m (H^2 + H V) on the m masked tokens (the MLM head runs only there), 2 (H^2 + 2H)
+MFU = achieved model FLOP/s / the device's measured matmul rate in the run's compute dtype.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+
+def training_flops(config, lengths: torch.Tensor, masked_tokens: int) -> float:
+    """FLOPs of one training pass (forward + backward) over sequences of these real lengths."""
+    h, i, v, layers = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
+    lengths = lengths.to(torch.float64)
+    encoder = layers * (2 * (4 * h * h + 2 * h * i) * lengths.sum() + 4 * h * (lengths ** 2).sum())
+    heads = 2 * masked_tokens * (h * h + h * v) + 2 * len(lengths) * (h * h + 2 * h)
+    return 3.0 * float(encoder + heads)
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a large square matmul in dtype on device (median of several timed runs).
+    Uses its own generator: the run's RNG stream is not touched."""
+    n = 8192 if device.type == "cuda" else 1024
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    times = []
+    for _ in range(7):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            a @ b
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            begin = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - begin)
+    return 2.0 * n ** 3 / sorted(times[2:])[len(times[2:]) // 2]
+
+
+class MetricsLog:
+    """Appends one JSON object per logged step to <out>/metrics.jsonl (rank 0 only)."""
+
+    def __init__(self, path: str, enabled: bool, resume_step: int | None):
+        self.path, self.enabled = path, enabled
+        if enabled and resume_step is not None and os.path.exists(path):
+            # lines a crashed run wrote after its last checkpoint would be repeated by the resumed run
+            with open(path, encoding="utf-8") as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+            tmp = path + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(kept)
+            os.replace(tmp, path)
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
