@@ -1,0 +1,263 @@
+"""kernels/attention.py against the float64 reference (fastbert.reference.attention) with DESIGN.md's
+tolerance rule, on CPU under TRITON_INTERPRET=1 (fp32, fp16) and on a GPU (bf16): padded batches with a
+fully padded sequence and arbitrary masks, packed (varlen) batches, dropout, determinism,
+torch.compile tracing and input errors."""
+import pytest
+import torch
+
+from fastbert import reference
+from fastbert.kernels import attention as attn
+from tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, assert_within_rule
+
+
+def make_qkv(batch, heads, seqlen, head_dim, dtype, device, layout):
+    """q, k, v [B, heads, S, d]: contiguous, or views of one [B, S, 3, heads, d] buffer (the layout of a
+    fused QKV projection: non-contiguous, interleaved). Each is a differentiable non-leaf view."""
+    if layout == "qkv_buffer":
+        buffer = torch.randn(batch, seqlen, 3, heads, head_dim, device=device, dtype=dtype, requires_grad=True)
+        return buffer.permute(2, 0, 3, 1, 4).unbind(0)
+    leaves = [torch.randn(batch, heads, seqlen, head_dim, device=device, dtype=dtype, requires_grad=True)
+              for _ in range(3)]
+    return [t * 1 for t in leaves]
+
+
+def make_mask(batch, seqlen, kind, device):
+    """[B, S] int64 mask, 1 = token. Sequence 1 is fully padded; the others have random lengths in
+    [1, S], right padded ("right") or with their tokens at random positions ("arbitrary")."""
+    if kind == "none":
+        return None
+    lengths = torch.randint(1, seqlen + 1, (batch,))
+    lengths[1] = 0
+    mask = (torch.arange(seqlen)[None, :] < lengths[:, None]).long()
+    if kind == "arbitrary":
+        mask = torch.stack([row[torch.randperm(seqlen)] for row in mask])
+    return mask.to(device)
+
+
+def run(fn, inputs, dout):
+    """fn(*inputs) and the gradients of <fn(*inputs), dout> w.r.t. inputs."""
+    out = fn(*inputs)
+    grads = torch.autograd.grad(out, inputs, dout)
+    return out, grads
+
+
+def assert_matches_reference(kernel_fn, reference_fn, q, k, v, dout):
+    """kernel_fn(q, k, v) and its gradients within the rule of reference_fn in float64 (exact) and in
+    q's dtype (PyTorch's own error). Returns the kernel's (out, (dq, dk, dv))."""
+    out, grads = run(kernel_fn, (q, k, v), dout)
+    exact_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    exact_out, exact_grads = run(reference_fn, exact_inputs, dout.double())
+    torch_inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    torch_out, torch_grads = run(reference_fn, torch_inputs, dout)
+    assert_within_rule("out", out, torch_out, exact_out, FORWARD_FACTOR)
+    for name, grad, torch_grad, exact_grad in zip(("dq", "dk", "dv"), grads, torch_grads, exact_grads):
+        assert_within_rule(name, grad, torch_grad, exact_grad, GRADIENT_FACTOR)
+    return out, grads
+
+
+# Every listed length, both dtypes, head dims 32/64/128, heads 2-4, both layouts and all mask kinds
+# appear; not their full product (the interpreter is slow).
+CASES = [
+    # (S, dtype, head_dim, heads, layout, mask kind, scale)
+    (1, torch.float32, 32, 2, "qkv_buffer", "right", None),
+    (17, torch.float16, 64, 3, "contiguous", "arbitrary", 0.3),
+    (33, torch.float16, 128, 2, "qkv_buffer", "right", None),
+    (97, torch.float32, 64, 4, "qkv_buffer", "right", None),
+    (113, torch.float16, 32, 2, "qkv_buffer", "arbitrary", None),
+    (128, torch.float32, 32, 3, "contiguous", "none", None),
+    (129, torch.float16, 64, 2, "qkv_buffer", "right", None),
+    (257, torch.float32, 32, 2, "qkv_buffer", "arbitrary", None),
+    (257, torch.float16, 64, 2, "contiguous", "right", None),
+]
+
+
+@pytest.mark.parametrize("seqlen,dtype,head_dim,heads,layout,mask_kind,scale", CASES)
+def test_attention_matches_reference(device, seqlen, dtype, head_dim, heads, layout, mask_kind, scale):
+    torch.manual_seed(seqlen)
+    batch = 4
+    q, k, v = make_qkv(batch, heads, seqlen, head_dim, dtype, device, layout)
+    mask = make_mask(batch, seqlen, mask_kind, device)
+    dout = torch.randn(batch, heads, seqlen, head_dim, device=device, dtype=dtype)
+    out, (dq, dk, dv) = assert_matches_reference(
+        lambda q, k, v: attn.attention(q, k, v, mask, scale=scale),
+        lambda q, k, v: reference.attention(q, k, v, mask, scale=scale), q, k, v, dout)
+    if mask is not None:
+        padded = (mask == 0)[:, None, :, None].expand_as(out)
+        # padded rows (queries and keys) are exact zeros, with exact zero gradients
+        for name, tensor in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+            assert (tensor[padded] == 0).all(), f"{name} is nonzero on padded positions"
+
+
+def test_head_dims_and_dtypes_errors(device):
+    q = torch.randn(1, 2, 8, 48, device=device)
+    with pytest.raises(ValueError, match="head dim .* 48"):
+        attn.attention(q, q, q)
+    q = torch.randn(1, 2, 8, 32, device=device, dtype=torch.float64)
+    with pytest.raises(ValueError, match="dtype torch.float64"):
+        attn.attention(q, q, q)
+    q = torch.randn(1, 2, 8, 32, device=device)
+    with pytest.raises(ValueError, match="k has dtype torch.float16"):
+        attn.attention(q, q.half(), q)
+    with pytest.raises(ValueError, match="shape"):
+        attn.attention(q, q[:, :, :4], q)
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 7\)"):
+        attn.attention(q, q, q, torch.ones(1, 7, device=device))
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        attn.attention(q, q, q, dropout_p=1.0)
+    packed = torch.randn(8, 2, 32, device=device)
+    with pytest.raises(ValueError, match="cu_seqlens must be int32"):
+        attn.attention_varlen(packed, packed, packed, torch.tensor([0, 8], device=device), 8)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        attn.attention_varlen(packed, packed, packed, torch.tensor([0, 8], device=device, dtype=torch.int32), 0)
+
+
+def test_fully_padded_batch_gives_zeros_and_finite_grads(device):
+    torch.manual_seed(0)
+    q, k, v = make_qkv(2, 2, 37, 32, torch.float16, device, "qkv_buffer")
+    mask = torch.zeros(2, 37, dtype=torch.bool, device=device)
+    out, grads = run(lambda q, k, v: attn.attention(q, k, v, mask, dropout_p=0.1), (q, k, v), torch.randn_like(q))
+    assert (out == 0).all()
+    for grad in grads:
+        assert (grad == 0).all()
+
+
+def recover_dropout_keep(batch, heads, seqlen, head_dim, dropout_p, seed, device):
+    """The kernel's keep-mask [B, heads, S, S] for torch.manual_seed(seed): with q = k = 0 every kept
+    probability is 1/S, and v = one-hot rows for a chunk of head_dim keys reads that chunk's columns."""
+    zeros = torch.zeros(batch, heads, seqlen, head_dim, device=device)
+    keep = torch.empty(batch, heads, seqlen, seqlen, dtype=torch.bool, device=device)
+    for start in range(0, seqlen, head_dim):
+        width = min(head_dim, seqlen - start)
+        v = zeros.clone()
+        v[:, :, start:start + width, :width] = torch.eye(width, device=device)
+        torch.manual_seed(seed)
+        out = attn.attention(zeros, zeros, v, dropout_p=dropout_p)
+        chunk = out[..., :width]
+        # kept entries are exactly 1 / (S (1 - p)); dropped ones exactly 0
+        kept_value = torch.tensor(1.0 / seqlen / (1.0 - dropout_p))
+        assert torch.isclose(chunk[chunk != 0], kept_value, rtol=1e-6).all()
+        keep[..., start:start + width] = chunk != 0
+    return keep
+
+
+def test_dropout_rate_and_seed(device):
+    p = 0.1
+    keep = recover_dropout_keep(7, 4, 64, 64, p, seed=1, device=device)
+    assert keep.numel() >= 100_000
+    assert abs((1.0 - keep.float().mean().item()) - p) < 0.01
+    # the mask depends on the head and the sequence, not only on (row, col)
+    assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0])
+    assert torch.equal(keep, recover_dropout_keep(7, 4, 64, 64, p, seed=1, device=device))
+    assert not torch.equal(keep, recover_dropout_keep(7, 4, 64, 64, p, seed=2, device=device))
+    # eval mode and p = 0 draw no mask
+    q = torch.randn(2, 2, 16, 32, device=device)
+    assert torch.equal(attn.attention(q, q, q, dropout_p=p, training=False), attn.attention(q, q, q))
+
+
+def dropout_reference(q, k, v, mask, keep, dropout_p):
+    """softmax(q k^T / sqrt(d) + key mask) * keep / (1 - p) v, padded query rows zeroed."""
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(mask[:, None, None, :] == 0, torch.finfo(q.dtype).min)
+    probs = torch.softmax(scores, dim=-1) * keep / (1.0 - dropout_p)
+    return (probs @ v) * mask[:, None, :, None]
+
+
+def test_dropout_forward_and_backward_use_the_recovered_mask(device):
+    # S = 129 spans several query and key blocks in all three kernels (forward, dk/dv, dq)
+    batch, heads, seqlen, head_dim, p = 2, 2, 129, 64, 0.2
+    keep = recover_dropout_keep(batch, heads, seqlen, head_dim, p, seed=3, device=device)
+    torch.manual_seed(4)
+    q, k, v = make_qkv(batch, heads, seqlen, head_dim, torch.float32, device, "qkv_buffer")
+    mask = make_mask(batch, seqlen, "right", device)
+    mask[1] = 1  # (make_mask pads sequence 1 fully; here both hold tokens)
+    dout = torch.randn(batch, heads, seqlen, head_dim, device=device)
+
+    def kernel_fn(q, k, v):
+        torch.manual_seed(3)
+        return attn.attention(q, k, v, mask, dropout_p=p)
+
+    assert_matches_reference(kernel_fn, lambda q, k, v: dropout_reference(q, k, v, mask, keep, p), q, k, v, dout)
+
+
+def test_backward_is_deterministic(device):
+    torch.manual_seed(0)
+    q, k, v = make_qkv(3, 2, 113, 32, torch.float16, device, "qkv_buffer")
+    mask = make_mask(3, 113, "arbitrary", device)
+    dout = torch.randn(3, 2, 113, 32, device=device, dtype=torch.float16)
+
+    def fn(q, k, v):
+        torch.manual_seed(7)
+        return attn.attention(q, k, v, mask, dropout_p=0.1)
+
+    first, second = run(fn, (q, k, v), dout), run(fn, (q, k, v), dout)
+    assert torch.equal(first[0], second[0])
+    for a, b in zip(first[1], second[1]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_varlen_equals_padded(device, dropout_p):
+    torch.manual_seed(1)
+    batch, heads, seqlen, head_dim = 4, 3, 97, 32
+    q, k, v = make_qkv(batch, heads, seqlen, head_dim, torch.float16, device, "contiguous")
+    mask = make_mask(batch, seqlen, "right", device)  # sequence 1 empty: a zero-length packed sequence
+    dout = torch.randn(batch, heads, seqlen, head_dim, device=device, dtype=torch.float16)
+
+    def padded_fn(q, k, v):
+        torch.manual_seed(2)
+        return attn.attention(q, k, v, mask, dropout_p=dropout_p)
+
+    def packed_fn(q, k, v):
+        # [B, heads, S, d] -> [T, heads, d] and back, around the varlen kernel
+        packed = [reference.unpad(t.transpose(1, 2), mask)[0] for t in (q, k, v)]
+        _, indices, cu_seqlens, max_seqlen = reference.unpad(q.transpose(1, 2), mask)
+        torch.manual_seed(2)
+        out = attn.attention_varlen(*packed, cu_seqlens, max_seqlen, dropout_p=dropout_p)
+        return reference.pad(out, indices, batch, seqlen).transpose(1, 2)
+
+    padded_out, padded_grads = run(padded_fn, (q, k, v), dout)
+    packed_out, packed_grads = run(packed_fn, (q, k, v), dout)
+    assert torch.equal(padded_out, packed_out)
+    for a, b in zip(padded_grads, packed_grads):
+        assert torch.equal(a, b)
+
+
+def test_torch_compile_traces_without_graph_breaks(device):
+    torch.manual_seed(0)
+    q, k, v = make_qkv(2, 2, 19, 32, torch.float32, device, "qkv_buffer")
+    mask = make_mask(2, 19, "right", device)
+
+    def padded(q, k, v, mask):
+        return attn.attention(q, k, v, mask, dropout_p=0.1)
+
+    torch.manual_seed(5)
+    eager = padded(q, k, v, mask)
+    torch.manual_seed(5)
+    compiled = torch.compile(padded, backend="eager", fullgraph=True)(q, k, v, mask)
+    assert torch.equal(eager, compiled)
+    compiled.sum().backward()
+
+    # aot_eager also traces the backward through the registered fake and autograd implementations
+    packed = [t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v)]
+    cu_seqlens = torch.tensor([0, 7, 19], dtype=torch.int32, device=device)
+    varlen = torch.compile(lambda q, k, v: attn.attention_varlen(q, k, v, cu_seqlens, 12),
+                           backend="aot_eager", fullgraph=True)
+    out, grads = run(varlen, packed, torch.ones_like(packed[0]))
+    eager_out, eager_grads = run(lambda q, k, v: attn.attention_varlen(q, k, v, cu_seqlens, 12), packed,
+                                 torch.ones_like(packed[0]))
+    assert torch.equal(out, eager_out)
+    for a, b in zip(grads, eager_grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen,head_dim,mask_kind", [(97, 64, "right"), (512, 64, "arbitrary"),
+                                                       (1000, 128, "right"), (4096, 32, "right")])
+def test_attention_bf16_gpu(device, seqlen, head_dim, mask_kind):
+    torch.manual_seed(seqlen)
+    batch, heads = 4, 3
+    q, k, v = make_qkv(batch, heads, seqlen, head_dim, torch.bfloat16, device, "qkv_buffer")
+    mask = make_mask(batch, seqlen, mask_kind, device)
+    dout = torch.randn(batch, heads, seqlen, head_dim, device=device, dtype=torch.bfloat16)
+    assert_matches_reference(lambda q, k, v: attn.attention(q, k, v, mask),
+                             lambda q, k, v: reference.attention(q, k, v, mask), q, k, v, dout)
