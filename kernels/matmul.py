@@ -34,14 +34,25 @@ _TANH_CUBIC = 0.044715
 
 
 @triton.jit
+def _tanh_gelu_parts(z):
+    """For the tanh form, with u = sqrt(2/pi) (z + 0.044715 z^3): (s, s (1 - s), u') where
+    s = sigmoid(2u) = (1 + tanh(u)) / 2. From t = exp(-2|u|) <= 1, so nothing overflows and
+    s (1 - s) = t / (1 + t)^2 keeps its precision where s rounds to 1 (1 - s would be 0 or noise)."""
+    u = _SQRT_2_OVER_PI * (z + _TANH_CUBIC * z * z * z)
+    t = tl.exp(-2.0 * tl.abs(u))
+    r = 1.0 / (1.0 + t)
+    s = tl.where(u >= 0, r, t * r)
+    du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_CUBIC * z * z)
+    return s, t * r * r, du
+
+
+@triton.jit
 def gelu(z, APPROXIMATE: tl.constexpr):
-    """GELU of fp32 z. "none": z * Phi(z) with the exact erf. "tanh": z * 0.5 (1 + tanh(u)),
-    u = sqrt(2/pi) (z + 0.044715 z^3), written as z * sigmoid(2u), which is exact algebra and
-    needs no tanh (not in every Triton version's tl.math) and does not overflow: exp(-2u) -> inf
-    gives 0, the right limit."""
+    """GELU of fp32 z. "none": z Phi(z) with the exact erf. "tanh": z (1 + tanh(u)) / 2 = z sigmoid(2u)
+    (no tanh needed: not every Triton version's tl.math has one)."""
     if APPROXIMATE == "tanh":
-        u = _SQRT_2_OVER_PI * (z + _TANH_CUBIC * z * z * z)
-        return z / (1.0 + tl.exp(-2.0 * u))
+        s, _, _ = _tanh_gelu_parts(z)
+        return z * s
     else:
         return 0.5 * z * (1.0 + tl.math.erf(z * _SQRT_HALF))
 
@@ -50,19 +61,22 @@ def gelu(z, APPROXIMATE: tl.constexpr):
 def gelu_grad(z, APPROXIMATE: tl.constexpr):
     """d gelu / dz at fp32 z.
     "none":  Phi(z) + z phi(z),  Phi(z) = (1 + erf(z / sqrt 2)) / 2,  phi(z) = exp(-z^2 / 2) / sqrt(2 pi).
-    "tanh":  s + z s (1 - s) 2 u',  s = sigmoid(2u),  u' = sqrt(2/pi) (1 + 3 * 0.044715 z^2)."""
+    "tanh":  s + 2 z s (1 - s) u',  s = sigmoid(2u),  u' = sqrt(2/pi) (1 + 3 * 0.044715 z^2)."""
     if APPROXIMATE == "tanh":
-        u = _SQRT_2_OVER_PI * (z + _TANH_CUBIC * z * z * z)
-        s = 1.0 / (1.0 + tl.exp(-2.0 * u))
-        du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_CUBIC * z * z)
-        return s + 2.0 * z * s * (1.0 - s) * du
+        s, s_one_minus_s, du = _tanh_gelu_parts(z)
+        return s + 2.0 * z * s_one_minus_s * du
     else:
         cdf = 0.5 * (1.0 + tl.math.erf(z * _SQRT_HALF))
         return cdf + z * _INV_SQRT_2PI * tl.exp(-0.5 * z * z)
 
 
+# Triton's interpreter (CPU tests) runs each program in numpy at a fixed cost per operation: few,
+# large tiles are what make it fast, so the launchers pick larger tiles under it.
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def _configs():
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if INTERPRETER:
         # The interpreter runs each program in numpy: few large tiles are fastest, tuning is moot.
         return [triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 256, "GROUP_M": 8})]
     # Hopper-sized tiles (Triton tutorial / Liger choices); fp32 ones are pruned by shared memory.

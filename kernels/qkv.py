@@ -19,9 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.matmul import DTYPES, matmul_fwd
+from fastbert.kernels.matmul import DTYPES, INTERPRETER, matmul_fwd
 
-_TILE_ELEMENTS = 4096
+# Elements per tile of the gradient gather: as in kernels/bias_gelu.py.
+_TILE_ELEMENTS = 65536 if INTERPRETER else 4096
 _MAX_BLOCK_N = 256
 
 

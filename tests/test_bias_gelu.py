@@ -1,0 +1,186 @@
+"""kernels/bias_gelu.py: gelu(x + bias) and gelu(x @ weight.T + bias) (both forms), forward and
+backward, against a float64 reference with the tolerance rule; non-contiguous inputs, determinism,
+torch.compile tracing, bad inputs."""
+import pytest
+import torch
+from tolerance import GRADIENT_FACTOR, assert_within_rule
+
+from fastbert import ops, reference
+from fastbert.kernels import bias_gelu as kernel
+
+DTYPES = [torch.float32, torch.float16]
+
+
+def _run(fn, inputs, grad_out):
+    """fn(*inputs) and the gradients of <fn(...), grad_out> w.r.t. every input."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad_out.to(out.dtype))
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _check_against_reference(fn, ref_fn, inputs, grad_out, names):
+    """fn on inputs vs ref_fn on the same inputs in their dtype (torch's own error) and in float64."""
+    out, grads = _run(fn, inputs, grad_out)
+    torch_out, torch_grads = _run(ref_fn, inputs, grad_out)
+    exact_out, exact_grads = _run(ref_fn, [t.double() for t in inputs], grad_out.double())
+    assert_within_rule("forward", out, torch_out, exact_out)
+    for name, g, tg, eg in zip(names, grads, torch_grads, exact_grads):
+        assert_within_rule(name, g, tg, eg, GRADIENT_FACTOR)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("rows, hidden", [(1, 384), (7, 1000), (113, 768), (1000, 1024)])
+def test_bias_gelu_matches_reference(rows, hidden, approximate, dtype, device):
+    torch.manual_seed(rows + hidden)
+    x = 3 * torch.randn(rows, hidden, device=device, dtype=dtype)
+    bias = torch.randn(hidden, device=device, dtype=dtype)
+    dy = torch.randn(rows, hidden, device=device, dtype=dtype)
+    _check_against_reference(lambda a, b: kernel.bias_gelu(a, b, approximate),
+                             lambda a, b: reference.bias_gelu(a, b, approximate), [x, bias], dy, ["dx", "dbias"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_gelu_noncontiguous_and_batched(dtype, device):
+    torch.manual_seed(0)
+    # [S, B, H] transposed to [B, S, H]: the leading dims do not merge, so x is read through a copy;
+    # a column slice keeps a 2-D view with row stride != H, read through its strides.
+    x_t = torch.randn(37, 3, 384, device=device, dtype=dtype).transpose(0, 1)
+    x_slice = torch.randn(97, 1000, device=device, dtype=dtype)[:, 7:391]
+    bias = torch.randn(384, device=device, dtype=dtype)
+    for x in (x_t, x_slice):
+        assert not x.is_contiguous()
+        dy = torch.randn(*x.shape[:-1], 2 * x.shape[-1], device=device, dtype=dtype)[..., ::2]
+        out, grads = _run(lambda a, b: kernel.bias_gelu(a, b, "tanh"), [x, bias], dy)
+        exact_out, exact_grads = _run(lambda a, b: reference.bias_gelu(a, b, "tanh"), [x.double(), bias.double()],
+                                      dy.double())
+        torch_out, torch_grads = _run(lambda a, b: reference.bias_gelu(a, b, "tanh"), [x, bias], dy)
+        assert out.shape == x.shape
+        assert_within_rule("forward", out, torch_out, exact_out)
+        for name, g, tg, eg in zip(("dx", "dbias"), grads, torch_grads, exact_grads):
+            assert_within_rule(name, g, tg, eg, GRADIENT_FACTOR)
+
+
+@pytest.mark.parametrize("form", kernel.LINEAR_BIAS_GELU_FORMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, in_features, out_features, approximate",
+                         [(1, 384, 1536, "none"), (7, 1000, 384, "tanh"), (113, 768, 1000, "none"),
+                          (1000, 1024, 384, "tanh")])
+def test_linear_bias_gelu_matches_reference(rows, in_features, out_features, approximate, dtype, form, device):
+    torch.manual_seed(rows + in_features)
+    x = torch.randn(rows, in_features, device=device, dtype=dtype)
+    weight = torch.randn(out_features, in_features, device=device, dtype=dtype) * in_features ** -0.5
+    bias = torch.randn(out_features, device=device, dtype=dtype)
+    dy = torch.randn(rows, out_features, device=device, dtype=dtype)
+    _check_against_reference(lambda a, w, b: kernel._linear_bias_gelu(a, w, b, approximate, form),
+                             lambda a, w, b: reference.linear_bias_gelu(a, w, b, approximate),
+                             [x, weight, bias], dy, ["dx", "dweight", "dbias"])
+
+
+@pytest.mark.parametrize("form", kernel.LINEAR_BIAS_GELU_FORMS)
+def test_linear_bias_gelu_noncontiguous_batched(form, device):
+    torch.manual_seed(1)
+    x = torch.randn(2, 400, 7, device=device).transpose(1, 2)[:, :, 3:387]  # [2, 7, 384], strided
+    weight = torch.randn(384, 1000, device=device).t()  # [1000, 384], column-major
+    bias = torch.randn(1000, device=device)
+    dy = torch.randn(2, 7, 1000, device=device)
+    _check_against_reference(lambda a, w, b: kernel._linear_bias_gelu(a, w, b, "none", form),
+                             lambda a, w, b: reference.linear_bias_gelu(a, w, b, "none"),
+                             [x, weight, bias], dy, ["dx", "dweight", "dbias"])
+
+
+def test_linear_bias_gelu_form_switch(monkeypatch, device):
+    """The module constant names the form linear_bias_gelu (the model's path) runs."""
+    assert kernel.LINEAR_BIAS_GELU_FORM == "epilogue"
+    torch.manual_seed(2)
+    x, weight, bias = (torch.randn(7, 384, device=device), torch.randn(512, 384, device=device) / 20,
+                       torch.randn(512, device=device))
+    per_form = {form: kernel._linear_bias_gelu(x, weight, bias, "none", form) for form in kernel.LINEAR_BIAS_GELU_FORMS}
+    # The forms round differently, so equality identifies which one ran.
+    assert not torch.equal(per_form["epilogue"], per_form["cublas_then_bias_gelu"])
+    for form in kernel.LINEAR_BIAS_GELU_FORMS:
+        monkeypatch.setattr(kernel, "LINEAR_BIAS_GELU_FORM", form)
+        assert torch.equal(kernel.linear_bias_gelu(x, weight, bias, "none"), per_form[form])
+
+
+def test_deterministic(device):
+    torch.manual_seed(3)
+    x = torch.randn(113, 384, device=device, dtype=torch.float16)
+    bias = torch.randn(384, device=device, dtype=torch.float16)
+    weight = torch.randn(384, 384, device=device, dtype=torch.float16) / 20
+    dy = torch.randn(113, 384, device=device, dtype=torch.float16)
+    for fn, inputs in ((lambda a, b: kernel.bias_gelu(a, b, "none"), [x, bias]),
+                       (lambda a, w, b: kernel._linear_bias_gelu(a, w, b, "tanh", "epilogue"), [x, weight, bias])):
+        first, second = _run(fn, inputs, dy), _run(fn, inputs, dy)
+        assert torch.equal(first[0], second[0])
+        for g1, g2 in zip(first[1], second[1]):
+            assert torch.equal(g1, g2)
+
+
+def test_torch_compile_fullgraph(device):
+    torch.manual_seed(4)
+    x = torch.randn(7, 384, device=device, requires_grad=True)
+    weight = torch.randn(1000, 384, device=device, requires_grad=True)
+    bias = torch.randn(1000, device=device, requires_grad=True)
+
+    def layer(x, weight, bias):
+        return kernel.bias_gelu(kernel.linear_bias_gelu(x, weight, bias, "tanh"), bias, "none").sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    compiled(x, weight, bias).backward()
+    compiled_grads = [t.grad.clone() for t in (x, weight, bias)]
+    for t in (x, weight, bias):
+        t.grad = None
+    layer(x, weight, bias).backward()
+    for compiled_grad, t in zip(compiled_grads, (x, weight, bias)):
+        assert torch.equal(compiled_grad, t.grad)
+
+
+def test_ops_dispatch_to_kernel(device):
+    torch.manual_seed(5)
+    x, bias = torch.randn(7, 384, device=device), torch.randn(384, device=device)
+    assert torch.equal(ops.bias_gelu(x, bias, backend="triton"), kernel.bias_gelu(x, bias))
+    weight = torch.randn(384, 384, device=device)
+    assert torch.equal(ops.linear_bias_gelu(x, weight, bias, backend="triton"),
+                       kernel.linear_bias_gelu(x, weight, bias))
+
+
+def test_bad_inputs(device):
+    x = torch.randn(7, 384, device=device)
+    bias = torch.randn(384, device=device)
+    weight = torch.randn(512, 384, device=device)
+    with pytest.raises(ValueError, match="bias has shape"):
+        kernel.bias_gelu(x, bias[:100])
+    with pytest.raises(ValueError, match="approximate must be one of"):
+        kernel.bias_gelu(x, bias, "sigmoid")
+    with pytest.raises(ValueError, match="dtype torch.int64"):
+        kernel.bias_gelu(x.long(), bias.long())
+    with pytest.raises(ValueError, match="bias is torch.float16"):
+        kernel.bias_gelu(x, bias.half())
+    with pytest.raises(ValueError, match="bias has shape"):
+        kernel.linear_bias_gelu(x, weight, bias)
+    with pytest.raises(ValueError, match=r"weight \[N, K\] must share K"):
+        kernel.linear_bias_gelu(x, weight[:, :100], weight[:, 0])
+    with pytest.raises(ValueError, match="weight has dtype torch.float16"):
+        kernel.linear_bias_gelu(x, weight.half(), weight[:, 0])
+    with pytest.raises(ValueError, match="form must be one of"):
+        kernel._linear_bias_gelu(x, weight, weight[:, 0], "none", "cudnn")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bf16_gpu(approximate, device):
+    torch.manual_seed(6)
+    x = torch.randn(1000, 1024, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(4096, 1024, device=device, dtype=torch.bfloat16) / 32
+    bias = torch.randn(4096, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(1000, 4096, device=device, dtype=torch.bfloat16)
+    for form in kernel.LINEAR_BIAS_GELU_FORMS:
+        _check_against_reference(lambda a, w, b: kernel._linear_bias_gelu(a, w, b, approximate, form),
+                                 lambda a, w, b: reference.linear_bias_gelu(a, w, b, approximate),
+                                 [x, weight, bias], dy, ["dx", "dweight", "dbias"])
+    _check_against_reference(lambda a, b: kernel.bias_gelu(a, b, approximate),
+                             lambda a, b: reference.bias_gelu(a, b, approximate), [x @ weight.t(), bias], dy,
+                             ["dx", "dbias"])
