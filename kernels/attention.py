@@ -61,13 +61,13 @@ def _configs(gpu_shapes, interpreter_shape):
 AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "VARLEN", "HAS_MASK", "DROPOUT"]
 # Forward: large query blocks amortise the K/V loads; 8 warps for 128 x 128 tiles.
 FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3),
-                        (64, 32, 4, 2)], (64, 32, 4, 1))
+                        (64, 32, 4, 2)], (128, 64, 4, 1))
 # dk/dv: one program per key block holds k, v, dk, dv; small query blocks stream through it.
 DKDV_CONFIGS = _configs([(32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3),
-                         (16, 64, 4, 2)], (32, 64, 4, 1))
+                         (16, 64, 4, 2)], (64, 128, 4, 1))
 # dq: one program per query block holds q, dO, dq; small key blocks stream through it.
 DQ_CONFIGS = _configs([(128, 32, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3),
-                       (64, 16, 4, 2)], (64, 32, 4, 1))
+                       (64, 16, 4, 2)], (128, 64, 4, 1))
 PREPROCESS_BLOCK_M = 64
 
 
@@ -109,9 +109,8 @@ def _token_valid(KEY_MASK, stride_mb, stride_ms, b64, idx, lo, hi, HAS_MASK: tl.
 def _dropout_keep(seed, b, h, rows, cols, dropout_p):
     """Keep-mask of the probabilities at (rows, cols) of head h of sequence b: rows and cols broadcast
     against each other, the result has their broadcast shape, in either orientation."""
-    c0 = cols + rows * 0
-    c1 = rows + cols * 0
-    r, _, _, _ = tl.philox(seed, c0, c1, h + c0 * 0, b + c0 * 0)
+    c0, c1 = tl.broadcast(cols, rows)
+    r, _, _, _ = tl.philox(seed, c0, c1, h, b)
     return tl.uint_to_uniform_float(r) >= dropout_p
 
 
@@ -138,6 +137,7 @@ def _attention_fwd_kernel(
     scale_log2,  # scale * log2(e)
     dropout_p, keep_scale,  # keep_scale = 1 / (1 - dropout_p)
     HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32), the default otherwise
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -167,12 +167,15 @@ def _attention_fwd_kernel(
     block_live = (pid_m * BLOCK_M < hi) & (pid_m * BLOCK_M + BLOCK_M > lo)
     n_start = (lo // BLOCK_N) * BLOCK_N
     n_end = tl.where(block_live, hi, n_start)
+    offs_n = tl.arange(0, BLOCK_N)
+    kt_ptrs = K + offs_n[None, :] * stride_ks + dims[:, None] * stride_kd  # block at key 0; the loop shifts it
+    v_ptrs = V + offs_n[:, None] * stride_vs + dims[None, :] * stride_vd
     for start_n in range(n_start, n_end, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
+        cols = start_n + offs_n
         col_valid = _token_valid(KEY_MASK, stride_mb, stride_ms, b64, cols, lo, hi, HAS_MASK)
         in_cols = cols < hi
-        kt = tl.load(K + cols[None, :] * stride_ks + dims[:, None] * stride_kd, mask=in_cols[None, :], other=0.0)
-        s = tl.dot(q, kt, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+        kt = tl.load(kt_ptrs + start_n * stride_ks, mask=in_cols[None, :], other=0.0)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         s = tl.where(col_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row whose keys so far are all masked has m = -inf; exponentiating against 0 instead keeps
@@ -184,8 +187,8 @@ def _attention_fwd_kernel(
         if DROPOUT:
             # the normaliser l sums the probabilities before dropout; only the values are dropped
             p = tl.where(_dropout_keep(seed, b, h, rows[:, None], cols[None, :], dropout_p), p, 0.0)
-        v = tl.load(V + cols[:, None] * stride_vs + dims[None, :] * stride_vd, mask=in_cols[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        v = tl.load(v_ptrs + start_n * stride_vs, mask=in_cols[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # Every token row sees at least itself, so l > 0 on valid rows; padded rows get zeros.
@@ -250,6 +253,7 @@ def _attention_bwd_dkdv_kernel(
     stride_lb, stride_lh, stride_mb, stride_ms,
     seqlen, seqlen_bucket, scale, scale_log2, dropout_p, keep_scale,
     HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32), the default otherwise
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # One program per key block; the transposed scores s^T [BLOCK_N, BLOCK_M] keep keys on the rows.
@@ -283,25 +287,28 @@ def _attention_bwd_dkdv_kernel(
     block_live = (pid_n * BLOCK_N < hi) & (pid_n * BLOCK_N + BLOCK_N > lo)
     m_start = (lo // BLOCK_M) * BLOCK_M
     m_end = tl.where(block_live, hi, m_start)
+    offs_m = tl.arange(0, BLOCK_M)
+    qt_ptrs = Q + offs_m[None, :] * stride_qs + dims[:, None] * stride_qd  # block at query 0; the loop shifts it
+    do_ptrs = DO + offs_m[:, None] * stride_dos + dims[None, :] * stride_dod
     for start_m in range(m_start, m_end, BLOCK_M):
-        rows = start_m + tl.arange(0, BLOCK_M)
+        rows = start_m + offs_m
         in_rows = rows < hi
-        qt = tl.load(Q + rows[None, :] * stride_qs + dims[:, None] * stride_qd, mask=in_rows[None, :], other=0.0)
-        do = tl.load(DO + rows[:, None] * stride_dos + dims[None, :] * stride_dod, mask=in_rows[:, None], other=0.0)
+        qt = tl.load(qt_ptrs + start_m * stride_qs, mask=in_rows[None, :], other=0.0)
+        do = tl.load(do_ptrs + start_m * stride_dos, mask=in_rows[:, None], other=0.0)
         lse = tl.load(LSE + rows, mask=in_rows, other=float("inf"))
         delta = tl.load(DELTA + rows, mask=in_rows, other=0.0)
-        st = tl.dot(k, qt, input_precision="ieee") * scale_log2  # [BLOCK_N, BLOCK_M]
+        st = tl.dot(k, qt, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_N, BLOCK_M]
         pt = tl.where(col_valid[:, None], tl.math.exp2(st - lse[None, :]), 0.0)
-        dpt = tl.dot(v, tl.trans(do), input_precision="ieee")  # (dO V^T)^T
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (dO V^T)^T
         if DROPOUT:
             keep = _dropout_keep(seed, b, h, rows[None, :], cols[:, None], dropout_p)
             pt_dropped = tl.where(keep, pt * keep_scale, 0.0)
             dpt = tl.where(keep, dpt * keep_scale, 0.0)
         else:
             pt_dropped = pt
-        dv += tl.dot(pt_dropped.to(do.dtype), do, input_precision="ieee")
+        dv += tl.dot(pt_dropped.to(do.dtype), do, input_precision=DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision="ieee")
+        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)
 
     dk *= scale
     tl.store(DK + cols[:, None] * stride_dks + dims[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
@@ -326,6 +333,7 @@ def _attention_bwd_dq_kernel(
     stride_lb, stride_lh, stride_mb, stride_ms,
     seqlen, seqlen_bucket, scale, scale_log2, dropout_p, keep_scale,
     HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32), the default otherwise
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # One program per query block, looping over the key blocks: dq is owned by one program, no atomics.
@@ -357,20 +365,23 @@ def _attention_bwd_dq_kernel(
     block_live = (pid_m * BLOCK_M < hi) & (pid_m * BLOCK_M + BLOCK_M > lo)
     n_start = (lo // BLOCK_N) * BLOCK_N
     n_end = tl.where(block_live, hi, n_start)
+    offs_n = tl.arange(0, BLOCK_N)
+    kt_ptrs = K + offs_n[None, :] * stride_ks + dims[:, None] * stride_kd  # block at key 0; the loop shifts it
+    vt_ptrs = V + offs_n[None, :] * stride_vs + dims[:, None] * stride_vd
     for start_n in range(n_start, n_end, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
+        cols = start_n + offs_n
         col_valid = _token_valid(KEY_MASK, stride_mb, stride_ms, b64, cols, lo, hi, HAS_MASK)
         in_cols = cols < hi
-        kt = tl.load(K + cols[None, :] * stride_ks + dims[:, None] * stride_kd, mask=in_cols[None, :], other=0.0)
-        vt = tl.load(V + cols[None, :] * stride_vs + dims[:, None] * stride_vd, mask=in_cols[None, :], other=0.0)
-        s = tl.dot(q, kt, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+        kt = tl.load(kt_ptrs + start_n * stride_ks, mask=in_cols[None, :], other=0.0)
+        vt = tl.load(vt_ptrs + start_n * stride_vs, mask=in_cols[None, :], other=0.0)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         p = tl.where(col_valid[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, vt, input_precision="ieee")
+        dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
         if DROPOUT:
             keep = _dropout_keep(seed, b, h, rows[:, None], cols[None, :], dropout_p)
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision="ieee")
+        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
 
     dq *= scale
     tl.store(DQ + rows[:, None] * stride_dqs + dims[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
@@ -409,19 +420,23 @@ def _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p) ->
     if varlen:
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 1:
             raise ValueError(f"cu_seqlens must be int32 [B+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-        if not isinstance(max_seqlen, int) or max_seqlen < 0 or (max_seqlen == 0 and q.shape[0] > 0):
+        if not isinstance(max_seqlen, (int, torch.SymInt)) or max_seqlen < 0 or (max_seqlen == 0 and q.shape[0] > 0):
             raise ValueError(f"max_seqlen must be an int >= the longest sequence (>= 1 when there are tokens), "
                              f"got {max_seqlen!r}")
     elif key_mask is not None and tuple(key_mask.shape) != (q.shape[0], q.shape[2]):
         raise ValueError(f"attention_mask has shape {tuple(key_mask.shape)}, expected {(q.shape[0], q.shape[2])}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    seqlen = max_seqlen if varlen else q.shape[2]
     for name, tensor in (("q", q), ("k", k), ("v", v)):
-        reach = seqlen * abs(tensor.stride(-3 if varlen else -2)) + head_dim * abs(tensor.stride(-1))
-        if reach > INT32_MAX:
-            raise ValueError(f"{name}: one sequence spans {reach} elements (sequence length {seqlen} x its "
-                             f"stride); offsets within a sequence must fit int32 ({INT32_MAX})")
+        _check_sequence_reach(name, tensor, max_seqlen if varlen else q.shape[2], varlen)
+
+
+def _check_sequence_reach(name, tensor, seqlen, varlen) -> None:
+    """Offsets inside one sequence are int32 in the kernels (across sequences and heads they are int64)."""
+    reach = seqlen * abs(tensor.stride(-3 if varlen else -2)) + tensor.shape[-1] * abs(tensor.stride(-1))
+    if reach > INT32_MAX:
+        raise ValueError(f"{name}: one sequence spans {reach} elements (sequence length {seqlen} x its "
+                         f"stride); offsets within a sequence must fit int32 ({INT32_MAX})")
 
 
 def _bhsd_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int, int]:
@@ -477,7 +492,8 @@ def _launch_meta(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, sca
     scalars = dict(seqlen=seqlen, seqlen_bucket=triton.next_power_of_2(max(seqlen, 1)),
                    scale_log2=scale * LOG2E, dropout_p=dropout_p, keep_scale=1.0 / (1.0 - dropout_p))
     flags = dict(HEAD_DIM=q.shape[-1], VARLEN=varlen, HAS_MASK=key_mask is not None and not varlen,
-                 DROPOUT=seed is not None and dropout_p > 0.0)
+                 DROPOUT=seed is not None and dropout_p > 0.0,
+                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     return (heads, batch), pointers, (stride_mb, stride_ms), scalars, flags
 
 
@@ -526,6 +542,9 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """Gradients (dq, dk, dv) of `attention_fwd` from its inputs, output, log-sum-exp and seed (the same
     dropout mask is regenerated). dout has out's shape, any strides. Deterministic: no atomics."""
     varlen = cu_seqlens is not None
+    if dout.shape != out.shape:
+        raise ValueError(f"dout has shape {tuple(dout.shape)}, expected out's shape {tuple(out.shape)}")
+    _check_sequence_reach("dout", dout, max_seqlen if varlen else q.shape[2], varlen)
     dq, dk, dv = (_empty_like_qkv(t, varlen) for t in (q, k, v))
     if q.numel() == 0:
         return dq, dk, dv
@@ -535,7 +554,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     delta = _new_row_stats(q, varlen)
     stats_strides = _row_stats_strides(lse, varlen)
     _attention_bwd_preprocess_kernel[(triton.cdiv(seqlen, PREPROCESS_BLOCK_M), heads, batch)](
-        out, dout, delta, pointers[3], *_bhsd_strides(out, varlen), *_bhsd_strides(dout, varlen),
+        out, dout, delta, q if cu_seqlens is None else cu_seqlens, *_bhsd_strides(out, varlen), *_bhsd_strides(dout, varlen),
         *stats_strides, seqlen, HEAD_DIM=flags["HEAD_DIM"], VARLEN=varlen, BLOCK_M=PREPROCESS_BLOCK_M,
     )
     inputs_strides = (*_bhsd_strides(q, varlen), *_bhsd_strides(k, varlen), *_bhsd_strides(v, varlen),
