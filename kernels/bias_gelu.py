@@ -4,9 +4,10 @@
 # bias_gelu: an elementwise kernel over [BLOCK_M, BLOCK_N] tiles of the 2-D view x [M, N]; the
 # forward saves x (not x + bias: same memory, and the backward recomputes the sum for free). The
 # backward kernel computes dx = dy * gelu'(x + bias) and, in the same pass, dbias = sum_rows dx: each
-# program owns a fixed group of rows and one column block, sums its rows' dx in fp32 in a fixed order
-# and writes one row of partial sums; torch sums the [groups, N] partials. No atomics, so dbias is
-# bitwise reproducible.
+# program owns a fixed group of rows and one column block, sums its rows' dx in a fixed order and
+# writes one row of partial sums; torch sums the [groups, N] partials. No atomics, so dbias is
+# bitwise reproducible. The sums are fp64 (a conversion and an add per element, free in a
+# memory-bound pass), so dbias carries one rounding, not the error of a long fp32 summation.
 #
 # linear_bias_gelu has two forms; LINEAR_BIAS_GELU_FORM picks the one the model uses:
 #   "epilogue"              one Triton matmul (kernels/matmul.py) with bias + GELU in its epilogue,
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.matmul import DTYPES, INTERPRETER, check_operands, gelu, gelu_grad, matmul_fwd
+from fastbert.kernels.matmul import DTYPES, INTERPRETER, check_operands, gelu, gelu_grad, matmul_fwd, row_groups
 
 APPROXIMATIONS = ("none", "tanh")
 LINEAR_BIAS_GELU_FORMS = ("epilogue", "cublas_then_bias_gelu")
@@ -64,7 +65,7 @@ def _bias_gelu_bwd_kernel(
     x_ptr,  # [M, N]
     bias_ptr,  # [N] (read when HAS_BIAS)
     dx_ptr,  # [M, N] contiguous
-    dbias_partial_ptr,  # [num_row_groups, N] fp32: column sums of dx over each group's rows
+    dbias_partial_ptr,  # [num_row_groups, N] fp64: column sums of dx over each group's rows
     M, N, rows_per_group,
     stride_dym, stride_dyn, stride_xm, stride_xn,
     HAS_BIAS: tl.constexpr,
@@ -78,7 +79,7 @@ def _bias_gelu_bwd_kernel(
     b = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dbias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dbias = tl.zeros((BLOCK_N,), dtype=tl.float64)
     first = group * rows_per_group
     last = tl.minimum(first + rows_per_group, M)
     for start in range(first, last, BLOCK_M):
@@ -90,7 +91,7 @@ def _bias_gelu_bwd_kernel(
         dx = dx.to(dx_ptr.dtype.element_ty)
         tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dx, mask=mask)
         # Sum the rounded dx, as autograd does for an unfused x + bias.
-        dbias += tl.sum(tl.where(mask, dx.to(tl.float32), 0.0), axis=0)
+        dbias += tl.sum(tl.where(mask, dx.to(tl.float64), 0.0), axis=0)
     tl.store(dbias_partial_ptr + group * N + cols, dbias, mask=col_mask)
 
 
@@ -133,16 +134,6 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none"
     return y
 
 
-def _row_groups(rows: int, col_blocks: int, block_m: int, device: torch.device) -> int:
-    """How many row groups the backward splits M into: about four programs per SM in all. Depends
-    only on the shape and the device, so the dbias summation order is fixed for a given GPU."""
-    if device.type == "cuda":
-        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target = 4
-    return max(1, min(triton.cdiv(rows, block_m), triton.cdiv(target, col_blocks)))
-
-
 def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
                   approximate: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of y = gelu(x + bias) (bias None: y = gelu(x)).
@@ -160,10 +151,8 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
         return dx, torch.zeros(cols, dtype=x.dtype, device=x.device)
     block_m, block_n = _blocks(cols)
     col_blocks = triton.cdiv(cols, block_n)
-    groups = _row_groups(rows, col_blocks, block_m, x.device)
-    rows_per_group = triton.cdiv(triton.cdiv(rows, groups), block_m) * block_m
-    groups = triton.cdiv(rows, rows_per_group)
-    partial = torch.empty((groups, cols), dtype=torch.float32, device=x.device)
+    groups, rows_per_group = row_groups(rows, col_blocks, block_m, x.device)
+    partial = torch.empty((groups, cols), dtype=torch.float64, device=x.device)
     _bias_gelu_bwd_kernel[(groups, col_blocks)](
         dy2, x2, x2 if bias is None else bias, dx, partial, rows, cols, rows_per_group,
         dy2.stride(0), dy2.stride(1), x2.stride(0), x2.stride(1),

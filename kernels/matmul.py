@@ -14,8 +14,13 @@
 #
 # The GELU and its derivative live here, as the epilogue's activations; the elementwise kernels of
 # kernels/bias_gelu.py use the same two functions, so both forms compute identical GELUs.
+# `row_groups`, the row split of the deterministic bias-gradient sums of bias_gelu.py and qkv.py,
+# is shared from here too.
 #
-# Limits: x [M, K] and weight [N, K] of one dtype (fp32, fp16 or bf16), any strides; M, N, K >= 1.
+# Tiles are autotuned per (N, K, dtype, epilogue), not per M: with packed tokens M changes every
+# batch, and a retune per batch would cost more than any tile choice gains.
+#
+# Limits: x [M, K] and weight [N, K] of one dtype (fp32, fp16 or bf16), any strides; M >= 0; N, K >= 1.
 # Offsets are int64 (M * N passes 2**31 for large batches).
 # Sources: Triton tutorial 03-matrix-multiplication; Liger-Kernel's fused linear epilogues.
 import os
@@ -73,6 +78,17 @@ def gelu_grad(z, APPROXIMATE: tl.constexpr):
 # Triton's interpreter (CPU tests) runs each program in numpy at a fixed cost per operation: few,
 # large tiles are what make it fast, so the launchers pick larger tiles under it.
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def row_groups(rows: int, col_blocks: int, block_m: int, device: torch.device) -> tuple[int, int]:
+    """Split rows into (groups, rows_per_group), rows_per_group a multiple of block_m, for the
+    deterministic column sums of kernels/bias_gelu.py and kernels/qkv.py: one program per group
+    and column block, about four programs per SM in all. Depends only on the shape and the device,
+    so the summation order, hence every bit of the sum, is fixed for a given GPU."""
+    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    groups = max(1, min(triton.cdiv(rows, block_m), triton.cdiv(target, col_blocks)))
+    rows_per_group = triton.cdiv(triton.cdiv(rows, groups), block_m) * block_m
+    return triton.cdiv(rows, rows_per_group), rows_per_group
 
 
 def _configs():
@@ -177,7 +193,8 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, expected x's device {x.device}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[1] == 0:
-        raise ValueError(f"x [M, K] and weight [N, K] must share K >= 1, got {tuple(x.shape)} and {tuple(weight.shape)}")
+        raise ValueError(f"x [M, K] and weight [N, K] must share K >= 1, "
+                         f"got {tuple(x.shape)} and {tuple(weight.shape)}")
     if tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(weight.shape[0],)}")
 

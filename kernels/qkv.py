@@ -9,8 +9,9 @@
 # Backward: with dQKV [M, 3H] the gradient of the matmul's output in token-major order,
 #   dx = dQKV @ Wqkv,   dWqkv = dQKV^T @ x,   dbias = sum over tokens of dQKV.
 # A Triton kernel gathers dq, dk, dv (any strides: attention backwards hand over what they have)
-# into dQKV and sums its columns in the same pass into per-row-group fp32 partials (fixed order, no
-# atomics, so dbias is reproducible); the two matmuls are cuBLAS's.
+# into dQKV and sums its columns in the same pass into per-row-group partials (fixed order, no
+# atomics, so dbias is reproducible; in fp64, a few conversions in a memory-bound pass, so the only
+# error left is the final rounding); the two matmuls are cuBLAS's.
 #
 # Limits: fp32, fp16, bf16; hidden size H >= 1 divisible by num_heads; any number of tokens; x of
 # any strides (a [B, S, H] whose B and S do not merge is copied by reshape). Offsets are int64.
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.matmul import DTYPES, INTERPRETER, matmul_fwd
+from fastbert.kernels.matmul import DTYPES, INTERPRETER, matmul_fwd, row_groups
 
 # Elements per tile of the gradient gather: as in kernels/bias_gelu.py.
 _TILE_ELEMENTS = 65536 if INTERPRETER else 4096
@@ -30,7 +31,7 @@ _MAX_BLOCK_N = 256
 def _qkv_bwd_kernel(
     grad_ptr,  # [B, heads, S, d]: dq, dk or dv (packed tokens: [1, heads, T, d])
     dqkv_ptr,  # [M, 3H] contiguous; this launch fills columns [col_offset, col_offset + H)
-    dbias_partial_ptr,  # [num_row_groups, 3H] fp32: column sums of dqkv over each group's rows
+    dbias_partial_ptr,  # [num_row_groups, 3H] fp64: column sums of dqkv over each group's rows
     M, H, seqlen, col_offset, rows_per_group,
     stride_b, stride_h, stride_s, stride_d,
     HEAD_DIM: tl.constexpr,
@@ -41,7 +42,7 @@ def _qkv_bwd_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < H
     col_off = (cols // HEAD_DIM).to(tl.int64) * stride_h + (cols % HEAD_DIM) * stride_d  # [BLOCK_N]
-    dbias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dbias = tl.zeros((BLOCK_N,), dtype=tl.float64)
     first = group * rows_per_group
     last = tl.minimum(first + rows_per_group, M)
     for start in range(first, last, BLOCK_M):
@@ -50,7 +51,7 @@ def _qkv_bwd_kernel(
         row_off = (rows // seqlen) * stride_b + (rows % seqlen) * stride_s  # [BLOCK_M]
         g = tl.load(grad_ptr + row_off[:, None] + col_off[None, :], mask=mask, other=0.0)
         tl.store(dqkv_ptr + rows[:, None] * (3 * H) + col_offset + cols[None, :], g, mask=mask)
-        dbias += tl.sum(g.to(tl.float32), axis=0)
+        dbias += tl.sum(g.to(tl.float64), axis=0)
     tl.store(dbias_partial_ptr + group * (3 * H) + col_offset + cols, dbias, mask=col_mask)
 
 
@@ -113,12 +114,8 @@ def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: 
     block_n = min(triton.next_power_of_2(hidden), _MAX_BLOCK_N)
     block_m = _TILE_ELEMENTS // block_n
     col_blocks = triton.cdiv(hidden, block_n)
-    # About four programs per SM over the three launches; fixed per shape and device (reproducible).
-    target = 4 * torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    groups = max(1, min(triton.cdiv(rows, block_m), triton.cdiv(target, 3 * col_blocks)))
-    rows_per_group = triton.cdiv(triton.cdiv(rows, groups), block_m) * block_m
-    groups = triton.cdiv(rows, rows_per_group)
-    partial = torch.empty((groups, 3 * hidden), dtype=torch.float32, device=x.device)
+    groups, rows_per_group = row_groups(rows, 3 * col_blocks, block_m, x.device)  # 3 launches share the GPU
+    partial = torch.empty((groups, 3 * hidden), dtype=torch.float64, device=x.device)
     for which, g in enumerate(grads):
         _qkv_bwd_kernel[(groups, col_blocks)](
             g, dqkv, partial, rows, hidden, g.shape[2], which * hidden, rows_per_group, *g.stride(),

@@ -1,0 +1,145 @@
+"""kernels/qkv.py: x @ Wqkv.T + bias stored as q, k, v in the attention layout, forward and backward,
+against a float64 reference with the tolerance rule; padded [B, S, H] and packed [T, H] inputs,
+non-contiguous inputs and gradients, determinism, torch.compile tracing, bad inputs."""
+import pytest
+import torch
+from tolerance import GRADIENT_FACTOR, assert_within_rule
+
+from fastbert import ops, reference
+from fastbert.kernels import qkv as kernel
+
+DTYPES = [torch.float32, torch.float16]
+
+
+def _run(fn, inputs, grads_out):
+    """(q, k, v) = fn(*inputs) and the gradients of sum_i <out_i, grads_out_i> w.r.t. every input."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    outs = fn(*leaves)
+    torch.autograd.backward(outs, [g.to(o.dtype) for o, g in zip(outs, grads_out)])
+    return [o.detach() for o in outs], [t.grad for t in leaves]
+
+
+def _inputs(shape, dtype, device, seed):
+    torch.manual_seed(seed)
+    hidden = shape[-1]
+    x = torch.randn(*shape, device=device, dtype=dtype)
+    weight = torch.randn(3 * hidden, hidden, device=device, dtype=dtype) * hidden ** -0.5
+    bias = torch.randn(3 * hidden, device=device, dtype=dtype)
+    return x, weight, bias
+
+
+def _strided_grads(like, dtype, device):
+    """Three gradients shaped like q, k, v: [B, heads, S, d] made as [B, S, heads, d].transpose(1, 2),
+    the layout an attention backward may hand back; packed [T, heads, d] as a stride-2 slice."""
+    if like.dim() == 4:
+        batch, heads, seqlen, head_dim = like.shape
+        return [torch.randn(batch, seqlen, heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
+                for _ in range(3)]
+    return [torch.randn(*like.shape[:-1], 2 * like.shape[-1], device=device, dtype=dtype)[..., ::2]
+            for _ in range(3)]
+
+
+def _check_against_reference(x, weight, bias, num_heads, grads):
+    fn = lambda *t: kernel.qkv_projection(*t, num_heads)  # noqa: E731
+    ref = lambda *t: reference.qkv_projection(*t, num_heads)  # noqa: E731
+    outs, in_grads = _run(fn, [x, weight, bias], grads)
+    torch_outs, torch_grads = _run(ref, [x, weight, bias], grads)
+    exact_outs, exact_grads = _run(ref, [x.double(), weight.double(), bias.double()], [g.double() for g in grads])
+    for name, out, torch_out, exact in zip("qkv", outs, torch_outs, exact_outs):
+        assert out.is_contiguous(), f"{name} is not contiguous"
+        assert_within_rule(name, out, torch_out, exact)
+    for name, g, tg, eg in zip(("dx", "dweight", "dbias"), in_grads, torch_grads, exact_grads):
+        assert_within_rule(name, g, tg, eg, GRADIENT_FACTOR)
+    return outs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, num_heads", [((1, 1, 384), 6), ((1, 7, 1000), 8), ((3, 37, 768), 12),
+                                              ((2, 500, 384), 6)])
+def test_padded_layout_matches_reference(shape, num_heads, dtype, device):
+    x, weight, bias = _inputs(shape, dtype, device, seed=sum(shape))
+    batch, seqlen, hidden = shape
+    grads = _strided_grads(torch.empty(batch, num_heads, seqlen, hidden // num_heads), dtype, device)
+    q, k, v = _check_against_reference(x, weight, bias, num_heads, grads)
+    assert q.shape == (batch, num_heads, seqlen, hidden // num_heads)
+    # Three slices of one [3, B, heads, S, d] buffer: written in place by the matmul, never copied.
+    assert k.data_ptr() - q.data_ptr() == v.data_ptr() - k.data_ptr() == q.numel() * q.element_size()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, hidden, num_heads", [(1, 1024, 16), (7, 384, 12), (113, 1024, 16),
+                                                       (113, 1000, 8)])
+def test_packed_layout_matches_reference(tokens, hidden, num_heads, dtype, device):
+    x, weight, bias = _inputs((tokens, hidden), dtype, device, seed=tokens + hidden)
+    grads = _strided_grads(torch.empty(tokens, num_heads, hidden // num_heads), dtype, device)
+    q, _, _ = _check_against_reference(x, weight, bias, num_heads, grads)
+    assert q.shape == (tokens, num_heads, hidden // num_heads)
+
+
+def test_noncontiguous_inputs(device):
+    # x [B, S, H] as the transpose of [S, B, H] (its leading dims do not merge), and a column-major weight.
+    x = torch.randn(37, 3, 384, device=device).transpose(0, 1)
+    weight = torch.randn(384, 3 * 384, device=device).t() / 20
+    bias = torch.randn(3 * 1152, device=device)[::3]
+    assert not (x.is_contiguous() or weight.is_contiguous() or bias.is_contiguous())
+    grads = [torch.randn(3, 6, 37, 64, device=device)] * 3
+    _check_against_reference(x, weight, bias, 6, grads)
+
+
+def test_deterministic(device):
+    x, weight, bias = _inputs((2, 113, 384), torch.float16, device, seed=0)
+    grads = _strided_grads(torch.empty(2, 6, 113, 64), torch.float16, device)
+    fn = lambda *t: kernel.qkv_projection(*t, 6)  # noqa: E731
+    first, second = _run(fn, [x, weight, bias], grads), _run(fn, [x, weight, bias], grads)
+    for a, b in zip(first[0] + first[1], second[0] + second[1]):
+        assert torch.equal(a, b)
+
+
+def test_torch_compile_fullgraph(device):
+    x, weight, bias = (t.requires_grad_() for t in _inputs((2, 7, 384), torch.float32, device, seed=1))
+
+    def project(x, weight, bias):
+        q, k, v = kernel.qkv_projection(x, weight, bias, 6)
+        return (q * k + v).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(project, backend="eager", fullgraph=True)
+    compiled(x, weight, bias).backward()
+    compiled_grads = [t.grad.clone() for t in (x, weight, bias)]
+    for t in (x, weight, bias):
+        t.grad = None
+    project(x, weight, bias).backward()
+    for compiled_grad, t in zip(compiled_grads, (x, weight, bias)):
+        assert torch.equal(compiled_grad, t.grad)
+
+
+def test_ops_dispatch_to_kernel(device):
+    x, weight, bias = _inputs((7, 384), torch.float32, device, seed=2)
+    kernel_outs = kernel.qkv_projection(x, weight, bias, 6)
+    for a, b in zip(ops.qkv_projection(x, weight, bias, 6, backend="triton"), kernel_outs):
+        assert torch.equal(a, b)
+
+
+def test_bad_inputs(device):
+    x, weight, bias = _inputs((2, 7, 384), torch.float32, device, seed=3)
+    with pytest.raises(ValueError, match="x must be"):
+        kernel.qkv_projection(x[None], weight, bias, 6)
+    with pytest.raises(ValueError, match=r"num_heads \(5\) must be positive and divide"):
+        kernel.qkv_projection(x, weight, bias, 5)
+    with pytest.raises(ValueError, match="weight has shape"):
+        kernel.qkv_projection(x, weight[:384], bias, 6)
+    with pytest.raises(ValueError, match="bias has shape"):
+        kernel.qkv_projection(x, weight, bias[:384], 6)
+    with pytest.raises(ValueError, match="weight is torch.float16"):
+        kernel.qkv_projection(x, weight.half(), bias, 6)
+    with pytest.raises(ValueError, match="x has dtype torch.float64"):
+        kernel.qkv_projection(x.double(), weight.double(), bias.double(), 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, num_heads", [((4, 512, 768), 12), ((1000, 1024), 16)])
+def test_bf16_gpu(shape, num_heads, device):
+    x, weight, bias = _inputs(shape, torch.bfloat16, device, seed=4)
+    like = (torch.empty(shape[0], num_heads, shape[1], shape[-1] // num_heads) if len(shape) == 3
+            else torch.empty(shape[0], num_heads, shape[-1] // num_heads))
+    _check_against_reference(x, weight, bias, num_heads, _strided_grads(like, torch.bfloat16, device))
