@@ -1,0 +1,378 @@
+# Fused decoder matmul + softmax cross entropy over the vocabulary (the masked-LM loss), forward and
+# backward, without ever holding the [N, V] logits. For x [N, H], the decoder weight W [V, H] (tied
+# to the word embeddings), bias b [V] and targets t [N], with z = x W^T + b and label smoothing e
+# (F.cross_entropy's semantics):
+#   lse = log sum_v exp(z_v)
+#   loss_row = lse - (1 - e) z_t - e mean_v(z_v)              (labelled rows only)
+#   loss = sum of loss_row ("sum") or that / number of labelled rows ("mean"; 0 when there is none)
+#   num_correct = labelled rows whose first argmax of z is t
+#
+# Forward: one Triton kernel over (row block, vocabulary split). For each [BLOCK_N, BLOCK_V] tile it
+# computes the logits with tl.dot over H (fp32 accumulation, IEEE fp32 dots for fp32 inputs) and
+# folds them into per-row running statistics: an online log-sum-exp (max, sum of exp(z - max)), the
+# target's logit, the sum of logits and the first argmax. The vocabulary is split across programs so
+# that few rows (N = 2458 is 20 row blocks) still fill the GPU; a few torch ops merge the [splits, N]
+# partials. Only lse [N] is kept for the backward. Nothing of size N x V is written.
+#
+# Backward, with c = grad_loss (/ labelled rows for "mean") on labelled rows and 0 on the others:
+#   dz = (softmax(z) - (1 - e) onehot(t) - e / V) * c
+#   dx = dz W,   dW = dz^T x,   db = sum_rows dz
+# The vocabulary is cut into column chunks so that N x chunk stays under BACKWARD_CHUNK_ELEMENTS. For
+# each chunk a Triton kernel recomputes the chunk's logits and writes dz [N, chunk] in x's dtype, then
+# two cuBLAS GEMMs give dW for the chunk's vocabulary rows (written once, never accumulated) and add
+# dz W_chunk into an fp32 dx, chunk by chunk in a fixed order: no atomics, bitwise reproducible.
+#
+# Why this split, for the pretraining shape on an H100 (N = 2458, H = 768, V = 30522; one logits
+# matmul is 2 N V H = 115 GFLOP): it costs four such matmuls and no [N, V] traffic beyond the bounded
+# dz chunk. A fully fused backward (a dx kernel over row blocks and a dW kernel over vocabulary blocks,
+# each recomputing its logit tiles) costs five, and its per-program accumulators are [block, H=768]
+# fp32 (192 KiB for 64 rows, over a CTA's register file), so it must also tile H and recompute the
+# logits once per H tile, or accumulate through global memory. Liger-Kernel's scheme (gradients in the
+# forward, row chunk by row chunk, over full-vocabulary logits) costs three, but adds each chunk's
+# dz^T x into the whole fp32 dW [V, H] (94 MB read and written per chunk), does the gradient work
+# even when no backward follows (evaluation, accuracy), and keeps dW alive from forward to backward.
+# Here the forward alone is one fused matmul, and the backward's two GEMMs have long reduction
+# dimensions (N for dW, the chunk for dx) and full-H outputs, the shapes cuBLAS runs best.
+#
+# Limits. x and W fp32, fp16 or bf16 of one dtype; b fp32, fp16, bf16 or None; targets any integer
+# dtype, ignore_index anywhere; a target outside [0, V) that is not ignore_index gives a NaN loss and
+# NaN gradients (no host sync to check it). 1 <= V < 2**31, H >= 1, any N (0 gives loss 0). Any strides.
+# Row offsets are int64: rows x V and rows x H may pass 2**31.
+#
+# Sources: Liger-Kernel's fused_linear_cross_entropy and cross_entropy (online softmax over vocabulary
+# blocks, label smoothing gradient, chunking to bound memory), flash-attention's online softmax and
+# split-K style partial merge (flash-decoding), the Triton matmul tutorial (tiling, masks).
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+REDUCTIONS = ("mean", "sum")
+MAX_VOCAB = 2**31 - 1
+# dz is materialised one vocabulary chunk at a time: N x chunk elements at most (64 MiB in 16-bit),
+# few enough chunks at N = 2458 that the per-chunk GEMMs stay large.
+BACKWARD_CHUNK_ELEMENTS = 1 << 25
+# Forward programs wanted per SM: enough resident programs to hide load latency behind the dots.
+FORWARD_PROGRAMS_PER_SM = 4
+# Under the interpreter (CPU) the split only has to exist (so the merge is exercised), not be fast.
+INTERPRETER_FORWARD_PROGRAMS = 8
+INTERPRETER_BLOCK_V = 2048
+INTERPRETER_BLOCK_K = 256
+
+
+@triton.jit
+def _logits_tile(
+    x_ptr,  # [N, H] activations, strides (stride_xn, stride_xh)
+    w_ptr,  # [V, H] decoder weight, strides (stride_wv, stride_wh)
+    b_ptr,  # [V] decoder bias, stride stride_b; read only when HAS_BIAS
+    rows, row_mask,  # [BLOCK_N] int64 row indices and rows < N
+    cols, col_mask,  # [BLOCK_V] int64 vocabulary indices and which of them this tile owns
+    H, stride_xn, stride_xh, stride_wv, stride_wh, stride_b,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """fp32 logits x[rows] W[cols]^T + b[cols], [BLOCK_N, BLOCK_V]; masked rows and columns read zeros."""
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    ks = tl.arange(0, BLOCK_K)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + ks
+        in_k = k < H
+        a = tl.load(x_ptr + rows[:, None] * stride_xn + k[None, :] * stride_xh,
+                    mask=row_mask[:, None] & in_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        b = tl.load(w_ptr + cols[None, :] * stride_wv + k[:, None] * stride_wh,
+                    mask=col_mask[None, :] & in_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_V]
+        # "ieee": fp32 inputs must not be rounded to TF32 (the flag is inert for 16-bit inputs)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols * stride_b, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _mlm_loss_fwd_kernel(
+    x_ptr,  # [N, H] activations
+    w_ptr,  # [V, H] decoder weight
+    b_ptr,  # [V] decoder bias; read only when HAS_BIAS
+    target_ptr,  # [N] integer targets, stride stride_t
+    max_ptr,  # [splits, N] fp32 out: max logit of the row over the split's columns
+    sumexp_ptr,  # [splits, N] fp32 out: sum of exp(z - max) over the split's columns
+    target_logit_ptr,  # [splits, N] fp32 out: z_t when t is in the split's columns, else 0
+    logit_sum_ptr,  # [splits, N] fp32 out: sum of z over the split's columns
+    argmax_ptr,  # [splits, N] int64 out: first column of the split holding its max
+    N, V, H, cols_per_split,
+    stride_xn, stride_xh, stride_wv, stride_wh, stride_b, stride_t,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    split = tl.program_id(1)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    target = tl.load(target_ptr + rows * stride_t, mask=row_mask, other=-1).to(tl.int64)
+    run_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    run_sumexp = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    target_logit = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    logit_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    argmax = tl.zeros((BLOCK_N,), dtype=tl.int64)
+    v_start = split * cols_per_split
+    v_end = tl.minimum(v_start + cols_per_split, V)
+    # The launcher makes every split start below V, so each tile has a column and run_max turns
+    # finite on the first tile (exp(-inf - finite) = 0 then, never -inf - -inf).
+    for v0 in range(v_start, v_end, BLOCK_V):
+        cols = (v0 + tl.arange(0, BLOCK_V)).to(tl.int64)
+        col_mask = cols < v_end
+        z = _logits_tile(x_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, H,
+                         stride_xn, stride_xh, stride_wv, stride_wh, stride_b,
+                         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K)
+        z = tl.where(col_mask[None, :], z, float("-inf"))
+        tile_max = tl.max(z, axis=1)
+        tile_argmax = tl.min(tl.where(z == tile_max[:, None], cols[None, :], V), axis=1)
+        # tiles come in column order: a strictly larger max is needed to move the argmax, so ties
+        # keep the first column
+        argmax = tl.where(tile_max > run_max, tile_argmax, argmax)
+        new_max = tl.maximum(run_max, tile_max)
+        run_sumexp = run_sumexp * tl.exp(run_max - new_max) + tl.sum(tl.exp(z - new_max[:, None]), axis=1)
+        run_max = new_max
+        target_logit += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
+        logit_sum += tl.sum(tl.where(col_mask[None, :], z, 0.0), axis=1)
+    out = split * N + rows
+    tl.store(max_ptr + out, run_max, mask=row_mask)
+    tl.store(sumexp_ptr + out, run_sumexp, mask=row_mask)
+    tl.store(target_logit_ptr + out, target_logit, mask=row_mask)
+    tl.store(logit_sum_ptr + out, logit_sum, mask=row_mask)
+    tl.store(argmax_ptr + out, argmax, mask=row_mask)
+
+
+@triton.jit
+def _mlm_loss_bwd_kernel(
+    x_ptr,  # [N, H] activations
+    w_ptr,  # [V, H] decoder weight
+    b_ptr,  # [V] decoder bias; read only when HAS_BIAS
+    target_ptr,  # [N] integer targets, stride stride_t
+    lse_ptr,  # [N] fp32 log-sum-exp of each row's logits, from the forward
+    coef_ptr,  # [N] fp32 d loss / d loss_row: grad_loss (/ count for "mean") on labelled rows, else 0
+    dz_ptr,  # [N, V1 - V0] out, x's dtype, row stride stride_dzn: d loss / d z for columns [V0, V1)
+    N, V, H, V0, V1, label_smoothing,
+    stride_xn, stride_xh, stride_wv, stride_wh, stride_b, stride_t, stride_dzn,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # d loss_row / d z_v = softmax(z)_v - (1 - e) [v == t] - e / V, with softmax(z)_v = exp(z_v - lse)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = V0 + tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_mask = rows < N
+    col_mask = cols < V1
+    z = _logits_tile(x_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, H,
+                     stride_xn, stride_xh, stride_wv, stride_wh, stride_b,
+                     HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K)
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=float("inf"))  # padding rows: exp(z - lse) = 0
+    coef = tl.load(coef_ptr + rows, mask=row_mask, other=0.0)
+    target = tl.load(target_ptr + rows * stride_t, mask=row_mask, other=-1).to(tl.int64)
+    dz = tl.exp(z - lse[:, None]) - label_smoothing / V
+    dz -= tl.where(cols[None, :] == target[:, None], 1.0 - label_smoothing, 0.0)
+    # unlabelled rows give exact zeros whatever their logits; a NaN coef (bad target) propagates
+    dz = tl.where(coef[:, None] != 0.0, dz * coef[:, None], 0.0)
+    tl.store(dz_ptr + rows[:, None] * stride_dzn + (cols - V0)[None, :], dz.to(dz_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _check_inputs(x, weight, bias, target, reduction, label_smoothing) -> None:
+    """Raise ValueError for what the kernels do not support, before anything is launched."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x [N, H] and weight [V, H] must share H, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    vocab, hidden = weight.shape
+    if not 1 <= vocab <= MAX_VOCAB:
+        raise ValueError(f"weight has vocabulary size {vocab}; the Triton cross entropy supports 1 to {MAX_VOCAB}")
+    if hidden < 1:
+        raise ValueError(f"x has hidden size {hidden}; the Triton cross entropy needs at least 1")
+    for name, tensor in (("x", x), ("weight", weight), ("bias", bias)):
+        if tensor is not None and tensor.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} has dtype {tensor.dtype}; the Triton cross entropy supports {SUPPORTED_DTYPES}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight has dtype {weight.dtype}, expected x's dtype {x.dtype}")
+    if bias is not None and tuple(bias.shape) != (vocab,):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({vocab},) (weight's vocabulary size)")
+    if tuple(target.shape) != (x.shape[0],) or target.is_floating_point() or target.is_complex() \
+            or target.dtype == torch.bool:
+        raise ValueError(f"target must be an integer tensor of shape ({x.shape[0]},), "
+                         f"got {target.dtype} {tuple(target.shape)}")
+    for name, tensor in (("weight", weight), ("bias", bias), ("target", target)):
+        if tensor is not None and tensor.device != x.device:
+            raise ValueError(f"{name} is on {tensor.device}, x on {x.device}; all must share one device")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+
+
+def _config(dtype: torch.dtype, device: torch.device, rows: int) -> dict:
+    """Tile sizes. On a GPU (Hopper): up to 128 rows x 128 columns of fp32 accumulator over 8 warps; K
+    tiles of 64 (16-bit) or 32 (fp32) keep a pipeline stage at 32 KiB of shared memory, so 3 stages
+    fit. Fewer rows than 128 take the next power of two (16 at least, tl.dot's minimum) rather than
+    computing padding. The interpreter's cost is per operation, not per element, so on CPU the tiles
+    are as large as the same kernels allow."""
+    block_n = min(128, max(16, triton.next_power_of_2(rows)))
+    if device.type != "cuda":
+        return dict(BLOCK_N=block_n, BLOCK_V=INTERPRETER_BLOCK_V, BLOCK_K=INTERPRETER_BLOCK_K)
+    return dict(BLOCK_N=block_n, BLOCK_V=128, BLOCK_K=32 if dtype == torch.float32 else 64, num_warps=8, num_stages=3)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _forward_cols_per_split(device: torch.device, rows: int, vocab: int, block_n: int, block_v: int) -> int:
+    """Columns per vocabulary split, a multiple of block_v, such that every split starts below vocab."""
+    if device.type == "cuda":
+        programs = FORWARD_PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else 0)
+    else:
+        programs = INTERPRETER_FORWARD_PROGRAMS
+    vocab_tiles = triton.cdiv(vocab, block_v)
+    splits = max(1, min(vocab_tiles, triton.cdiv(programs, triton.cdiv(rows, block_n))))
+    return triton.cdiv(vocab_tiles, splits) * block_v
+
+
+def _backward_chunk_cols(rows: int, vocab: int, block_v: int) -> int:
+    """Vocabulary columns per backward chunk: equal chunks (multiples of block_v) of at most
+    BACKWARD_CHUNK_ELEMENTS elements of dz, but never narrower than one tile."""
+    chunks = max(1, triton.cdiv(rows * vocab, BACKWARD_CHUNK_ELEMENTS))
+    return min(vocab, triton.cdiv(triton.cdiv(vocab, chunks), block_v) * block_v)
+
+
+def _labelled(target, ignore_index, vocab):
+    """(labelled rows [N] bool, labelled rows whose target is outside [0, V) [N] bool)."""
+    labelled = target != ignore_index
+    return labelled, labelled & ((target < 0) | (target >= vocab))
+
+
+@torch.library.custom_op("fastbert::mlm_loss_fwd", mutates_args=())
+def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
+                 ignore_index: int, reduction: str,
+                 label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, H], weight [V, H], bias [V] or None (any strides), target int [N].
+
+    Returns loss (fp32 scalar), num_correct (int64 scalar) and lse (fp32 [N], the log-sum-exp of
+    each row's logits, for the backward). Raises ValueError for unsupported sizes or dtypes.
+    """
+    _check_inputs(x, weight, bias, target, reduction, label_smoothing)
+    rows = x.shape[0]
+    vocab = weight.shape[0]
+    if rows == 0:
+        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        return zero, torch.zeros((), dtype=torch.int64, device=x.device), x.new_empty(0, dtype=torch.float32)
+    config = _config(x.dtype, x.device, rows)
+    cols_per_split = _forward_cols_per_split(x.device, rows, vocab, config["BLOCK_N"], config["BLOCK_V"])
+    splits = triton.cdiv(vocab, cols_per_split)
+    stats = torch.empty((4, splits, rows), dtype=torch.float32, device=x.device)
+    split_max, split_sumexp, target_logit, logit_sum = stats.unbind(0)
+    split_argmax = torch.empty((splits, rows), dtype=torch.int64, device=x.device)
+    b = weight if bias is None else bias  # a placeholder pointer when there is no bias
+    _mlm_loss_fwd_kernel[(triton.cdiv(rows, config["BLOCK_N"]), splits)](
+        x, weight, b, target, split_max, split_sumexp, target_logit, logit_sum, split_argmax,
+        rows, vocab, x.shape[1], cols_per_split,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),
+        target.stride(0), HAS_BIAS=bias is not None, **config,
+    )
+    # merge the splits: lse = M + log sum_s sumexp_s exp(max_s - M) with M the overall max; the first
+    # split holding M has the first argmax (torch.argmax returns the first maximal index)
+    row_max = split_max.max(dim=0).values
+    lse = row_max + torch.log((split_sumexp * torch.exp(split_max - row_max)).sum(dim=0))
+    argmax = split_argmax.gather(0, split_max.argmax(dim=0, keepdim=True)).squeeze(0)
+    row_loss = lse - (1.0 - label_smoothing) * target_logit.sum(dim=0) - (label_smoothing / vocab) * logit_sum.sum(dim=0)
+    labelled, out_of_vocab = _labelled(target, ignore_index, vocab)
+    row_loss = torch.where(labelled, row_loss, 0.0).masked_fill(out_of_vocab, float("nan"))
+    # fp64 accumulation of the N row losses, as PyTorch's CPU nll_loss does: an fp32 sum of
+    # thousands of terms would add more error than the whole rest of the computation
+    loss = row_loss.sum(dtype=torch.float64)
+    if reduction == "mean":
+        loss = loss / labelled.sum().clamp(min=1)
+    num_correct = (labelled & (argmax == target)).sum()
+    return loss.float(), num_correct, lse
+
+
+@mlm_loss_fwd.register_fake
+def _(x, weight, bias, target, ignore_index, reduction, label_smoothing):
+    _check_inputs(x, weight, bias, target, reduction, label_smoothing)
+    return (x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.int64),
+            x.new_empty(x.shape[0], dtype=torch.float32))
+
+
+@torch.library.custom_op("fastbert::mlm_loss_bwd", mutates_args=())
+def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 target: torch.Tensor, lse: torch.Tensor, ignore_index: int, reduction: str,
+                 label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `mlm_loss_fwd` from its inputs and lse; grad_loss a scalar tensor.
+
+    Returns dx [N, H] in x's dtype, dweight [V, H] in weight's dtype and dbias fp32 [V] (empty [0]
+    when bias is None), all contiguous.
+    """
+    rows, hidden = x.shape
+    vocab = weight.shape[0]
+    dweight = torch.empty((vocab, hidden), dtype=weight.dtype, device=x.device)
+    dbias = torch.empty(vocab if bias is not None else 0, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return x.new_empty((0, hidden)), dweight.zero_(), dbias.zero_()
+    labelled, out_of_vocab = _labelled(target, ignore_index, vocab)
+    coef = grad_loss.to(torch.float32)
+    if reduction == "mean":
+        coef = coef / labelled.sum().clamp(min=1)
+    coef = torch.where(labelled, coef, 0.0).masked_fill(out_of_vocab, float("nan"))  # [N]
+    config = _config(x.dtype, x.device, rows)
+    chunk_cols = _backward_chunk_cols(rows, vocab, config["BLOCK_V"])
+    dx = torch.zeros((rows, hidden), dtype=torch.float32, device=x.device)
+    b = weight if bias is None else bias
+    for v0 in range(0, vocab, chunk_cols):
+        v1 = min(v0 + chunk_cols, vocab)
+        dz = torch.empty((rows, v1 - v0), dtype=x.dtype, device=x.device)
+        _mlm_loss_bwd_kernel[(triton.cdiv(rows, config["BLOCK_N"]), triton.cdiv(v1 - v0, config["BLOCK_V"]))](
+            x, weight, b, target, lse, coef, dz,
+            rows, vocab, hidden, v0, v1, label_smoothing,
+            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),
+            target.stride(0), dz.stride(0), HAS_BIAS=bias is not None, **config,
+        )
+        torch.mm(dz.t(), x, out=dweight[v0:v1])
+        if bias is not None:
+            torch.sum(dz, dim=0, dtype=torch.float32, out=dbias[v0:v1])
+        dx += torch.mm(dz, weight[v0:v1])
+    return dx.to(x.dtype), dweight, dbias
+
+
+@mlm_loss_bwd.register_fake
+def _(grad_loss, x, weight, bias, target, lse, ignore_index, reduction, label_smoothing):
+    vocab = weight.shape[0]
+    return (x.new_empty(x.shape), weight.new_empty(weight.shape),
+            x.new_empty(vocab if bias is not None else 0, dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, target, ignore_index, reduction, label_smoothing = inputs
+    _, num_correct, lse = output
+    ctx.save_for_backward(x, weight, bias, target, lse)
+    ctx.arguments = (ignore_index, reduction, label_smoothing)
+    ctx.mark_non_differentiable(num_correct, lse)
+
+
+def _backward(ctx, grad_loss, grad_num_correct, grad_lse):
+    x, weight, bias, target, lse = ctx.saved_tensors
+    dx, dweight, dbias = mlm_loss_bwd(grad_loss, x, weight, bias, target, lse, *ctx.arguments)
+    return dx, dweight, None if bias is None else dbias.to(bias.dtype), None, None, None, None
+
+
+mlm_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+    """Cross entropy of x @ weight.T + bias over the vocabulary, never holding the [N, V] logits.
+
+    x [N, H] and weight [V, H] of one dtype (fp32, fp16 or bf16), bias [V] or None, target integer
+    [N] in [0, V) or ignore_index; any strides. reduction "mean" (over labelled rows) or "sum";
+    label_smoothing in [0, 1] as in F.cross_entropy. Returns (loss fp32 scalar, differentiable in x,
+    weight and bias; num_correct int64 scalar: labelled rows whose first argmax is the target).
+    No labelled row gives loss 0 and zero gradients. Raises ValueError for unsupported inputs.
+    """
+    _check_inputs(x, weight, bias, target, reduction, label_smoothing)
+    loss, num_correct, _ = mlm_loss_fwd(x, weight, bias, target, int(ignore_index), reduction,
+                                        float(label_smoothing))
+    return loss, num_correct

@@ -1,0 +1,238 @@
+"""kernels/mlm_loss.py (fused decoder matmul + cross entropy) and fastbert.reference.linear_cross_entropy
+(its chunked PyTorch twin), against float64 F.cross_entropy on the full logits with the tolerance rule
+(loss 2x PyTorch's own error in the same dtype, gradients 3x): vocabulary 1000 and 30522, 0, 1, 37 and
+300 labelled rows, hidden 384 and 768, ignore_index, label smoothing, both reductions; exact
+num_correct, first argmax on ties; large fp16 logits; no labelled row; bitwise determinism;
+torch.compile; bad input. Runs under Triton's interpreter on CPU (conftest sets TRITON_INTERPRET=1);
+a vocabulary of 30522 at hidden 768 is slow there, so those cases use few rows."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastbert import reference
+from fastbert.kernels import mlm_loss
+from tolerance import GRADIENT_FACTOR, assert_within_rule
+
+IMPLEMENTATIONS = {"triton": mlm_loss.linear_cross_entropy, "torch": reference.linear_cross_entropy}
+# the planted class's logit exceeds every other by more than this (float64): argmax cannot flip in fp16
+MIN_ARGMAX_GAP = 0.1
+
+
+def _make_inputs(rows, labelled, vocab, hidden, dtype, device, ignore_index=-100, bias=True, scale=1.0,
+                 seed=0):
+    """x [rows, H], weight [V, H], bias [V] or None in `dtype`, and target [rows] with `labelled`
+    labelled rows, half of them on the argmax. Every row has a planted class whose logit leads the
+    others by more than MIN_ARGMAX_GAP, so num_correct is exact in every dtype; `scale` multiplies
+    the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, hidden, generator=gen, dtype=torch.float64) / hidden ** 0.5  # rows of norm ~1
+    planted = torch.randint(0, vocab, (rows,), generator=gen)
+    direction = weight[planted] / weight[planted].pow(2).sum(dim=1, keepdim=True)
+    x = torch.randn(rows, hidden, generator=gen, dtype=torch.float64) + 10.0 * direction  # logit ~ N(0, 1), planted +10
+    b = 0.1 * torch.randn(vocab, generator=gen, dtype=torch.float64) if bias else None
+    x, weight = (scale * x).to(dtype), weight.to(dtype)
+    b = None if b is None else (scale * b).to(dtype)
+    logits = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    top2 = logits.topk(min(2, vocab), dim=1).values
+    assert (top2[:, 0] - top2[:, -1] > MIN_ARGMAX_GAP * scale).all() or vocab == 1, "test inputs have a near-tie"
+    assert (logits.argmax(dim=1) == planted).all()
+    target = torch.full((rows,), ignore_index, dtype=torch.int64)
+    chosen = torch.randperm(rows, generator=gen)[:labelled]
+    wrong = (planted[chosen] + torch.randint(1, vocab, (labelled,), generator=gen)) % vocab
+    target[chosen] = torch.where(torch.arange(labelled) % 2 == 0, planted[chosen], wrong)
+    return x.to(device), weight.to(device), None if b is None else b.to(device), target.to(device)
+
+
+def _run(fn, x, weight, bias, target, **kwargs):
+    """(loss, num_correct, gradients wrt x, weight and bias) of fn on fresh leaves."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias) if t is not None]
+    loss, correct = fn(leaves[0], leaves[1], leaves[2] if bias is not None else None, target, **kwargs)
+    grads = torch.autograd.grad(loss, leaves)
+    return loss.detach(), correct, grads
+
+
+def _full_logits_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+    """PyTorch's own: all logits in x's dtype, the loss in fp32 (as autocast runs it), or float64."""
+    logits = F.linear(x, weight, bias)
+    loss = F.cross_entropy(logits if logits.dtype == torch.float64 else logits.float(), target.long(),
+                           ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+    correct = ((logits.double().argmax(dim=1) == target) & (target != ignore_index)).sum()
+    return loss, correct
+
+
+def _assert_matches_float64(impl, x, weight, bias, target, **kwargs):
+    loss, correct, grads = _run(IMPLEMENTATIONS[impl], x, weight, bias, target, **kwargs)
+    loss_torch, _, grads_torch = _run(_full_logits_cross_entropy, x, weight, bias, target, **kwargs)
+    doubles = [None if t is None else t.double() for t in (x, weight, bias)]
+    loss_exact, correct_exact, grads_exact = _run(_full_logits_cross_entropy, *doubles, target, **kwargs)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    assert correct.dtype == torch.int64 and correct.item() == correct_exact.item()
+    assert_within_rule("loss", loss, loss_torch.float(), loss_exact)
+    for name, grad, grad_torch, grad_exact, leaf in zip(("dx", "dweight", "dbias"), grads, grads_torch,
+                                                        grads_exact, (x, weight, bias)):
+        assert grad.dtype == leaf.dtype
+        assert_within_rule(name, grad, grad_torch, grad_exact, GRADIENT_FACTOR)
+
+
+def _gpu_tiles(monkeypatch):
+    """Run the interpreter with the GPU's tile sizes: many vocabulary tiles and splits on a small V."""
+    real_config = mlm_loss._config
+    monkeypatch.setattr(mlm_loss, "_config", lambda dtype, device, rows: real_config(
+        dtype, torch.device("cuda"), rows))
+
+
+# (rows, labelled, vocab, hidden, dtype, reduction, label_smoothing, ignore_index, bias)
+CASES = [
+    *[(50, 37, 1000, 384, dtype, reduction, smoothing, ignore, True)
+      for dtype in (torch.float32, torch.float16)
+      for reduction, ignore in (("mean", -100), ("sum", 3))
+      for smoothing in (0.0, 0.1)],
+    (320, 300, 1000, 768, torch.float16, "mean", 0.1, -1, True),
+    (320, 300, 1000, 768, torch.float32, "sum", 0.0, -100, False),
+    (1, 1, 1000, 384, torch.float32, "mean", 0.0, -100, False),
+    (3, 1, 30522, 768, torch.float32, "mean", 0.1, -100, True),
+    (3, 1, 30522, 768, torch.float16, "sum", 0.0, 7, True),
+    (40, 37, 30522, 384, torch.float32, "mean", 0.2, -100, True),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("rows,labelled,vocab,hidden,dtype,reduction,smoothing,ignore,bias", CASES)
+def test_matches_float64(impl, rows, labelled, vocab, hidden, dtype, reduction, smoothing, ignore, bias, device):
+    x, weight, b, target = _make_inputs(rows, labelled, vocab, hidden, dtype, device, ignore, bias)
+    _assert_matches_float64(impl, x, weight, b, target, ignore_index=ignore, reduction=reduction,
+                            label_smoothing=smoothing)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_tiles_odd_sizes_strided_inputs(dtype, device, monkeypatch):
+    """GPU tile sizes (vocabulary splits, partial K and V tiles), odd H and V, non-contiguous x and
+    weight, int32 targets, and a backward cut into several vocabulary chunks."""
+    _gpu_tiles(monkeypatch)
+    monkeypatch.setattr(mlm_loss, "BACKWARD_CHUNK_ELEMENTS", 37 * 300)
+    x, weight, bias, target = _make_inputs(37, 29, 997, 97, dtype, device)
+    x = torch.cat([x, x], dim=1)[:, ::2]  # [37, 97], column stride 2
+    weight = weight.t().contiguous().t()  # [997, 97], strides (1, 997)
+    assert not x.is_contiguous() and not weight.is_contiguous()
+    _assert_matches_float64("triton", x, weight, bias, target.int(), label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("rows", [0, 4])
+def test_no_labelled_row_gives_zero(impl, reduction, rows, device):
+    x, weight, bias, target = _make_inputs(rows, 0, 1000, 384, torch.float16, device)
+    loss, correct, grads = _run(IMPLEMENTATIONS[impl], x, weight, bias, target, reduction=reduction)
+    assert loss.item() == 0.0 and correct.item() == 0
+    for grad, leaf in zip(grads, (x, weight, bias)):
+        assert grad.shape == leaf.shape and torch.count_nonzero(grad) == 0
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_large_fp16_logits_stay_finite(impl, device):
+    """Logits in the thousands: exp overflows fp16 (and fp32) unless the max is subtracted first."""
+    x, weight, bias, target = _make_inputs(40, 37, 1000, 384, torch.float16, device, scale=300.0)
+    assert F.linear(x.double(), weight.double()).abs().max() > 2000
+    _assert_matches_float64(impl, x, weight, bias, target, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("gpu_tiles", [False, True])
+def test_num_correct_takes_first_argmax_on_ties(impl, gpu_tiles, device, monkeypatch):
+    """Each row's best class has a copy later in the same tile, in the next tile or in another
+    vocabulary split (with the GPU's tiles), with exactly equal logits (small integers, exact in
+    every dtype): the first one is the argmax."""
+    if gpu_tiles:
+        _gpu_tiles(monkeypatch)
+    vocab, hidden, rows = 1000, 384, 64
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(-1, 2, (rows, hidden), generator=gen).float()
+    weight = torch.randint(-1, 2, (vocab, hidden), generator=gen).float()
+    first = torch.arange(rows)
+    weight[first] = 4.0 * x  # logit 4 |x|^2 on its own class, far above every other
+    duplicate = first + torch.tensor([64, 130, 500, 900]).repeat(rows // 4)
+    weight[duplicate] = weight[first]
+    target = torch.where(first % 2 == 0, first, duplicate)
+    logits = x.double().mm(weight.double().t())
+    assert (logits.argmax(dim=1) == first).all()
+    assert (logits.gather(1, duplicate[:, None]).squeeze(1) == logits.max(dim=1).values).all()
+    for dtype in (torch.float32, torch.float16):
+        _, correct = IMPLEMENTATIONS[impl](x.to(device, dtype), weight.to(device, dtype), None, target.to(device))
+        assert correct.item() == rows // 2, dtype
+
+
+def test_target_outside_vocabulary_gives_nan(device):
+    x, weight, bias, target = _make_inputs(4, 4, 1000, 384, torch.float32, device)
+    target[1] = 1000
+    loss, _, grads = _run(mlm_loss.linear_cross_entropy, x, weight, bias, target)
+    assert loss.isnan() and grads[0][1].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_bitwise_deterministic(dtype, device, monkeypatch):
+    _gpu_tiles(monkeypatch)
+    monkeypatch.setattr(mlm_loss, "BACKWARD_CHUNK_ELEMENTS", 50 * 256)
+    x, weight, bias, target = _make_inputs(50, 37, 1000, 384, dtype, device)
+    first = _run(mlm_loss.linear_cross_entropy, x, weight, bias, target, label_smoothing=0.1)
+    second = _run(mlm_loss.linear_cross_entropy, x, weight, bias, target, label_smoothing=0.1)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    for grad_first, grad_second in zip(first[2], second[2]):
+        assert torch.equal(grad_first, grad_second)
+
+
+def test_torch_compile_fullgraph(device):
+    """The custom ops trace without graph breaks and give the eager results, gradients included."""
+    x, weight, bias, target = _make_inputs(20, 15, 1000, 384, torch.float32, device)
+
+    def loss_fn(x_, w_, b_, t_):
+        return mlm_loss.linear_cross_entropy(x_, w_, b_, t_, reduction="sum", label_smoothing=0.1)
+
+    compiled = torch.compile(loss_fn, backend="eager", fullgraph=True)
+    eager = _run(loss_fn, x, weight, bias, target)
+    traced = _run(compiled, x, weight, bias, target)
+    assert torch.equal(eager[0], traced[0]) and torch.equal(eager[1], traced[1])
+    for grad_eager, grad_traced in zip(eager[2], traced[2]):
+        assert torch.equal(grad_eager, grad_traced)
+
+
+def test_bad_inputs_raise(device):
+    x, weight, bias, target = _make_inputs(4, 4, 1000, 384, torch.float32, device)
+    fn = mlm_loss.linear_cross_entropy
+    cases = [
+        ((x.half(), weight, bias, target), {}, "weight has dtype"),
+        ((x.double(), weight.double(), bias, target), {}, "x has dtype"),
+        ((x[None], weight, bias, target), {}, "must share H"),
+        ((x, weight[:, :100], bias, target), {}, "must share H"),
+        ((x, weight, bias[:10], target), {}, "bias has shape"),
+        ((x, weight, bias, target.float()), {}, "target must be an integer"),
+        ((x, weight, bias, target[:2]), {}, "target must be an integer"),
+        ((x, weight, bias, target), {"reduction": "none"}, "reduction must be one of"),
+        ((x, weight, bias, target), {"label_smoothing": 1.5}, "label_smoothing must be in"),
+        ((x, weight[:0], bias[:0], target), {}, "vocabulary size 0"),
+    ]
+    for args, kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            fn(*args, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_bf16_matches_float64(impl, device):
+    x, weight, bias, target = _make_inputs(2458, 2458, 30522, 768, torch.bfloat16, device)
+    _assert_matches_float64(impl, x, weight, bias, target, label_smoothing=0.1)
+
+
+@pytest.mark.gpu
+def test_rows_times_vocab_past_int32(device):
+    """N x V > 2**31: the kernel against the reference in float64, which chunks its logits too."""
+    rows, vocab, hidden = 72000, 30522, 64
+    assert rows * vocab > 2**31
+    x, weight, bias, target = _make_inputs(rows, 7000, vocab, hidden, torch.float16, device)
+    loss, correct, grads = _run(mlm_loss.linear_cross_entropy, x, weight, bias, target)
+    doubles = [t.double() for t in (x, weight, bias)]
+    loss_exact, correct_exact, grads_exact = _run(reference.linear_cross_entropy, *doubles, target)
+    assert correct.item() == correct_exact.item()
+    assert abs(loss.item() - loss_exact.item()) < 1e-3
+    for grad, grad_exact in zip(grads, grads_exact):
+        assert torch.isfinite(grad).all()
+        assert (grad.double() - grad_exact).abs().max() < 1e-3 * grad_exact.abs().max() + 1e-6
