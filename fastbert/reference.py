@@ -113,7 +113,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # mean over labelled rows; a batch with no labelled row gives 0, not 0/0
         scale = 1.0 / count.clamp(min=1).to(torch.float32) if reduction == "mean" else torch.ones((), device=x.device)
         needs_grad = any(ctx.needs_input_grad[:3])
-        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        loss = torch.zeros((), dtype=torch.float64, device=x.device)  # as nll_loss on CPU: fp32 sums drift
         correct = torch.zeros((), dtype=torch.int64, device=x.device)
         grad_x = torch.zeros_like(x) if needs_grad else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if needs_grad else None
@@ -128,7 +128,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             nll = -log_probs.gather(1, safe_t[:, None]).squeeze(1)  # [n]
             smooth = -log_probs.mean(dim=1)  # [n]
             row_loss = (1.0 - label_smoothing) * nll + label_smoothing * smooth
-            loss += torch.where(vs, row_loss, 0.0).sum()
+            loss += torch.where(vs, row_loss, 0.0).sum(dtype=torch.float64)
             correct += ((logits.argmax(dim=1) == ts) & vs).sum()
             if needs_grad:
                 # d loss / d logits = softmax - ((1 - eps) onehot + eps / V), on labelled rows only
@@ -140,7 +140,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_w += grad_logits.t() @ xs.float()
                 if grad_b is not None:
                     grad_b += grad_logits.sum(dim=0)
-        loss = loss * scale
+        loss = (loss * scale).float()
         if needs_grad:
             ctx.save_for_backward(grad_x, grad_w, grad_b)
             ctx.param_dtypes = (weight.dtype, None if bias is None else bias.dtype)
