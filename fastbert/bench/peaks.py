@@ -37,3 +37,9 @@ def measure_peaks(device: torch.device, dtype: torch.dtype, quick: bool = False)
                     **timing, "flops": 2 * n ** 3, "tflops": tflops}
         del a, b
     return rows + [best]
+
+
+def peak_figures(rows: list[dict]) -> dict[str, float]:
+    """{"gbps": copy bandwidth, "tflops": matmul rate} from measure_peaks' rows."""
+    by_case = {r["case"]: r for r in rows}
+    return {"gbps": by_case["peak/copy"]["gbps"], "tflops": by_case["peak/matmul"]["tflops"]}

@@ -26,13 +26,20 @@ from dataclasses import dataclass
 import torch
 
 from fastbert.bench import model_cases, op_cases
-from fastbert.bench.peaks import measure_peaks
+from fastbert.bench.peaks import measure_peaks, peak_figures
 from fastbert.bench.provenance import provenance
 from fastbert.bench.timing import memory_meter_name, peak_memory, time_ms, timer_name
 
 SUITES = ("smoke", "gpu", "cpu-memory")
 GPU_BUDGET_S = 540.0
 STATUS = ("ok", "oom", "error", "skipped")
+
+
+# time_ms's keywords per suite. The smoke run checks that every path runs and reports, not what it
+# costs: one warm-up call, three timed. cpu-memory's calls take tens of seconds: one warm-up, two timed.
+SUITE_TIMING = {"smoke": {"warmup_ms": 0.0, "rep_ms": 0.0},
+                "cpu-memory": {"warmup_ms": 0.0, "rep_ms": 0.0, "min_reps": 2},
+                "gpu": {}}
 
 
 class GPUUnavailable(RuntimeError):
@@ -44,6 +51,11 @@ class WorkItem:
     case: op_cases.OpCase | model_cases.ModelCase
     provider: str
     priority: int  # lower runs first: the budget cuts the least important items
+
+
+def default_suite() -> str:
+    """What `pytest benchmarks/` runs: the GPU suite's items on a CUDA machine, the smoke suite's elsewhere."""
+    return "gpu" if torch.cuda.is_available() else "smoke"
 
 
 def suite_device(suite: str) -> torch.device:
@@ -78,7 +90,7 @@ def work_items(suite: str) -> list[WorkItem]:
     return sorted(items, key=lambda item: item.priority)  # stable: case order kept within a priority
 
 
-def _derived(row: dict, peaks: dict) -> dict:
+def derived(row: dict, peaks: dict) -> dict:
     seconds = row["median_ms"] * 1e-3
     if row.get("flops"):
         row["tflops"] = row["flops"] / seconds / 1e12
@@ -91,11 +103,10 @@ def _derived(row: dict, peaks: dict) -> dict:
     return row
 
 
-def measure_op(case: op_cases.OpCase, provider: str, device: torch.device, peaks: dict,
-               directions: tuple[str, ...], timing: dict) -> list[dict]:
-    """Forward, backward and both, the way Liger-Kernel's benchmarks time them: the backward alone
-    replays one forward's graph (retain_graph), and no gradient accumulates between calls.
-    timing: keyword arguments of time_ms."""
+def op_runs(case: op_cases.OpCase, provider: str, device: torch.device):
+    """(make_run, leaves): make_run(direction) returns the callable that one timed call runs, the
+    way Liger-Kernel's benchmarks time them: the backward alone replays one forward's graph
+    (retain_graph); leaves are the inputs whose .grad is cleared between calls."""
     inputs = case.make_inputs(device)
     leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
     fn = case.provider(provider)
@@ -104,31 +115,38 @@ def measure_op(case: op_cases.OpCase, provider: str, device: torch.device, peaks
         return fn(**inputs)
 
     grad_outputs = [torch.randn_like(o) if o.dim() else torch.ones_like(o) for o in forward()]
+
+    def make_run(direction: str):
+        if direction == "fwd":
+            return forward
+        if direction == "bwd":
+            outputs = forward()
+            return lambda: torch.autograd.backward(outputs, grad_outputs, retain_graph=True)
+        return lambda: torch.autograd.backward(forward(), grad_outputs)
+    return make_run, leaves
+
+
+def measure_op(case: op_cases.OpCase, provider: str, device: torch.device, peaks: dict,
+               directions: tuple[str, ...], timing: dict) -> list[dict]:
+    """One row per direction: median time, peak memory, TFLOP/s and GB/s. timing: time_ms's keywords."""
+    make_run, leaves = op_runs(case, provider, device)
     rows = []
     for direction in directions:
         for t in leaves:
             t.grad = None
-        if direction == "fwd":
-            run = forward
-        elif direction == "bwd":
-            outputs = forward()
-
-            def run():
-                torch.autograd.backward(outputs, grad_outputs, retain_graph=True)
-        else:
-            def run():
-                torch.autograd.backward(forward(), grad_outputs)
+        run = make_run(direction)
         row = {"direction": direction, **time_ms(run, device, leaves, **timing)}
         for t in leaves:
             t.grad = None
         row.update(peak_memory(run, device))
         row["flops"] = case.flops(direction) if case.flops else None
         row["bytes"] = case.bytes(direction) if case.bytes else None
-        rows.append(_derived(row, peaks))
+        rows.append(derived(row, peaks))
+        del run
     return rows
 
 
-def _release(device: torch.device, compiled: bool) -> None:
+def release(device: torch.device, compiled: bool) -> None:
     if compiled:
         torch._dynamo.reset()  # each case compiles once; a shared cache would hit the recompile limit
     gc.collect()
@@ -136,7 +154,7 @@ def _release(device: torch.device, compiled: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def _case_fields(case) -> dict:
+def case_fields(case) -> dict:
     dtype = getattr(case, "dtype", None)
     fields = {"case": case.name, "op": case.op, "shape": case.shape,
               "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None}
@@ -164,10 +182,9 @@ def run_suite(suite: str, out_dir: str, only: str | None = None, budget_s: float
     start = time.monotonic()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = [{**common, "status": "ok", **r} for r in measure_peaks(device, dtype, quick=suite == "smoke")]
-    peaks = {"gbps": rows[0]["gbps"], "tflops": rows[1]["tflops"]}
+    peaks = peak_figures(rows)
     directions = ("fwd+bwd",) if suite == "cpu-memory" else op_cases.DIRECTIONS
-    # the smoke run checks that every path runs and reports, not what it costs: one warm-up, three calls
-    timing = {"warmup_ms": 0.0, "rep_ms": 0.0} if suite == "smoke" else {}
+    timing = SUITE_TIMING[suite]
     _write(path, rows)
 
     from tqdm import tqdm
@@ -175,7 +192,7 @@ def run_suite(suite: str, out_dir: str, only: str | None = None, budget_s: float
                dynamic_ncols=True)
     for item in bar:
         bar.set_postfix_str(f"{item.case.name} [{item.provider}]", refresh=False)
-        base = {**common, **_case_fields(item.case), "provider": item.provider}
+        base = {**common, **case_fields(item.case), "provider": item.provider}
         if budget_s is not None and time.monotonic() - start > budget_s:
             rows.append({**base, "status": "skipped", "error": f"time budget of {budget_s:.0f} s spent"})
             continue
@@ -191,7 +208,7 @@ def run_suite(suite: str, out_dir: str, only: str | None = None, budget_s: float
             traceback.print_exc(file=sys.stderr)
             rows.append({**base, "status": "error", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
                          if str(exc) else type(exc).__name__})
-        _release(device, item.provider in (op_cases.COMPILE, model_cases.HF_COMPILE))
+        release(device, item.provider in (op_cases.COMPILE, model_cases.HF_COMPILE))
         _write(path, rows)
     rows_total = time.monotonic() - start
     for row in rows:

@@ -32,6 +32,15 @@ def memory_meter_name(device: torch.device) -> str:
     return CUDA_MEMORY_METER if device.type == "cuda" else CPU_MEMORY_METER
 
 
+def synchronized(fn: Callable[[], object], device: torch.device) -> Callable[[], None]:
+    """fn followed by a device synchronize, so a host clock around it times the GPU work too."""
+    def call():
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return call
+
+
 def _clear_grads(tensors: Sequence[torch.Tensor]) -> None:
     for t in tensors:
         t.grad = None
@@ -55,8 +64,8 @@ def time_ms(fn: Callable[[], object], device: torch.device, grad_to_none: Sequen
         median, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=list(grad_to_none),
                                                    quantiles=[0.5, 0.2, 0.8])
         return {"median_ms": median, "p20_ms": p20, "p80_ms": p80}
-    estimate_ms = max(_once_ms(fn, device, grad_to_none), 1e-3)
-    for _ in range(max(1, int(warmup_ms / estimate_ms))):
+    estimate_ms = max(_once_ms(fn, device, grad_to_none), 1e-3)  # this first call is the first warm-up
+    for _ in range(int(warmup_ms / estimate_ms)):
         _clear_grads(grad_to_none)
         fn()
     times = []

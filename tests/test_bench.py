@@ -1,0 +1,136 @@
+"""The benchmark suite's smoke run (what CI runs of `fastbert bench`), its JSON rows, the
+CPU memory meter, the FLOP formulas, the GPU suite's refusal without a GPU, and PERF.md's generator."""
+import json
+import math
+
+import pytest
+import torch
+
+import fastbert
+from fastbert.bench import model_cases, op_cases, report, runner
+from fastbert.bench.timing import cpu_peak_extra_bytes, time_ms
+
+PROVENANCE = ("device", "device_type", "torch", "triton", "transformers", "python", "commit", "date", "command")
+ROW_FIELDS = PROVENANCE + ("suite", "case", "op", "shape", "provider", "direction", "status", "median_ms",
+                           "p20_ms", "p80_ms", "timer", "memory_meter")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    path, rows = runner.run_suite("smoke", str(out), progress=False, command=["fastbert", "bench", "--smoke"])
+    with open(path, encoding="utf-8") as f:
+        return path, json.load(f)
+
+
+def _finite_positive(value):
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_smoke_rows_have_provenance_and_sane_figures(smoke):
+    _, rows = smoke
+    assert rows, "the smoke run wrote no rows"
+    bad = [(r["case"], r["provider"], r.get("error")) for r in rows if r["status"] != "ok"]
+    assert not bad, f"smoke items failed: {bad}"
+    for row in rows:
+        missing = [f for f in ROW_FIELDS if f not in row]
+        assert not missing, f"{row['case']} [{row['provider']}] lacks {missing}"
+        assert row["device_type"] == "cpu" and row["suite"] == "smoke"
+        assert row["command"] == "fastbert bench --smoke"
+        assert _finite_positive(row["median_ms"]) and row["p20_ms"] <= row["median_ms"] <= row["p80_ms"]
+        if row.get("flops"):
+            assert _finite_positive(row["tflops"])
+            assert row["tflops"] == pytest.approx(row["flops"] / row["median_ms"] / 1e9)
+        if row.get("bytes"):
+            assert row["gbps"] == pytest.approx(row["bytes"] / row["median_ms"] / 1e6)
+
+
+def test_smoke_measures_peaks_ops_and_models_side_by_side(smoke):
+    _, rows = smoke
+    by_case = {}
+    for row in rows:
+        by_case.setdefault(row["case"], set()).add((row["provider"], row.get("direction")))
+    peaks = {r["case"]: r for r in rows if r["op"] == "peak"}
+    assert _finite_positive(peaks["peak/copy"]["gbps"]) and _finite_positive(peaks["peak/matmul"]["tflops"])
+    ops_seen = {r["op"] for r in rows}
+    assert {"layer_norm", "bias_gelu", "ffn_up", "qkv_projection", "attention", "mlm_head", "model"} <= ops_seen
+    for case in op_cases.smoke_op_cases():
+        expected = {(p, d) for p in (op_cases.EAGER, op_cases.TORCH) for d in op_cases.DIRECTIONS}
+        assert expected <= by_case[case.name], case.name
+    for row in rows:
+        if row["op"] != "peak" and row["op"] != "model":
+            assert row["provider"] not in op_cases.GPU_PROVIDERS
+            assert isinstance(row["peak_mem_extra_bytes"], int) and row["peak_mem_extra_bytes"] >= 0
+    model_rows = [r for r in rows if r["op"] == "model"]
+    assert {r["direction"] for r in model_rows} == {"train_step", "inference"}
+    for row in model_rows:
+        assert _finite_positive(row["tokens_per_s"]) and _finite_positive(row["sequences_per_s"])
+        assert 0 < row["tokens"] <= row["batch"] * row["shape"]["seqlen"]
+        assert 0 < row["mfu"]  # CPU rows are read against the CPU's measured fp32 matmul rate
+        assert row["peak_mem_extra_bytes"] > 0
+
+
+def test_smoke_mlm_head_memory_favours_masked_only(smoke):
+    """HF's head holds the logits of every position; fastbert's holds a chunk of the labelled rows."""
+    _, rows = smoke
+    peak = {r["provider"]: r["peak_mem_extra_bytes"] for r in rows
+            if r["op"] == "mlm_head" and r["direction"] == "fwd+bwd"}
+    batch, seqlen, vocab = 4, 64, 1000
+    assert peak[op_cases.TORCH] >= batch * seqlen * vocab * 4  # at least the fp32 logits
+    assert peak[op_cases.EAGER] < peak[op_cases.TORCH]
+
+
+def test_cpu_memory_meter_counts_a_known_allocation():
+    n = 1 << 20
+
+    def allocate():
+        a = torch.ones(n)  # 4 MiB live ...
+        b = torch.ones(n)  # ... and 4 MiB more at the peak
+        del a, b
+        torch.ones(n // 2)
+
+    assert cpu_peak_extra_bytes(allocate) == pytest.approx(8 * n, rel=0.01)
+
+
+def test_time_ms_orders_quantiles():
+    t = time_ms(lambda: torch.ones(1000).sum(), torch.device("cpu"), warmup_ms=0, rep_ms=0, min_reps=5)
+    assert 0 < t["p20_ms"] <= t["median_ms"] <= t["p80_ms"]
+
+
+def test_flop_formulas():
+    lengths = torch.tensor([3, 5])
+    config = fastbert.BertConfig.tiny()
+    hidden, inter, vocab, layers = 128, 512, 1024, 2
+    encoder = layers * (8 * (8 * hidden ** 2 + 4 * hidden * inter) + 4 * hidden * (9 + 25))
+    assert model_cases.model_flops(config, lengths, 0, "inference") == encoder + 2 * 2 * hidden ** 2
+    train = 3 * (encoder + 2 * 2 * hidden ** 2 + 4 * (2 * hidden ** 2 + 2 * hidden * vocab) + 2 * 4 * hidden)
+    assert model_cases.model_flops(config, lengths, 4, "train") == train
+    case = op_cases.attention_case(2, 8, 2, 16, torch.float32, padded=False)
+    assert case.flops("fwd") == 4 * 2 * 16 * (2 * 8 * 8) and case.flops("bwd") == 2.5 * case.flops("fwd")
+    qkv = op_cases.qkv_case(2, 8, 32, 2, torch.float32)
+    assert qkv.flops("fwd+bwd") == 3 * 2 * (2 * 8) * 32 * 96
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_gpu_suite_refuses_without_gpu(tmp_path, capsys):
+    from fastbert.cli import main
+    assert main(["bench", "--suite", "gpu", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA GPU" in err and "--smoke" in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_report_says_what_is_not_measured(smoke, tmp_path):
+    path, rows = smoke
+    text = report.render(rows, plots_dir=None)
+    assert "not yet measured" in text.lower() and "benchmarks/run_gpu.sh" in text
+    # smoke rows are not results: no measured table, no peak, no target verdict comes from them
+    assert "fastbert vs fastbert-eager" not in text and "ms/step" not in text
+    assert "No peaks measured yet." in text and "| yes |" not in text and "| no |" not in text
+
+
+def test_report_tables_carry_provenance(smoke):
+    _, rows = smoke
+    text = report.render(rows, plots_dir=None, suites=("smoke",))
+    assert "layer_norm" in text and "fastbert-eager" in text and "hf-sdpa" in text
+    assert rows[0]["commit"][:10] in text and rows[0]["device"] in text and "fastbert bench --smoke" in text
