@@ -16,9 +16,9 @@
 #                           dh and dbias, then dx = dh @ weight and dweight = dh.T @ x (cuBLAS).
 #   "cublas_then_bias_gelu" x @ weight.T by cuBLAS, then the bias_gelu kernel; autograd chains the
 #                           two backwards.
-# The epilogue form saves one write and one read of the [M, N] activation in the forward; cuBLAS's
-# matmul may still be the faster one on a given GPU. The benchmark (see PERF.md) measures both, and
-# the switch below records the verdict.
+# The epilogue form saves one read of the [M, N] activation and a launch in the forward (both forms
+# write h and y); cuBLAS's matmul may still be the faster on a given GPU. The benchmark (see
+# PERF.md) measures both (`form=` picks one per call), and LINEAR_BIAS_GELU_FORM records the verdict.
 #
 # Limits: fp32, fp16, bf16; x and dy of any strides (leading dims that cannot be merged into one are
 # copied by reshape); any number of rows; N >= 1. Math in fp32, one rounding to the output dtype.
@@ -239,14 +239,12 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
     return _bias_gelu_op(x, bias, approximate)
 
 
-def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                     approximate: str = "none") -> torch.Tensor:
+def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, approximate: str = "none",
+                     form: str | None = None) -> torch.Tensor:
     """gelu(x @ weight.T + bias): x [..., K], weight [N, K], bias [N] -> [..., N], differentiable in
-    all three. The form is LINEAR_BIAS_GELU_FORM. Raises ValueError on mismatched shapes or dtypes."""
-    return _linear_bias_gelu(x, weight, bias, approximate, LINEAR_BIAS_GELU_FORM)
-
-
-def _linear_bias_gelu(x, weight, bias, approximate, form):
+    all three. form "epilogue" or "cublas_then_bias_gelu"; None (the model's path) means
+    LINEAR_BIAS_GELU_FORM. Raises ValueError on mismatched shapes or dtypes, or an unknown form."""
+    form = LINEAR_BIAS_GELU_FORM if form is None else form
     if form not in LINEAR_BIAS_GELU_FORMS:
         raise ValueError(f"form must be one of {LINEAR_BIAS_GELU_FORMS}, got {form!r}")
     if approximate not in APPROXIMATIONS:

@@ -73,7 +73,7 @@ def test_linear_bias_gelu_matches_reference(rows, in_features, out_features, app
     weight = torch.randn(out_features, in_features, device=device, dtype=dtype) * in_features ** -0.5
     bias = torch.randn(out_features, device=device, dtype=dtype)
     dy = torch.randn(rows, out_features, device=device, dtype=dtype)
-    _check_against_reference(lambda a, w, b: kernel._linear_bias_gelu(a, w, b, approximate, form),
+    _check_against_reference(lambda a, w, b: kernel.linear_bias_gelu(a, w, b, approximate, form=form),
                              lambda a, w, b: reference.linear_bias_gelu(a, w, b, approximate),
                              [x, weight, bias], dy, ["dx", "dweight", "dbias"])
 
@@ -85,7 +85,7 @@ def test_linear_bias_gelu_noncontiguous_batched(form, device):
     weight = torch.randn(384, 1000, device=device).t()  # [1000, 384], column-major
     bias = torch.randn(1000, device=device)
     dy = torch.randn(2, 7, 1000, device=device)
-    _check_against_reference(lambda a, w, b: kernel._linear_bias_gelu(a, w, b, "none", form),
+    _check_against_reference(lambda a, w, b: kernel.linear_bias_gelu(a, w, b, "none", form=form),
                              lambda a, w, b: reference.linear_bias_gelu(a, w, b, "none"),
                              [x, weight, bias], dy, ["dx", "dweight", "dbias"])
 
@@ -96,7 +96,8 @@ def test_linear_bias_gelu_form_switch(monkeypatch, device):
     torch.manual_seed(2)
     x, weight, bias = (torch.randn(7, 384, device=device), torch.randn(512, 384, device=device) / 20,
                        torch.randn(512, device=device))
-    per_form = {form: kernel._linear_bias_gelu(x, weight, bias, "none", form) for form in kernel.LINEAR_BIAS_GELU_FORMS}
+    per_form = {form: kernel.linear_bias_gelu(x, weight, bias, "none", form=form)
+                for form in kernel.LINEAR_BIAS_GELU_FORMS}
     # The forms round differently, so equality identifies which one ran.
     assert not torch.equal(per_form["epilogue"], per_form["cublas_then_bias_gelu"])
     for form in kernel.LINEAR_BIAS_GELU_FORMS:
@@ -111,7 +112,8 @@ def test_deterministic(device):
     weight = torch.randn(384, 384, device=device, dtype=torch.float16) / 20
     dy = torch.randn(113, 384, device=device, dtype=torch.float16)
     for fn, inputs in ((lambda a, b: kernel.bias_gelu(a, b, "none"), [x, bias]),
-                       (lambda a, w, b: kernel._linear_bias_gelu(a, w, b, "tanh", "epilogue"), [x, weight, bias])):
+                       (lambda a, w, b: kernel.linear_bias_gelu(a, w, b, "tanh", form="epilogue"),
+                        [x, weight, bias])):
         first, second = _run(fn, inputs, dy), _run(fn, inputs, dy)
         assert torch.equal(first[0], second[0])
         for g1, g2 in zip(first[1], second[1]):
@@ -166,7 +168,7 @@ def test_bad_inputs(device):
     with pytest.raises(ValueError, match="weight has dtype torch.float16"):
         kernel.linear_bias_gelu(x, weight.half(), weight[:, 0])
     with pytest.raises(ValueError, match="form must be one of"):
-        kernel._linear_bias_gelu(x, weight, weight[:, 0], "none", "cudnn")
+        kernel.linear_bias_gelu(x, weight, weight[:, 0], "none", form="cudnn")
 
 
 @pytest.mark.gpu
@@ -178,7 +180,7 @@ def test_bf16_gpu(approximate, device):
     bias = torch.randn(4096, device=device, dtype=torch.bfloat16)
     dy = torch.randn(1000, 4096, device=device, dtype=torch.bfloat16)
     for form in kernel.LINEAR_BIAS_GELU_FORMS:
-        _check_against_reference(lambda a, w, b: kernel._linear_bias_gelu(a, w, b, approximate, form),
+        _check_against_reference(lambda a, w, b: kernel.linear_bias_gelu(a, w, b, approximate, form=form),
                                  lambda a, w, b: reference.linear_bias_gelu(a, w, b, approximate),
                                  [x, weight, bias], dy, ["dx", "dweight", "dbias"])
     _check_against_reference(lambda a, b: kernel.bias_gelu(a, b, approximate),
