@@ -15,9 +15,10 @@
 # writes them to a [programs, H] buffer that one torch.sum over the programs finishes. Tile and program
 # counts depend only on H, the row count and the device, so the results are bitwise reproducible.
 #
-# Limits. Hidden size 1..MAX_HIDDEN (8192: one row must fit in registers); any number of rows; x and
+# Limits. Hidden size 1..MAX_HIDDEN (8192: a whole row lives in registers); any number of rows; x and
 # residual fp32, fp16 or bf16 of one dtype; weight and bias fp32, fp16 or bf16. Inputs may have any
-# strides: the launchers pass both strides of the 2-D view. 0 <= dropout_p < 1.
+# strides: the launchers pass both strides of the 2-D view (copying only a view whose column offsets
+# would not fit int32). 0 <= dropout_p < 1.
 #
 # Sources: the Triton tutorial "Layer Normalization" (row-parallel forward, partial weight gradients),
 # flash-attention's flash_attn/ops/triton/layer_norm.py (fused residual + dropout, seeded dropout
@@ -33,10 +34,12 @@ import triton.language as tl
 
 MAX_HIDDEN = 8192
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Elements per tile on a GPU: 16 fp32 values per thread at 8 warps, so the backward's half-dozen live
-# tiles stay in registers. Under the interpreter (CPU) each Triton op costs a fixed overhead, so tiles
-# are as large as numpy handles comfortably.
-GPU_TILE_ELEMENTS = 4096
+# On a GPU, tiles of at least GPU_TILE_ELEMENTS with 8 elements per thread: compiled for sm_90, the
+# backward with residual and dropout then fits in registers up to H = 2048, spills 8 bytes at 4096 and
+# about 256 at 8192 (32 warps). Under the interpreter (CPU) each Triton op costs a fixed overhead, so
+# tiles are as large as numpy handles comfortably.
+GPU_TILE_ELEMENTS = 1024
+GPU_ELEMENTS_PER_THREAD = 8
 INTERPRETER_TILE_ELEMENTS = 65536
 # Backward programs per SM: several resident programs per SM hide memory latency; more would grow the
 # [programs, H] partial-sum buffer that the final reduction reads. Under the interpreter the count
@@ -58,9 +61,8 @@ def _pre_norm_tile(
 ):
     """h = dropout(x) + residual in fp32 for a [BLOCK_ROWS, BLOCK_H] tile, and the keep-mask
     (in_tile when there is no dropout)."""
-    # int64 columns: a column stride (a transposed input) times H can pass 2**31
-    cols64 = cols.to(tl.int64)[None, :]
-    h = tl.load(X + rows[:, None] * stride_x_row + cols64 * stride_x_col, mask=in_tile, other=0.0)
+    # int32 column offsets (the launchers guarantee stride_col * H < 2**31) save registers over int64
+    h = tl.load(X + rows[:, None] * stride_x_row + cols[None, :] * stride_x_col, mask=in_tile, other=0.0)
     h = h.to(tl.float32)
     keep = in_tile
     if HAS_DROPOUT:
@@ -68,7 +70,7 @@ def _pre_norm_tile(
         keep = tl.rand(tl.load(SEED), rows[:, None] * H + cols[None, :]) >= dropout_p
         h = tl.where(keep, h * dropout_scale, 0.0)
     if HAS_RESIDUAL:
-        r = tl.load(R + rows[:, None] * stride_r_row + cols64 * stride_r_col, mask=in_tile, other=0.0)
+        r = tl.load(R + rows[:, None] * stride_r_row + cols[None, :] * stride_r_col, mask=in_tile, other=0.0)
         h += r.to(tl.float32)
     return h, keep
 
@@ -145,7 +147,7 @@ def _layer_norm_bwd_kernel(
         mean = tl.load(MEAN + rows, mask=row_exists, other=0.0)
         rstd = tl.load(RSTD + rows, mask=row_exists, other=0.0)
         xhat = tl.where(in_tile, (h - mean[:, None]) * rstd[:, None], 0.0)
-        dy_offsets = rows[:, None] * stride_dy_row + cols.to(tl.int64)[None, :] * stride_dy_col
+        dy_offsets = rows[:, None] * stride_dy_row + cols[None, :] * stride_dy_col
         dy = tl.load(DY + dy_offsets, mask=in_tile, other=0.0).to(tl.float32)
         g = dy * w[None, :]
         mean_g = tl.sum(g, axis=1) / H
@@ -186,11 +188,16 @@ def _check_inputs(x, weight, bias, residual) -> None:
 def _tile(hidden: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_ROWS, BLOCK_H, num_warps) for rows of `hidden` elements on `device`."""
     block_h = triton.next_power_of_2(hidden)
-    tile_elements = GPU_TILE_ELEMENTS if device.type == "cuda" else INTERPRETER_TILE_ELEMENTS
-    block_rows = max(1, tile_elements // block_h)
-    # 8 warps give 16 fp32 values per thread for a GPU tile; 8192-wide rows take 16 warps
-    num_warps = min(16, max(4, block_rows * block_h // 512)) if device.type == "cuda" else 4
+    if device.type != "cuda":
+        return max(1, INTERPRETER_TILE_ELEMENTS // block_h), block_h, 4
+    block_rows = max(1, GPU_TILE_ELEMENTS // block_h)
+    num_warps = min(32, max(4, block_rows * block_h // (32 * GPU_ELEMENTS_PER_THREAD)))
     return block_rows, block_h, num_warps
+
+
+def _with_int32_columns(t: torch.Tensor) -> torch.Tensor:
+    """t [rows, H], copied to contiguous when its column offsets would not fit the kernels' int32."""
+    return t if t.stride(1) * (t.shape[1] - 1) < 2**31 else t.contiguous()
 
 
 @functools.lru_cache(maxsize=None)
@@ -220,6 +227,8 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, re
     """
     _check_inputs(x, weight, bias, residual)
     rows, hidden = x.shape
+    x = _with_int32_columns(x)
+    residual = None if residual is None else _with_int32_columns(residual)
     y = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     mean = torch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -260,6 +269,8 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, resi
         zeros = torch.zeros(hidden, dtype=torch.float32, device=x.device)
         return dx, dres, zeros, zeros.clone()
     block_rows, block_h, num_warps = _tile(hidden, x.device)
+    dy, x = _with_int32_columns(dy), _with_int32_columns(x)
+    residual = None if residual is None else _with_int32_columns(residual)
     programs, rows_per_program = _backward_split(x.device, rows, block_rows)
     # every program writes its whole row of partial sums, so no zero-fill is needed
     dw_partial = torch.empty((programs, hidden), dtype=torch.float32, device=x.device)

@@ -175,6 +175,15 @@ def test_bitwise_deterministic(device):
         assert torch.equal(g1, g2), name
 
 
+def test_ops_dispatch_reaches_kernel(device):
+    """fastbert.ops.layer_norm with backend="triton" runs this kernel (same seed draw, same bits)."""
+    x, weight, bias, residual, _ = _make_inputs((7, 384), torch.float16, device, with_residual=True)
+    torch.manual_seed(4)
+    y_ops = ops.layer_norm(x, weight, bias, EPS, residual, 0.2, True, backend="triton")
+    torch.manual_seed(4)
+    assert torch.equal(y_ops, ln.layer_norm(x, weight, bias, EPS, residual, 0.2, True))
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_torch_compile_fullgraph(backend, device):
     """torch.compile traces the op without graph breaks (fullgraph=True raises on one), through the
