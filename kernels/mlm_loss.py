@@ -12,7 +12,8 @@
 # folds them into per-row running statistics: an online log-sum-exp (max, sum of exp(z - max)), the
 # target's logit, the sum of logits and the first argmax. The vocabulary is split across programs so
 # that few rows (N = 2458 is 20 row blocks) still fill the GPU; a few torch ops merge the [splits, N]
-# partials. Only lse [N] is kept for the backward. Nothing of size N x V is written.
+# partials (the N row losses are summed in fp64, as PyTorch's CPU nll_loss does). Only lse [N] is
+# kept for the backward. Nothing of size N x V is written.
 #
 # Backward, with c = grad_loss (/ labelled rows for "mean") on labelled rows and 0 on the others:
 #   dz = (softmax(z) - (1 - e) onehot(t) - e / V) * c
@@ -26,18 +27,20 @@
 # matmul is 2 N V H = 115 GFLOP): it costs four such matmuls and no [N, V] traffic beyond the bounded
 # dz chunk. A fully fused backward (a dx kernel over row blocks and a dW kernel over vocabulary blocks,
 # each recomputing its logit tiles) costs five, and its per-program accumulators are [block, H=768]
-# fp32 (192 KiB for 64 rows, over a CTA's register file), so it must also tile H and recompute the
-# logits once per H tile, or accumulate through global memory. Liger-Kernel's scheme (gradients in the
+# fp32 (192 KiB for 64 rows: 192 registers per thread of 8 warps before any operand, so it spills),
+# so it must also tile H and recompute the logits once per H tile, or accumulate through memory. Liger-Kernel's scheme (gradients in the
 # forward, row chunk by row chunk, over full-vocabulary logits) costs three, but adds each chunk's
 # dz^T x into the whole fp32 dW [V, H] (94 MB read and written per chunk), does the gradient work
 # even when no backward follows (evaluation, accuracy), and keeps dW alive from forward to backward.
 # Here the forward alone is one fused matmul, and the backward's two GEMMs have long reduction
-# dimensions (N for dW, the chunk for dx) and full-H outputs, the shapes cuBLAS runs best.
+# dimensions (N for dW, the chunk for dx) and full-H outputs, the shapes cuBLAS runs best. (This is
+# reasoned from FLOP and byte counts; no GPU has timed it yet.)
 #
 # Limits. x and W fp32, fp16 or bf16 of one dtype; b fp32, fp16, bf16 or None; targets any integer
 # dtype, ignore_index anywhere; a target outside [0, V) that is not ignore_index gives a NaN loss and
 # NaN gradients (no host sync to check it). 1 <= V < 2**31, H >= 1, any N (0 gives loss 0). Any strides.
-# Row offsets are int64: rows x V and rows x H may pass 2**31.
+# Offsets are int64 (rows and vocabulary indices times strides, splits times N): N x H, V x H and
+# N x chunk may pass 2**31; no offset spans N x V, which nothing here stores.
 #
 # Sources: Liger-Kernel's fused_linear_cross_entropy and cross_entropy (online softmax over vocabulary
 # blocks, label smoothing gradient, chunking to bound memory), flash-attention's online softmax and
@@ -137,7 +140,7 @@ def _mlm_loss_fwd_kernel(
         run_max = new_max
         target_logit += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
         logit_sum += tl.sum(tl.where(col_mask[None, :], z, 0.0), axis=1)
-    out = split * N + rows
+    out = split.to(tl.int64) * N + rows
     tl.store(max_ptr + out, run_max, mask=row_mask)
     tl.store(sumexp_ptr + out, run_sumexp, mask=row_mask)
     tl.store(target_logit_ptr + out, target_logit, mask=row_mask)
