@@ -2,7 +2,7 @@
 # The whole GPU benchmark suite in one command, inside 10 minutes on one H100 or H200:
 #   benchmarks/run_gpu.sh OUTDIR        (e.g. benchmarks/results)
 # Writes one JSON file of rows to OUTDIR (peaks, every op x provider x direction, whole-model training,
-# inference and capacity); items the 540 s budget leaves are recorded as skipped. Then regenerate
+# inference and capacity); items the 480 s measuring budget leaves are recorded as skipped. Then regenerate
 # PERF.md with `python benchmarks/make_perf.py --results OUTDIR`. Extra arguments go to `fastbert bench`
 # (e.g. --only attention, --budget 300).
 set -euo pipefail

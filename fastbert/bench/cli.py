@@ -22,7 +22,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=DEFAULT_OUT, help=f"directory for the JSON file (default {DEFAULT_OUT})")
     p.add_argument("--only", metavar="REGEX", help="run only the items whose 'case provider' matches")
     p.add_argument("--budget", type=float, metavar="SECONDS",
-                   help="stop starting new items after this long (gpu default 540); the rest are recorded as skipped")
+                   help="stop starting new items after this long (gpu default 480); the rest are recorded as skipped")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--quiet", action="store_true", help="no summary table at the end")
     return p
