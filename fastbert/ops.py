@@ -11,7 +11,6 @@ Arguments are checked here, before any kernel runs, with errors that name the ar
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 
@@ -24,14 +23,22 @@ GELU_APPROXIMATIONS = ("none", "tanh")
 REDUCTIONS = ("mean", "sum")
 
 
-@functools.lru_cache(maxsize=None)
-def triton_import_error() -> str | None:
+def _import_triton() -> str | None:
     """None when Triton imports, else why not."""
     try:
         importlib.import_module("triton")
     except Exception as exc:  # ImportError, or a broken install raising anything else
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+# Resolved once, at import: torch.compile cannot trace an import, and dispatch runs inside traced code.
+# Triton's interpreter is chosen when a kernel is defined, so TRITON_INTERPRET=1 must be set before
+# fastbert is imported.
+TRITON_IMPORT_ERROR = _import_triton()
+KERNEL_FILES = ("layer_norm", "bias_gelu", "qkv", "attention", "mlm_loss")
+KERNELS = {} if TRITON_IMPORT_ERROR else {
+    name: importlib.import_module(f"fastbert.kernels.{name}") for name in KERNEL_FILES}
 
 
 def interpreter_enabled() -> bool:
@@ -51,10 +58,10 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor | None) -> str:
         if env in ("triton", "torch"):
             backend = env
         else:
-            return "triton" if on_cuda and triton_import_error() is None else "torch"
+            return "triton" if on_cuda and TRITON_IMPORT_ERROR is None else "torch"
     if backend == "triton":
-        if triton_import_error() is not None:
-            raise RuntimeError(f"backend='triton' was requested but Triton does not import ({triton_import_error()})")
+        if TRITON_IMPORT_ERROR is not None:
+            raise RuntimeError(f"backend='triton' was requested but Triton does not import ({TRITON_IMPORT_ERROR})")
         if not on_cuda and not interpreter_enabled():
             devices = sorted({str(t.device) for t in tensors if t is not None})
             raise RuntimeError(
@@ -65,7 +72,7 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor | None) -> str:
 
 
 def _kernel(name: str):
-    return importlib.import_module(f"fastbert.kernels.{name}")
+    return KERNELS[name]
 
 
 def _kernel_inputs(*tensors):

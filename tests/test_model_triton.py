@@ -69,3 +69,19 @@ def test_triton_model_dropout_is_reproducible():
     assert not torch.equal(losses[0], other)  # another seed, other masks
     model.eval()
     assert torch.equal(model(**inputs).loss, model(**inputs).loss)  # no dropout in eval
+
+
+def test_torch_compile_traces_the_triton_model_without_graph_breaks():
+    torch.manual_seed(0)
+    model = fastbert.BertModel(CONFIG.replace(backend="triton")).train()
+    inputs = {k: v for k, v in batch().items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    eager_out = model(**inputs, validate=False)
+    compiled_out = compiled(**inputs, validate=False)
+    torch.testing.assert_close(compiled_out.last_hidden_state, eager_out.last_hidden_state)
+    eager_out.pooler_output.sum().backward()
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled_out.pooler_output.sum().backward()
+    for expected, param in zip(eager_grads, model.parameters()):
+        torch.testing.assert_close(param.grad, expected)

@@ -67,10 +67,10 @@ def suite_device(suite: str) -> torch.device:
             "the GPU suite needs a CUDA GPU and torch.cuda.is_available() is False on this machine; "
             "run `fastbert bench --smoke` (CPU smoke run) or `fastbert bench --suite cpu-memory` here, "
             "and `benchmarks/run_gpu.sh OUTDIR` on an H100 or H200")
-    from fastbert.ops import triton_import_error
-    if triton_import_error() is not None:
+    from fastbert.ops import TRITON_IMPORT_ERROR
+    if TRITON_IMPORT_ERROR is not None:
         raise GPUUnavailable(f"the GPU suite runs fastbert's Triton kernels, but Triton does not import "
-                             f"({triton_import_error()})")
+                             f"({TRITON_IMPORT_ERROR})")
     return torch.device("cuda")
 
 
