@@ -25,10 +25,12 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -287,7 +289,8 @@ def _save_model(model: torch.nn.Module, sharded: bool, path: str, is_main: bool)
 
 
 def train(cfg: PretrainConfig, model_overrides: dict | None = None, log=print) -> dict:
-    """Run (or resume) pretraining; returns {"step", "out", "checkpoint", "stopped", "skipped_steps"}.
+    """Run (or resume) pretraining; returns {"step", "out", "checkpoint", "stopped", "skipped_steps", "model"}
+    (model: the trained BertForPreTraining, its parameters sharded under FSDP2).
 
     Raises ValueError for bad options or data, TrainingError when the run cannot go on.
     """
@@ -408,7 +411,8 @@ def train(cfg: PretrainConfig, model_overrides: dict | None = None, log=print) -
 
     if step >= cfg.steps:
         log(f"the run in {out} is already complete at step {step}; use --run-name or --out to start a new one")
-        return {"step": step, "out": out, "checkpoint": resume, "stopped": False, "skipped_steps": skipped}
+        return {"step": step, "out": out, "checkpoint": resume, "stopped": False, "skipped_steps": skipped,
+                "model": model}
 
     peak = cfg.peak_tflops * 1e12 or measure_peak_flops(env.device, dtype)
     log(f"pretraining BERT ({config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
@@ -468,27 +472,36 @@ def train(cfg: PretrainConfig, model_overrides: dict | None = None, log=print) -
                                           output.nsp_accuracy.detach().double() * rows,
                                           *torch.tensor([count, rows, tokens, flops], dtype=torch.float64,
                                                         device=env.device)])
+                stats = distributed.all_reduce_sum(stats, env)  # sums over the global batch
                 scaler.unscale_(optimizer)
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
                 grad_norm = float(distributed.full_tensor(norm))
-                finite = math.isfinite(grad_norm)
-                if scaler.is_enabled():
-                    scaler.step(optimizer)  # skips the update itself when the gradients overflowed
+                loss_finite = bool(torch.isfinite(stats).all())
+                if scaler.is_enabled():  # fp16: the scaler skips an update whose gradients overflowed
+                    scale = scaler.get_scale()
+                    scaler.step(optimizer)
                     scaler.update()
-                elif finite:
-                    optimizer.step()
+                    updated = scaler.get_scale() >= scale  # it lowers the scale exactly when it skips
+                    bad = not loss_finite
+                else:
+                    bad = not (loss_finite and math.isfinite(grad_norm))
+                    updated = not bad
+                    if updated:
+                        optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
+                with warnings.catch_warnings():  # a skipped first update makes torch warn about the order
+                    warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+                    scheduler.step()
                 step += 1
                 position += cfg.batch_size
-                if finite:
-                    window += stats
-                    bad_in_row = 0
-                else:
-                    skipped += 1
-                    bad_in_row += 1
+                if not loss_finite:
+                    stats[:6] = 0  # the loss terms stay out of the averages; tokens and FLOPs were spent
+                window += stats
+                skipped += not updated
+                bad_in_row = bad_in_row + 1 if bad else 0
+                if bad:
                     log(f"step {step}: non-finite loss or gradient norm ({grad_norm}); update skipped "
-                        f"({bad_in_row} in a row, {skipped} in all)")
+                        f"({bad_in_row} in a row, {skipped} skipped in all)")
                     if bad_in_row >= cfg.max_bad_steps:
                         raise TrainingError(
                             f"{bad_in_row} consecutive steps had a non-finite loss or gradient (last at step "
@@ -496,7 +509,7 @@ def train(cfg: PretrainConfig, model_overrides: dict | None = None, log=print) -
                             "lower --lr, use --precision bf16/fp32, or check the data")
                 bar.update(1)
                 if step % cfg.log_every == 0 or step == cfg.steps:
-                    totals = distributed.all_reduce_sum(window.clone(), env).tolist()
+                    totals = window.tolist()
                     elapsed = time.perf_counter() - window_start
                     record = {"step": step, "phase": phase_index, "seq_length": phase.seq_length}
                     if totals[4] > 0:
@@ -505,7 +518,7 @@ def train(cfg: PretrainConfig, model_overrides: dict | None = None, log=print) -
                                       mlm_accuracy=totals[2] / totals[4], nsp_accuracy=totals[3] / totals[5])
                     else:
                         record["loss"] = None  # every step of the window was skipped
-                    record.update(lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
+                    record.update(lr=scheduler.get_last_lr()[0], grad_norm=grad_norm if math.isfinite(grad_norm) else None,
                                   tokens_per_s=totals[6] / elapsed, mfu=totals[7] / elapsed / (peak * env.world_size),
                                   skipped_steps=skipped)
                     metrics.write(record)
@@ -528,7 +541,8 @@ def train(cfg: PretrainConfig, model_overrides: dict | None = None, log=print) -
             "run the same command again to resume")
     else:
         log(f"done: {step} steps; model and checkpoint in {path}; metrics in {os.path.join(out, 'metrics.jsonl')}")
-    return {"step": step, "out": out, "checkpoint": path, "stopped": stopped, "skipped_steps": skipped}
+    return {"step": step, "out": out, "checkpoint": path, "stopped": stopped, "skipped_steps": skipped,
+            "model": model}
 
 
 def _parse_value(text: str):
@@ -547,7 +561,7 @@ def parse_args(argv: list[str]) -> tuple[PretrainConfig, dict]:
     comments = _field_comments()
     for field in dataclasses.fields(PretrainConfig):
         flag = "--" + field.name.replace("_", "-")
-        help_text = f"{comments.get(field.name, '')} (default: {field.default!r})"
+        help_text = f"{comments.get(field.name, '')} (default: {field.default!r})".replace("%", "%%")
         if field.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         else:

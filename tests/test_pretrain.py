@@ -1,0 +1,226 @@
+"""`fastbert pretrain`: the loss falls, resume is exact, signals and non-finite steps are handled, bad
+options are clear errors, and 2-process torchrun runs (DDP and FSDP2, gloo on CPU) match 1 process."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from fastbert import BertForPreTraining
+from fastbert.data import prepare
+from fastbert.hf import read_state_dict
+from fastbert.train import pretrain
+from fastbert.train.optim import Lamb, linear_warmup_decay
+from tests.test_data import write_corpus
+
+# a model small enough that a step takes milliseconds on CPU
+SMALL = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+         "max_position_embeddings": 64}
+NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+# what a run computes, as opposed to how fast it went (tokens_per_s, mfu)
+COMPUTED = ("step", "phase", "seq_length", "loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "lr",
+            "grad_norm", "skipped_steps")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """CI runs two test processes on two cores: more threads per process only contend."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pretrain")
+    corpus = write_corpus(root / "corpus.txt", documents=20, sentences=10)
+    prepare.prepare_dataset([corpus], str(root / "data"), vocab_size=120, max_seq_lengths=(16, 32), log=lambda *a: None)
+    return str(root / "data")
+
+
+def config(data, out, **changes):
+    values = dict(data=data, out=str(out), model="tiny", steps=6, batch_size=8, seq_lengths="16,32",
+                  phase_fractions="0.5,0.5", log_every=1, progress=False, peak_tflops=1.0, device="cpu", lr=1e-3)
+    return pretrain.PretrainConfig(**{**values, **changes})
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+def losses(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k in COMPUTED} for line in f]
+
+
+def test_loss_falls(data, tmp_path):
+    pretrain.train(config(data, tmp_path, steps=24, seq_lengths="16", phase_fractions="1", lr=5e-3, warmup=2),
+                   {**SMALL, **NO_DROPOUT}, log=quiet)
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == list(range(1, 25))
+    first, last = (sum(r["loss"] for r in part) / 4 for part in (records[:4], records[-4:]))
+    assert last < first - 0.5
+    assert all(0 <= r["mlm_accuracy"] <= 1 and r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in records)
+
+
+def test_resume_is_exact_and_checkpoints_are_pruned(data, tmp_path):
+    whole = tmp_path / "whole"
+    pretrain.train(config(data, whole, save_every=1, keep_checkpoints=2), SMALL, log=quiet)
+    parts = tmp_path / "parts"
+    first = pretrain.train(config(data, parts, stop_at=3), SMALL, log=quiet)  # stops at the phase boundary
+    assert first["stopped"] and first["step"] == 3 and first["checkpoint"].endswith("step_00000003")
+    second = pretrain.train(config(data, parts), SMALL, log=quiet)
+    assert second["step"] == 6 and not second["stopped"]
+    # fp32 on CPU: the resumed run's losses and weights are bitwise those of the uninterrupted one
+    assert losses(parts) == losses(whole)
+    final_whole = read_state_dict(os.path.join(whole, "checkpoints", "step_00000006", "model"))
+    final_parts = read_state_dict(os.path.join(parts, "checkpoints", "step_00000006", "model"))
+    assert final_whole.keys() == final_parts.keys()
+    assert all(torch.equal(final_whole[k], final_parts[k]) for k in final_whole)
+    assert sorted(os.listdir(whole / "checkpoints")) == ["step_00000005", "step_00000006"]
+    assert BertForPreTraining.from_pretrained(os.path.join(whole, "checkpoints", "step_00000006", "model"))
+    again = pretrain.train(config(data, parts), SMALL, log=quiet)  # a finished run is not run again
+    assert again["step"] == 6 and losses(parts) == losses(whole)
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(data, tmp_path, monkeypatch):
+    forward = BertForPreTraining.forward
+    poisoned = set()
+
+    def nan_forward(self, *args, **kwargs):
+        output = forward(self, *args, **kwargs)
+        calls = nan_forward.calls = getattr(nan_forward, "calls", 0) + 1
+        if calls in poisoned:
+            output.mlm_loss = output.mlm_loss * float("nan")
+        return output
+
+    monkeypatch.setattr(BertForPreTraining, "forward", nan_forward)
+    poisoned.update({2})
+    result = pretrain.train(config(data, tmp_path / "one", steps=4), SMALL, log=quiet)
+    assert result["step"] == 4 and result["skipped_steps"] == 1
+    assert [r["skipped_steps"] for r in losses(tmp_path / "one")] == [0, 1, 1, 1]
+    nan_forward.calls = 0
+    poisoned.update(range(100))
+    with pytest.raises(pretrain.TrainingError, match="3 consecutive steps"):
+        pretrain.train(config(data, tmp_path / "all", steps=6, max_bad_steps=3), SMALL, log=quiet)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--data", "/nonexistent/data"], "is not a directory"),
+    (["--keep-checkpoints", "1"], "--keep-checkpoints must be >= 2"),
+    (["--model.hidden_sise", "8"], "no field 'hidden_sise'"),
+    (["--seq-lengths", "128,512"], "max_position_embeddings=128"),
+    (["--batch-size", "8", "--micro-batch-size", "3"], "must divide"),
+])
+def test_bad_options_are_clear_errors(tmp_path, capsys, argv, message):
+    assert pretrain.main(argv + ["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_missing_phase_data_is_a_clear_error(data, tmp_path, capsys):
+    assert pretrain.main(["--data", data, "--out", str(tmp_path), "--seq-lengths", "16,64"]) == 2
+    assert "no dataset with max_seq_length 64" in capsys.readouterr().err
+
+
+def test_lamb_step_matches_its_formula():
+    torch.manual_seed(0)
+    w = torch.randn(5, 3, requires_grad=True)
+    w.grad = torch.randn(5, 3)
+    start, grad = w.detach().clone(), w.grad.clone()
+    Lamb([w], lr=0.1, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01).step()
+    m, v = 0.1 * grad / 0.1, 0.01 * grad ** 2 / 0.01  # bias-corrected first step
+    r = m / (v.sqrt() + 1e-6) + 0.01 * start
+    expected = start - 0.1 * start.norm() / r.norm() * r
+    torch.testing.assert_close(w.detach(), expected)
+
+
+def test_warmup_then_linear_decay():
+    factor = linear_warmup_decay(4, 14)
+    assert [factor(s) for s in (0, 3, 4, 9, 14)] == [0.25, 1.0, 1.0, 0.5, 0.0]
+
+
+def _run_cli(args, **kwargs):
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    return subprocess.Popen([sys.executable, "-m", "fastbert.cli", "pretrain", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, **kwargs)
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(data, tmp_path):
+    args = ["--data", data, "--out", str(tmp_path), "--steps", "100000", "--batch-size", "8", "--seq-lengths", "16",
+            "--phase-fractions", "1", "--log-every", "1", "--no-progress", "--peak-tflops", "1", "--device", "cpu"]
+    args += [x for k, v in SMALL.items() for x in (f"--model.{k}", str(v))]
+    process = _run_cli(args)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    assert "stopped at step" in output and "Traceback" not in output
+    step = int(output.split("stopped at step ")[1].split()[0])
+    assert step >= 2 and losses(tmp_path)[-1]["step"] == step
+    saved = tmp_path / "checkpoints" / f"step_{step:08d}"
+    assert (saved / "trainer.pt").exists() and (saved / "model" / "model.safetensors").exists()
+    assert not [n for n in os.listdir(tmp_path / "checkpoints") if n.startswith(".tmp")]
+    assert torch.load(saved / "trainer.pt", weights_only=False)["step"] == step
+
+
+WORKER = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist
+    from fastbert.train import pretrain
+    data, out, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    dist.init_process_group("gloo")
+    for strategy, optimizer in (("ddp", "adamw"), ("fsdp", "lamb")):
+        cfg = pretrain.PretrainConfig(data=data, out=f"{out}/{strategy}", model="tiny", steps=4, batch_size=8,
+                                      micro_batch_size="2", seq_lengths="16", phase_fractions="1", log_every=1,
+                                      progress=False, peak_tflops=1.0, device="cpu", lr=1e-3,
+                                      distributed=strategy, optimizer=optimizer)
+        model = pretrain.train(cfg, overrides)["model"]
+        flat = torch.cat([getattr(p, "full_tensor", lambda: p)().detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, flat)
+        if dist.get_rank() == 0:
+            same = all(torch.equal(g, gathered[0]) for g in gathered)
+            json.dump({"identical": same}, open(f"{out}/{strategy}/ranks.json", "w"))
+    dist.destroy_process_group()
+""")
+
+
+def test_torchrun_two_processes_match_one(data, tmp_path):
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    overrides = {**SMALL, **NO_DROPOUT}
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(worker), data, str(tmp_path), json.dumps(overrides)],
+                         capture_output=True, text=True, env=env, timeout=280)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for strategy, optimizer in (("ddp", "adamw"), ("fsdp", "lamb")):
+        assert json.load(open(tmp_path / strategy / "ranks.json"))["identical"]
+        single = tmp_path / f"single-{strategy}"
+        # one process, the same global batch of 8 in micro-batches of 4 (2 ranks x micro-batches of 2 above)
+        pretrain.train(config(data, single, steps=4, micro_batch_size="4", seq_lengths="16", phase_fractions="1",
+                              optimizer=optimizer), overrides, log=quiet)
+        two, one = losses(tmp_path / strategy), losses(single)
+        assert [r["step"] for r in two] == [1, 2, 3, 4]
+        for a, b in zip(two, one):
+            for key in ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy"):
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (strategy, a["step"], key)
+
+
+def test_fp16_loss_scaling_runs_and_is_checkpointed(data, tmp_path):
+    result = pretrain.train(config(data, tmp_path, steps=3, precision="fp16", seq_lengths="16", phase_fractions="1"),
+                            SMALL, log=quiet)
+    assert result["step"] == 3
+    state = torch.load(os.path.join(result["checkpoint"], "trainer.pt"), weights_only=False)
+    assert state["scaler"]["scale"] > 0 and state["bad_steps_in_row"] == 0
+    assert all(r["loss"] is not None and r["loss"] > 0 for r in losses(tmp_path))
