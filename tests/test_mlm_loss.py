@@ -197,6 +197,17 @@ def test_torch_compile_fullgraph(impl, device):
         assert torch.equal(grad_eager, grad_traced)
 
 
+def test_autocast_runs_in_the_autocast_dtype(device):
+    """fp32 activations and weight under autocast: the loss of their fp16 casts, fp32 gradients."""
+    x, weight, bias, target = _make_inputs(20, 15, 1000, 384, torch.float32, device)
+    with torch.autocast(device, dtype=torch.float16):
+        loss, correct, grads = _run(mlm_loss.linear_cross_entropy, x, weight, bias, target)
+    loss_half, correct_half, grads_half = _run(mlm_loss.linear_cross_entropy, x.half(), weight.half(), bias, target)
+    assert torch.equal(loss, loss_half) and torch.equal(correct, correct_half)
+    for grad, grad_half in zip(grads, grads_half):
+        assert grad.dtype == torch.float32 and torch.equal(grad, grad_half.float())
+
+
 def test_bad_inputs_raise(device):
     x, weight, bias, target = _make_inputs(4, 4, 1000, 384, torch.float32, device)
     fn = mlm_loss.linear_cross_entropy
