@@ -1,0 +1,92 @@
+"""`fastbert finetune`: fine-tune a BERT checkpoint on one of the paper's task families.
+
+    fastbert finetune --task classification --model DIR --train train.tsv --eval dev.tsv \\
+        --text-column sentence1 --text-pair-column sentence2 --label-column label --out mrpc/
+
+docs/finetuning.md gives the command for each task family.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fastbert.finetune.readers import TABLE_FORMATS
+from fastbert.finetune.train import PAPER_LEARNING_RATES, TASKS, FinetuneConfig, finetune
+
+
+def parser() -> argparse.ArgumentParser:
+    defaults = FinetuneConfig("classification", "", "")
+    p = argparse.ArgumentParser(prog="fastbert finetune", description=__doc__.split("\n")[0].split(": ", 1)[1],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--model", required=True, help="HF BERT directory (transformers' or a fastbert pretraining run's)")
+    p.add_argument("--train", required=True, help="training file (CSV/TSV/JSONL, CoNLL, or SQuAD JSON by task)")
+    p.add_argument("--eval", help="evaluation file in the same format; the best epoch on it is saved")
+    p.add_argument("--out", default=defaults.out, help="output directory (HF format)")
+    p.add_argument("--tokenizer", help="tokenizer.json or vocab.txt (default: the model directory's)")
+    p.add_argument("--cased", dest="lowercase", action="store_const", const=False, default=None,
+                   help="keep case when reading a vocab.txt (default: tokenizer_config.json's do_lower_case)")
+
+    tables = p.add_argument_group("table columns (classification, regression, multiple-choice)")
+    tables.add_argument("--format", choices=TABLE_FORMATS, help="default: from the file's extension")
+    tables.add_argument("--text-column", help="first segment (default: sentence; sent1 for multiple-choice)")
+    tables.add_argument("--text-pair-column",
+                        help="second segment (default: none; sent2 for multiple-choice, where it starts every "
+                             "ending); an empty string means none")
+    tables.add_argument("--label-column", default=defaults.label_column)
+    tables.add_argument("--choice-columns", default=",".join(defaults.choice_columns),
+                        help="comma-separated ending columns (multiple-choice)")
+
+    qa = p.add_argument_group("question answering (SQuAD v1.1 / v2.0)")
+    qa.add_argument("--doc-stride", type=int, default=defaults.doc_stride)
+    qa.add_argument("--max-query-length", type=int, default=defaults.max_query_length)
+    qa.add_argument("--max-answer-length", type=int, default=defaults.max_answer_length)
+    qa.add_argument("--n-best", type=int, default=defaults.n_best)
+    qa.add_argument("--null-score-diff-threshold", type=float, default=defaults.null_score_diff_threshold)
+    qa.add_argument("--version-2-with-negative", dest="version_2", action="store_const", const=True, default=None,
+                    help="allow the null answer (default: iff the training file has unanswerable questions)")
+
+    recipe = p.add_argument_group("the recipe (the paper's defaults)")
+    recipe.add_argument("--max-seq-length", type=int, help="default 128; 384 for question-answering")
+    recipe.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    recipe.add_argument("--epochs", type=int, default=defaults.epochs)
+    recipe.add_argument("--learning-rate", type=float, default=defaults.learning_rate, choices=PAPER_LEARNING_RATES,
+                        help="the paper's grid")
+    recipe.add_argument("--warmup-proportion", type=float, default=defaults.warmup_proportion)
+    recipe.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    recipe.add_argument("--dropout", type=float, default=defaults.dropout)
+    recipe.add_argument("--seed", type=int, default=defaults.seed)
+    recipe.add_argument("--max-steps", type=int, help="stop after this many steps (smoke runs)")
+    recipe.add_argument("--eval-batch-size", type=int, default=defaults.eval_batch_size)
+    recipe.add_argument("--metric", help="metric that picks the best epoch (default: accuracy; pearson for "
+                                         "regression; entity f1 for tagging; f1 for question answering)")
+
+    run = p.add_argument_group("run")
+    run.add_argument("--device", help="default: cuda when available, else cpu")
+    run.add_argument("--backend", choices=("auto", "triton", "torch"), help="default: the checkpoint's config")
+    run.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA)")
+    run.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
+    values = vars(args)
+    values["choice_columns"] = tuple(c.strip() for c in values["choice_columns"].split(",") if c.strip())
+    return FinetuneConfig(**values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        result = finetune(config_from_args(args))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"fastbert finetune: error: {exc}", file=sys.stderr)
+        return 2
+    if result["best"] is not None:
+        print(f"best ({result['best']['epoch']} epoch(s)): "
+              + ", ".join(f"{k} {v:.4f}" for k, v in result["best"].items() if k not in ("epoch", "step")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

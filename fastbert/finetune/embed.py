@@ -1,0 +1,183 @@
+"""`fastbert embed`: the paper's feature-based approach (section 5.3): contextual embeddings from a
+frozen BERT, written to a .npy file.
+
+    fastbert embed --model DIR --input sentences.txt --out features.npy
+
+Input: a text file with one sequence per line (" ||| " separates a sentence pair, as in the paper's
+extract_features.py), or a CSV / TSV / JSONL table read with --text-column / --text-pair-column.
+Features: the hidden states of --layers (0 = the embeddings, -1 = the last layer; default the last
+four, which the paper found best) joined by --combine (concatenated by default, or summed / averaged),
+or --pooled for the pooler's tanh([CLS]) output. Per token: an array [N, S, D], zero past each
+sequence's end, with the WordPiece tokens of each sequence in OUT's stem + ".tokens.jsonl"; per
+sequence (--per sequence): [N, D], the mean over each sequence's tokens ([CLS] and [SEP] included)
+or its [CLS] vector (--sequence-pool cls).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+import numpy as np
+import torch
+
+from fastbert.finetune.encoding import Packer, collate, tokenizer_for
+from fastbert.finetune.readers import TABLE_FORMATS, DataError, read_table
+
+PAIR_SEPARATOR = " ||| "
+
+
+def read_texts(path: str, text_column: str | None = None, text_pair_column: str | None = None,
+               fmt: str | None = None) -> list[tuple[str, str | None]]:
+    """(text, text pair or None) per sequence. A .txt file has one per line; a table is read by column."""
+    if fmt is not None or os.path.splitext(path)[1].lower() in (".csv", ".tsv", ".jsonl", ".json"):
+        columns = [text_column or "sentence"] + ([text_pair_column] if text_pair_column else [])
+        return [(v[columns[0]], v.get(text_pair_column)) for _, v in read_table(path, columns, fmt)]
+    if not os.path.isfile(path):
+        raise DataError(path, None, "no such file")
+    texts = []
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            raise DataError(path, number, "empty line (one sequence per line; blank lines are not sequences)")
+        a, sep, b = line.partition(PAIR_SEPARATOR)
+        texts.append((a, b if sep else None))
+    if not texts:
+        raise DataError(path, None, "no sequences (the file is empty)")
+    return texts
+
+
+def check_layers(layers: list[int], num_hidden_layers: int) -> list[int]:
+    """Layer indices into hidden_states (0 = embeddings, 1..L = the layers, negative from the end)."""
+    count = num_hidden_layers + 1
+    for layer in layers:
+        if not -count <= layer < count:
+            raise ValueError(f"layer {layer} is outside the model's hidden states: 0 (embeddings) to "
+                             f"{num_hidden_layers}, or -1 to -{count}")
+    return [layer % count for layer in layers]
+
+
+@torch.no_grad()
+def embed(model, packer: Packer, texts: list[tuple[str, str | None]], layers=(-4, -3, -2, -1),
+          combine: str = "concat", pooled: bool = False, per: str = "token", sequence_pool: str = "mean",
+          batch_size: int = 32) -> tuple[np.ndarray, list[list[str]]]:
+    """Features of each sequence and its WordPiece tokens.
+
+    Returns (features, tokens): features float32 [N, S, D] (per token, zero-padded to the longest
+    sequence S) or [N, D] (per sequence, or pooled); D = H * len(layers) for concat, H otherwise.
+    Raises ValueError for unknown options or layers outside the model.
+    """
+    if combine not in ("concat", "sum", "mean"):
+        raise ValueError(f"combine must be concat, sum or mean, got {combine!r}")
+    if per not in ("token", "sequence"):
+        raise ValueError(f"per must be token or sequence, got {per!r}")
+    if sequence_pool not in ("mean", "cls"):
+        raise ValueError(f"sequence_pool must be mean or cls, got {sequence_pool!r}")
+    if pooled and model.pooler is None:
+        raise ValueError("the model has no pooler, so there is no pooled output")
+    layers = check_layers(list(layers), model.config.num_hidden_layers)
+    a_ids = packer.tokenize([a for a, _ in texts])
+    pair_ids = iter(packer.tokenize([b for _, b in texts if b is not None]))
+    b_ids = [None if b is None else next(pair_ids) for _, b in texts]
+    features = [packer.pack(a, b) for a, b in zip(a_ids, b_ids)]
+    tokens = [[packer.tokenizer.id_to_token(i) for i in f["input_ids"]] for f in features]
+    device = model.device
+    model.eval()
+    chunks = []
+    for start in range(0, len(features), batch_size):
+        batch = {k: v.to(device) for k, v in collate(features[start:start + batch_size], packer.pad_id).items()}
+        output = model(**batch, output_hidden_states=not pooled)
+        mask = batch["attention_mask"].unsqueeze(-1).to(torch.float32)  # [B, S, 1]
+        if pooled:
+            chunks.append(output.pooler_output.float().cpu().numpy())
+            continue
+        states = [output.hidden_states[layer].float() for layer in layers]  # each [B, S, H]
+        if combine == "concat":
+            hidden = torch.cat(states, dim=-1)
+        else:
+            hidden = torch.stack(states).sum(0) / (len(states) if combine == "mean" else 1)
+        hidden = hidden * mask  # padded positions are zeros
+        if per == "sequence":
+            hidden = hidden[:, 0] if sequence_pool == "cls" else hidden.sum(1) / mask.sum(1)
+        chunks.append(hidden.cpu().numpy())
+    if pooled or per == "sequence":
+        return np.concatenate(chunks).astype(np.float32), tokens
+    width = max(map(len, tokens))
+    out = np.zeros((len(tokens), width, chunks[0].shape[-1]), dtype=np.float32)
+    row = 0
+    for chunk in chunks:
+        out[row:row + len(chunk), :chunk.shape[1]] = chunk
+        row += len(chunk)
+    return out, tokens
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fastbert embed", description=__doc__.split("\n")[0].split(": ", 1)[1],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, help="HF BERT directory (any fastbert loads)")
+    p.add_argument("--input", required=True, help="text file, one sequence per line (' ||| ' for pairs), or a table")
+    p.add_argument("--out", required=True, help="output .npy file")
+    p.add_argument("--tokenizer", help="tokenizer.json or vocab.txt (default: the model directory's)")
+    p.add_argument("--cased", dest="lowercase", action="store_const", const=False, default=None,
+                   help="keep case when reading a vocab.txt")
+    p.add_argument("--format", choices=TABLE_FORMATS, help="read --input as this table format")
+    p.add_argument("--text-column", help="table input: the text column (default: sentence)")
+    p.add_argument("--text-pair-column", help="table input: the second segment's column")
+    p.add_argument("--layers", default="-4,-3,-2,-1",
+                   help="comma-separated hidden-state indices: 0 = embeddings, -1 = last layer")
+    p.add_argument("--combine", choices=("concat", "sum", "mean"), default="concat", help="how the layers join")
+    p.add_argument("--pooled", action="store_true", help="the pooler output (tanh of [CLS]) instead of layers")
+    p.add_argument("--per", choices=("token", "sequence"), default="token")
+    p.add_argument("--sequence-pool", choices=("mean", "cls"), default="mean", help="with --per sequence")
+    p.add_argument("--max-seq-length", type=int, default=128, help="longer sequences are truncated")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--device", help="default: cuda when available, else cpu")
+    p.add_argument("--backend", choices=("auto", "triton", "torch"), help="default: the checkpoint's config")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from fastbert import BertModel
+    try:
+        layers = [int(x) for x in args.layers.split(",") if x.strip()]
+    except ValueError:
+        print(f"fastbert embed: error: --layers must be comma-separated integers, got {args.layers!r}",
+              file=sys.stderr)
+        return 2
+    try:
+        texts = read_texts(args.input, args.text_column, args.text_pair_column, args.format)
+        packer = Packer(tokenizer_for(args.model, args.tokenizer, args.lowercase), args.max_seq_length)
+        overrides = {"backend": args.backend} if args.backend else {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, info = BertModel.from_pretrained(args.model, output_loading_info=True, **overrides)
+        if args.pooled and any(k.startswith("pooler.") for k in info["missing_keys"]):
+            raise ValueError(f"--pooled: the checkpoint {args.model} has no pooler weights")
+        if args.max_seq_length > model.config.max_position_embeddings:
+            raise ValueError(f"--max-seq-length {args.max_seq_length} is longer than the model's "
+                             f"max_position_embeddings ({model.config.max_position_embeddings})")
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        features, tokens = embed(model.float().to(device), packer, texts, layers, args.combine, args.pooled,
+                                 args.per, args.sequence_pool, args.batch_size)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"fastbert embed: error: {exc}", file=sys.stderr)
+        return 2
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    np.save(args.out, features)
+    truncated = sum(len(t) == args.max_seq_length for t in tokens)
+    if not args.pooled and args.per == "token":
+        with open(os.path.splitext(args.out)[0] + ".tokens.jsonl", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(t) + "\n" for t in tokens)
+    print(f"{len(texts)} sequences -> {args.out} {tuple(features.shape)}"
+          + (f"; {truncated} reached --max-seq-length and may be truncated" if truncated else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

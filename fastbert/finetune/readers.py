@@ -1,0 +1,215 @@
+"""Readers for the data formats fine-tuning takes, each returning records that remember their source line.
+
+- Tables: CSV (a header row, RFC 4180 quoting), TSV (a header row, no quoting, as GLUE's files) and
+  JSONL (one object per line). Columns are named by the caller; a record is (line, {column: text}).
+- CoNLL: one word per line, the word in the first column and its tag in the last (CoNLL-2003's
+  four columns, or just two); blank lines end a sentence; -DOCSTART- lines are skipped.
+- SQuAD v1.1 / v2.0 JSON: data[].paragraphs[].{context, qas[].{id, question, answers[], is_impossible}}.
+
+Every problem raises DataError, a ValueError whose message starts with "FILE:LINE:" (or "FILE:" when
+the problem is the file as a whole).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass, field
+
+TABLE_FORMATS = ("csv", "tsv", "jsonl")
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file and, where there is one, the line."""
+
+    def __init__(self, path: str, line: int | None, message: str):
+        where = f"{path}:{line}" if line is not None else path
+        super().__init__(f"{where}: {message}")
+        self.path, self.line = path, line
+
+
+def _open(path: str):
+    if not os.path.isfile(path):
+        raise DataError(path, None, "no such file")
+    return open(path, encoding="utf-8", newline="")
+
+
+def table_format(path: str, fmt: str | None = None) -> str:
+    """The table format given, or the one the file's extension names (.csv, .tsv, .jsonl / .json)."""
+    if fmt is None:
+        ext = os.path.splitext(path)[1].lower().lstrip(".")
+        fmt = {"json": "jsonl", "txt": "tsv"}.get(ext, ext)
+    if fmt not in TABLE_FORMATS:
+        raise DataError(path, None, f"cannot tell the table format from the extension; pass --format "
+                                    f"one of {TABLE_FORMATS}")
+    return fmt
+
+
+def read_table(path: str, columns: list[str], fmt: str | None = None) -> list[tuple[int, dict[str, str]]]:
+    """(line, {column: value}) for each record, with every named column present and non-empty.
+
+    Values are strings (JSONL numbers and lists are kept as their JSON text, except plain numbers and
+    strings, which read as written). Raises DataError for a missing column or value, a malformed line,
+    or a file without records.
+    """
+    fmt = table_format(path, fmt)
+    records = []
+    with _open(path) as f:
+        if fmt == "jsonl":
+            for number, text in enumerate(f, start=1):
+                if not text.strip():
+                    continue
+                try:
+                    obj = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise DataError(path, number, f"not a JSON object: {exc.msg}") from None
+                if not isinstance(obj, dict):
+                    raise DataError(path, number, f"expected a JSON object, got {type(obj).__name__}")
+                records.append((number, obj))
+        else:
+            quoting = csv.QUOTE_MINIMAL if fmt == "csv" else csv.QUOTE_NONE
+            reader = csv.reader(f, delimiter="," if fmt == "csv" else "\t", quoting=quoting)
+            header = None
+            try:
+                for row in reader:
+                    if not any(cell.strip() for cell in row):
+                        continue
+                    if header is None:
+                        header = [cell.strip() for cell in row]
+                        header_line = reader.line_num
+                        continue
+                    if len(row) > len(header):
+                        raise DataError(path, reader.line_num, f"{len(row)} fields, but the header on line "
+                                                               f"{header_line} names {len(header)}")
+                    records.append((reader.line_num, dict(zip(header, row))))
+            except csv.Error as exc:
+                raise DataError(path, reader.line_num, f"malformed {fmt.upper()}: {exc}") from None
+            if header is not None:
+                missing = [c for c in columns if c not in header]
+                if missing:
+                    raise DataError(path, header_line, f"no column {missing[0]!r} in the header "
+                                                       f"(columns: {', '.join(header)})")
+    if not records:
+        raise DataError(path, None, "no records (the file is empty)")
+    out = []
+    for number, record in records:
+        values = {}
+        for column in columns:
+            value = record.get(column)
+            if value is None or (isinstance(value, str) and not value.strip()):
+                raise DataError(path, number, f"missing or empty value for column {column!r} "
+                                              f"(record has: {', '.join(map(str, record))})")
+            values[column] = value if isinstance(value, str) else json.dumps(value)
+        out.append((number, values))
+    return out
+
+
+@dataclass
+class TaggedSentence:
+    path: str
+    line: int  # line of the sentence's first word
+    words: list[str]
+    tags: list[str]
+
+
+def read_conll(path: str) -> list[TaggedSentence]:
+    """Sentences of a CoNLL file: word in the first column, tag in the last, blank lines between sentences."""
+    sentences: list[TaggedSentence] = []
+    current: TaggedSentence | None = None
+    with _open(path) as f:
+        for number, text in enumerate(f, start=1):
+            fields = text.split()
+            if not fields or fields[0] == "-DOCSTART-":
+                if current is not None:
+                    sentences.append(current)
+                current = None
+                continue
+            if len(fields) < 2:
+                raise DataError(path, number, f"expected a word and its tag separated by white space, "
+                                              f"got {text.strip()!r}")
+            if current is None:
+                current = TaggedSentence(path, number, [], [])
+            current.words.append(fields[0])
+            current.tags.append(fields[-1])
+    if current is not None:
+        sentences.append(current)
+    if not sentences:
+        raise DataError(path, None, "no sentences (the file is empty)")
+    return sentences
+
+
+@dataclass
+class QAExample:
+    id: str
+    question: str
+    context: str
+    answers: list[tuple[str, int]] = field(default_factory=list)  # (text, character start in context)
+    is_impossible: bool = False
+    line: int | None = None  # line of the question's id in the JSON file, for error messages
+
+
+def _line_of(raw: str, needle: str, start: int = 0) -> tuple[int | None, int]:
+    """1-based line of `needle` in raw (searched from start) and the position after it."""
+    at = raw.find(needle, start)
+    if at < 0:
+        return None, start
+    return raw.count("\n", 0, at) + 1, at + len(needle)
+
+
+def read_squad(path: str) -> list[QAExample]:
+    """Questions of a SQuAD v1.1 or v2.0 file. Raises DataError naming the line (of the question's id
+    where the JSON is well formed, so line numbers come from finding each id in the text) and the entry."""
+    with _open(path) as f:
+        raw = f.read()
+    if not raw.strip():
+        raise DataError(path, None, "the file is empty")
+    try:
+        document = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise DataError(path, exc.lineno, f"malformed JSON: {exc.msg} (column {exc.colno})") from None
+    data = document.get("data") if isinstance(document, dict) else None
+    if not isinstance(data, list):
+        raise DataError(path, 1, "expected SQuAD JSON: an object with a \"data\" list")
+    examples: list[QAExample] = []
+    cursor = 0
+    for a, article in enumerate(data):
+        paragraphs = article.get("paragraphs") if isinstance(article, dict) else None
+        if not isinstance(paragraphs, list):
+            raise DataError(path, None, f"data[{a}] has no \"paragraphs\" list")
+        for p, paragraph in enumerate(paragraphs):
+            where = f"data[{a}].paragraphs[{p}]"
+            if not isinstance(paragraph, dict) or not isinstance(paragraph.get("context"), str):
+                raise DataError(path, None, f"{where} has no \"context\" string")
+            context = paragraph["context"]
+            if not isinstance(paragraph.get("qas"), list):
+                raise DataError(path, None, f"{where} has no \"qas\" list")
+            for q, qa in enumerate(paragraph["qas"]):
+                where_q = f"{where}.qas[{q}]"
+                if not isinstance(qa, dict) or not isinstance(qa.get("id"), (str, int)):
+                    raise DataError(path, None, f"{where_q} has no \"id\"")
+                line, cursor = _line_of(raw, json.dumps(str(qa["id"])), cursor)
+                examples.append(_qa_example(path, line, where_q, qa, context))
+    if not examples:
+        raise DataError(path, None, "no questions in the file")
+    return examples
+
+
+def _qa_example(path: str, line: int | None, where: str, qa: dict, context: str) -> QAExample:
+    question = qa.get("question")
+    if not isinstance(question, str) or not question.strip():
+        raise DataError(path, line, f"{where} (id {qa['id']!r}) has no \"question\" text")
+    impossible = bool(qa.get("is_impossible", False))
+    answers = []
+    for i, answer in enumerate(qa.get("answers") or []):
+        if not (isinstance(answer, dict) and isinstance(answer.get("text"), str)
+                and isinstance(answer.get("answer_start"), int)):
+            raise DataError(path, line, f"{where}.answers[{i}] (id {qa['id']!r}) needs \"text\" and an integer "
+                                        f"\"answer_start\"")
+        start = answer["answer_start"]
+        if not 0 <= start <= len(context) - len(answer["text"]):
+            raise DataError(path, line, f"{where}.answers[{i}] (id {qa['id']!r}): answer_start {start} puts "
+                                        f"{answer['text']!r} outside the context ({len(context)} characters)")
+        answers.append((answer["text"], start))
+    if not answers and not impossible:
+        raise DataError(path, line, f"{where} (id {qa['id']!r}) has no answers and is not marked is_impossible")
+    return QAExample(str(qa["id"]), question, context, answers, impossible, line)

@@ -1,0 +1,261 @@
+"""The fine-tuning loop: the paper's recipe (section 4 and appendix A.3) on one device.
+
+Defaults: batch 32, 3 epochs, Adam with decoupled weight decay 0.01 (biases and LayerNorm exempt),
+betas (0.9, 0.999), eps 1e-6, learning rate 2e-5 warmed up linearly over the first 10% of the steps
+and decayed linearly to 0, gradients clipped to norm 1, dropout 0.1 everywhere. After each epoch the
+model is evaluated on the eval file (when there is one) and saved to `out` in HF format when its
+main metric is the best so far; without an eval file the last model is saved.
+
+`out` holds config.json + model.safetensors (with id2label for classification and tagging),
+tokenizer.json + vocab.txt (+ the source's tokenizer_config.json), finetune_config.json,
+eval_results.json (every evaluation and the best) and the best model's predictions on the eval file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fastbert.config import BertConfig
+from fastbert.finetune.encoding import Packer, collate, save_tokenizer_files, tokenizer_for
+from fastbert.finetune.squad import QuestionAnsweringTask
+from fastbert.finetune.tasks import ChoiceTask, Columns, SequenceTask, Task, TokenTask
+from fastbert.train.optim import linear_warmup_decay, param_groups
+
+TASKS = ("classification", "regression", "token-classification", "question-answering", "multiple-choice")
+PAPER_LEARNING_RATES = (2e-5, 3e-5, 4e-5, 5e-5)  # the paper's fine-tuning grid (appendix A.3)
+LOWER_IS_BETTER = ("mse",)
+# task -> (text column, text pair column) when the flags leave them unset: GLUE's and SWAG's names
+DEFAULT_COLUMNS = {"classification": ("sentence", None), "regression": ("sentence", None),
+                   "multiple-choice": ("sent1", "sent2")}
+
+
+@dataclass
+class FinetuneConfig:
+    task: str  # one of TASKS
+    model: str  # HF BERT directory (transformers' or fastbert's own pretraining output)
+    train: str  # training file: CSV / TSV / JSONL table, CoNLL, or SQuAD JSON by task
+    eval: str | None = None  # evaluation file in the same format; picks the best epoch
+    out: str = "finetuned"  # output directory
+    tokenizer: str | None = None  # tokenizer.json or vocab.txt; default: the model directory's
+    lowercase: bool | None = None  # vocab.txt only; default: tokenizer_config.json's do_lower_case, else True
+    # table columns (classification, regression, multiple choice)
+    format: str | None = None  # csv | tsv | jsonl; default: from the file's extension
+    text_column: str | None = None  # default: "sentence" (GLUE), "sent1" (SWAG)
+    text_pair_column: str | None = None  # second segment; default none, "sent2" (SWAG); "" = none
+    label_column: str = "label"
+    choice_columns: tuple[str, ...] = ("ending0", "ending1", "ending2", "ending3")  # multiple choice endings
+    # lengths (question answering's as in the paper's run_squad.py)
+    max_seq_length: int | None = None  # default 128 (384 for question answering), at most the model's positions
+    doc_stride: int = 128  # tokens between the starts of consecutive context windows
+    max_query_length: int = 64  # questions are cut to this many tokens
+    max_answer_length: int = 30  # longest predicted answer, in tokens
+    n_best: int = 20  # start and end candidates per window
+    null_score_diff_threshold: float = 0.0  # v2.0: predict "" when null score - best span score exceeds this
+    version_2: bool | None = None  # allow null answers; default: iff the training file has unanswerable questions
+    # the recipe
+    batch_size: int = 32
+    epochs: int = 3
+    learning_rate: float = 2e-5
+    warmup_proportion: float = 0.1  # fraction of the steps with a linearly rising learning rate
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    dropout: float = 0.1  # hidden and attention dropout (the classifier's follows the hidden one)
+    seed: int = 42
+    max_steps: int | None = None  # stop after this many optimizer steps (smoke runs)
+    eval_batch_size: int = 64
+    metric: str | None = None  # metric that picks the best epoch; default: the task's main metric
+    device: str | None = None  # default: cuda when available, else cpu
+    backend: str | None = None  # fastbert backend: auto | triton | torch; default: the checkpoint's
+    bf16: bool = False  # bf16 autocast (CUDA only)
+    progress: bool = True  # tqdm progress bar
+
+    def validate(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        for name in ("batch_size", "epochs", "eval_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be a positive integer, got {self.max_steps}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if not 0 <= self.warmup_proportion < 1:
+            raise ValueError(f"warmup_proportion must be in [0, 1), got {self.warmup_proportion}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.max_seq_length is not None and self.max_seq_length < 4:
+            raise ValueError(f"max_seq_length must be at least 4, got {self.max_seq_length}")
+
+
+def build_task(cfg: FinetuneConfig, packer: Packer) -> Task:
+    if cfg.task == "token-classification":
+        return TokenTask(packer)
+    if cfg.task == "question-answering":
+        return QuestionAnsweringTask(packer, cfg.doc_stride, cfg.max_query_length, cfg.max_answer_length,
+                                     cfg.n_best, cfg.null_score_diff_threshold, cfg.version_2)
+    text, pair = DEFAULT_COLUMNS[cfg.task]
+    columns = Columns(cfg.text_column or text, (pair if cfg.text_pair_column is None else cfg.text_pair_column) or None,
+                      cfg.label_column, tuple(cfg.choice_columns), cfg.format)
+    if cfg.task == "multiple-choice":
+        return ChoiceTask(packer, columns)
+    return SequenceTask(packer, columns, regression=cfg.task == "regression")
+
+
+def load_model(task: Task, path: str, log, **overrides) -> torch.nn.Module:
+    """The task's model class from an HF directory, the newly initialised head reported in one line."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, info = task.model_class.from_pretrained(path, output_loading_info=True, **overrides)
+    if info["missing_keys"]:
+        log(f"newly initialised: {', '.join(info['missing_keys'])}")
+    if info["unexpected_keys"]:
+        log(f"not used by {task.model_class.__name__}: {', '.join(info['unexpected_keys'])}")
+    return model
+
+
+def batches(inputs: list[dict], batch_size: int, pad_id: int, order=None):
+    order = list(range(len(inputs))) if order is None else order
+    for i in range(0, len(order), batch_size):
+        yield collate([inputs[j] for j in order[i:i + batch_size]], pad_id)
+
+
+@torch.no_grad()
+def evaluate(model, task: Task, examples: list, inputs: list[dict], meta: list, batch_size: int,
+             device: torch.device, autocast: bool) -> tuple[dict[str, float], list]:
+    """(scores, one prediction per example); scores include the mean eval loss."""
+    model.eval()
+    logits, losses = [], []
+    for batch in batches(inputs, batch_size, task.packer.pad_id):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            output = model(**batch)
+        losses.append(float(output.loss) * len(batch["input_ids"]))
+        values = task.logits(output).float().cpu().numpy()
+        lengths = batch["attention_mask"].sum(-1).cpu().tolist()
+        logits += [row[:n] if task.per_token else row for row, n in zip(values, lengths)]
+    model.train()
+    predictions = task.predict(examples, meta, logits)
+    scores = task.score(examples, predictions)
+    scores["loss"] = sum(losses) / len(inputs)
+    return scores, predictions
+
+
+def finetune(cfg: FinetuneConfig, log=print) -> dict:
+    """Fine-tune and save; returns {"out", "steps", "history": [eval scores per evaluation], "best"}.
+
+    Raises ValueError (DataError for bad files, naming the file and line) before training starts.
+    """
+    cfg.validate()
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if cfg.bf16 and device.type != "cuda":
+        raise ValueError(f"bf16 autocast needs a CUDA device, got {device}")
+
+    config = BertConfig.from_json(cfg.model)
+    tokenizer = tokenizer_for(cfg.model, cfg.tokenizer, cfg.lowercase)
+    if tokenizer.get_vocab_size() > config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, more than the model's "
+                         f"vocab_size ({config.vocab_size}): they do not belong together")
+    max_seq_length = cfg.max_seq_length or min(384 if cfg.task == "question-answering" else 128,
+                                               config.max_position_embeddings)
+    if max_seq_length > config.max_position_embeddings:
+        raise ValueError(f"max_seq_length {max_seq_length} is longer than the model's max_position_embeddings "
+                         f"({config.max_position_embeddings})")
+    packer = Packer(tokenizer, max_seq_length)
+    task = build_task(cfg, packer)
+    metric = cfg.metric or task.main_metric
+
+    train_examples = task.read(cfg.train)
+    task.fit(train_examples)
+    train_inputs, _ = task.features(train_examples)
+    evaluation = None
+    if cfg.eval:
+        eval_examples = task.read(cfg.eval)
+        evaluation = (eval_examples, *task.features(eval_examples))
+    log(f"{task.name}: {len(train_examples)} training examples -> {len(train_inputs)} features"
+        + (f"; {len(evaluation[0])} eval examples" if evaluation else ""))
+
+    overrides = dict(task.model_overrides(), hidden_dropout_prob=cfg.dropout,
+                     attention_probs_dropout_prob=cfg.dropout, classifier_dropout=None)
+    if cfg.backend:
+        overrides["backend"] = cfg.backend
+    model = load_model(task, cfg.model, log, **overrides).float().to(device).train()
+
+    steps_per_epoch = math.ceil(len(train_inputs) / cfg.batch_size)
+    total_steps = steps_per_epoch * cfg.epochs
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
+                                  betas=(0.9, 0.999), eps=1e-6)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, linear_warmup_decay(int(cfg.warmup_proportion * total_steps), total_steps))
+
+    os.makedirs(cfg.out, exist_ok=True)
+    history: list[dict] = []
+    best: dict | None = None
+
+    def save(predictions) -> None:
+        model.save_pretrained(cfg.out)
+        save_tokenizer_files(tokenizer, cfg.model, cfg.out)
+        with open(os.path.join(cfg.out, "finetune_config.json"), "w", encoding="utf-8") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+        if predictions is not None:
+            task.write_predictions(cfg.out, evaluation[0], predictions)
+
+    from tqdm import tqdm
+    autocast = cfg.bf16
+    generator = torch.Generator().manual_seed(cfg.seed)
+    bar = tqdm(total=total_steps, unit="step", desc=f"fine-tuning ({task.name})", dynamic_ncols=True,
+               disable=not cfg.progress)
+    step, seen, started = 0, 0, time.perf_counter()
+    for epoch in range(cfg.epochs):
+        order = torch.randperm(len(train_inputs), generator=generator).tolist()
+        for batch in batches(train_inputs, cfg.batch_size, packer.pad_id, order):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = model(**batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            seen += len(batch["input_ids"])
+            bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{schedule.get_last_lr()[0]:.2e}",
+                            examples_per_s=f"{seen / (time.perf_counter() - started):.1f}", refresh=False)
+            bar.update()
+            if step >= total_steps:
+                break
+        if evaluation is not None:
+            scores, predictions = evaluate(model, task, *evaluation, cfg.eval_batch_size, device, autocast)
+            if metric not in scores:
+                raise ValueError(f"metric {metric!r} is not one of {task.name}'s: {sorted(scores)}")
+            scores = {"epoch": epoch + 1, "step": step, **scores}
+            history.append(scores)
+            log(f"epoch {epoch + 1}, step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()
+                                                                if k not in ("epoch", "step")))
+            sign = -1 if metric in LOWER_IS_BETTER else 1
+            if best is None or sign * scores[metric] > sign * best[metric]:
+                best = scores
+                save(predictions)
+                log(f"best {metric} so far: saved to {cfg.out}")
+        if step >= total_steps:
+            break
+    bar.close()
+    if evaluation is None:
+        save(None)
+        log(f"saved to {cfg.out}")
+    with open(os.path.join(cfg.out, "eval_results.json"), "w", encoding="utf-8") as f:
+        json.dump({"metric": metric, "best": best, "history": history}, f, indent=2)
+    return {"out": cfg.out, "steps": step, "history": history, "best": best}

@@ -1,0 +1,251 @@
+"""`fastbert finetune` end to end on CPU: every task family on a small synthetic dataset written here,
+with a tiny random BERT and a tiny WordPiece vocabulary, must beat the majority-class (or constant)
+baseline by a clear margin; the CLI, the saved HF directory, and the errors for bad input.
+
+The tasks are learnable from word identity (plus position for tagging and SQuAD), so a 2-layer,
+H=32 model trained from scratch with a large learning rate gets them in a few hundred steps.
+"""
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import fastbert
+import fastbert.cli
+from fastbert.finetune import FinetuneConfig, finetune
+from fastbert.finetune import cli as finetune_cli
+from fastbert.finetune.readers import DataError
+
+POSITIVE = ["great", "good", "fine", "nice"]
+NEGATIVE = ["bad", "awful", "poor", "sad"]
+FILLER = ["the", "a", "movie", "film", "was", "is", "and", "it", "plot", "story", "very", "then", "so", "of",
+          "to", "in", "we", "they", "saw", "made"]
+PERSONS = ["john", "mary", "paul", "anna"]
+SURNAMES = ["smith", "jones"]
+PLACES = ["paris", "rome", "newyork"]  # newyork is two WordPieces: new ##york
+COLORS = ["red", "blue", "green", "black"]
+ANIMALS = ["fox", "dog", "cat", "owl"]
+PIECES = ["new", "##york"]
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+VOCAB = SPECIAL + sorted(set(POSITIVE + NEGATIVE + FILLER + PERSONS + SURNAMES + COLORS + ANIMALS + PIECES
+                             + ["paris", "rome", "what", "animal", "?", ".", "key"]))
+FAST = dict(learning_rate=2e-3, warmup_proportion=0.1, progress=False, backend="torch", device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls: a second intra-op thread only spins (4x the CPU time under pytest -n 2 on 2 cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A random 2-layer BERT (H=32) saved in HF format with vocab.txt: what fine-tuning starts from."""
+    path = str(tmp_path_factory.mktemp("tiny-bert"))
+    torch.manual_seed(0)
+    config = fastbert.BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=64, max_position_embeddings=64, initializer_range=0.1)
+    fastbert.BertModel(config).save_pretrained(path)
+    with open(os.path.join(path, "vocab.txt"), "w") as f:
+        f.writelines(t + "\n" for t in VOCAB)
+    return path
+
+
+def sentence(rng, extra=(), length=5):
+    words = rng.sample(FILLER, length)
+    for word in extra:
+        words.insert(rng.randrange(len(words) + 1), word)
+    return " ".join(words)
+
+
+def write_sentiment(path, n, seed, fmt="tsv"):
+    """label pos when the sentence holds a positive word, neg for a negative one; 60/40 imbalanced."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        label = "pos" if rng.random() < 0.6 else "neg"
+        rows.append((sentence(rng, [rng.choice(POSITIVE if label == "pos" else NEGATIVE)]), label))
+    with open(path, "w") as f:
+        if fmt == "jsonl":
+            f.writelines(json.dumps({"text": s, "gold": y}) + "\n" for s, y in rows)
+        else:
+            f.write("sentence\tlabel\n")
+            f.writelines(f"{s}\t{y}\n" for s, y in rows)
+    return [y for _, y in rows]
+
+
+def write_scores(path, n, seed):
+    """Sentence pairs; the score is the number of positive words in both (0 to 4)."""
+    rng = random.Random(seed)
+    with open(path, "w", newline="") as f:
+        f.write("sentence1,sentence2,score\n")
+        for _ in range(n):
+            k1, k2 = rng.randint(0, 2), rng.randint(0, 2)
+            f.write(f"{sentence(rng, rng.sample(POSITIVE, k1))},{sentence(rng, rng.sample(POSITIVE, k2))},"
+                    f"{k1 + k2}\n")
+
+
+def write_conll(path, n, seed):
+    """Persons (B-PER, with an optional surname I-PER) and places (B-LOC) among filler words, CoNLL-2003's
+    four columns, -DOCSTART- and blank lines between sentences."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        f.write("-DOCSTART- -X- -X- O\n\n")
+        for _ in range(n):
+            words = [(w, "O") for w in rng.sample(FILLER, 4)]
+            spans = [[(rng.choice(PERSONS), "B-PER")] + ([(rng.choice(SURNAMES), "I-PER")] if rng.random() < 0.5
+                                                          else []),
+                     [(rng.choice(PLACES), "B-LOC")]]
+            for span in spans:
+                at = rng.randrange(len(words) + 1)
+                words[at:at] = span
+            f.writelines(f"{w} NN I-NP {t}\n" for w, t in words)
+            f.write("\n")
+
+
+def write_squad(path, n, seed, impossible=0.0, filler=12):
+    """"what animal ?" answered by the colour + animal pair ("red fox") placed in filler text; with
+    probability `impossible` the context has no animal and the question is unanswerable (v2.0)."""
+    rng = random.Random(seed)
+    paragraphs = []
+    for i in range(n):
+        words = [rng.choice(FILLER) for _ in range(filler)]
+        qa = {"id": f"q{i}", "question": "what animal ?"}
+        if rng.random() < impossible:
+            qa.update(answers=[], is_impossible=True)
+            context = " ".join(words)
+        else:
+            at = rng.randrange(filler + 1)
+            answer = f"{rng.choice(COLORS)} {rng.choice(ANIMALS)}"
+            context = " ".join(words[:at] + [answer] + words[at:])
+            start = len(" ".join(words[:at] + [""])) if at else 0
+            qa.update(answers=[{"text": answer, "answer_start": start}], is_impossible=False)
+            assert context[start:start + len(answer)] == answer
+        paragraphs.append({"context": context, "qas": [qa]})
+    with open(path, "w") as f:
+        json.dump({"version": "v2.0" if impossible else "1.1", "data": [{"title": "t", "paragraphs": paragraphs}]},
+                  f, indent=1)
+
+
+def write_swag(path, n, seed):
+    """Four endings; the right one holds a positive word, the others only filler."""
+    rng = random.Random(seed)
+    with open(path, "w", newline="") as f:
+        f.write("sent1,sent2,ending0,ending1,ending2,ending3,label\n")
+        for _ in range(n):
+            label = rng.randrange(4)
+            endings = [sentence(rng, [rng.choice(POSITIVE)] if k == label else [], 3) for k in range(4)]
+            f.write(f"{sentence(rng)},{rng.choice(FILLER)},{','.join(endings)},{label}\n")
+
+
+
+def run(tmp_path, tiny_model, task, train, eval, **options):
+    cfg = FinetuneConfig(task, tiny_model, str(train), str(eval), out=str(tmp_path / "out"), **{**FAST, **options})
+    result = finetune(cfg, log=lambda *_: None)
+    return result["best"], cfg.out
+
+
+def test_classification_beats_majority(tmp_path, tiny_model):
+    write_sentiment(tmp_path / "train.tsv", 256, seed=1)
+    gold = write_sentiment(tmp_path / "dev.tsv", 100, seed=2)
+    best, out = run(tmp_path, tiny_model, "classification", tmp_path / "train.tsv", tmp_path / "dev.tsv",
+                    batch_size=16, epochs=4)
+    majority = max(gold.count("pos"), gold.count("neg")) / len(gold)
+    assert best["accuracy"] >= majority + 0.25, (best, majority)
+    assert best["matthews"] > 0.5 and best["f1"] > 0.7
+    # the best model is an HF directory with the label names, loadable again, and its predictions
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["id2label"] == {"0": "neg", "1": "pos"} and config["architectures"] == [
+        "BertForSequenceClassification"]
+    assert os.path.isfile(os.path.join(out, "vocab.txt")) and os.path.isfile(os.path.join(out, "tokenizer.json"))
+    predictions = [json.loads(line) for line in open(os.path.join(out, "predictions.jsonl"))]
+    assert len(predictions) == 100 and predictions[0]["line"] == 2
+    accuracy = np.mean([p["prediction"] == y for p, y in zip(predictions, gold)])
+    assert accuracy == pytest.approx(best["accuracy"])
+    model = fastbert.BertForSequenceClassification.from_pretrained(out, backend="torch")
+    assert model.config.num_labels == 2
+
+
+def test_regression_correlates(tmp_path, tiny_model):
+    write_scores(tmp_path / "train.csv", 256, seed=3)
+    write_scores(tmp_path / "dev.csv", 100, seed=4)
+    best, _ = run(tmp_path, tiny_model, "regression", tmp_path / "train.csv", tmp_path / "dev.csv",
+                  text_column="sentence1", text_pair_column="sentence2", label_column="score",
+                  batch_size=16, epochs=12)
+    # a constant prediction has no correlation and the score's variance (4/3) as its MSE
+    assert best["pearson"] > 0.8 and best["spearman"] > 0.75 and best["mse"] < 0.5, best
+
+
+def test_token_classification_entity_f1(tmp_path, tiny_model):
+    write_conll(tmp_path / "train.txt", 256, seed=5)
+    write_conll(tmp_path / "dev.txt", 60, seed=6)
+    best, out = run(tmp_path, tiny_model, "token-classification", tmp_path / "train.txt", tmp_path / "dev.txt",
+                    batch_size=16, epochs=5)
+    # the majority tag (O everywhere) finds no entity: entity F1 0
+    assert best["f1"] > 80.0, best
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert sorted(config["id2label"].values()) == ["B-LOC", "B-PER", "I-PER", "O"]
+
+
+@pytest.mark.parametrize("impossible", [0.0, 0.3])
+def test_question_answering_squad(tmp_path, tiny_model, impossible):
+    # contexts of ~14 tokens in windows of 8 context tokens with stride 4: answers span window boundaries
+    write_squad(tmp_path / "train.json", 256, seed=7, impossible=impossible)
+    write_squad(tmp_path / "dev.json", 60, seed=8, impossible=impossible)
+    best, out = run(tmp_path, tiny_model, "question-answering", tmp_path / "train.json", tmp_path / "dev.json",
+                    max_seq_length=14, doc_stride=4, max_query_length=3, batch_size=16, epochs=3)
+    # always answering the null answer scores the unanswerable share (0 or ~30%)
+    assert best["exact_match"] > 100 * impossible + 40 and best["f1"] > 100 * impossible + 40, best
+    predictions = json.load(open(os.path.join(out, "predictions.json")))
+    assert len(predictions) == 60
+
+
+def test_multiple_choice_beats_chance(tmp_path, tiny_model):
+    write_swag(tmp_path / "train.csv", 256, seed=9)
+    write_swag(tmp_path / "dev.csv", 80, seed=10)
+    best, _ = run(tmp_path, tiny_model, "multiple-choice", tmp_path / "train.csv", tmp_path / "dev.csv",
+                  batch_size=16, epochs=3)
+    assert best["accuracy"] > 0.6, best  # chance and the majority ending are about 0.25
+
+
+def test_cli_jsonl_columns_and_paper_recipe(tmp_path, tiny_model, capsys):
+    write_sentiment(tmp_path / "train.jsonl", 40, seed=11, fmt="jsonl")
+    out = tmp_path / "cli-out"
+    argv = ["--task", "classification", "--model", tiny_model, "--train", str(tmp_path / "train.jsonl"),
+            "--eval", str(tmp_path / "train.jsonl"), "--text-column", "text", "--label-column", "gold",
+            "--out", str(out), "--max-steps", "2", "--backend", "torch", "--no-progress", "--learning-rate", "5e-5"]
+    assert fastbert.cli.main(["finetune", *argv]) == 0
+    assert "best (1 epoch(s)): accuracy" in capsys.readouterr().out
+    saved = json.load(open(out / "finetune_config.json"))
+    assert saved["batch_size"] == 32 and saved["epochs"] == 3 and saved["dropout"] == 0.1
+    assert saved["learning_rate"] == 5e-5
+    results = json.load(open(out / "eval_results.json"))
+    assert results["history"][0]["step"] == 2
+    with pytest.raises(SystemExit):  # the flag takes only the paper's grid
+        finetune_cli.parser().parse_args([*argv, "--learning-rate", "1e-3"])
+
+
+def test_bad_input_names_file_and_line(tmp_path, tiny_model, capsys):
+    write_sentiment(tmp_path / "train.tsv", 20, seed=12)
+    dev = tmp_path / "dev.tsv"
+    dev.write_text("sentence\tlabel\nthe movie was good\tpos\nthe film\tmeh\n")
+    cfg = FinetuneConfig("classification", tiny_model, str(tmp_path / "train.tsv"), str(dev),
+                         out=str(tmp_path / "o"), **FAST)
+    with pytest.raises(DataError, match=rf"{dev}:3: label 'meh' was not seen in training"):
+        finetune(cfg, log=lambda *_: None)
+    dev.write_text("text\tlabel\nthe movie was good\tpos\n")
+    with pytest.raises(DataError, match=rf"{dev}:1: no column 'sentence' in the header"):
+        finetune(cfg, log=lambda *_: None)
+    dev.write_text("")
+    with pytest.raises(DataError, match=rf"{dev}: no records"):
+        finetune(cfg, log=lambda *_: None)
+    # the command prints the message and fails
+    argv = ["finetune", "--task", "classification", "--model", tiny_model, "--train", str(dev), "--no-progress"]
+    assert fastbert.cli.main(argv) == 2
+    assert f"{dev}: no records" in capsys.readouterr().err
