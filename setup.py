@@ -10,7 +10,7 @@ setup(
     version="0.1.0",
     description="BERT with fused Triton kernels, a drop-in for HuggingFace transformers' BERT",
     python_requires=">=3.10",
-    packages=["fastbert", "fastbert.kernels", "fastbert.train", "fastbert.data", "fastbert.bench"],
+    packages=["fastbert", "fastbert.kernels", "fastbert.train", "fastbert.data", "fastbert.bench", "fastbert.finetune"],
     package_dir={"fastbert.kernels": "kernels"},
     install_requires=["torch>=2.4", "numpy", "safetensors", "tqdm"],
     extras_require={

@@ -11,6 +11,8 @@ COMMANDS = {
     "prepare-data": ("fastbert.data.prepare", "corpus -> WordPiece tokenizer -> MLM + NSP example shards"),
     "pretrain": ("fastbert.train.pretrain", "pretrain BERT (MLM + NSP), one process or under torchrun"),
     "convert": ("fastbert.convert", "re-save an HF BERT directory cleanly; --check compares it with transformers"),
+    "finetune": ("fastbert.finetune.cli", "fine-tune on classification, regression, tagging, SQuAD or SWAG"),
+    "embed": ("fastbert.finetune.embed", "contextual embeddings of chosen layers (feature-based BERT) -> .npy"),
 }
 
 
