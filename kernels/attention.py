@@ -8,10 +8,11 @@
 # l, rescaled accumulator), in base 2 (scores are multiplied by scale * log2(e) and exponentiated with
 # exp2), and writes only the output and the per-row log-sum-exp. The backward recomputes the scores
 # blockwise from q, k and the saved log-sum-exp, with no atomics, so it is deterministic: a preprocess
-# kernel gives delta = rowsum(dO * O); one kernel per key block loops over query blocks for dk and dv;
-# one kernel per query block loops over key blocks for dq. Padded and packed layouts share these kernels
-# (constexpr VARLEN): a sequence is a row offset into the layout, a row count and a range [lo, hi) of
-# rows that can hold tokens. With a mask, lo/hi are its first and last 1 (+1), so right padding (the
+# kernel gives delta = rowsum(dO * O); then program i of the backward kernel owns key block i, looping
+# over the query blocks for its dk and dv, and then query block i, looping over the key blocks for its
+# dq (the Triton tutorial's split: every gradient row has one writer). Padded and packed layouts share
+# these kernels (constexpr VARLEN): a sequence is a row offset into the layout, a row count and a range
+# [lo, hi) of rows that can hold tokens. With a mask, lo/hi are its first and last 1 (+1), so right padding (the
 # common case) skips the padded key and query blocks entirely, and the mask itself is read inside that
 # range, so any 0/1 pattern works. Padded query rows are written as zeros with log-sum-exp +inf, which
 # makes their probabilities, and so every gradient through them, exactly zero; a fully padded sequence
@@ -31,7 +32,7 @@
 # fixed within a process, so results are bitwise reproducible there.
 #
 # Sources: Dao, "FlashAttention-2" (2023), algorithms 1 and 2; the Triton tutorial "Fused Attention"
-# (06-fused-attention.py: base-2 softmax, the dk/dv and dq kernel split, delta preprocess);
+# (06-fused-attention.py: base-2 softmax, the dk/dv-then-dq backward program, delta preprocess);
 # flash-attention's flash_attn_triton.py and its varlen interface (cu_seqlens, max_seqlen).
 from __future__ import annotations
 
@@ -49,12 +50,12 @@ LOG2E = 1.4426950408889634
 INT32_MAX = 2**31 - 1
 
 
-def _configs(gpu_shapes, interpreter_shape):
-    """Autotuning candidates (BLOCK_M, BLOCK_N, num_warps, num_stages); under Triton's interpreter (CPU)
-    one fixed shape, with BLOCK_M != BLOCK_N so the tests exercise blocks of two sizes."""
+def _configs(gpu_shapes, interpreter_shape, names=("BLOCK_M", "BLOCK_N")):
+    """Autotuning candidates (block sizes named `names`, num_warps, num_stages); under Triton's
+    interpreter (CPU) one fixed shape, whose two block sizes differ so the tests exercise both."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         gpu_shapes = [interpreter_shape]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in gpu_shapes]
+    return [triton.Config(dict(zip(names, (m, n))), num_warps=w, num_stages=s) for m, n, w, s in gpu_shapes]
 
 
 # Keyed by the sequence-length bucket, not the length, so that varying batch lengths do not retune.
@@ -62,12 +63,10 @@ AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "VARLEN", "HAS_MASK", "DROPOUT"]
 # Forward: large query blocks amortise the K/V loads; 8 warps for 128 x 128 tiles.
 FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3),
                         (64, 32, 4, 2)], (128, 64, 4, 1))
-# dk/dv: one program per key block holds k, v, dk, dv; small query blocks stream through it.
-DKDV_CONFIGS = _configs([(32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3),
-                         (16, 64, 4, 2)], (64, 128, 4, 1))
-# dq: one program per query block holds q, dO, dq; small key blocks stream through it.
-DQ_CONFIGS = _configs([(128, 32, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3),
-                       (64, 16, 4, 2)], (128, 64, 4, 1))
+# Backward (BLOCK_MAJOR, BLOCK_MINOR): a program holds a major block (k, v, dk, dv, then q, dO, dq) and
+# streams small minor blocks through it.
+BWD_CONFIGS = _configs([(128, 32, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3),
+                        (64, 16, 4, 2)], (128, 64, 4, 1), names=("BLOCK_MAJOR", "BLOCK_MINOR"))
 PREPROCESS_BLOCK_M = 64
 
 
@@ -236,108 +235,31 @@ def _attention_bwd_preprocess_kernel(
 #     dQ = scale * dS K,      dK = scale * dS^T Q
 # Masked keys have P = 0 (so dS = 0); padded query rows have lse = +inf (so P = 0).
 
-@triton.autotune(configs=DKDV_CONFIGS, key=AUTOTUNE_KEY)
+@triton.autotune(configs=BWD_CONFIGS, key=AUTOTUNE_KEY)
 @triton.jit
-def _attention_bwd_dkdv_kernel(
+def _attention_bwd_kernel(
     Q, K, V,  # [B, heads, S, d] (VARLEN: [T, heads, d]), any strides
     DO,  # like Q: the output's gradient
-    DK, DV,  # like K, V
+    DQ, DK, DV,  # like Q, K, V
     LSE, DELTA,  # [B, heads, S] fp32 (VARLEN: [heads, T]): the forward's log-sum-exp, the preprocess' delta
     KEY_MASK, KEY_LO, KEY_HI, CU_SEQLENS, SEED,  # as in the forward
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
     stride_dkb, stride_dkh, stride_dks, stride_dkd,
     stride_dvb, stride_dvh, stride_dvs, stride_dvd,
     stride_lb, stride_lh, stride_mb, stride_ms,
     seqlen, seqlen_bucket, scale, scale_log2, dropout_p, keep_scale,
     HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32), the default otherwise
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_MAJOR: tl.constexpr,  # the keys of the dk/dv phase and the queries of the dq phase
+    BLOCK_MINOR: tl.constexpr,  # the blocks each phase streams through: queries, then keys
 ):
-    # One program per key block; the transposed scores s^T [BLOCK_N, BLOCK_M] keep keys on the rows.
-    pid_n = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    h64 = h.to(tl.int64)
-    b64 = b.to(tl.int64)
-    seq_start, n_rows, lo, hi = _sequence_span(CU_SEQLENS, KEY_LO, KEY_HI, b, seqlen, VARLEN, HAS_MASK)
-    Q += b64 * stride_qb + h64 * stride_qh + seq_start * stride_qs
-    K += b64 * stride_kb + h64 * stride_kh + seq_start * stride_ks
-    V += b64 * stride_vb + h64 * stride_vh + seq_start * stride_vs
-    DO += b64 * stride_dob + h64 * stride_doh + seq_start * stride_dos
-    DK += b64 * stride_dkb + h64 * stride_dkh + seq_start * stride_dks
-    DV += b64 * stride_dvb + h64 * stride_dvh + seq_start * stride_dvs
-    LSE += b64 * stride_lb + h64 * stride_lh + seq_start
-    DELTA += b64 * stride_lb + h64 * stride_lh + seq_start
-
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
-    in_cols = cols < n_rows
-    col_valid = _token_valid(KEY_MASK, stride_mb, stride_ms, b64, cols, lo, hi, HAS_MASK)
-    k = tl.load(K + cols[:, None] * stride_ks + dims[None, :] * stride_kd, mask=in_cols[:, None], other=0.0)
-    v = tl.load(V + cols[:, None] * stride_vs + dims[None, :] * stride_vd, mask=in_cols[:, None], other=0.0)
-    if DROPOUT:
-        seed = tl.load(SEED)
-
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    # Only rows in [lo, hi) can be tokens; a key block without any token gets zero gradients.
-    block_live = (pid_n * BLOCK_N < hi) & (pid_n * BLOCK_N + BLOCK_N > lo)
-    m_start = (lo // BLOCK_M) * BLOCK_M
-    m_end = tl.where(block_live, hi, m_start)
-    offs_m = tl.arange(0, BLOCK_M)
-    qt_ptrs = Q + offs_m[None, :] * stride_qs + dims[:, None] * stride_qd  # block at query 0; the loop shifts it
-    do_ptrs = DO + offs_m[:, None] * stride_dos + dims[None, :] * stride_dod
-    for start_m in range(m_start, m_end, BLOCK_M):
-        rows = start_m + offs_m
-        in_rows = rows < hi
-        qt = tl.load(qt_ptrs + start_m * stride_qs, mask=in_rows[None, :], other=0.0)
-        do = tl.load(do_ptrs + start_m * stride_dos, mask=in_rows[:, None], other=0.0)
-        lse = tl.load(LSE + rows, mask=in_rows, other=float("inf"))
-        delta = tl.load(DELTA + rows, mask=in_rows, other=0.0)
-        st = tl.dot(k, qt, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_N, BLOCK_M]
-        pt = tl.where(col_valid[:, None], tl.math.exp2(st - lse[None, :]), 0.0)
-        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (dO V^T)^T
-        if DROPOUT:
-            keep = _dropout_keep(seed, b, h, rows[None, :], cols[:, None], dropout_p)
-            pt_dropped = tl.where(keep, pt * keep_scale, 0.0)
-            dpt = tl.where(keep, dpt * keep_scale, 0.0)
-        else:
-            pt_dropped = pt
-        dv += tl.dot(pt_dropped.to(do.dtype), do, input_precision=DOT_PRECISION)
-        dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)
-
-    dk *= scale
-    tl.store(DK + cols[:, None] * stride_dks + dims[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
-             mask=in_cols[:, None])
-    tl.store(DV + cols[:, None] * stride_dvs + dims[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
-             mask=in_cols[:, None])
-
-
-@triton.autotune(configs=DQ_CONFIGS, key=AUTOTUNE_KEY)
-@triton.jit
-def _attention_bwd_dq_kernel(
-    Q, K, V,  # [B, heads, S, d] (VARLEN: [T, heads, d]), any strides
-    DO,  # like Q
-    DQ,  # like Q
-    LSE, DELTA,  # [B, heads, S] fp32 (VARLEN: [heads, T])
-    KEY_MASK, KEY_LO, KEY_HI, CU_SEQLENS, SEED,  # as in the forward
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_dob, stride_doh, stride_dos, stride_dod,
-    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
-    stride_lb, stride_lh, stride_mb, stride_ms,
-    seqlen, seqlen_bucket, scale, scale_log2, dropout_p, keep_scale,
-    HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32), the default otherwise
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    # One program per query block, looping over the key blocks: dq is owned by one program, no atomics.
-    pid_m = tl.program_id(0)
+    # Program `pid` owns key block pid (dk, dv: it loops over query blocks) and then query block pid
+    # (dq: it loops over key blocks). Every gradient row has one owner, so there are no atomics.
+    pid = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     h64 = h.to(tl.int64)
@@ -348,33 +270,71 @@ def _attention_bwd_dq_kernel(
     V += b64 * stride_vb + h64 * stride_vh + seq_start * stride_vs
     DO += b64 * stride_dob + h64 * stride_doh + seq_start * stride_dos
     DQ += b64 * stride_dqb + h64 * stride_dqh + seq_start * stride_dqs
+    DK += b64 * stride_dkb + h64 * stride_dkh + seq_start * stride_dks
+    DV += b64 * stride_dvb + h64 * stride_dvh + seq_start * stride_dvs
     LSE += b64 * stride_lb + h64 * stride_lh + seq_start
     DELTA += b64 * stride_lb + h64 * stride_lh + seq_start
-
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
+    offs_minor = tl.arange(0, BLOCK_MINOR)
+    if DROPOUT:
+        seed = tl.load(SEED)
+    # Only positions in [lo, hi) can be tokens; a block without any runs no iteration and gets zeros.
+    block_live = (pid * BLOCK_MAJOR < hi) & (pid * BLOCK_MAJOR + BLOCK_MAJOR > lo)
+    minor_start = (lo // BLOCK_MINOR) * BLOCK_MINOR
+    minor_end = tl.where(block_live, hi, minor_start)
+
+    # dk, dv of key block pid, on transposed scores s^T [BLOCK_MAJOR keys, BLOCK_MINOR queries].
+    keys = pid * BLOCK_MAJOR + tl.arange(0, BLOCK_MAJOR)
+    in_keys = keys < n_rows
+    key_valid = _token_valid(KEY_MASK, stride_mb, stride_ms, b64, keys, lo, hi, HAS_MASK)
+    k = tl.load(K + keys[:, None] * stride_ks + dims[None, :] * stride_kd, mask=in_keys[:, None], other=0.0)
+    v = tl.load(V + keys[:, None] * stride_vs + dims[None, :] * stride_vd, mask=in_keys[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_MAJOR, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_MAJOR, HEAD_DIM], dtype=tl.float32)
+    qt_ptrs = Q + offs_minor[None, :] * stride_qs + dims[:, None] * stride_qd  # block at query 0; shifted below
+    do_ptrs = DO + offs_minor[:, None] * stride_dos + dims[None, :] * stride_dod
+    for start_m in range(minor_start, minor_end, BLOCK_MINOR):
+        rows = start_m + offs_minor
+        in_rows = rows < hi
+        qt = tl.load(qt_ptrs + start_m * stride_qs, mask=in_rows[None, :], other=0.0)
+        do = tl.load(do_ptrs + start_m * stride_dos, mask=in_rows[:, None], other=0.0)
+        lse = tl.load(LSE + rows, mask=in_rows, other=float("inf"))
+        delta = tl.load(DELTA + rows, mask=in_rows, other=0.0)
+        st = tl.dot(k, qt, input_precision=DOT_PRECISION) * scale_log2
+        pt = tl.where(key_valid[:, None], tl.math.exp2(st - lse[None, :]), 0.0)
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (dO V^T)^T
+        if DROPOUT:
+            keep = _dropout_keep(seed, b, h, rows[None, :], keys[:, None], dropout_p)
+            pt_dropped = tl.where(keep, pt * keep_scale, 0.0)
+            dpt = tl.where(keep, dpt * keep_scale, 0.0)
+        else:
+            pt_dropped = pt
+        dv += tl.dot(pt_dropped.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)
+    dk *= scale
+    tl.store(DK + keys[:, None] * stride_dks + dims[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
+             mask=in_keys[:, None])
+    tl.store(DV + keys[:, None] * stride_dvs + dims[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+             mask=in_keys[:, None])
+
+    # dq of query block pid, on scores s [BLOCK_MAJOR queries, BLOCK_MINOR keys].
+    rows = pid * BLOCK_MAJOR + tl.arange(0, BLOCK_MAJOR)
     in_rows = rows < n_rows
     q = tl.load(Q + rows[:, None] * stride_qs + dims[None, :] * stride_qd, mask=in_rows[:, None], other=0.0)
     do = tl.load(DO + rows[:, None] * stride_dos + dims[None, :] * stride_dod, mask=in_rows[:, None], other=0.0)
     lse = tl.load(LSE + rows, mask=in_rows, other=float("inf"))
     delta = tl.load(DELTA + rows, mask=in_rows, other=0.0)
-    if DROPOUT:
-        seed = tl.load(SEED)
-
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    block_live = (pid_m * BLOCK_M < hi) & (pid_m * BLOCK_M + BLOCK_M > lo)
-    n_start = (lo // BLOCK_N) * BLOCK_N
-    n_end = tl.where(block_live, hi, n_start)
-    offs_n = tl.arange(0, BLOCK_N)
-    kt_ptrs = K + offs_n[None, :] * stride_ks + dims[:, None] * stride_kd  # block at key 0; the loop shifts it
-    vt_ptrs = V + offs_n[None, :] * stride_vs + dims[:, None] * stride_vd
-    for start_n in range(n_start, n_end, BLOCK_N):
-        cols = start_n + offs_n
-        col_valid = _token_valid(KEY_MASK, stride_mb, stride_ms, b64, cols, lo, hi, HAS_MASK)
+    dq = tl.zeros([BLOCK_MAJOR, HEAD_DIM], dtype=tl.float32)
+    kt_ptrs = K + offs_minor[None, :] * stride_ks + dims[:, None] * stride_kd  # block at key 0; shifted below
+    vt_ptrs = V + offs_minor[None, :] * stride_vs + dims[:, None] * stride_vd
+    for start_n in range(minor_start, minor_end, BLOCK_MINOR):
+        cols = start_n + offs_minor
         in_cols = cols < hi
+        col_valid = _token_valid(KEY_MASK, stride_mb, stride_ms, b64, cols, lo, hi, HAS_MASK)
         kt = tl.load(kt_ptrs + start_n * stride_ks, mask=in_cols[None, :], other=0.0)
         vt = tl.load(vt_ptrs + start_n * stride_vs, mask=in_cols[None, :], other=0.0)
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2
         p = tl.where(col_valid[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
         if DROPOUT:
@@ -382,7 +342,6 @@ def _attention_bwd_dq_kernel(
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
-
     dq *= scale
     tl.store(DQ + rows[:, None] * stride_dqs + dims[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
              mask=in_rows[:, None])
@@ -557,16 +516,11 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         out, dout, delta, q if cu_seqlens is None else cu_seqlens, *_bhsd_strides(out, varlen), *_bhsd_strides(dout, varlen),
         *stats_strides, seqlen, HEAD_DIM=flags["HEAD_DIM"], VARLEN=varlen, BLOCK_M=PREPROCESS_BLOCK_M,
     )
-    inputs_strides = (*_bhsd_strides(q, varlen), *_bhsd_strides(k, varlen), *_bhsd_strides(v, varlen),
-                      *_bhsd_strides(dout, varlen))
-    tail = (*stats_strides, *mask_strides, seqlen, scalars["seqlen_bucket"], scale, scalars["scale_log2"],
-            dropout_p, scalars["keep_scale"])
-    _attention_bwd_dkdv_kernel[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_N"]), heads, batch)](
-        q, k, v, dout, dk, dv, lse, delta, *pointers, *inputs_strides,
-        *_bhsd_strides(dk, varlen), *_bhsd_strides(dv, varlen), *tail, **flags,
-    )
-    _attention_bwd_dq_kernel[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), heads, batch)](
-        q, k, v, dout, dq, lse, delta, *pointers, *inputs_strides, *_bhsd_strides(dq, varlen), *tail, **flags,
+    _attention_bwd_kernel[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_MAJOR"]), heads, batch)](
+        q, k, v, dout, dq, dk, dv, lse, delta, *pointers,
+        *(stride for t in (q, k, v, dout, dq, dk, dv) for stride in _bhsd_strides(t, varlen)),
+        *stats_strides, *mask_strides, seqlen, scalars["seqlen_bucket"], scale, scalars["scale_log2"],
+        dropout_p, scalars["keep_scale"], **flags,
     )
     return dq, dk, dv
 
