@@ -57,6 +57,11 @@ def tiny_model(tmp_path_factory):
     return path
 
 
+def open_text(directory, name):
+    with open(os.path.join(directory, name)) as f:
+        return f.read()
+
+
 def sentence(rng, extra=(), length=5):
     words = rng.sample(FILLER, length)
     for word in extra:
@@ -160,11 +165,11 @@ def test_classification_beats_majority(tmp_path, tiny_model):
     assert best["accuracy"] >= majority + 0.25, (best, majority)
     assert best["matthews"] > 0.5 and best["f1"] > 0.7
     # the best model is an HF directory with the label names, loadable again, and its predictions
-    config = json.load(open(os.path.join(out, "config.json")))
+    config = json.loads(open_text(out, "config.json"))
     assert config["id2label"] == {"0": "neg", "1": "pos"} and config["architectures"] == [
         "BertForSequenceClassification"]
     assert os.path.isfile(os.path.join(out, "vocab.txt")) and os.path.isfile(os.path.join(out, "tokenizer.json"))
-    predictions = [json.loads(line) for line in open(os.path.join(out, "predictions.jsonl"))]
+    predictions = [json.loads(line) for line in open_text(out, "predictions.jsonl").splitlines()]
     assert len(predictions) == 100 and predictions[0]["line"] == 2
     accuracy = np.mean([p["prediction"] == y for p, y in zip(predictions, gold)])
     assert accuracy == pytest.approx(best["accuracy"])
@@ -189,7 +194,7 @@ def test_token_classification_entity_f1(tmp_path, tiny_model):
                     batch_size=16, epochs=5)
     # the majority tag (O everywhere) finds no entity: entity F1 0
     assert best["f1"] > 80.0, best
-    config = json.load(open(os.path.join(out, "config.json")))
+    config = json.loads(open_text(out, "config.json"))
     assert sorted(config["id2label"].values()) == ["B-LOC", "B-PER", "I-PER", "O"]
 
 
@@ -202,7 +207,7 @@ def test_question_answering_squad(tmp_path, tiny_model, impossible):
                     max_seq_length=14, doc_stride=4, max_query_length=3, batch_size=16, epochs=3)
     # always answering the null answer scores the unanswerable share (0 or ~30%)
     assert best["exact_match"] > 100 * impossible + 40 and best["f1"] > 100 * impossible + 40, best
-    predictions = json.load(open(os.path.join(out, "predictions.json")))
+    predictions = json.loads(open_text(out, "predictions.json"))
     assert len(predictions) == 60
 
 
@@ -222,10 +227,10 @@ def test_cli_jsonl_columns_and_paper_recipe(tmp_path, tiny_model, capsys):
             "--out", str(out), "--max-steps", "2", "--backend", "torch", "--no-progress", "--learning-rate", "5e-5"]
     assert fastbert.cli.main(["finetune", *argv]) == 0
     assert "best (1 epoch(s)): accuracy" in capsys.readouterr().out
-    saved = json.load(open(out / "finetune_config.json"))
+    saved = json.loads(open_text(out, "finetune_config.json"))
     assert saved["batch_size"] == 32 and saved["epochs"] == 3 and saved["dropout"] == 0.1
     assert saved["learning_rate"] == 5e-5
-    results = json.load(open(out / "eval_results.json"))
+    results = json.loads(open_text(out, "eval_results.json"))
     assert results["history"][0]["step"] == 2
     with pytest.raises(SystemExit):  # the flag takes only the paper's grid
         finetune_cli.parser().parse_args([*argv, "--learning-rate", "1e-3"])

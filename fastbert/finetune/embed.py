@@ -129,12 +129,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--text-column", help="table input: the text column (default: sentence)")
     p.add_argument("--text-pair-column", help="table input: the second segment's column")
     p.add_argument("--layers", default="-4,-3,-2,-1",
-                   help="comma-separated hidden-state indices: 0 = embeddings, -1 = last layer")
+                   help="comma-separated hidden-state indices: 0 = embeddings, -1 = last layer "
+                        "(write --layers=-2,-1: a value starting with - needs the =)")
     p.add_argument("--combine", choices=("concat", "sum", "mean"), default="concat", help="how the layers join")
     p.add_argument("--pooled", action="store_true", help="the pooler output (tanh of [CLS]) instead of layers")
     p.add_argument("--per", choices=("token", "sequence"), default="token")
     p.add_argument("--sequence-pool", choices=("mean", "cls"), default="mean", help="with --per sequence")
-    p.add_argument("--max-seq-length", type=int, default=128, help="longer sequences are truncated")
+    p.add_argument("--max-seq-length", type=int,
+                   help="longer sequences are truncated (default: 128, or the model's positions if fewer)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--device", help="default: cuda when available, else cpu")
     p.add_argument("--backend", choices=("auto", "triton", "torch"), help="default: the checkpoint's config")
@@ -152,16 +154,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         texts = read_texts(args.input, args.text_column, args.text_pair_column, args.format)
-        packer = Packer(tokenizer_for(args.model, args.tokenizer, args.lowercase), args.max_seq_length)
+        tokenizer = tokenizer_for(args.model, args.tokenizer, args.lowercase)
         overrides = {"backend": args.backend} if args.backend else {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model, info = BertModel.from_pretrained(args.model, output_loading_info=True, **overrides)
         if args.pooled and any(k.startswith("pooler.") for k in info["missing_keys"]):
             raise ValueError(f"--pooled: the checkpoint {args.model} has no pooler weights")
-        if args.max_seq_length > model.config.max_position_embeddings:
-            raise ValueError(f"--max-seq-length {args.max_seq_length} is longer than the model's "
-                             f"max_position_embeddings ({model.config.max_position_embeddings})")
+        positions = model.config.max_position_embeddings
+        max_seq_length = args.max_seq_length or min(128, positions)
+        if max_seq_length > positions:
+            raise ValueError(f"--max-seq-length {max_seq_length} is longer than the model's "
+                             f"max_position_embeddings ({positions})")
+        packer = Packer(tokenizer, max_seq_length)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         features, tokens = embed(model.float().to(device), packer, texts, layers, args.combine, args.pooled,
                                  args.per, args.sequence_pool, args.batch_size)
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     np.save(args.out, features)
-    truncated = sum(len(t) == args.max_seq_length for t in tokens)
+    truncated = sum(len(t) == packer.max_seq_length for t in tokens)
     if not args.pooled and args.per == "token":
         with open(os.path.splitext(args.out)[0] + ".tokens.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps(t) + "\n" for t in tokens)
