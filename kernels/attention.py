@@ -58,8 +58,10 @@ def _configs(gpu_shapes, interpreter_shape, names=("BLOCK_M", "BLOCK_N")):
     return [triton.Config(dict(zip(names, (m, n))), num_warps=w, num_stages=s) for m, n, w, s in gpu_shapes]
 
 
-# Keyed by the sequence-length bucket, not the length, so that varying batch lengths do not retune.
-AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "VARLEN", "HAS_MASK", "DROPOUT"]
+# Keyed by the sequence-length bucket, not the length, so that varying batch lengths do not retune; not
+# by the layout (VARLEN, HAS_MASK), so a packed batch runs the blocks of its padded twin and gives its
+# bitwise results (the dtype is part of every key).
+AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "DROPOUT"]
 # Forward: large query blocks amortise the K/V loads; 8 warps for 128 x 128 tiles.
 FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3),
                         (64, 32, 4, 2)], (128, 64, 4, 1))

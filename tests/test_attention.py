@@ -134,7 +134,7 @@ def recover_dropout_keep(batch, heads, seqlen, head_dim, dropout_p, seed, device
         out = attn.attention(zeros, zeros, v, dropout_p=dropout_p)
         chunk = out[..., :width]
         # kept entries are exactly 1 / (S (1 - p)); dropped ones exactly 0
-        kept_value = torch.tensor(1.0 / seqlen / (1.0 - dropout_p))
+        kept_value = torch.tensor(1.0 / seqlen / (1.0 - dropout_p), device=device)
         assert torch.isclose(chunk[chunk != 0], kept_value, rtol=1e-6).all()
         keep[..., start:start + width] = chunk != 0
     return keep
@@ -210,9 +210,10 @@ def test_varlen_equals_padded(device, dropout_p):
     def packed_fn(q, k, v):
         # [B, heads, S, d] -> [T, heads, d] and back, around the varlen kernel
         packed = [reference.unpad(t.transpose(1, 2), mask)[0] for t in (q, k, v)]
-        _, indices, cu_seqlens, max_seqlen = reference.unpad(q.transpose(1, 2), mask)
+        _, indices, cu_seqlens, _ = reference.unpad(q.transpose(1, 2), mask)
         torch.manual_seed(2)
-        out = attn.attention_varlen(*packed, cu_seqlens, max_seqlen, dropout_p=dropout_p)
+        # max_seqlen = S (an upper bound is allowed) keeps the padded call's autotuning key on a GPU
+        out = attn.attention_varlen(*packed, cu_seqlens, seqlen, dropout_p=dropout_p)
         return reference.pad(out, indices, batch, seqlen).transpose(1, 2)
 
     padded_out, padded_grads = run(padded_fn, (q, k, v), dout)
