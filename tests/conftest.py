@@ -23,6 +23,16 @@ def device():
     return DEVICE
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op torch thread: CI runs two test processes on two cores, and on small matmuls a
+    second thread per process only spins (4x the CPU time of a tiny model's training step)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (bf16 kernels, timings)")
 
