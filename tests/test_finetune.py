@@ -33,15 +33,7 @@ SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 VOCAB = SPECIAL + sorted(set(POSITIVE + NEGATIVE + FILLER + PERSONS + SURNAMES + COLORS + ANIMALS + PIECES
                              + ["paris", "rome", "what", "animal", "?", ".", "key"]))
 FAST = dict(learning_rate=2e-3, warmup_proportion=0.1, progress=False, backend="torch", device="cpu")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: a second intra-op thread only spins (4x the CPU time under pytest -n 2 on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
