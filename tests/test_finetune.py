@@ -218,7 +218,7 @@ def test_cli_jsonl_columns_and_paper_recipe(tmp_path, tiny_model, capsys):
             "--eval", str(tmp_path / "train.jsonl"), "--text-column", "text", "--label-column", "gold",
             "--out", str(out), "--max-steps", "2", "--backend", "torch", "--no-progress", "--learning-rate", "5e-5"]
     assert fastbert.cli.main(["finetune", *argv]) == 0
-    assert "best (1 epoch(s)): accuracy" in capsys.readouterr().out
+    assert "best (epoch 1): accuracy" in capsys.readouterr().out
     saved = json.loads(open_text(out, "finetune_config.json"))
     assert saved["batch_size"] == 32 and saved["epochs"] == 3 and saved["dropout"] == 0.1
     assert saved["learning_rate"] == 5e-5
@@ -242,6 +242,8 @@ def test_bad_input_names_file_and_line(tmp_path, tiny_model, capsys):
     dev.write_text("")
     with pytest.raises(DataError, match=rf"{dev}: no records"):
         finetune(cfg, log=lambda *_: None)
+    with pytest.raises(ValueError, match="metric 'pearson' is not one of classification's: accuracy, f1, matthews"):
+        finetune(FinetuneConfig("classification", tiny_model, str(dev), metric="pearson"), log=lambda *_: None)
     # the command prints the message and fails
     argv = ["finetune", "--task", "classification", "--model", tiny_model, "--train", str(dev), "--no-progress"]
     assert fastbert.cli.main(argv) == 2

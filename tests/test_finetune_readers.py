@@ -49,6 +49,15 @@ def test_table_errors(tmp_path, name, text, columns, message):
         read_table(str(path), columns)
 
 
+def test_byte_order_mark_and_bad_bytes(tmp_path):
+    path = tmp_path / "mrpc.tsv"
+    path.write_bytes("\ufeffQuality\t#1 String\n1\tA caf\u00e9\n".encode("utf-8"))
+    assert read_table(str(path), ["Quality", "#1 String"]) == [(2, {"Quality": "1", "#1 String": "A caf\u00e9"})]
+    path.write_bytes(b"sentence\tlabel\nok\t1\nbad \xff\t0\n")
+    with pytest.raises(DataError, match=r"mrpc.tsv:3: bytes that are not UTF-8"):
+        read_table(str(path), ["sentence"])
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(DataError, match=r"nope.tsv: no such file"):
         read_table(str(tmp_path / "nope.tsv"), ["sentence"])

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastbert finetune: error: {exc}", file=sys.stderr)
         return 2
     if result["best"] is not None:
-        print(f"best ({result['best']['epoch']} epoch(s)): "
+        print(f"best (epoch {result['best']['epoch']}): "
               + ", ".join(f"{k} {v:.4f}" for k, v in result["best"].items() if k not in ("epoch", "step")))
     return 0
 

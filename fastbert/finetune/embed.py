@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from fastbert.finetune.encoding import Packer, collate, tokenizer_for
-from fastbert.finetune.readers import TABLE_FORMATS, DataError, read_table
+from fastbert.finetune.readers import TABLE_FORMATS, DataError, read_table, read_text
 
 PAIR_SEPARATOR = " ||| "
 
@@ -35,17 +35,14 @@ def read_texts(path: str, text_column: str | None = None, text_pair_column: str 
     if fmt is not None or os.path.splitext(path)[1].lower() in (".csv", ".tsv", ".jsonl", ".json"):
         columns = [text_column or "sentence"] + ([text_pair_column] if text_pair_column else [])
         return [(v[columns[0]], v.get(text_pair_column)) for _, v in read_table(path, columns, fmt)]
-    if not os.path.isfile(path):
-        raise DataError(path, None, "no such file")
     texts = []
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+    lines = read_text(path).split("\n")
     while lines and not lines[-1].strip():
         lines.pop()
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             raise DataError(path, number, "empty line (one sequence per line; blank lines are not sequences)")
-        a, sep, b = line.partition(PAIR_SEPARATOR)
+        a, sep, b = line.rstrip("\r").partition(PAIR_SEPARATOR)
         texts.append((a, b if sep else None))
     if not texts:
         raise DataError(path, None, "no sequences (the file is empty)")

@@ -12,6 +12,7 @@ the problem is the file as a whole).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from dataclasses import dataclass, field
@@ -28,10 +29,16 @@ class DataError(ValueError):
         self.path, self.line = path, line
 
 
-def _open(path: str):
+def read_text(path: str) -> str:
+    """The file's text: UTF-8, a byte-order mark (as in GLUE's MRPC files) dropped."""
     if not os.path.isfile(path):
         raise DataError(path, None, "no such file")
-    return open(path, encoding="utf-8", newline="")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DataError(path, data.count(b"\n", 0, exc.start) + 1, f"bytes that are not UTF-8 ({exc.reason})") from None
 
 
 def table_format(path: str, fmt: str | None = None) -> str:
@@ -48,47 +55,46 @@ def table_format(path: str, fmt: str | None = None) -> str:
 def read_table(path: str, columns: list[str], fmt: str | None = None) -> list[tuple[int, dict[str, str]]]:
     """(line, {column: value}) for each record, with every named column present and non-empty.
 
-    Values are strings (JSONL numbers and lists are kept as their JSON text, except plain numbers and
-    strings, which read as written). Raises DataError for a missing column or value, a malformed line,
-    or a file without records.
+    Values are strings; JSONL values that are not (numbers, lists) become their JSON text. Raises
+    DataError for a missing column or value, a malformed line, or a file without records.
     """
     fmt = table_format(path, fmt)
     records = []
-    with _open(path) as f:
-        if fmt == "jsonl":
-            for number, text in enumerate(f, start=1):
-                if not text.strip():
-                    continue
-                try:
-                    obj = json.loads(text)
-                except json.JSONDecodeError as exc:
-                    raise DataError(path, number, f"not a JSON object: {exc.msg}") from None
-                if not isinstance(obj, dict):
-                    raise DataError(path, number, f"expected a JSON object, got {type(obj).__name__}")
-                records.append((number, obj))
-        else:
-            quoting = csv.QUOTE_MINIMAL if fmt == "csv" else csv.QUOTE_NONE
-            reader = csv.reader(f, delimiter="," if fmt == "csv" else "\t", quoting=quoting)
-            header = None
+    lines = io.StringIO(read_text(path), newline="")
+    if fmt == "jsonl":
+        for number, text in enumerate(lines, start=1):
+            if not text.strip():
+                continue
             try:
-                for row in reader:
-                    if not any(cell.strip() for cell in row):
-                        continue
-                    if header is None:
-                        header = [cell.strip() for cell in row]
-                        header_line = reader.line_num
-                        continue
-                    if len(row) > len(header):
-                        raise DataError(path, reader.line_num, f"{len(row)} fields, but the header on line "
-                                                               f"{header_line} names {len(header)}")
-                    records.append((reader.line_num, dict(zip(header, row))))
-            except csv.Error as exc:
-                raise DataError(path, reader.line_num, f"malformed {fmt.upper()}: {exc}") from None
-            if header is not None:
-                missing = [c for c in columns if c not in header]
-                if missing:
-                    raise DataError(path, header_line, f"no column {missing[0]!r} in the header "
-                                                       f"(columns: {', '.join(header)})")
+                obj = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise DataError(path, number, f"not a JSON object: {exc.msg}") from None
+            if not isinstance(obj, dict):
+                raise DataError(path, number, f"expected a JSON object, got {type(obj).__name__}")
+            records.append((number, obj))
+    else:
+        quoting = csv.QUOTE_MINIMAL if fmt == "csv" else csv.QUOTE_NONE
+        reader = csv.reader(lines, delimiter="," if fmt == "csv" else "\t", quoting=quoting)
+        header = None
+        try:
+            for row in reader:
+                if not any(cell.strip() for cell in row):
+                    continue
+                if header is None:
+                    header = [cell.strip() for cell in row]
+                    header_line = reader.line_num
+                    continue
+                if len(row) > len(header):
+                    raise DataError(path, reader.line_num, f"{len(row)} fields, but the header on line "
+                                                           f"{header_line} names {len(header)}")
+                records.append((reader.line_num, dict(zip(header, row))))
+        except csv.Error as exc:
+            raise DataError(path, reader.line_num, f"malformed {fmt.upper()}: {exc}") from None
+        if header is not None:
+            missing = [c for c in columns if c not in header]
+            if missing:
+                raise DataError(path, header_line, f"no column {missing[0]!r} in the header "
+                                                   f"(columns: {', '.join(header)})")
     if not records:
         raise DataError(path, None, "no records (the file is empty)")
     out = []
@@ -116,21 +122,20 @@ def read_conll(path: str) -> list[TaggedSentence]:
     """Sentences of a CoNLL file: word in the first column, tag in the last, blank lines between sentences."""
     sentences: list[TaggedSentence] = []
     current: TaggedSentence | None = None
-    with _open(path) as f:
-        for number, text in enumerate(f, start=1):
-            fields = text.split()
-            if not fields or fields[0] == "-DOCSTART-":
-                if current is not None:
-                    sentences.append(current)
-                current = None
-                continue
-            if len(fields) < 2:
-                raise DataError(path, number, f"expected a word and its tag separated by white space, "
-                                              f"got {text.strip()!r}")
-            if current is None:
-                current = TaggedSentence(path, number, [], [])
-            current.words.append(fields[0])
-            current.tags.append(fields[-1])
+    for number, text in enumerate(io.StringIO(read_text(path), newline=""), start=1):
+        fields = text.split()
+        if not fields or fields[0] == "-DOCSTART-":
+            if current is not None:
+                sentences.append(current)
+            current = None
+            continue
+        if len(fields) < 2:
+            raise DataError(path, number, f"expected a word and its tag separated by white space, "
+                                          f"got {text.strip()!r}")
+        if current is None:
+            current = TaggedSentence(path, number, [], [])
+        current.words.append(fields[0])
+        current.tags.append(fields[-1])
     if current is not None:
         sentences.append(current)
     if not sentences:
@@ -159,8 +164,7 @@ def _line_of(raw: str, needle: str, start: int = 0) -> tuple[int | None, int]:
 def read_squad(path: str) -> list[QAExample]:
     """Questions of a SQuAD v1.1 or v2.0 file. Raises DataError naming the line (of the question's id
     where the JSON is well formed, so line numbers come from finding each id in the text) and the entry."""
-    with _open(path) as f:
-        raw = f.read()
+    raw = read_text(path)
     if not raw.strip():
         raise DataError(path, None, "the file is empty")
     try:

@@ -70,6 +70,7 @@ class QuestionAnsweringTask(Task):
     name = "question-answering"
     model_class = BertForQuestionAnswering
     main_metric = "f1"
+    metric_names = ("exact_match", "f1")
     per_token = True
 
     def __init__(self, packer: Packer, doc_stride: int = 128, max_query_length: int = 64,

@@ -58,7 +58,8 @@ class Task:
     """The interface the training loop uses; subclasses fill it in per family."""
     name: str
     model_class: type
-    main_metric: str
+    main_metric: str  # picks the best epoch unless --metric names another
+    metric_names: tuple[str, ...]  # what score() returns
     per_token = False  # logits are per position: the loop trims them to each feature's length
 
     def __init__(self, packer: Packer):
@@ -105,6 +106,7 @@ class SequenceTask(Task):
         self.columns, self.regression = columns, regression
         self.name = "regression" if regression else "classification"
         self.main_metric = "pearson" if regression else "accuracy"
+        self.metric_names = ("pearson", "spearman", "mse") if regression else ("accuracy", "f1", "matthews")
         self.labels: list[str] = []
         self.label_ids: dict[str, int] = {}
 
@@ -179,6 +181,7 @@ class TokenTask(Task):
     name = "token-classification"
     model_class = BertForTokenClassification
     main_metric = "f1"
+    metric_names = ("precision", "recall", "f1", "accuracy")
     per_token = True
 
     def __init__(self, packer: Packer):
@@ -237,6 +240,7 @@ class ChoiceTask(Task):
     name = "multiple-choice"
     model_class = BertForMultipleChoice
     main_metric = "accuracy"
+    metric_names = ("accuracy",)
 
     def __init__(self, packer: Packer, columns: Columns):
         super().__init__(packer)

@@ -32,7 +32,7 @@ from fastbert.train.optim import linear_warmup_decay, param_groups
 
 TASKS = ("classification", "regression", "token-classification", "question-answering", "multiple-choice")
 PAPER_LEARNING_RATES = (2e-5, 3e-5, 4e-5, 5e-5)  # the paper's fine-tuning grid (appendix A.3)
-LOWER_IS_BETTER = ("mse",)
+LOWER_IS_BETTER = ("mse", "loss")
 # task -> (text column, text pair column) when the flags leave them unset: GLUE's and SWAG's names
 DEFAULT_COLUMNS = {"classification": ("sentence", None), "regression": ("sentence", None),
                    "multiple-choice": ("sent1", "sent2")}
@@ -175,6 +175,8 @@ def finetune(cfg: FinetuneConfig, log=print) -> dict:
     packer = Packer(tokenizer, max_seq_length)
     task = build_task(cfg, packer)
     metric = cfg.metric or task.main_metric
+    if metric not in (*task.metric_names, "loss"):
+        raise ValueError(f"metric {metric!r} is not one of {task.name}'s: {', '.join(task.metric_names)}, loss")
 
     train_examples = task.read(cfg.train)
     task.fit(train_examples)
@@ -232,15 +234,14 @@ def finetune(cfg: FinetuneConfig, log=print) -> dict:
             optimizer.zero_grad(set_to_none=True)
             step += 1
             seen += len(batch["input_ids"])
-            bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{schedule.get_last_lr()[0]:.2e}",
-                            examples_per_s=f"{seen / (time.perf_counter() - started):.1f}", refresh=False)
+            if not bar.disable:  # reading the loss is a device sync: only when it is shown
+                bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{schedule.get_last_lr()[0]:.2e}",
+                                examples_per_s=f"{seen / (time.perf_counter() - started):.1f}", refresh=False)
             bar.update()
             if step >= total_steps:
                 break
         if evaluation is not None:
             scores, predictions = evaluate(model, task, *evaluation, cfg.eval_batch_size, device, autocast)
-            if metric not in scores:
-                raise ValueError(f"metric {metric!r} is not one of {task.name}'s: {sorted(scores)}")
             scores = {"epoch": epoch + 1, "step": step, **scores}
             history.append(scores)
             log(f"epoch {epoch + 1}, step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()
