@@ -94,9 +94,12 @@ def test_conll_errors(tmp_path, packer):
     path.write_text("\n-DOCSTART- O\n\n")
     with pytest.raises(DataError, match=r"dev.txt: no sentences"):
         read_conll(str(path))
+    path.write_text("john O\nlives O\n")
     task = TokenTask(packer)
-    task.fit([])
-    task.labels = ["O", "B-PER"]
+    with pytest.raises(DataError, match=r"dev.txt: every word is tagged \['O'\]; tagging needs at least two tags"):
+        task.fit(read_conll(str(path)))
+    path.write_text("john B-PER\nlives O\n")
+    task.fit(read_conll(str(path)))
     path.write_text("john B-PER\n\nlives O\nin B-MISC\n")
     with pytest.raises(DataError, match=r"dev.txt:4: tag 'B-MISC' was not seen in training"):
         task.features(read_conll(str(path)))

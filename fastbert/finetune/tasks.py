@@ -193,6 +193,9 @@ class TokenTask(Task):
 
     def fit(self, train_examples) -> None:
         self.labels = sorted({tag for s in train_examples for tag in s.tags})
+        if len(self.labels) < 2:
+            first = train_examples[0]
+            raise DataError(first.path, None, f"every word is tagged {self.labels}; tagging needs at least two tags")
 
     def model_overrides(self) -> dict:
         return {"num_labels": len(self.labels), "id2label": dict(enumerate(self.labels)),
