@@ -1,5 +1,6 @@
-"""The whole model on the Triton kernels (interpreted on CPU) against the PyTorch reference path:
-outputs and gradients within 1e-4 in fp32, padded and unpadded; dropout reproducible from the seed."""
+"""The whole model on the Triton kernels (interpreted on CPU, compiled on a GPU) against the PyTorch
+reference path: outputs and gradients within 1e-4 in fp32, padded and unpadded; dropout reproducible
+from the seed; torch.compile traces the Triton path."""
 import copy
 
 import pytest
@@ -13,20 +14,21 @@ CONFIG = fastbert.BertConfig.tiny(vocab_size=1000, hidden_size=128, num_attentio
 SEQ, LENGTHS = 37, (37, 20, 1)
 
 
-def batch():
+def batch(device):
     generator = torch.Generator().manual_seed(0)
     mask = (torch.arange(SEQ)[None, :] < torch.tensor(LENGTHS)[:, None]).long()
     ids = torch.randint(1, CONFIG.vocab_size, (len(LENGTHS), SEQ), generator=generator) * mask
     labels = torch.where((torch.rand(ids.shape, generator=generator) < 0.3) & mask.bool(), ids, -100)
     labels[:, 0] = ids[:, 0]
     types = (torch.arange(SEQ)[None, :] > SEQ // 2).long().expand_as(ids) * mask
-    return dict(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels,
-                next_sentence_label=torch.tensor([0, 1, 0]))
+    inputs = dict(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels,
+                  next_sentence_label=torch.tensor([0, 1, 0]))
+    return {k: v.to(device) for k, v in inputs.items()}
 
 
-def pair(unpad):
+def pair(unpad, device):
     torch.manual_seed(0)
-    reference = fastbert.BertForPreTraining(CONFIG.replace(unpad=unpad)).train()
+    reference = fastbert.BertForPreTraining(CONFIG.replace(unpad=unpad)).to(device).train()
     kernels = copy.deepcopy(reference)  # every module of the copy shares the copy's one config
     kernels.config.backend = "triton"  # read at forward time
     assert kernels.bert.encoder.layer[0].attention.self.config.backend == "triton"
@@ -34,9 +36,9 @@ def pair(unpad):
 
 
 @pytest.mark.parametrize("unpad", [False, True], ids=["padded", "unpadded"])
-def test_triton_model_matches_reference(unpad):
-    reference, kernels = pair(unpad)
-    inputs = batch()
+def test_triton_model_matches_reference(unpad, device):
+    reference, kernels = pair(unpad, device)
+    inputs = batch(device)
     real = inputs["attention_mask"].bool()
     a = reference(**inputs, return_logits=True, output_hidden_states=True)
     b = kernels(**inputs, return_logits=True, output_hidden_states=True)
@@ -53,11 +55,11 @@ def test_triton_model_matches_reference(unpad):
         torch.testing.assert_close(grads[name].grad, param.grad, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
-def test_triton_model_dropout_is_reproducible():
+def test_triton_model_dropout_is_reproducible(device):
     config = CONFIG.replace(backend="triton", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
     torch.manual_seed(0)
-    model = fastbert.BertForPreTraining(config).train()
-    inputs = batch()
+    model = fastbert.BertForPreTraining(config).to(device).train()
+    inputs = batch(device)
     losses = []
     for _ in range(2):
         torch.manual_seed(1)
@@ -71,10 +73,10 @@ def test_triton_model_dropout_is_reproducible():
     assert torch.equal(model(**inputs).loss, model(**inputs).loss)  # no dropout in eval
 
 
-def test_torch_compile_traces_the_triton_model_without_graph_breaks():
+def test_torch_compile_traces_the_triton_model_without_graph_breaks(device):
     torch.manual_seed(0)
-    model = fastbert.BertModel(CONFIG.replace(backend="triton")).train()
-    inputs = {k: v for k, v in batch().items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+    model = fastbert.BertModel(CONFIG.replace(backend="triton")).to(device).train()
+    inputs = {k: v for k, v in batch(device).items() if k in ("input_ids", "attention_mask", "token_type_ids")}
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     eager_out = model(**inputs, validate=False)
     compiled_out = compiled(**inputs, validate=False)
