@@ -19,21 +19,13 @@ from fastbert.train.optim import Lamb, linear_warmup_decay
 from tests.test_data import write_corpus
 
 # a model small enough that a step takes milliseconds on CPU
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's: one torch thread per test process
 SMALL = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
          "max_position_embeddings": 64}
 NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 # what a run computes, as opposed to how fast it went (tokens_per_s, mfu)
 COMPUTED = ("step", "phase", "seq_length", "loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "lr",
             "grad_norm", "skipped_steps")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """CI runs two test processes on two cores: more threads per process only contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
