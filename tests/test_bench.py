@@ -134,3 +134,13 @@ def test_report_tables_carry_provenance(smoke):
     text = report.render(rows, plots_dir=None, suites=("smoke",))
     assert "layer_norm" in text and "fastbert-eager" in text and "hf-sdpa" in text
     assert rows[0]["commit"][:10] in text and rows[0]["device"] in text and "fastbert bench --smoke" in text
+
+
+def test_ffn_form_section_names_the_faster_form_only_when_measured():
+    from fastbert.bench.report import ffn_form_lines
+    assert "not yet measured" in "\n".join(ffn_form_lines({}))
+    rows = [{"op": "ffn_up", "direction": "both", "status": "ok", "shape": {"rows": 16384, "hidden": 768},
+             "provider": provider, "median_ms": ms} for provider, ms in (("fastbert", 1.25), ("fastbert-split", 1.0))]
+    table = ffn_form_lines({("gpu", "H100"): rows})
+    assert table[-1].endswith("| 1.250 | 1.000 | fastbert-split |")
+    assert not any("not yet measured" in line for line in table)

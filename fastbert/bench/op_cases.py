@@ -118,6 +118,10 @@ def bias_gelu_case(rows: int, features: int, dtype: torch.dtype) -> OpCase:
                   bytes=_by_direction(2 * elem, 3 * elem))
 
 
+# which fused form ops.linear_bias_gelu runs on the Triton path (kernels/bias_gelu.py's switch)
+FFN_FORM = getattr(ops.KERNELS.get("bias_gelu"), "LINEAR_BIAS_GELU_FORM", "none: Triton does not import")
+
+
 def ffn_up_case(rows: int, hidden: int, intermediate: int, dtype: torch.dtype) -> OpCase:
     """gelu(x @ W^T + b): the FFN up-projection with its activation, in two fused forms."""
     def make_inputs(device):
@@ -139,7 +143,8 @@ def ffn_up_case(rows: int, hidden: int, intermediate: int, dtype: torch.dtype) -
     return OpCase("ffn_up", {"rows": rows, "hidden": hidden, "intermediate": intermediate}, dtype, make_inputs,
                   {FASTBERT: fused("triton"), SPLIT: split, EAGER: fused("torch"), TORCH: native},
                   flops=_by_direction(matmul, 2 * matmul),
-                  notes={FASTBERT: "matmul with bias + GELU in its epilogue", SPLIT: "cuBLAS matmul, then bias + GELU kernel"})
+                  notes={FASTBERT: f"the model's path: form {FFN_FORM!r}",
+                         SPLIT: "cuBLAS matmul, then bias + GELU kernel"})
 
 
 def qkv_case(batch: int, seqlen: int, hidden: int, heads: int, dtype: torch.dtype) -> OpCase:

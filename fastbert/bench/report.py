@@ -297,6 +297,28 @@ def targets(runs: dict) -> list[str]:
     return lines
 
 
+def ffn_form_lines(gpu_runs: dict) -> list[str]:
+    """Which of the two fused FFN forms the model runs, and what the GPU measured of both."""
+    from fastbert.bench.op_cases import FFN_FORM
+    lines = [f"The model's FFN up-projection runs the form set by `LINEAR_BIAS_GELU_FORM` in kernels/bias_gelu.py, "
+             f"now {FFN_FORM!r}: \"epilogue\" is a Triton matmul with bias + GELU in its epilogue, "
+             "\"cublas_then_bias_gelu\" a cuBLAS matmul followed by the bias + GELU kernel (provider "
+             "fastbert-split). The faster on the GPU should be the model's path."]
+    rows = [r for run in gpu_runs.values() for r in run
+            if r["op"] == "ffn_up" and r.get("direction") == "both" and r.get("status", "ok") == "ok"]
+    timed = {}
+    for row in rows:
+        timed.setdefault(tuple(sorted(row["shape"].items())), {})[row["provider"]] = row["median_ms"]
+    measured = [(shape, t) for shape, t in timed.items() if "fastbert" in t and "fastbert-split" in t]
+    if not measured:
+        return lines + ["", "Which is faster is **not yet measured**: no GPU has run the suite."]
+    lines += ["", "| shape | fastbert (model's form), ms | fastbert-split, ms | faster |", "|---|---|---|---|"]
+    for shape, t in measured:
+        faster = "fastbert" if t["fastbert"] <= t["fastbert-split"] else "fastbert-split"
+        lines.append(f"| {dict(shape)} | {t['fastbert']:.3f} | {t['fastbert-split']:.3f} | {faster} |")
+    return lines
+
+
 def render(rows: list[dict], plots_dir: str | None = None, suites=DEFAULT_SUITES, plot_prefix: str = "") -> str:
     runs = latest_runs(rows, suites)
     gpu_runs = {k: v for k, v in runs.items() if k[0] == "gpu"}
@@ -327,6 +349,7 @@ def render(rows: list[dict], plots_dir: str | None = None, suites=DEFAULT_SUITES
             "| figure | value | source |", "|---|---|---|"]
     out += [f"| {a} | {b} | {c} |" for a, b, c in PUBLISHED] + [""]
     out += ["## Targets", ""] + targets(runs) + [""]
+    out += ["## The FFN up-projection's form", ""] + ffn_form_lines(gpu_runs) + [""]
     images = plots(runs, plots_dir) if plots_dir else []
     for (suite, device), rows in runs.items():
         out += [f"## {suite} suite on {device}", "", provenance_line(rows), ""]
