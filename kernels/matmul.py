@@ -32,10 +32,12 @@ import triton.language as tl
 ACTIVATIONS = ("none", "gelu", "gelu_tanh")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-_SQRT_HALF = 0.7071067811865476  # 1 / sqrt(2)
-_INV_SQRT_2PI = 0.3989422804014327  # 1 / sqrt(2 pi)
-_SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2 / pi)
-_TANH_CUBIC = 0.044715
+# tl.constexpr: compiled (non-interpreted) @triton.jit code may read a module global only when it is a
+# constexpr; a plain float is a NameError at compile time on the GPU (the interpreter accepts it).
+_SQRT_HALF = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
+_TANH_CUBIC = tl.constexpr(0.044715)
 
 
 @triton.jit
