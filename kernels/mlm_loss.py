@@ -57,6 +57,7 @@ import triton.language as tl
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 REDUCTIONS = ("mean", "sum")
 MAX_VOCAB = 2**31 - 1
+MAX_GRID_AXIS = 65535  # CUDA's limit on grid axis 1: the backward's vocabulary tiles per chunk
 # dz is materialised one vocabulary chunk at a time: N x chunk elements at most (64 MiB in 16-bit),
 # few enough chunks at N = 2458 that the per-chunk GEMMs stay large.
 BACKWARD_CHUNK_ELEMENTS = 1 << 25
@@ -239,8 +240,10 @@ def _forward_cols_per_split(device: torch.device, rows: int, vocab: int, block_n
 
 def _backward_chunk_cols(rows: int, vocab: int, block_v: int) -> int:
     """Vocabulary columns per backward chunk: equal chunks (multiples of block_v) of at most
-    BACKWARD_CHUNK_ELEMENTS elements of dz, but never narrower than one tile."""
-    chunks = max(1, triton.cdiv(rows * vocab, BACKWARD_CHUNK_ELEMENTS))
+    BACKWARD_CHUNK_ELEMENTS elements of dz, but never narrower than one tile. A chunk also spans at
+    most MAX_GRID_AXIS tiles: with a handful of rows and a vocabulary past 8M, one chunk would
+    otherwise need more blocks on grid axis 1 than a GPU launch allows (the interpreter has no limit)."""
+    chunks = max(1, triton.cdiv(rows * vocab, BACKWARD_CHUNK_ELEMENTS), triton.cdiv(vocab, MAX_GRID_AXIS * block_v))
     return min(vocab, triton.cdiv(triton.cdiv(vocab, chunks), block_v) * block_v)
 
 
