@@ -132,7 +132,9 @@ def _mlm_loss_fwd_kernel(
                          HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K)
         z = tl.where(col_mask[None, :], z, float("-inf"))
         tile_max = tl.max(z, axis=1)
-        tile_argmax = tl.min(tl.where(z == tile_max[:, None], cols[None, :], V), axis=1)
+        # the in-tile column as int32, v0 added after the reduction: an int64 [BLOCK_N, BLOCK_V] index
+        # tile costs two registers per element and made the 16-bit sm_90 build spill ~100 bytes
+        tile_argmax = v0 + tl.min(tl.where(z == tile_max[:, None], tl.arange(0, BLOCK_V)[None, :], BLOCK_V), axis=1)
         # tiles come in column order: a strictly larger max is needed to move the argmax, so ties
         # keep the first column
         argmax = tl.where(tile_max > run_max, tile_argmax, argmax)
