@@ -121,7 +121,8 @@ def test_prefix_in_both_directions_reports_keys(tmp_path):
     assert sorted(info["missing_keys"]) == sorted(
         k for k in head.state_dict() if k.startswith("cls.") and k != "cls.predictions.decoder.weight")
     assert_same_encoder(base, head.bert)
-    cls_model = fastbert.BertForSequenceClassification.from_pretrained(tmp_path / "base", num_labels=4)
+    with pytest.warns(UserWarning, match=r"missing keys.*classifier\.weight"):
+        cls_model = fastbert.BertForSequenceClassification.from_pretrained(tmp_path / "base", num_labels=4)
     assert cls_model.classifier.out_features == 4
 
 
