@@ -139,7 +139,7 @@ def test_report_tables_carry_provenance(smoke):
 def test_ffn_form_section_names_the_faster_form_only_when_measured():
     from fastbert.bench.report import ffn_form_lines
     assert "not yet measured" in "\n".join(ffn_form_lines({}))
-    rows = [{"op": "ffn_up", "direction": "both", "status": "ok", "shape": {"rows": 16384, "hidden": 768},
+    rows = [{"op": "ffn_up", "direction": "fwd+bwd", "status": "ok", "shape": {"rows": 16384, "hidden": 768},
              "provider": provider, "median_ms": ms} for provider, ms in (("fastbert", 1.25), ("fastbert-split", 1.0))]
     table = ffn_form_lines({("gpu", "H100"): rows})
     assert table[-1].endswith("| 1.250 | 1.000 | fastbert-split |")

@@ -305,7 +305,7 @@ def ffn_form_lines(gpu_runs: dict) -> list[str]:
              "\"cublas_then_bias_gelu\" a cuBLAS matmul followed by the bias + GELU kernel (provider "
              "fastbert-split). The faster on the GPU should be the model's path."]
     rows = [r for run in gpu_runs.values() for r in run
-            if r["op"] == "ffn_up" and r.get("direction") == "both" and r.get("status", "ok") == "ok"]
+            if r["op"] == "ffn_up" and r.get("direction") == "fwd+bwd" and r.get("status", "ok") == "ok"]
     timed = {}
     for row in rows:
         timed.setdefault(tuple(sorted(row["shape"].items())), {})[row["provider"]] = row["median_ms"]
