@@ -9,10 +9,9 @@ Providers:
 
 A training step is forward (bf16 autocast on a GPU) with MLM + NSP labels, backward and an AdamW step
 (fused on a GPU), parameters in fp32. Inference runs the bf16 model under torch.inference_mode.
-Tokens are the non-padding tokens. Model FLOPs (per DESIGN.md, training = 3x forward):
-  forward = L * (T * (8H^2 + 4HI) + 4H * sum(len_i^2))     QKV + attention output + FFN, and attention
-          + B * 2H^2 (pooler) + N_mlm * (2H^2 + 2HV) + B * 4H   MLM head on the labelled tokens, NSP head
-counted the same for every provider (the useful work, not what a provider chooses to compute), so
+Tokens are the non-padding tokens. Model FLOPs are pretraining's count (fastbert.train.metrics:
+training = 3x forward, the MLM head on the labelled tokens only, padding not counted), the same for
+every provider (the useful work, not what a provider chooses to compute), so
 MFU = FLOPs / time / measured bf16 matmul rate ranks providers as tokens/s does.
 """
 from __future__ import annotations
@@ -26,6 +25,7 @@ import torch
 import fastbert
 from fastbert.bench.op_cases import mask_from_lengths, random_lengths
 from fastbert.bench.timing import peak_memory, time_ms
+from fastbert.train.metrics import encoder_flops, training_flops
 
 FASTBERT, UNPAD, EAGER = "fastbert", "fastbert-unpad", "fastbert-eager"
 HF_SDPA, HF_EAGER, HF_COMPILE = "hf-sdpa", "hf-eager", "hf-sdpa+compile"
@@ -83,16 +83,8 @@ def make_batch(config: fastbert.BertConfig, batch: int, seqlen: int, padded: boo
 
 
 def model_flops(config: fastbert.BertConfig, lengths: torch.Tensor, labelled: int, mode: str) -> float:
-    """The module docstring's formula: 3x forward for a training step, the encoder + pooler for inference."""
-    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    tokens = float(lengths.sum())
-    squares = float((lengths.double() ** 2).sum())
-    batch = lengths.numel()
-    encoder = config.num_hidden_layers * (tokens * (8 * hidden ** 2 + 4 * hidden * inter) + 4 * hidden * squares)
-    forward = encoder + batch * 2 * hidden ** 2
-    if mode == "inference":
-        return forward
-    return 3 * (forward + labelled * (2 * hidden ** 2 + 2 * hidden * vocab) + batch * 4 * hidden)
+    """A training step's FLOPs (3x forward, MLM + NSP heads), or BertModel's forward for inference."""
+    return encoder_flops(config, lengths) if mode == "inference" else training_flops(config, lengths, labelled)
 
 
 def build_model(provider: str, config: fastbert.BertConfig, mode: str, device: torch.device) -> torch.nn.Module:

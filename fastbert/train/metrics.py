@@ -15,13 +15,19 @@ import time
 import torch
 
 
-def training_flops(config, lengths: torch.Tensor, masked_tokens: int) -> float:
-    """FLOPs of one training pass (forward + backward) over sequences of these real lengths."""
-    h, i, v, layers = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
+def encoder_flops(config, lengths: torch.Tensor) -> float:
+    """Forward FLOPs of BertModel (the layers and the pooler) over sequences of these real lengths."""
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     lengths = lengths.to(torch.float64)
     encoder = layers * (2 * (4 * h * h + 2 * h * i) * lengths.sum() + 4 * h * (lengths ** 2).sum())
-    heads = 2 * masked_tokens * (h * h + h * v) + 2 * len(lengths) * (h * h + 2 * h)
-    return 3.0 * float(encoder + heads)
+    return float(encoder + 2 * len(lengths) * h * h)
+
+
+def training_flops(config, lengths: torch.Tensor, masked_tokens: int) -> float:
+    """FLOPs of one training pass (forward + backward) over sequences of these real lengths."""
+    h, v = config.hidden_size, config.vocab_size
+    heads = 2 * masked_tokens * (h * h + h * v) + 4 * len(lengths) * h  # MLM head, NSP classifier
+    return 3.0 * (encoder_flops(config, lengths) + heads)
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
