@@ -6,7 +6,6 @@ Shapes: B batch, S sequence length, H hidden size, T packed tokens (config.unpad
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -86,15 +85,8 @@ class BertSelfAttention(nn.Module):
         heads = config.num_attention_heads
         dropout_p = config.attention_probs_dropout_prob if self.training else 0.0
         q, k, v = ops.qkv_projection(hidden, self.qkv.weight, self.qkv.bias, heads, backend=config.backend)
-        if output_attentions:  # the probabilities are wanted, so they are materialised: [B, heads, S, S]
-            scores = q @ k.transpose(-1, -2) / math.sqrt(config.head_dim)
-            if layout.attention_mask is not None:
-                keep = layout.attention_mask.to(torch.bool)[:, None, None, :]
-                scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
-            probs = scores.softmax(dim=-1)
-            context = F.dropout(probs, dropout_p, self.training) @ v
-            if layout.attention_mask is not None:  # padded query rows are zeros, as in ops.attention
-                context = context * layout.attention_mask.to(context.dtype)[:, None, :, None]
+        if output_attentions:  # the probabilities are wanted: [B, heads, S, S] is materialised
+            context, probs = ops.attention_with_probs(q, k, v, layout.attention_mask, dropout_p)
         elif layout.packed:
             probs = None
             context = ops.attention_varlen(q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout_p,
@@ -205,7 +197,12 @@ class BertPreTrainedModel(nn.Module):
         self.config = config
 
     def post_init(self) -> None:
-        self.apply(self._init_weights)
+        """Initialise the weights of every submodule not initialised yet (a head's post_init skips the
+        BertModel inside it, which initialised itself), then tie the MLM decoder."""
+        for module in self.modules():
+            if not getattr(module, "_fastbert_initialized", False):
+                self._init_weights(module)
+                module._fastbert_initialized = True
         self.tie_weights()
 
     @torch.no_grad()

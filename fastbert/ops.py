@@ -163,12 +163,7 @@ def qkv_projection(x, weight, bias, num_heads, backend=None):
     return reference.qkv_projection(x, weight, bias, num_heads)
 
 
-def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, backend=None):
-    """softmax(q k^T * scale + key padding mask) v, bidirectional.
-
-    q, k, v [B, heads, S, d]; attention_mask [B, S], 1 = token, 0 = padding (bool or int).
-    scale defaults to d ** -0.5. Padded query rows come out as zeros; never NaN.
-    """
+def _check_attention_args(q, k, v, attention_mask, dropout_p) -> None:
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"q, k, v must share one [B, heads, S, d] shape, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -176,10 +171,27 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
     if attention_mask is not None and tuple(attention_mask.shape) != (batch, seqlen):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(batch, seqlen)}")
     _check_dropout(dropout_p)
+
+
+def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, backend=None):
+    """softmax(q k^T * scale + key padding mask) v, bidirectional.
+
+    q, k, v [B, heads, S, d]; attention_mask [B, S], 1 = token, 0 = padding (bool or int).
+    scale defaults to d ** -0.5. Padded query rows come out as zeros; never NaN.
+    """
+    _check_attention_args(q, k, v, attention_mask, dropout_p)
     if resolve_backend(backend, q, k, v, attention_mask) == "triton":
         q, k, v = _kernel_inputs(q, k, v)
         return _kernel("attention").attention(q, k, v, attention_mask, dropout_p, scale, training)
     return reference.attention(q, k, v, attention_mask, dropout_p, scale, training)
+
+
+def attention_with_probs(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True):
+    """`attention` plus the attention probabilities [B, heads, S, S] (transformers' output_attentions).
+    The probabilities are materialised, which is what a fused kernel avoids, so this runs the
+    reference on every backend."""
+    _check_attention_args(q, k, v, attention_mask, dropout_p)
+    return reference.attention_with_probs(q, k, v, attention_mask, dropout_p, scale, training)
 
 
 def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None, training=True, backend=None):

@@ -42,6 +42,19 @@ def qkv_projection(x, weight, bias, num_heads):
     return qkv.unbind(0)
 
 
+def _key_mask_bias(attention_mask, dtype):
+    """[B, S] 1/0 mask -> additive [B, 1, 1, S] bias. A finite large negative (not -inf) keeps fully
+    padded rows finite; those rows are zeroed afterwards by _zero_padded_queries."""
+    keep = attention_mask.to(torch.bool)
+    bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
+    return bias.masked_fill(~keep, torch.finfo(dtype).min)[:, None, None, :]
+
+
+def _zero_padded_queries(out, attention_mask):
+    """out [B, heads, S, d]: rows of padded query positions become zeros."""
+    return out * attention_mask.to(out.dtype)[:, None, :, None]
+
+
 def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True):
     """softmax(q k^T * scale + key mask) v, bidirectional.
 
@@ -51,12 +64,23 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
     p = dropout_p if training else 0.0
     if attention_mask is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=scale)
-    keep = attention_mask.to(torch.bool)  # [B, S]
-    # A finite large negative (not -inf) keeps fully padded rows finite; they are zeroed below.
-    additive = torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
-    additive = additive.masked_fill(~keep, torch.finfo(q.dtype).min)[:, None, None, :]  # [B, 1, 1, S]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=p, scale=scale)
-    return out * keep[:, None, :, None].to(out.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=_key_mask_bias(attention_mask, q.dtype), dropout_p=p,
+                                         scale=scale)
+    return _zero_padded_queries(out, attention_mask)
+
+
+def attention_with_probs(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True):
+    """`attention` that also returns the probabilities [B, heads, S, S] (before dropout), as
+    transformers' output_attentions does. It materialises the S x S scores: for inspection, not speed."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale  # [B, heads, S, S]
+    if attention_mask is not None:
+        scores = scores + _key_mask_bias(attention_mask, scores.dtype)
+    probs = scores.softmax(dim=-1)
+    out = F.dropout(probs, dropout_p, training) @ v if dropout_p > 0 else probs @ v
+    if attention_mask is not None:
+        out = _zero_padded_queries(out, attention_mask)
+    return out, probs
 
 
 def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None, training=True):

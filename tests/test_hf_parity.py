@@ -162,3 +162,20 @@ def test_output_attentions_matches_transformers():
     real = inputs["attention_mask"].bool()
     for x, y in zip(a.attentions, b.attentions):
         torch.testing.assert_close(y.transpose(1, 2)[real], x.transpose(1, 2)[real], atol=1e-6, rtol=1e-5)
+
+
+def test_weight_init_follows_transformers():
+    """Linear/Embedding weights N(0, initializer_range), biases 0, LayerNorm 1/0, padding row 0, decoder bias 0."""
+    torch.manual_seed(0)
+    config = fastbert.BertConfig.tiny(hidden_size=256, num_attention_heads=4, initializer_range=0.05)
+    model = fastbert.BertForPreTraining(config)
+    for name, param in model.named_parameters():
+        if "LayerNorm.weight" in name:
+            assert torch.equal(param, torch.ones_like(param)), name
+        elif name.endswith("bias"):
+            assert torch.equal(param, torch.zeros_like(param)), name
+        else:
+            std = param.detach().std().item()
+            assert abs(std - 0.05) < 0.005, (name, std)
+    assert torch.equal(model.bert.embeddings.word_embeddings.weight[config.pad_token_id], torch.zeros(256))
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
