@@ -23,19 +23,14 @@ GELU_APPROXIMATIONS = ("none", "tanh")
 REDUCTIONS = ("mean", "sum")
 
 
-def _import_triton() -> str | None:
-    """None when Triton imports, else why not."""
-    try:
-        importlib.import_module("triton")
-    except Exception as exc:  # ImportError, or a broken install raising anything else
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 # Resolved once, at import: torch.compile cannot trace an import, and dispatch runs inside traced code.
 # Triton's interpreter is chosen when a kernel is defined, so TRITON_INTERPRET=1 must be set before
 # fastbert is imported.
-TRITON_IMPORT_ERROR = _import_triton()
+try:
+    import triton  # noqa: F401
+    TRITON_IMPORT_ERROR = None  # None when Triton imports, else why not
+except Exception as exc:  # ImportError, or a broken install raising anything else
+    TRITON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 KERNEL_FILES = ("layer_norm", "bias_gelu", "qkv", "attention", "mlm_loss")
 KERNELS = {} if TRITON_IMPORT_ERROR else {
     name: importlib.import_module(f"fastbert.kernels.{name}") for name in KERNEL_FILES}
@@ -69,10 +64,6 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor | None) -> str:
                 "(before importing fastbert) to run the kernels on CPU in Triton's interpreter, "
                 "or use backend='torch'")
     return backend
-
-
-def _kernel(name: str):
-    return KERNELS[name]
 
 
 def _kernel_inputs(*tensors):
@@ -112,7 +103,7 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
         raise ValueError(f"eps must be > 0, got {eps!r}")
     if resolve_backend(backend, x, weight, bias, residual) == "triton":
         x, weight, bias, residual = _kernel_inputs(x, weight, bias, residual)
-        return _kernel("layer_norm").layer_norm(x, weight, bias, eps, residual, dropout_p, training)
+        return KERNELS["layer_norm"].layer_norm(x, weight, bias, eps, residual, dropout_p, training)
     return reference.layer_norm(x, weight, bias, eps, residual, dropout_p, training)
 
 
@@ -123,7 +114,7 @@ def bias_gelu(x, bias, approximate="none", backend=None):
         raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
     if resolve_backend(backend, x, bias) == "triton":
         x, bias = _kernel_inputs(x, bias)
-        return _kernel("bias_gelu").bias_gelu(x, bias, approximate)
+        return KERNELS["bias_gelu"].bias_gelu(x, bias, approximate)
     return reference.bias_gelu(x, bias, approximate)
 
 
@@ -139,7 +130,7 @@ def linear_bias_gelu(x, weight, bias, approximate="none", backend=None):
         raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
     if resolve_backend(backend, x, weight, bias) == "triton":
         x, weight, bias = _kernel_inputs(x, weight, bias)
-        return _kernel("bias_gelu").linear_bias_gelu(x, weight, bias, approximate)
+        return KERNELS["bias_gelu"].linear_bias_gelu(x, weight, bias, approximate)
     return reference.linear_bias_gelu(x, weight, bias, approximate)
 
 
@@ -159,7 +150,7 @@ def qkv_projection(x, weight, bias, num_heads, backend=None):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(3 * hidden,)}")
     if resolve_backend(backend, x, weight, bias) == "triton":
         x, weight, bias = _kernel_inputs(x, weight, bias)
-        return _kernel("qkv").qkv_projection(x, weight, bias, num_heads)
+        return KERNELS["qkv"].qkv_projection(x, weight, bias, num_heads)
     return reference.qkv_projection(x, weight, bias, num_heads)
 
 
@@ -182,7 +173,7 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
     _check_attention_args(q, k, v, attention_mask, dropout_p)
     if resolve_backend(backend, q, k, v, attention_mask) == "triton":
         q, k, v = _kernel_inputs(q, k, v)
-        return _kernel("attention").attention(q, k, v, attention_mask, dropout_p, scale, training)
+        return KERNELS["attention"].attention(q, k, v, attention_mask, dropout_p, scale, training)
     return reference.attention(q, k, v, attention_mask, dropout_p, scale, training)
 
 
@@ -205,7 +196,7 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None,
     _check_dropout(dropout_p)
     if resolve_backend(backend, q, k, v, cu_seqlens) == "triton":
         q, k, v = _kernel_inputs(q, k, v)
-        return _kernel("attention").attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training)
+        return KERNELS["attention"].attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training)
     return reference.attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training)
 
 
@@ -234,6 +225,6 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     if resolve_backend(backend, x, weight, bias, target) == "triton":
         x, weight, bias = _kernel_inputs(x, weight, bias)
-        return _kernel("mlm_loss").linear_cross_entropy(x, weight, bias, target, ignore_index, reduction,
+        return KERNELS["mlm_loss"].linear_cross_entropy(x, weight, bias, target, ignore_index, reduction,
                                                         label_smoothing)
     return reference.linear_cross_entropy(x, weight, bias, target, ignore_index, reduction, label_smoothing)
