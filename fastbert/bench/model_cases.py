@@ -132,7 +132,7 @@ def make_step(provider: str, model: torch.nn.Module, optimizer, mode: str, tenso
     return train_step
 
 
-def _release(device: torch.device) -> None:
+def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -164,7 +164,7 @@ class ProviderRun:
             ok = False
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
-        _release(self.device)
+        free_memory(self.device)
         return ok
 
 

@@ -14,7 +14,6 @@ their ratios to the measured peaks, peak memory; tokens/s, sequences/s and MFU f
 """
 from __future__ import annotations
 
-import gc
 import json
 import os
 import re
@@ -136,10 +135,8 @@ def measure_op(case: op_cases.OpCase, provider: str, device: torch.device, peaks
     make_run, leaves = op_runs(case, provider, device)
     rows = []
     for direction in directions:
-        for t in leaves:
-            t.grad = None
         run = make_run(direction)
-        row = {"direction": direction, **time_ms(run, device, leaves, **timing)}
+        row = {"direction": direction, **time_ms(run, device, leaves, **timing)}  # clears .grad before each call
         for t in leaves:
             t.grad = None
         row.update(peak_memory(run, device))
@@ -153,9 +150,7 @@ def measure_op(case: op_cases.OpCase, provider: str, device: torch.device, peaks
 def release(device: torch.device, compiled: bool) -> None:
     if compiled:
         torch._dynamo.reset()  # each case compiles once; a shared cache would hit the recompile limit
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    model_cases.free_memory(device)
 
 
 def case_fields(case) -> dict:
