@@ -11,9 +11,14 @@ Per parameter w with gradient g (Algorithm 2 of the paper, with Adam's bias corr
 The norms are whole-tensor norms; on FSDP2's sharded DTensor parameters they are reduced across
 ranks by DTensor, so the result does not depend on the sharding.
 NVIDIA apex's FusedLAMB (same update, one fused kernel for all tensors) is used instead when apex
-imports and the parameters are plain CUDA tensors; apex is never a dependency.
+imports and the parameters are plain CUDA tensors; apex is never a dependency. It runs with
+use_nvlamb=True (apex otherwise skips the trust ratio of parameters without weight decay) and
+without its own clipping (max_grad_norm=inf: the training loop clips, and apex's 0 would zero
+every gradient rather than disable clipping).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -72,7 +77,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: torch.nn.Module, name: str, lr: float, betas: tuple[float, float], eps: float,
-                    weight_decay: float, max_grad_norm: float, sharded: bool) -> torch.optim.Optimizer:
+                    weight_decay: float, sharded: bool) -> torch.optim.Optimizer:
     """"lamb" (apex FusedLAMB when it imports and nothing is sharded, else Lamb) or "adamw" (fused on CUDA
     without sharding, foreach otherwise)."""
     groups = param_groups(model, weight_decay)
@@ -84,7 +89,7 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, betas: tuple[f
             except ImportError:
                 pass
             else:
-                return FusedLAMB(groups, lr=lr, betas=betas, eps=eps, max_grad_norm=max_grad_norm)
+                return FusedLAMB(groups, lr=lr, betas=betas, eps=eps, max_grad_norm=math.inf, use_nvlamb=True)
         return Lamb(groups, lr=lr, betas=betas, eps=eps)
     if name == "adamw":
         fast = {"fused": True} if on_cuda and not sharded else {"foreach": True}

@@ -350,7 +350,7 @@ def train(cfg: PretrainConfig, model_overrides: dict | None = None, log=print) -
     model.to(env.device)
     wrapped = distributed.wrap(model, cfg.distributed, env, dtype if dtype != torch.float32 else None)
     optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay,
-                                cfg.max_grad_norm, sharded)
+                                sharded)
     warmup = int(cfg.warmup) if cfg.warmup >= 1 else round(cfg.warmup * cfg.steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_decay(max(warmup, 1), cfg.steps))
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
