@@ -141,7 +141,6 @@ def write_swag(path, n, seed):
             f.write(f"{sentence(rng)},{rng.choice(FILLER)},{','.join(endings)},{label}\n")
 
 
-
 def run(tmp_path, tiny_model, task, train, eval, **options):
     cfg = FinetuneConfig(task, tiny_model, str(train), str(eval), out=str(tmp_path / "out"), **{**FAST, **options})
     result = finetune(cfg, log=lambda *_: None)

@@ -137,7 +137,7 @@ class SequenceTask(Task):
         if self.regression:
             return {"num_labels": 1, "problem_type": "regression"}
         return {"num_labels": len(self.labels), "problem_type": "single_label_classification",
-                "id2label": dict(enumerate(self.labels)), "label2id": {v: i for i, v in enumerate(self.labels)}}
+                "id2label": dict(enumerate(self.labels)), "label2id": dict(self.label_ids)}
 
     def label_value(self, example: TableExample):
         if self.regression:
@@ -187,22 +187,24 @@ class TokenTask(Task):
     def __init__(self, packer: Packer):
         super().__init__(packer)
         self.labels: list[str] = []
+        self.label_ids: dict[str, int] = {}
 
     def read(self, path: str):
         return read_conll(path)
 
     def fit(self, train_examples) -> None:
         self.labels = sorted({tag for s in train_examples for tag in s.tags})
+        self.label_ids = {label: i for i, label in enumerate(self.labels)}
         if len(self.labels) < 2:
             first = train_examples[0]
             raise DataError(first.path, None, f"every word is tagged {self.labels}; tagging needs at least two tags")
 
     def model_overrides(self) -> dict:
         return {"num_labels": len(self.labels), "id2label": dict(enumerate(self.labels)),
-                "label2id": {v: i for i, v in enumerate(self.labels)}}
+                "label2id": dict(self.label_ids)}
 
     def features(self, examples):
-        ids = {label: i for i, label in enumerate(self.labels)}
+        ids = self.label_ids
         budget = self.packer.max_seq_length - 2
         encodings = self.packer.tokenizer.encode_batch([s.words for s in examples], is_pretokenized=True,
                                                        add_special_tokens=False)
