@@ -14,6 +14,8 @@ from typing import Any
 # hidden_act -> the `approximate` argument of GELU ("none" = exact erf form)
 GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
 BACKENDS = ("auto", "triton", "torch")
+# HF keys that change the architecture: a checkpoint that sets them otherwise must not load silently
+UNSUPPORTED_IF_NOT = {"position_embedding_type": "absolute", "is_decoder": False, "add_cross_attention": False}
 # fastbert's own fields: never written to HF's config.json
 FASTBERT_FIELDS = ("backend", "unpad", "extra")
 
@@ -108,6 +110,10 @@ class BertConfig:
     def from_dict(cls, values: dict[str, Any], **overrides: Any) -> "BertConfig":
         """Build from HF config.json's dict; keys fastbert does not model go to `extra`."""
         values = {**values, **overrides}
+        for key, supported in UNSUPPORTED_IF_NOT.items():
+            if key in values and values[key] != supported:
+                raise ValueError(f"config {key}={values[key]!r} is not supported: fastbert implements BERT's "
+                                 f"encoder with {key}={supported!r}")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in values.items() if k in known}
         extra = {k: v for k, v in values.items() if k not in known}
@@ -129,9 +135,10 @@ class BertConfig:
         values = {**self.extra, **values}
         values.setdefault("model_type", "bert")
         values.setdefault("position_embedding_type", "absolute")
-        values["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)} \
-            if "id2label" not in self.extra or len(self.extra["id2label"]) != self.num_labels \
-            else self.extra["id2label"]
+        id2label = self.extra.get("id2label")
+        if id2label is None or len(id2label) != self.num_labels:  # num_labels changed: default names
+            id2label = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
+        values["id2label"] = id2label
         values["label2id"] = {v: int(k) for k, v in values["id2label"].items()}
         return values
 

@@ -70,3 +70,15 @@ def test_unknown_keys_are_kept_and_overrides_apply(tmp_path):
     assert config.to_dict()["some_future_key"] == [1, 2]
     with pytest.raises(ValueError, match="num_attention_heads"):
         BertConfig.from_json(path, num_attention_heads=5)
+
+
+@pytest.mark.parametrize("key, value", [("position_embedding_type", "relative_key"), ("is_decoder", True),
+                                        ("add_cross_attention", True)])
+def test_architecture_changing_keys_are_refused(tmp_path, key, value):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, key: value}))
+    with pytest.raises(ValueError, match=f"{key}={value!r}"):
+        BertConfig.from_json(path)
+    path.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, "position_embedding_type": "absolute",
+                                "is_decoder": False, "add_cross_attention": False}))
+    assert BertConfig.from_json(path).extra["position_embedding_type"] == "absolute"
