@@ -100,13 +100,14 @@ class MaskingCollator:
         slots = input_ids.shape[1] + 1
         word_length = torch.zeros(input_ids.shape[0], slots, dtype=torch.int64).scatter_add_(
             1, word, candidate.to(torch.int64))  # [B, words]
+        # only word starts write an order: unused slots and the spare one keep 2.0 and rank last
         word_order = torch.full((input_ids.shape[0], slots), 2.0).scatter_(
             1, torch.where(word_start, word, slots - 1), torch.where(word_start, order, 2.0))
-        word_order[:, -1] = 2.0  # the spare slot is never chosen
         ranked = torch.argsort(word_order, dim=1, stable=True)  # words in random order, then unused slots
-        taken = torch.cumsum(torch.gather(word_length, 1, ranked), dim=1)  # tokens masked after each word
+        ranked_length = torch.gather(word_length, 1, ranked)  # [B, words]
+        taken = torch.cumsum(ranked_length, dim=1)  # tokens masked after each word
         budget = torch.clamp(torch.round(candidate.sum(1) * self.mask_prob), min=1)[:, None]  # k per row
-        selected_ranked = (taken <= budget) & (torch.gather(word_length, 1, ranked) > 0)
-        selected_ranked[:, 0] |= word_length.gather(1, ranked[:, :1]).squeeze(1) > 0
+        selected_ranked = (taken <= budget) & (ranked_length > 0)
+        selected_ranked[:, 0] |= ranked_length[:, 0] > 0
         selected = torch.zeros_like(selected_ranked).scatter_(1, ranked, selected_ranked)  # [B, words]
         return torch.gather(selected, 1, word) & candidate
