@@ -62,15 +62,17 @@ def normalize_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+BASE_MODULES = ("embeddings.", "encoder.", "pooler.")  # BertModel's children: what `bert.` prefixes
+
+
 def match_prefix(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Add or strip `bert.` so the checkpoint's keys line up with the model's."""
-    model_has_prefix = any(k.startswith(BASE_PREFIX) for k in model.state_dict())
+    """Add or strip `bert.` so the checkpoint's keys line up with the model's (heads hold a `bert`)."""
+    model_has_prefix = hasattr(model, "bert")
     state_has_prefix = any(k.startswith(BASE_PREFIX) for k in state)
     if model_has_prefix and not state_has_prefix:
-        return {(k if k.startswith(("cls.", "classifier.", "qa_outputs.")) else BASE_PREFIX + k): v
-                for k, v in state.items()}
+        return {(BASE_PREFIX + k if k.startswith(BASE_MODULES) else k): v for k, v in state.items()}
     if state_has_prefix and not model_has_prefix:
-        return {(k[len(BASE_PREFIX):] if k.startswith(BASE_PREFIX) else k): v for k, v in state.items()}
+        return {k.removeprefix(BASE_PREFIX): v for k, v in state.items()}
     return state
 
 
