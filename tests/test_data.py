@@ -45,17 +45,25 @@ def test_stdlib_corpus_reads_docstrings():
     assert first and all(isinstance(s, str) and s for s in first)
 
 
+# file name and bytes of each bad corpus ("missing": the file is not written)
+BAD_CORPORA = {"missing": ("c.txt", None), "empty": ("c.txt", b"\n\n"),
+               "undecodable": ("c.txt", b"good line\nbad \xff\xfe line\n"),
+               "bad_jsonl": ("c.jsonl", b'{"text": "ok"}\nnot json\n'),
+               "no_text_field": ("c.jsonl", b'{"body": "ok"}\n'),
+               "single_document": ("c.txt", b"Only one document here.\nWith two sentences.\n")}
+
+
+def bad_corpus(tmp_path, case):
+    name, content = BAD_CORPORA[case]
+    path = tmp_path / name
+    if content is not None:
+        path.write_bytes(content)
+    return path
+
+
 @pytest.mark.parametrize("case", ["missing", "empty", "undecodable", "bad_jsonl", "no_text_field"])
 def test_bad_corpus_errors_name_the_file(tmp_path, case):
-    path = tmp_path / ("c.jsonl" if "jsonl" in case or "field" in case else "c.txt")
-    if case == "empty":
-        path.write_text("\n\n")
-    elif case == "undecodable":
-        path.write_bytes(b"good line\nbad \xff\xfe line\n")
-    elif case == "bad_jsonl":
-        path.write_text('{"text": "ok"}\nnot json\n')
-    elif case == "no_text_field":
-        path.write_text('{"body": "ok"}\n')
+    path = bad_corpus(tmp_path, case)
     with pytest.raises(corpus.CorpusError) as info:
         list(corpus.read_documents([str(path)]))
     assert str(path) in str(info.value)
@@ -67,13 +75,7 @@ def test_bad_corpus_errors_name_the_file(tmp_path, case):
 
 @pytest.mark.parametrize("case", ["missing", "empty", "undecodable", "single_document"])
 def test_prepare_data_bad_corpus_is_a_clear_error(tmp_path, capsys, case):
-    path = tmp_path / "c.txt"
-    if case == "empty":
-        path.write_text("")
-    elif case == "undecodable":
-        path.write_bytes(b"\x80abc\n")
-    elif case == "single_document":
-        path.write_text("Only one document here.\nWith two sentences.\n")
+    path = bad_corpus(tmp_path, case)
     rc = prepare.main(["--corpus", str(path), "--out", str(tmp_path / "out"), "--vocab-size", "50"])
     err = capsys.readouterr().err
     assert rc == 2
