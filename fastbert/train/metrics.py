@@ -55,11 +55,17 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step to <out>/metrics.jsonl (rank 0 only)."""
+    """Appends one JSON object per logged step to <out>/metrics.jsonl (rank 0 only).
+
+    resume_step None starts the file afresh; a step keeps the lines up to it."""
 
     def __init__(self, path: str, enabled: bool, resume_step: int | None):
         self.path, self.enabled = path, enabled
-        if enabled and resume_step is not None and os.path.exists(path):
+        if not (enabled and os.path.exists(path)):
+            return
+        if resume_step is None:
+            os.remove(path)
+        else:
             # lines a crashed run wrote after its last checkpoint would be repeated by the resumed run
             with open(path, encoding="utf-8") as f:
                 kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]

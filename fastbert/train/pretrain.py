@@ -378,8 +378,6 @@ def train(cfg: PretrainConfig, model_overrides: dict | None = None, log=print) -
     else:
         torch.manual_seed(cfg.seed + env.rank)  # the same weights everywhere, different dropout per rank
     metrics = MetricsLog(os.path.join(out, "metrics.jsonl"), env.is_main, step if resume else None)
-    if resume is None and env.is_main and os.path.exists(metrics.path):
-        os.remove(metrics.path)
 
     def save(at_step: int) -> str:
         rngs = [None] * env.world_size
