@@ -20,7 +20,7 @@ import shutil
 import sys
 from collections.abc import Iterator
 
-from fastbert.data.corpus import ENCODING_ERRORS, CorpusError, check_paths, read_documents
+from fastbert.data.corpus import ENCODING_ERRORS, STDLIB, CorpusError, check_paths, read_documents
 from fastbert.data.examples import create_examples
 from fastbert.data.shards import VOCAB_FILE, shard_name, write_index, write_shard
 from fastbert.data.tokenizer import load_tokenizer, save_tokenizer, train_wordpiece, vocabulary, write_vocab
@@ -133,7 +133,7 @@ def prepare_dataset(corpus: list[str], out: str, tokenizer: str | None = None, v
                 "max_seq_length": length, "vocab_size": len(vocab), "special_ids": special,
                 "examples": sum(e["examples"] for e in entries), "tokens": sum(e["tokens"] for e in entries),
                 "documents": documents, "shards": entries,
-                "options": {"corpus": [os.path.abspath(p) if p != "stdlib" else p for p in corpus],
+                "options": {"corpus": [os.path.abspath(p) if p != STDLIB else p for p in corpus],
                             "seed": seed, "short_seq_prob": short_seq_prob, "dupe_factor": dupe_factor,
                             "docs_per_chunk": docs_per_chunk, "lowercase": lowercase}})
             if os.path.exists(finals[length]):

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fastbert.data.corpus import STDLIB
 from fastbert.data.loader import PretrainingLoader, prefetch
 from fastbert.data.masking import IGNORE_INDEX, MaskingCollator
 from fastbert.data.shards import INDEX_FILE, ShardedDataset
@@ -45,7 +46,6 @@ from fastbert.train.optim import build_optimizer, linear_warmup_decay
 
 PRESETS = ("tiny", "base", "large")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-STDLIB = "stdlib"
 
 
 @dataclass
