@@ -77,7 +77,9 @@ def test_resume_is_exact_and_checkpoints_are_pruned(data, tmp_path):
     assert final_whole.keys() == final_parts.keys()
     assert all(torch.equal(final_whole[k], final_parts[k]) for k in final_whole)
     assert sorted(os.listdir(whole / "checkpoints")) == ["step_00000005", "step_00000006"]
-    assert BertForPreTraining.from_pretrained(os.path.join(whole, "checkpoints", "step_00000006", "model"))
+    _, info = BertForPreTraining.from_pretrained(os.path.join(whole, "checkpoints", "step_00000006", "model"),
+                                                 output_loading_info=True)
+    assert info == {"missing_keys": [], "unexpected_keys": []}
     again = pretrain.train(config(data, parts), SMALL, log=quiet)  # a finished run is not run again
     assert again["step"] == 6 and losses(parts) == losses(whole)
 
