@@ -25,12 +25,13 @@
 # regenerated in the backward, per-program partial dweight/dbias) and Liger-Kernel's layer_norm.
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from fastbert.kernels.matmul import sm_count
 
 MAX_HIDDEN = 8192
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -200,16 +201,11 @@ def _with_int32_columns(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(1) * (t.shape[1] - 1) < 2**31 else t.contiguous()
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _backward_split(device: torch.device, rows: int, block_rows: int) -> tuple[int, int]:
     """(programs, rows_per_program) for the backward over rows >= 1; rows_per_program is a multiple of
     block_rows and every program gets at least one row."""
     if device.type == "cuda":
-        programs = BACKWARD_PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else 0)
+        programs = BACKWARD_PROGRAMS_PER_SM * sm_count(device)
     else:
         programs = INTERPRETER_BACKWARD_PROGRAMS
     rows_per_program = triton.cdiv(triton.cdiv(rows, programs), block_rows) * block_rows

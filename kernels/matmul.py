@@ -15,7 +15,7 @@
 # The GELU and its derivative live here, as the epilogue's activations; the elementwise kernels of
 # kernels/bias_gelu.py use the same two functions, so both forms compute identical GELUs.
 # `row_groups`, the row split of the deterministic bias-gradient sums of bias_gelu.py and qkv.py,
-# is shared from here too.
+# and `sm_count`, which layer_norm.py and mlm_loss.py also size their grids by, are shared from here too.
 #
 # Tiles are autotuned per (N, K, dtype, epilogue), not per M: with packed tokens M changes every
 # batch, and a retune per batch would cost more than any tile choice gains.
@@ -23,6 +23,7 @@
 # Limits: x [M, K] and weight [N, K] of one dtype (fp32, fp16 or bf16), any strides; M >= 0; N, K >= 1.
 # Offsets are int64 (M * N passes 2**31 for large batches).
 # Sources: Triton tutorial 03-matrix-multiplication; Liger-Kernel's fused linear epilogues.
+import functools
 import os
 
 import torch
@@ -82,12 +83,18 @@ def gelu_grad(z, APPROXIMATE: tl.constexpr):
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, cached: launchers size their grids by it on every call."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def row_groups(rows: int, col_blocks: int, block_m: int, device: torch.device) -> tuple[int, int]:
     """Split rows into (groups, rows_per_group), rows_per_group a multiple of block_m, for the
     deterministic column sums of kernels/bias_gelu.py and kernels/qkv.py: one program per group
     and column block, about four programs per SM in all. Depends only on the shape and the device,
     so the summation order, hence every bit of the sum, is fixed for a given GPU."""
-    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    target = 4 * sm_count(device) if device.type == "cuda" else 4
     groups = max(1, min(triton.cdiv(rows, block_m), triton.cdiv(target, col_blocks)))
     rows_per_group = triton.cdiv(triton.cdiv(rows, groups), block_m) * block_m
     return triton.cdiv(rows, rows_per_group), rows_per_group

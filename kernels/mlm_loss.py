@@ -47,12 +47,13 @@
 # split-K style partial merge (flash-decoding), the Triton matmul tutorial (tiling, masks).
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from fastbert.kernels.matmul import sm_count
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 REDUCTIONS = ("mean", "sum")
@@ -224,15 +225,10 @@ def _config(dtype: torch.dtype, device: torch.device, rows: int) -> dict:
     return dict(BLOCK_N=block_n, BLOCK_V=128, BLOCK_K=32 if dtype == torch.float32 else 64, num_warps=8, num_stages=3)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _forward_cols_per_split(device: torch.device, rows: int, vocab: int, block_n: int, block_v: int) -> int:
     """Columns per vocabulary split, a multiple of block_v, such that every split starts below vocab."""
     if device.type == "cuda":
-        programs = FORWARD_PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else 0)
+        programs = FORWARD_PROGRAMS_PER_SM * sm_count(device)
     else:
         programs = INTERPRETER_FORWARD_PROGRAMS
     vocab_tiles = triton.cdiv(vocab, block_v)
