@@ -375,12 +375,8 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     label_smoothing in [0, 1] as in F.cross_entropy. Returns (loss fp32 scalar, differentiable in x,
     weight and bias; num_correct int64 scalar: labelled rows whose first argmax is the target).
     No labelled row gives loss 0 and zero gradients. Raises ValueError for unsupported inputs.
-    Under torch.autocast, x and weight are cast to the autocast dtype first, as nn.Linear's would be
-    (the cast is differentiable, so an fp32 weight gets an fp32 gradient).
+    Autocast does not see custom ops: fastbert.ops.linear_cross_entropy casts the inputs first.
     """
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x, weight = x.to(dtype), weight.to(dtype)
     _check_inputs(x, weight, bias, target, reduction, label_smoothing)
     loss, num_correct, _ = mlm_loss_fwd(x, weight, bias, target, int(ignore_index), reduction,
                                         float(label_smoothing))

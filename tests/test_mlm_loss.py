@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastbert import reference
+from fastbert import ops, reference
 from fastbert.kernels import mlm_loss
 from tolerance import GRADIENT_FACTOR, assert_within_rule
 
@@ -198,11 +198,16 @@ def test_torch_compile_fullgraph(impl, device):
 
 
 def test_autocast_runs_in_the_autocast_dtype(device):
-    """fp32 activations and weight under autocast: the loss of their fp16 casts, fp32 gradients."""
+    """fp32 activations and weight under autocast, through fastbert.ops (custom ops are invisible to
+    autocast, so ops casts): the loss of their fp16 casts, fp32 gradients."""
     x, weight, bias, target = _make_inputs(20, 15, 1000, 384, torch.float32, device)
+
+    def through_ops(*args):
+        return ops.linear_cross_entropy(*args, backend="triton")
     with torch.autocast(device, dtype=torch.float16):
-        loss, correct, grads = _run(mlm_loss.linear_cross_entropy, x, weight, bias, target)
-    loss_half, correct_half, grads_half = _run(mlm_loss.linear_cross_entropy, x.half(), weight.half(), bias, target)
+        loss, correct, grads = _run(through_ops, x, weight, bias, target)
+    loss_half, correct_half, grads_half = _run(mlm_loss.linear_cross_entropy, x.half(), weight.half(), bias.half(),
+                                               target)
     assert torch.equal(loss, loss_half) and torch.equal(correct, correct_half)
     for grad, grad_half in zip(grads, grads_half):
         assert grad.dtype == torch.float32 and torch.equal(grad, grad_half.float())
