@@ -2,8 +2,8 @@
 # backward, without ever holding the [N, V] logits. For x [N, H], the decoder weight W [V, H] (tied
 # to the word embeddings), bias b [V] and targets t [N], with z = x W^T + b and label smoothing e
 # (F.cross_entropy's semantics):
-#   lse = log sum_v exp(z_v)
-#   loss_row = lse - (1 - e) z_t - e mean_v(z_v)              (labelled rows only)
+#   m = max_v z_v,  s = log sum_v exp(z_v - m)   (so log sum_v exp(z_v) = m + s)
+#   loss_row = (1 - e) (m - z_t) + e (m - mean_v(z_v)) + s     (labelled rows only)
 #   loss = sum of loss_row ("sum") or that / number of labelled rows ("mean"; 0 when there is none)
 #   num_correct = labelled rows whose first argmax of z is t
 #
@@ -12,8 +12,14 @@
 # folds them into per-row running statistics: an online log-sum-exp (max, sum of exp(z - max)), the
 # target's logit, the sum of logits and the first argmax. The vocabulary is split across programs so
 # that few rows (N = 2458 is 20 row blocks) still fill the GPU; a few torch ops merge the [splits, N]
-# partials (the N row losses are summed in fp64, as PyTorch's CPU nll_loss does). Only lse [N] is
-# kept for the backward. Nothing of size N x V is written.
+# partials (the N row losses are summed in fp64, as PyTorch's CPU nll_loss does). Only m and s [N]
+# are kept for the backward. Nothing of size N x V is written.
+#
+# Why m and s apart, not their sum lse = m + s: a row whose target holds nearly all the probability
+# has d loss / d z_t = exp(z_t - lse) - 1, a difference of two numbers near 1. One fp32 lse near 10 is
+# rounded to a multiple of 2**-20 (~1e-6), which that difference inherits in full (a 10x larger dW
+# error than PyTorch's at V = 1000). exp((z - m) - s), like PyTorch's log_softmax, has z - m exact and
+# s small, so the difference keeps fp32's precision. The loss is formed the same way.
 #
 # Backward, with c = grad_loss (/ labelled rows for "mean") on labelled rows and 0 on the others:
 #   dz = (softmax(z) - (1 - e) onehot(t) - e / V) * c
@@ -158,14 +164,15 @@ def _mlm_loss_bwd_kernel(
     w_ptr,  # [V, H] decoder weight
     b_ptr,  # [V] decoder bias; read only when HAS_BIAS
     target_ptr,  # [N] integer targets, stride stride_t
-    lse_ptr,  # [N] fp32 log-sum-exp of each row's logits, from the forward
+    max_ptr,  # [N] fp32 m: each row's max logit, from the forward
+    log_sumexp_ptr,  # [N] fp32 s = log sum_v exp(z_v - m), from the forward
     coef_ptr,  # [N] fp32 d loss / d loss_row: grad_loss (/ count for "mean") on labelled rows, else 0
     dz_ptr,  # [N, V1 - V0] out, x's dtype, row stride stride_dzn: d loss / d z for columns [V0, V1)
     N, V, H, V0, V1, label_smoothing,
     stride_xn, stride_xh, stride_wv, stride_wh, stride_b, stride_t, stride_dzn,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # d loss_row / d z_v = softmax(z)_v - (1 - e) [v == t] - e / V, with softmax(z)_v = exp(z_v - lse)
+    # d loss_row / d z_v = softmax(z)_v - (1 - e) [v == t] - e / V, with softmax(z)_v = exp((z_v - m) - s)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = V0 + tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_mask = rows < N
@@ -173,10 +180,11 @@ def _mlm_loss_bwd_kernel(
     z = _logits_tile(x_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, H,
                      stride_xn, stride_xh, stride_wv, stride_wh, stride_b,
                      HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K)
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=float("inf"))  # padding rows: exp(z - lse) = 0
+    row_max = tl.load(max_ptr + rows, mask=row_mask, other=0.0)
+    log_sumexp = tl.load(log_sumexp_ptr + rows, mask=row_mask, other=float("inf"))  # padding rows: exp(.) = 0
     coef = tl.load(coef_ptr + rows, mask=row_mask, other=0.0)
     target = tl.load(target_ptr + rows * stride_t, mask=row_mask, other=-1).to(tl.int64)
-    dz = tl.exp(z - lse[:, None]) - label_smoothing / V
+    dz = tl.exp((z - row_max[:, None]) - log_sumexp[:, None]) - label_smoothing / V
     dz -= tl.where(cols[None, :] == target[:, None], 1.0 - label_smoothing, 0.0)
     # unlabelled rows give exact zeros whatever their logits; a NaN coef (bad target) propagates
     dz = tl.where(coef[:, None] != 0.0, dz * coef[:, None], 0.0)
@@ -257,15 +265,15 @@ def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                  label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [N, H], weight [V, H], bias [V] or None (any strides), target int [N].
 
-    Returns loss (fp32 scalar), num_correct (int64 scalar) and lse (fp32 [N], the log-sum-exp of
-    each row's logits, for the backward). Raises ValueError for unsupported sizes or dtypes.
+    Returns loss (fp32 scalar), num_correct (int64 scalar) and softmax_stats (fp32 [2, N]: each
+    row's max logit m and log sum exp(z - m), for the backward). Raises ValueError for unsupported sizes or dtypes.
     """
     _check_inputs(x, weight, bias, target, reduction, label_smoothing)
     rows = x.shape[0]
     vocab = weight.shape[0]
     if rows == 0:
         zero = torch.zeros((), dtype=torch.float32, device=x.device)
-        return zero, torch.zeros((), dtype=torch.int64, device=x.device), x.new_empty(0, dtype=torch.float32)
+        return zero, torch.zeros((), dtype=torch.int64, device=x.device), x.new_empty((2, 0), dtype=torch.float32)
     config = _config(x.dtype, x.device, rows)
     cols_per_split = _forward_cols_per_split(x.device, rows, vocab, config["BLOCK_N"], config["BLOCK_V"])
     splits = triton.cdiv(vocab, cols_per_split)
@@ -279,12 +287,13 @@ def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),
         target.stride(0), HAS_BIAS=bias is not None, **config,
     )
-    # merge the splits: lse = M + log sum_s sumexp_s exp(max_s - M) with M the overall max; the first
-    # split holding M has the first argmax (torch.argmax returns the first maximal index)
+    # merge the splits: s = log sum_s sumexp_s exp(max_s - m) with m the overall max; the first
+    # split holding m has the first argmax (torch.argmax returns the first maximal index)
     row_max = split_max.max(dim=0).values
-    lse = row_max + torch.log((split_sumexp * torch.exp(split_max - row_max)).sum(dim=0))
+    log_sumexp = torch.log((split_sumexp * torch.exp(split_max - row_max)).sum(dim=0))
     argmax = split_argmax.gather(0, split_max.argmax(dim=0, keepdim=True)).squeeze(0)
-    row_loss = lse - (1.0 - label_smoothing) * target_logit.sum(dim=0) - (label_smoothing / vocab) * logit_sum.sum(dim=0)
+    row_loss = ((1.0 - label_smoothing) * (row_max - target_logit.sum(dim=0))
+                + label_smoothing * (row_max - logit_sum.sum(dim=0) / vocab) + log_sumexp)
     labelled, out_of_vocab = _labelled(target, ignore_index, vocab)
     row_loss = torch.where(labelled, row_loss, 0.0).masked_fill(out_of_vocab, float("nan"))
     # fp64 accumulation of the N row losses, as PyTorch's CPU nll_loss does: an fp32 sum of
@@ -293,21 +302,21 @@ def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if reduction == "mean":
         loss = loss / labelled.sum().clamp(min=1)
     num_correct = (labelled & (argmax == target)).sum()
-    return loss.float(), num_correct, lse
+    return loss.float(), num_correct, torch.stack((row_max, log_sumexp))
 
 
 @mlm_loss_fwd.register_fake
 def _(x, weight, bias, target, ignore_index, reduction, label_smoothing):
     _check_inputs(x, weight, bias, target, reduction, label_smoothing)
     return (x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.int64),
-            x.new_empty(x.shape[0], dtype=torch.float32))
+            x.new_empty((2, x.shape[0]), dtype=torch.float32))
 
 
 @torch.library.custom_op("fastbert::mlm_loss_bwd", mutates_args=())
 def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 target: torch.Tensor, lse: torch.Tensor, ignore_index: int, reduction: str,
+                 target: torch.Tensor, softmax_stats: torch.Tensor, ignore_index: int, reduction: str,
                  label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `mlm_loss_fwd` from its inputs and lse; grad_loss a scalar tensor.
+    """Gradients of `mlm_loss_fwd` from its inputs and softmax_stats; grad_loss a scalar tensor.
 
     Returns dx [N, H] in x's dtype, dweight [V, H] in weight's dtype and dbias fp32 [V] (empty [0]
     when bias is None), all contiguous.
@@ -331,7 +340,7 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         v1 = min(v0 + chunk_cols, vocab)
         dz = torch.empty((rows, v1 - v0), dtype=x.dtype, device=x.device)
         _mlm_loss_bwd_kernel[(triton.cdiv(rows, config["BLOCK_N"]), triton.cdiv(v1 - v0, config["BLOCK_V"]))](
-            x, weight, b, target, lse, coef, dz,
+            x, weight, b, target, softmax_stats[0], softmax_stats[1], coef, dz,
             rows, vocab, hidden, v0, v1, label_smoothing,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),
             target.stride(0), dz.stride(0), HAS_BIAS=bias is not None, **config,
@@ -344,7 +353,7 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 
 @mlm_loss_bwd.register_fake
-def _(grad_loss, x, weight, bias, target, lse, ignore_index, reduction, label_smoothing):
+def _(grad_loss, x, weight, bias, target, softmax_stats, ignore_index, reduction, label_smoothing):
     vocab = weight.shape[0]
     return (x.new_empty(x.shape), weight.new_empty(weight.shape),
             x.new_empty(vocab if bias is not None else 0, dtype=torch.float32))
@@ -352,15 +361,15 @@ def _(grad_loss, x, weight, bias, target, lse, ignore_index, reduction, label_sm
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, target, ignore_index, reduction, label_smoothing = inputs
-    _, num_correct, lse = output
-    ctx.save_for_backward(x, weight, bias, target, lse)
+    _, num_correct, softmax_stats = output
+    ctx.save_for_backward(x, weight, bias, target, softmax_stats)
     ctx.arguments = (ignore_index, reduction, label_smoothing)
-    ctx.mark_non_differentiable(num_correct, lse)
+    ctx.mark_non_differentiable(num_correct, softmax_stats)
 
 
-def _backward(ctx, grad_loss, grad_num_correct, grad_lse):
-    x, weight, bias, target, lse = ctx.saved_tensors
-    dx, dweight, dbias = mlm_loss_bwd(grad_loss, x, weight, bias, target, lse, *ctx.arguments)
+def _backward(ctx, grad_loss, grad_num_correct, grad_softmax_stats):
+    x, weight, bias, target, softmax_stats = ctx.saved_tensors
+    dx, dweight, dbias = mlm_loss_bwd(grad_loss, x, weight, bias, target, softmax_stats, *ctx.arguments)
     return dx, dweight, None if bias is None else dbias.to(bias.dtype), None, None, None, None
 
 

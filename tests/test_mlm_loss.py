@@ -105,6 +105,15 @@ def test_matches_float64(impl, rows, labelled, vocab, hidden, dtype, reduction, 
                             label_smoothing=smoothing)
 
 
+def test_confident_rows_keep_fp32_precision(device):
+    """Targets holding nearly all the probability (logit 20 over ~N(0, 1)): d loss / d z_t = p_t - 1 is
+    a difference of two numbers near 1, which a log-sum-exp rounded to fp32 near 20 (steps of 2e-6)
+    would swamp; the gradients must stay within the rule in fp32."""
+    x, weight, bias, target = _make_inputs(8, 8, 1000, 384, torch.float32, device, planted_logit=20.0)
+    target = F.linear(x, weight, bias).argmax(dim=1)
+    _assert_matches_float64("triton", x, weight, bias, target, reduction="sum")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gpu_tiles_odd_sizes_strided_inputs(dtype, device, monkeypatch):
     """GPU tile sizes (vocabulary splits, partial K and V tiles), odd H and V, non-contiguous x and
