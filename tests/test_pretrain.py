@@ -42,10 +42,6 @@ def config(data, out, **changes):
     return pretrain.PretrainConfig(**{**values, **changes})
 
 
-def quiet(*args, **kwargs):
-    pass
-
-
 def losses(out):
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [{k: v for k, v in json.loads(line).items() if k in COMPUTED} for line in f]
@@ -53,7 +49,7 @@ def losses(out):
 
 def test_loss_falls(data, tmp_path):
     pretrain.train(config(data, tmp_path, steps=24, seq_lengths="16", phase_fractions="1", lr=5e-3, warmup=2),
-                   {**SMALL, **NO_DROPOUT}, log=quiet)
+                   {**SMALL, **NO_DROPOUT})
     with open(tmp_path / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records] == list(range(1, 25))
@@ -64,11 +60,11 @@ def test_loss_falls(data, tmp_path):
 
 def test_resume_is_exact_and_checkpoints_are_pruned(data, tmp_path):
     whole = tmp_path / "whole"
-    pretrain.train(config(data, whole, save_every=1, keep_checkpoints=2), SMALL, log=quiet)
+    pretrain.train(config(data, whole, save_every=1, keep_checkpoints=2), SMALL)
     parts = tmp_path / "parts"
-    first = pretrain.train(config(data, parts, stop_at=3), SMALL, log=quiet)  # stops at the phase boundary
+    first = pretrain.train(config(data, parts, stop_at=3), SMALL)  # stops at the phase boundary
     assert first["stopped"] and first["step"] == 3 and first["checkpoint"].endswith("step_00000003")
-    second = pretrain.train(config(data, parts), SMALL, log=quiet)
+    second = pretrain.train(config(data, parts), SMALL)
     assert second["step"] == 6 and not second["stopped"]
     # fp32 on CPU: the resumed run's losses and weights are bitwise those of the uninterrupted one
     assert losses(parts) == losses(whole)
@@ -80,7 +76,7 @@ def test_resume_is_exact_and_checkpoints_are_pruned(data, tmp_path):
     _, info = BertForPreTraining.from_pretrained(os.path.join(whole, "checkpoints", "step_00000006", "model"),
                                                  output_loading_info=True)
     assert info == {"missing_keys": [], "unexpected_keys": []}
-    again = pretrain.train(config(data, parts), SMALL, log=quiet)  # a finished run is not run again
+    again = pretrain.train(config(data, parts), SMALL)  # a finished run is not run again
     assert again["step"] == 6 and losses(parts) == losses(whole)
 
 
@@ -97,13 +93,13 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(data, tmp_path, monkeypa
 
     monkeypatch.setattr(BertForPreTraining, "forward", nan_forward)
     poisoned.update({2})
-    result = pretrain.train(config(data, tmp_path / "one", steps=4), SMALL, log=quiet)
+    result = pretrain.train(config(data, tmp_path / "one", steps=4), SMALL)
     assert result["step"] == 4 and result["skipped_steps"] == 1
     assert [r["skipped_steps"] for r in losses(tmp_path / "one")] == [0, 1, 1, 1]
     nan_forward.calls = 0
     poisoned.update(range(100))
     with pytest.raises(pretrain.TrainingError, match="3 consecutive steps"):
-        pretrain.train(config(data, tmp_path / "all", steps=6, max_bad_steps=3), SMALL, log=quiet)
+        pretrain.train(config(data, tmp_path / "all", steps=6, max_bad_steps=3), SMALL)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -113,15 +109,14 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(data, tmp_path, monkeypa
     (["--seq-lengths", "128,512"], "max_position_embeddings=128"),
     (["--batch-size", "8", "--micro-batch-size", "3"], "must divide"),
 ])
-def test_bad_options_are_clear_errors(tmp_path, capsys, argv, message):
+def test_bad_options_are_clear_errors(tmp_path, capsys, caplog, argv, message):
     assert pretrain.main(argv + ["--out", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert message in caplog.text and "Traceback" not in capsys.readouterr().err
 
 
-def test_missing_phase_data_is_a_clear_error(data, tmp_path, capsys):
+def test_missing_phase_data_is_a_clear_error(data, tmp_path, caplog):
     assert pretrain.main(["--data", data, "--out", str(tmp_path), "--seq-lengths", "16,64"]) == 2
-    assert "no dataset with max_seq_length 64" in capsys.readouterr().err
+    assert "no dataset with max_seq_length 64" in caplog.text
 
 
 def test_lamb_step_matches_its_formula():
@@ -203,7 +198,7 @@ def test_torchrun_two_processes_match_one(data, tmp_path):
         single = tmp_path / f"single-{strategy}"
         # one process, the same global batch of 8 in micro-batches of 4 (2 ranks x micro-batches of 2 above)
         pretrain.train(config(data, single, steps=4, micro_batch_size="4", seq_lengths="16", phase_fractions="1",
-                              optimizer=optimizer), overrides, log=quiet)
+                              optimizer=optimizer), overrides)
         two, one = losses(tmp_path / strategy), losses(single)
         assert [r["step"] for r in two] == [1, 2, 3, 4]
         for a, b in zip(two, one):
@@ -213,7 +208,7 @@ def test_torchrun_two_processes_match_one(data, tmp_path):
 
 def test_fp16_loss_scaling_runs_and_is_checkpointed(data, tmp_path):
     result = pretrain.train(config(data, tmp_path, steps=3, precision="fp16", seq_lengths="16", phase_fractions="1"),
-                            SMALL, log=quiet)
+                            SMALL)
     assert result["step"] == 3
     state = torch.load(os.path.join(result["checkpoint"], "trainer.pt"), weights_only=False)
     assert state["scaler"]["scale"] > 0 and state["bad_steps_in_row"] == 0

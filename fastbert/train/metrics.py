@@ -54,6 +54,41 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     return 2.0 * n ** 3 / min(times[2:])
 
 
+# The sums over the global batch that a training step returns, in this order.
+STATS = ("mlm_loss", "nsp_loss", "mlm_correct", "nsp_correct", "masked_tokens", "sequences", "tokens", "flops")
+
+
+class Window:
+    """The sums (STATS) of the steps since the last metrics line, and the line they make."""
+
+    def __init__(self, device: torch.device, peak_flops: float):
+        self.peak_flops = peak_flops  # of all ranks together
+        self.totals = torch.zeros(len(STATS), dtype=torch.float64, device=device)
+        self.start = time.perf_counter()
+
+    def add(self, stats: torch.Tensor) -> None:
+        self.totals += stats
+
+    def record(self, **fields) -> dict:
+        """One metrics line: the given fields (step, phase, ...) and the window's averages and rates;
+        then the window starts afresh. loss is None when every step of the window was skipped."""
+        totals = dict(zip(STATS, self.totals.tolist()))
+        elapsed = time.perf_counter() - self.start
+        record = dict(fields)
+        if totals["masked_tokens"] > 0:
+            mlm_loss = totals["mlm_loss"] / totals["masked_tokens"]
+            nsp_loss = totals["nsp_loss"] / totals["sequences"]
+            record.update(loss=mlm_loss + nsp_loss, mlm_loss=mlm_loss, nsp_loss=nsp_loss,
+                          mlm_accuracy=totals["mlm_correct"] / totals["masked_tokens"],
+                          nsp_accuracy=totals["nsp_correct"] / totals["sequences"])
+        else:
+            record["loss"] = None
+        record.update(tokens_per_s=totals["tokens"] / elapsed, mfu=totals["flops"] / elapsed / self.peak_flops)
+        self.totals.zero_()
+        self.start = time.perf_counter()
+        return record
+
+
 class MetricsLog:
     """Appends one JSON object per logged step to <out>/metrics.jsonl (rank 0 only).
 

@@ -1,0 +1,142 @@
+"""The options of `fastbert pretrain`: PretrainConfig, its checks, and the command line that fills it.
+
+Options are the fields of PretrainConfig (--config FILE reads them from JSON; later flags win);
+--model.<field> VALUE overrides a BertConfig field.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from fastbert.data.corpus import STDLIB
+from fastbert.train import distributed
+
+PRESETS = ("tiny", "base", "large")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+@dataclass
+class PretrainConfig:
+    run_name: str = ""  # directory name under ./runs/; "" = "<model>-<data>"
+    out: str = ""  # output directory; "" = ./runs/<run_name>
+    data: str = STDLIB  # `fastbert prepare-data` output (holding seq128/, seq512/, ...) or "stdlib" (built in)
+    model: str = "tiny"  # preset tiny | base | large, or an HF config.json (file or directory)
+    steps: int = 400  # optimizer steps in all (the paper: 1,000,000)
+    batch_size: int = 32  # global batch: sequences per optimizer step, all ranks together (the paper: 256)
+    micro_batch_size: str = ""  # sequences per rank per forward, one value or one per phase; "" = no accumulation
+    seq_lengths: str = ""  # sequence length of each phase; "" = 128,512 (max_position_embeddings/2 and /1 if less)
+    phase_fractions: str = "0.9,0.1"  # share of the steps of each phase (the paper: 90% at 128, 10% at 512)
+    optimizer: str = "adamw"  # adamw (the paper's Adam with weight decay) | lamb (large batches)
+    lr: float = 1e-4  # peak learning rate (the paper: 1e-4)
+    warmup: float = 0.01  # warm-up steps, or a fraction of the steps when < 1 (the paper: 10k of 1M)
+    weight_decay: float = 0.01  # decoupled weight decay on weight matrices (not biases, not LayerNorm)
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-6
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this; 0 = no clipping
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16 (with loss scaling)
+    activation_checkpointing: bool = False  # recompute each encoder layer in the backward to save memory
+    distributed: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2 fully_shard, per layer)
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 12345
+    mask_prob: float = 0.15  # fraction of tokens predicted
+    whole_word_masking: bool = False  # mask whole words (a token and its "##" pieces)
+    log_every: int = 10  # steps per metrics line and progress-bar update
+    save_every: int = 1000  # steps between checkpoints (one is always written at the end)
+    keep_checkpoints: int = 2  # newest complete checkpoints kept (>= 2)
+    max_bad_steps: int = 20  # consecutive steps with a non-finite loss or gradient that stop the run
+    resume: str = "auto"  # auto (newest checkpoint of the output directory, if any) | never | a checkpoint path
+    stop_at: int = 0  # stop after this step with a checkpoint, to be resumed later; 0 = run to the end
+    peak_tflops: float = 0.0  # device peak for MFU in TFLOP/s; 0 = measure a matmul at start
+    prefetch: int = 2  # batches prepared ahead in a background thread
+    progress: bool = True  # progress bar on rank 0
+
+    def validate(self) -> None:
+        checks = [("steps", self.steps >= 1, ">= 1"), ("batch_size", self.batch_size >= 1, ">= 1"),
+                  ("lr", self.lr > 0, "> 0"), ("warmup", self.warmup >= 0, ">= 0"),
+                  ("weight_decay", self.weight_decay >= 0, ">= 0"), ("eps", self.eps > 0, "> 0"),
+                  ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"), ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
+                  ("max_grad_norm", self.max_grad_norm >= 0, ">= 0"),
+                  ("log_every", self.log_every >= 1, ">= 1"), ("save_every", self.save_every >= 1, ">= 1"),
+                  ("keep_checkpoints", self.keep_checkpoints >= 2, ">= 2"),
+                  ("max_bad_steps", self.max_bad_steps >= 1, ">= 1"), ("stop_at", self.stop_at >= 0, ">= 0"),
+                  ("peak_tflops", self.peak_tflops >= 0, ">= 0"), ("prefetch", self.prefetch >= 1, ">= 1"),
+                  ("optimizer", self.optimizer in ("adamw", "lamb"), "adamw or lamb"),
+                  ("precision", self.precision in PRECISIONS, f"one of {PRECISIONS}"),
+                  ("distributed", self.distributed in distributed.STRATEGIES, f"one of {distributed.STRATEGIES}")]
+        for name, ok, limit in checks:
+            if not ok:
+                raise ValueError(f"--{name.replace('_', '-')} must be {limit}, got {getattr(self, name)!r}")
+
+
+def parse_list(name: str, text: str, kind) -> list:
+    """A comma-separated option (e.g. --seq-lengths 128,512) as a list of `kind`."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--{name.replace('_', '-')} must be a comma-separated list of {kind.__name__}, "
+                         f"got {text!r}") from None
+    if not values:
+        raise ValueError(f"--{name.replace('_', '-')} is empty")
+    return values
+
+
+def _parse_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_args(argv: list[str], description: str) -> tuple[PretrainConfig, dict]:
+    """PretrainConfig from defaults < --config JSON < flags; and the --model.<field> overrides."""
+    parser = argparse.ArgumentParser(prog="fastbert pretrain", description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", help="JSON file of options (the keys below, and model.<field> keys)")
+    comments = _field_comments()
+    for field in dataclasses.fields(PretrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        help_text = f"{comments.get(field.name, '')} (default: {field.default!r})".replace("%", "%%")
+        if field.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            kind = {"int": int, "float": float}.get(field.type, str)
+            parser.add_argument(flag, type=kind, help=help_text)
+    args, rest = parser.parse_known_args(argv)
+    overrides: dict = {}
+    values: dict = {}
+    if "config" in args:
+        try:
+            with open(args.config, encoding="utf-8") as f:
+                from_file = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--config {args.config!r}: {exc}") from None
+        names = {f.name for f in dataclasses.fields(PretrainConfig)}
+        for key, value in from_file.items():
+            if key.startswith("model."):
+                overrides[key[len("model."):]] = value
+            elif key.replace("-", "_") in names:
+                values[key.replace("-", "_")] = value
+            else:
+                raise ValueError(f"--config {args.config!r}: unknown option {key!r}")
+    values.update({k: v for k, v in vars(args).items() if k != "config"})
+    while rest:
+        flag = rest.pop(0)
+        if not flag.startswith("--model.") or not rest:
+            parser.error(f"unrecognized argument {flag!r} (model fields are set with --model.<field> VALUE)")
+        overrides[flag[len("--model."):]] = _parse_value(rest.pop(0))
+    return PretrainConfig(**values), overrides
+
+
+def _field_comments() -> dict[str, str]:
+    """The comment after each PretrainConfig field, used as its --help text."""
+    import inspect
+    comments = {}
+    for line in inspect.getsource(PretrainConfig).splitlines():
+        name, _, rest = line.strip().partition(":")
+        if "#" in rest and name.isidentifier():
+            comments[name] = rest.split("#", 1)[1].strip()
+    return comments

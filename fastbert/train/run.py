@@ -1,0 +1,228 @@
+"""Set-up of a pretraining run: the process group, the phases and their data, the model, optimizer,
+LR schedule and loss scaler, and the output directory. `build_run` returns them as one Run."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fastbert.data.corpus import STDLIB
+from fastbert.data.masking import MaskingCollator
+from fastbert.data.shards import INDEX_FILE, ShardedDataset
+from fastbert.train import checkpoint, distributed
+from fastbert.train.optim import build_optimizer, linear_warmup_decay
+from fastbert.train.options import PRESETS, PretrainConfig, parse_list
+
+logger = logging.getLogger("fastbert.train")
+
+
+@dataclass
+class Phase:
+    seq_length: int
+    start: int  # first step (0-based)
+    end: int  # one past the last step
+    micro_batch_size: int
+    dataset: ShardedDataset | None = None
+    collator: MaskingCollator | None = None
+
+
+def plan_phases(cfg: PretrainConfig, max_positions: int, world_size: int) -> list[Phase]:
+    """The run's phases: sequence length, step range and micro-batch size of each."""
+    if cfg.seq_lengths:
+        lengths = parse_list("seq_lengths", cfg.seq_lengths, int)
+    else:
+        lengths = [128, 512] if max_positions >= 512 else [max_positions // 2, max_positions]
+    fractions = parse_list("phase_fractions", cfg.phase_fractions, float)
+    if len(fractions) != len(lengths) or any(f < 0 for f in fractions) or abs(sum(fractions) - 1) > 1e-6:
+        raise ValueError(f"--phase-fractions {cfg.phase_fractions!r} must be {len(lengths)} non-negative numbers "
+                         f"summing to 1, one per phase of --seq-lengths {lengths}")
+    for length in lengths:
+        if not 5 <= length <= max_positions:
+            raise ValueError(f"sequence length {length} must be in [5, max_position_embeddings={max_positions}]")
+    if cfg.batch_size % world_size:
+        raise ValueError(f"--batch-size {cfg.batch_size} must be a multiple of the world size {world_size}")
+    micro = (parse_list("micro_batch_size", cfg.micro_batch_size, int) if cfg.micro_batch_size
+             else [cfg.batch_size // world_size])
+    if len(micro) == 1:
+        micro *= len(lengths)
+    if len(micro) != len(lengths):
+        raise ValueError(f"--micro-batch-size needs 1 or {len(lengths)} values, got {cfg.micro_batch_size!r}")
+    for size in micro:
+        if size < 1 or (cfg.batch_size // world_size) % size:
+            raise ValueError(f"micro-batch size {size} must divide the per-rank batch "
+                             f"{cfg.batch_size // world_size} (--batch-size {cfg.batch_size} / {world_size} ranks)")
+    ends = [round(cfg.steps * f) for f in np.cumsum(fractions)]
+    ends[-1] = cfg.steps
+    starts = [0] + ends[:-1]
+    return [Phase(n, s, e, m) for n, s, e, m in zip(lengths, starts, ends, micro) if e > s]
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("FASTBERT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fastbert")
+    return base
+
+
+def stdlib_data(vocab_size: int, seq_lengths: list[int], env: distributed.Dist) -> str:
+    """The built-in corpus (Python's docstrings) prepared once into the cache; rank 0 builds, others wait."""
+    from fastbert.data.prepare import dataset_dir, prepare_dataset
+
+    root = os.path.join(_cache_dir(), f"stdlib-py{sys.version_info[0]}.{sys.version_info[1]}-vocab{vocab_size}")
+    missing = [n for n in seq_lengths if not os.path.isfile(os.path.join(dataset_dir(root, n), INDEX_FILE))]
+    if missing and env.is_main:
+        tokenizer = os.path.join(root, "tokenizer.json")
+        logger.info(f"preparing the built-in corpus (Python standard-library docstrings) in {root}")
+        prepare_dataset([STDLIB], root, tokenizer if os.path.isfile(tokenizer) else None, vocab_size,
+                        max_seq_lengths=tuple(missing), overwrite=True, log=logger.info)
+    if env.distributed:
+        torch.distributed.barrier()
+    return root
+
+
+def phase_dataset(data: str, seq_length: int) -> ShardedDataset:
+    for candidate in (os.path.join(data, f"seq{seq_length}"), data):
+        path = os.path.join(candidate, INDEX_FILE)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                if json.load(f).get("max_seq_length") == seq_length:
+                    return ShardedDataset(candidate)
+    raise ValueError(f"no dataset with max_seq_length {seq_length} in {data!r} (looked for {data}/seq{seq_length}/); "
+                     f"create it with `fastbert prepare-data --max-seq-length {seq_length} --out {data} ...`")
+
+
+def model_config(cfg: PretrainConfig, overrides: dict):
+    from fastbert import BertConfig
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(BertConfig)})
+    if unknown:
+        raise ValueError(f"--model.{unknown[0]}: BertConfig has no field {unknown[0]!r}")
+    if cfg.model in PRESETS:
+        return getattr(BertConfig, cfg.model)(**overrides)
+    if not os.path.exists(cfg.model):
+        raise ValueError(f"--model must be one of {PRESETS} or an HF config.json, got {cfg.model!r}")
+    return BertConfig.from_json(cfg.model, **overrides)
+
+
+def default_run_name(cfg: PretrainConfig) -> str:
+    model = cfg.model if cfg.model in PRESETS else os.path.basename(os.path.normpath(cfg.model)).removesuffix(".json")
+    data = STDLIB if cfg.data == STDLIB else os.path.basename(os.path.normpath(cfg.data))
+    return f"{model}-{data}"
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+@dataclass
+class Run:
+    """What the training loop works with. `model` is the BertForPreTraining (sharded in place under
+    FSDP2); `wrapped` is what runs the forward (DDP's wrapper, or the model itself)."""
+    cfg: PretrainConfig
+    model_overrides: dict
+    env: distributed.Dist
+    config: object  # BertConfig
+    phases: list[Phase]
+    dtype: torch.dtype
+    sharded: bool
+    out: str
+    resume: str | None  # the checkpoint to resume from
+    model: torch.nn.Module
+    wrapped: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+
+    @property
+    def checkpoints(self) -> str:
+        return os.path.join(self.out, checkpoint.CHECKPOINT_DIR)
+
+    def phase_of(self, step: int) -> int:
+        """Index of the phase that step (0-based) belongs to."""
+        return next(i for i, p in enumerate(self.phases) if step < p.end or p is self.phases[-1])
+
+    def info(self, message: str) -> None:
+        if self.env.is_main:
+            logger.info(message)
+
+    def warning(self, message: str) -> None:
+        if self.env.is_main:
+            logger.warning(message)
+
+
+def _find_data(cfg: PretrainConfig, config, phases: list[Phase], env: distributed.Dist):
+    """Attach each phase's dataset and masking collator; return the config with the data's vocab size."""
+    data = cfg.data
+    if data == STDLIB:
+        data = stdlib_data(config.vocab_size, [p.seq_length for p in phases], env)
+    elif not os.path.isdir(data):
+        raise ValueError(f"--data {data!r} is not a directory; create it with `fastbert prepare-data`")
+    for phase in phases:
+        phase.dataset = phase_dataset(data, phase.seq_length)
+        phase.collator = MaskingCollator(phase.dataset.vocabulary(), cfg.mask_prob, cfg.whole_word_masking)
+    return phases[0].dataset
+
+
+def _resume_point(cfg: PretrainConfig, root: str) -> str | None:
+    if cfg.resume == "auto":
+        return checkpoint.latest_checkpoint(root)
+    if cfg.resume == "never":
+        return None
+    if not os.path.isfile(os.path.join(cfg.resume, "trainer.pt")):
+        raise ValueError(f"--resume {cfg.resume!r} is not a complete checkpoint directory")
+    return cfg.resume
+
+
+def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
+    """Check the options, join the process group, find the data, create the output directory and build
+    the model (with the weights of the checkpoint to resume from, if any) and the optimizer."""
+    from fastbert import BertForPreTraining
+    from fastbert.hf import load_state, read_state_dict
+
+    cfg.validate()
+    env = distributed.init(cfg.device)
+    config = model_config(cfg, dict(model_overrides))
+    phases = plan_phases(cfg, config.max_position_embeddings, env.world_size)
+    sharded = env.distributed and cfg.distributed == "fsdp"
+    dtype = compute_dtype(cfg.precision, env.device)
+    if sharded and dtype == torch.float16:
+        raise ValueError("--precision fp16 is not supported with --distributed fsdp; use bf16")
+    dataset = _find_data(cfg, config, phases, env)
+    if cfg.model in PRESETS and "vocab_size" not in model_overrides:
+        config = config.replace(vocab_size=dataset.vocab_size)
+    if config.vocab_size < dataset.vocab_size:
+        raise ValueError(f"the model's vocab_size {config.vocab_size} is smaller than the data's {dataset.vocab_size}")
+    if config.pad_token_id != dataset.special_ids["pad"]:
+        raise ValueError(f"the model's pad_token_id {config.pad_token_id} differs from the data's "
+                         f"[PAD] id {dataset.special_ids['pad']}")
+
+    out = cfg.out or os.path.join("runs", cfg.run_name or default_run_name(cfg))
+    root = os.path.join(out, checkpoint.CHECKPOINT_DIR)
+    resume = _resume_point(cfg, root)
+    if env.is_main:
+        os.makedirs(out, exist_ok=True)
+        checkpoint.remove_incomplete(root)
+        with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+            json.dump({**dataclasses.asdict(cfg), "model_overrides": model_overrides}, f, indent=2)
+
+    torch.manual_seed(cfg.seed)
+    model = BertForPreTraining(config)
+    if resume:
+        load_state(model, read_state_dict(os.path.join(resume, "model")))
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.to(env.device)
+    wrapped = distributed.wrap(model, cfg.distributed, env, dtype if dtype != torch.float32 else None)
+    optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay,
+                                sharded)
+    warmup = int(cfg.warmup) if cfg.warmup >= 1 else round(cfg.warmup * cfg.steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_decay(max(warmup, 1), cfg.steps))
+    scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
+    return Run(cfg, model_overrides, env, config, phases, dtype, sharded, out, resume, model, wrapped, optimizer,
+               scheduler, scaler)
