@@ -27,7 +27,7 @@ class PretrainConfig:
     batch_size: int = 32  # global batch: sequences per optimizer step, all ranks together (the paper: 256)
     micro_batch_size: str = ""  # sequences per rank per forward, one value or one per phase; "" = no accumulation
     seq_lengths: str = ""  # sequence length of each phase; "" = 128,512 (max_position_embeddings/2 and /1 if less)
-    phase_fractions: str = "0.9,0.1"  # share of the steps of each phase (the paper: 90% at 128, 10% at 512)
+    phase_fractions: str = ""  # share of the steps of each phase; "" = the paper's 0.9,0.1 for two phases, 1 for one
     optimizer: str = "adamw"  # adamw (the paper's Adam with weight decay) | lamb (large batches)
     lr: float = 1e-4  # peak learning rate (the paper: 1e-4)
     warmup: float = 0.01  # warm-up steps, or a fraction of the steps when < 1 (the paper: 10k of 1M)

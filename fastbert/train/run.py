@@ -38,7 +38,12 @@ def plan_phases(cfg: PretrainConfig, max_positions: int, world_size: int) -> lis
         lengths = parse_list("seq_lengths", cfg.seq_lengths, int)
     else:
         lengths = [128, 512] if max_positions >= 512 else [max_positions // 2, max_positions]
-    fractions = parse_list("phase_fractions", cfg.phase_fractions, float)
+    if cfg.phase_fractions:
+        fractions = parse_list("phase_fractions", cfg.phase_fractions, float)
+    elif len(lengths) <= 2:
+        fractions = [0.9, 0.1] if len(lengths) == 2 else [1.0]
+    else:
+        raise ValueError(f"--phase-fractions is needed for {len(lengths)} phases ({lengths}): one share per phase")
     if len(fractions) != len(lengths) or any(f < 0 for f in fractions) or abs(sum(fractions) - 1) > 1e-6:
         raise ValueError(f"--phase-fractions {cfg.phase_fractions!r} must be {len(lengths)} non-negative numbers "
                          f"summing to 1, one per phase of --seq-lengths {lengths}")
