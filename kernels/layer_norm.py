@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.matmul import sm_count
+from fastbert.kernels.matmul import INTERPRETER, sm_count
 
 MAX_HIDDEN = 8192
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -186,10 +186,10 @@ def _check_inputs(x, weight, bias, residual) -> None:
         raise ValueError(f"residual has dtype {residual.dtype}, expected x's dtype {x.dtype}")
 
 
-def _tile(hidden: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_ROWS, BLOCK_H, num_warps) for rows of `hidden` elements on `device`."""
+def _tile(hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_ROWS, BLOCK_H, num_warps) for rows of `hidden` elements."""
     block_h = triton.next_power_of_2(hidden)
-    if device.type != "cuda":
+    if INTERPRETER:
         return max(1, INTERPRETER_TILE_ELEMENTS // block_h), block_h, 4
     block_rows = max(1, GPU_TILE_ELEMENTS // block_h)
     num_warps = min(32, max(4, block_rows * block_h // (32 * GPU_ELEMENTS_PER_THREAD)))
@@ -204,10 +204,10 @@ def _with_int32_columns(t: torch.Tensor) -> torch.Tensor:
 def _backward_split(device: torch.device, rows: int, block_rows: int) -> tuple[int, int]:
     """(programs, rows_per_program) for the backward over rows >= 1; rows_per_program is a multiple of
     block_rows and every program gets at least one row."""
-    if device.type == "cuda":
-        programs = BACKWARD_PROGRAMS_PER_SM * sm_count(device)
-    else:
+    if INTERPRETER:
         programs = INTERPRETER_BACKWARD_PROGRAMS
+    else:
+        programs = BACKWARD_PROGRAMS_PER_SM * sm_count(device)
     rows_per_program = triton.cdiv(triton.cdiv(rows, programs), block_rows) * block_rows
     return triton.cdiv(rows, rows_per_program), rows_per_program
 
@@ -230,7 +230,7 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, re
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows == 0:
         return y, mean, rstd
-    block_rows, block_h, num_warps = _tile(hidden, x.device)
+    block_rows, block_h, num_warps = _tile(hidden)
     res = x if residual is None else residual  # a placeholder pointer when there is no residual
     _layer_norm_fwd_kernel[(triton.cdiv(rows, block_rows),)](
         x, res, weight, bias, y, mean, rstd, x if seed is None else seed,
@@ -264,7 +264,7 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, resi
     if rows == 0:
         zeros = torch.zeros(hidden, dtype=torch.float32, device=x.device)
         return dx, dres, zeros, zeros.clone()
-    block_rows, block_h, num_warps = _tile(hidden, x.device)
+    block_rows, block_h, num_warps = _tile(hidden)
     dy, x = _with_int32_columns(dy), _with_int32_columns(x)
     residual = None if residual is None else _with_int32_columns(residual)
     programs, rows_per_program = _backward_split(x.device, rows, block_rows)

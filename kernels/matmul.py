@@ -79,14 +79,24 @@ def gelu_grad(z, APPROXIMATE: tl.constexpr):
 
 
 # Triton's interpreter (CPU tests) runs each program in numpy at a fixed cost per operation: few,
-# large tiles are what make it fast, so the launchers pick larger tiles under it.
+# large tiles are what make it fast, so the launchers pick larger tiles under it. Every launcher
+# chooses its tiles by this flag, never by the tensors' device: compiled, they pick the GPU's tiles
+# whatever the tensors claim, which is what lets `fastbert bench --suite compile` compile them for
+# a GPU from meta tensors on a machine without one.
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["multiprocessor_count"]
+
+
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device, cached: launchers size their grids by it on every call."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """Streaming multiprocessors of the GPU the kernels run on, as Triton's active driver reports them
+    (cached: launchers size their grids by it on every call). A device without an index (meta tensors
+    of a compile-only run) means the driver's current device."""
+    index = device.index if device.index is not None else triton.runtime.driver.active.get_current_device()
+    return _sm_count(index)
 
 
 def row_groups(rows: int, col_blocks: int, block_m: int, device: torch.device) -> tuple[int, int]:
@@ -94,7 +104,7 @@ def row_groups(rows: int, col_blocks: int, block_m: int, device: torch.device) -
     deterministic column sums of kernels/bias_gelu.py and kernels/qkv.py: one program per group
     and column block, about four programs per SM in all. Depends only on the shape and the device,
     so the summation order, hence every bit of the sum, is fixed for a given GPU."""
-    target = 4 * sm_count(device) if device.type == "cuda" else 4
+    target = 4 if INTERPRETER else 4 * sm_count(device)
     groups = max(1, min(triton.cdiv(rows, block_m), triton.cdiv(target, col_blocks)))
     rows_per_group = triton.cdiv(triton.cdiv(rows, groups), block_m) * block_m
     return triton.cdiv(rows, rows_per_group), rows_per_group

@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.matmul import sm_count
+from fastbert.kernels.matmul import INTERPRETER, sm_count
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 REDUCTIONS = ("mean", "sum")
@@ -221,24 +221,32 @@ def _check_inputs(x, weight, bias, target, reduction, label_smoothing) -> None:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
 
 
-def _config(dtype: torch.dtype, device: torch.device, rows: int) -> dict:
+def _config(dtype: torch.dtype, rows: int) -> dict:
     """Tile sizes. On a GPU (Hopper): up to 128 rows x 128 columns of fp32 accumulator over 8 warps; K
     tiles of 64 (16-bit) or 32 (fp32) keep a pipeline stage at 32 KiB of shared memory, so 3 stages
     fit. Fewer rows than 128 take the next power of two (16 at least, tl.dot's minimum) rather than
     computing padding. The interpreter's cost is per operation, not per element, so on CPU the tiles
     are as large as the same kernels allow."""
-    block_n = min(128, max(16, triton.next_power_of_2(rows)))
-    if device.type != "cuda":
-        return dict(BLOCK_N=block_n, BLOCK_V=INTERPRETER_BLOCK_V, BLOCK_K=INTERPRETER_BLOCK_K)
-    return dict(BLOCK_N=block_n, BLOCK_V=128, BLOCK_K=32 if dtype == torch.float32 else 64, num_warps=8, num_stages=3)
+    if INTERPRETER:
+        return dict(BLOCK_N=_block_n(rows), BLOCK_V=INTERPRETER_BLOCK_V, BLOCK_K=INTERPRETER_BLOCK_K)
+    return _gpu_config(dtype, rows)
+
+
+def _block_n(rows: int) -> int:
+    return min(128, max(16, triton.next_power_of_2(rows)))
+
+
+def _gpu_config(dtype: torch.dtype, rows: int) -> dict:
+    return dict(BLOCK_N=_block_n(rows), BLOCK_V=128, BLOCK_K=32 if dtype == torch.float32 else 64, num_warps=8,
+                num_stages=3)
 
 
 def _forward_cols_per_split(device: torch.device, rows: int, vocab: int, block_n: int, block_v: int) -> int:
     """Columns per vocabulary split, a multiple of block_v, such that every split starts below vocab."""
-    if device.type == "cuda":
-        programs = FORWARD_PROGRAMS_PER_SM * sm_count(device)
-    else:
+    if INTERPRETER:
         programs = INTERPRETER_FORWARD_PROGRAMS
+    else:
+        programs = FORWARD_PROGRAMS_PER_SM * sm_count(device)
     vocab_tiles = triton.cdiv(vocab, block_v)
     splits = max(1, min(vocab_tiles, triton.cdiv(programs, triton.cdiv(rows, block_n))))
     return triton.cdiv(vocab_tiles, splits) * block_v
@@ -274,7 +282,7 @@ def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if rows == 0:
         zero = torch.zeros((), dtype=torch.float32, device=x.device)
         return zero, torch.zeros((), dtype=torch.int64, device=x.device), x.new_empty((2, 0), dtype=torch.float32)
-    config = _config(x.dtype, x.device, rows)
+    config = _config(x.dtype, rows)
     cols_per_split = _forward_cols_per_split(x.device, rows, vocab, config["BLOCK_N"], config["BLOCK_V"])
     splits = triton.cdiv(vocab, cols_per_split)
     stats = torch.empty((4, splits, rows), dtype=torch.float32, device=x.device)
@@ -332,7 +340,7 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     if reduction == "mean":
         coef = coef / labelled.sum().clamp(min=1)
     coef = torch.where(labelled, coef, 0.0).masked_fill(out_of_vocab, float("nan"))  # [N]
-    config = _config(x.dtype, x.device, rows)
+    config = _config(x.dtype, rows)
     chunk_cols = _backward_chunk_cols(rows, vocab, config["BLOCK_V"])
     dx = torch.zeros((rows, hidden), dtype=torch.float32, device=x.device)
     b = weight if bias is None else bias

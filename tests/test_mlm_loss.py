@@ -77,9 +77,7 @@ def _assert_matches_float64(impl, x, weight, bias, target, **kwargs):
 
 def _gpu_tiles(monkeypatch):
     """Run the interpreter with the GPU's tile sizes: many vocabulary tiles and splits on a small V."""
-    real_config = mlm_loss._config
-    monkeypatch.setattr(mlm_loss, "_config", lambda dtype, device, rows: real_config(
-        dtype, torch.device("cuda"), rows))
+    monkeypatch.setattr(mlm_loss, "_config", mlm_loss._gpu_config)
 
 
 # (rows, labelled, vocab, hidden, dtype, reduction, label_smoothing, ignore_index, bias)
