@@ -6,16 +6,17 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 import torch
 
-from fastbert import BertForPreTraining
+from fastbert import BertConfig, BertForPreTraining
 from fastbert.data import prepare
 from fastbert.hf import read_state_dict
 from fastbert.train import pretrain
-from fastbert.train.optim import Lamb, linear_warmup_decay
+from fastbert.train.optim import Lamb, build_optimizer, linear_warmup_decay
 from tests.test_data import write_corpus
 
 # a model small enough that a step takes milliseconds on CPU
@@ -131,6 +132,96 @@ def test_lamb_step_matches_its_formula():
     torch.testing.assert_close(w.detach(), expected)
 
 
+def lamb_per_tensor(weights, grads_per_step, lr, betas, eps, decays):
+    """LAMB one tensor at a time, straight from its formula (optim.py's docstring)."""
+    weights = [w.clone() for w in weights]
+    moments = [(torch.zeros_like(w), torch.zeros_like(w)) for w in weights]
+    for t, grads in enumerate(grads_per_step, start=1):
+        for w, g, (m, v), decay in zip(weights, grads, moments, decays):
+            m.mul_(betas[0]).add_(g, alpha=1 - betas[0])
+            v.mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
+            r = (m / (1 - betas[0] ** t)) / ((v / (1 - betas[1] ** t)).sqrt() + eps) + decay * w
+            trust = w.norm() / r.norm() if w.norm() > 0 and r.norm() > 0 else 1.0
+            w.sub_(lr * trust * r)
+    return weights
+
+
+SHAPES = [(7, 3), (5,), (1,), (0,), (4, 4), (2, 3, 2)]
+
+
+def lamb_problem(steps=4):
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(s, generator=generator) for s in SHAPES]
+    weights[4].zero_()  # a zero tensor: trust ratio 1
+    grads = [[torch.randn(s, generator=generator) for s in SHAPES] for _ in range(steps)]
+    return weights, grads
+
+
+def lamb_of(weights, decay=0.01, lr=0.1):
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    return params, Lamb([{"params": params[:3], "weight_decay": decay}, {"params": params[3:], "weight_decay": 0.0}],
+                        lr=lr, betas=(0.9, 0.99), eps=1e-6)
+
+
+def test_multi_tensor_lamb_equals_the_per_tensor_formula():
+    weights, grads = lamb_problem()
+    params, optimizer = lamb_of(weights)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        optimizer.step()
+    expected = lamb_per_tensor(weights, grads, 0.1, (0.9, 0.99), 1e-6, [0.01] * 3 + [0.0] * 3)
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.detach(), e)  # fp32 rounding (rtol 1.3e-6)
+
+
+def test_lamb_skips_on_found_inf_without_touching_weights_or_moments():
+    weights, grads = lamb_problem(steps=2)
+    params, optimizer = lamb_of(weights)
+    clean_params, clean = lamb_of(weights)
+    for step, step_grads in enumerate(grads):
+        for p, q, g in zip(params, clean_params, step_grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        optimizer.found_inf = torch.tensor(0.0)
+        optimizer.step()
+        clean.step()
+        if step == 0:  # then a bad step: non-finite gradients, skipped on the device
+            for p, g in zip(params, step_grads):
+                p.grad = torch.full_like(g, float("nan"))
+            params[0].grad[0, 0] = float("inf")
+            optimizer.found_inf = torch.tensor(1.0)
+            optimizer.step()
+    for p, q in zip(params, clean_params):  # bitwise: as if the bad step had never happened
+        assert torch.equal(p, q)
+        assert all(torch.equal(optimizer.state[p][k], clean.state[q][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_lamb_step_is_at_most_400_ops_for_bert_base():
+    # BERT-base's tensors (12 layers, the heads) at tiny widths: the op count depends on the number of
+    # tensors only; the per-tensor LAMB took 3,058 ops here
+    base = BertConfig.base(hidden_size=12, intermediate_size=12, vocab_size=16, max_position_embeddings=8)
+    model = BertForPreTraining(base)
+    optimizer = build_optimizer(model, "lamb", 1e-3, (0.9, 0.999), 1e-6, 0.01, sharded=False)
+    assert isinstance(optimizer, Lamb) and len(list(model.parameters())) > 150
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()  # creates the state
+    optimizer.found_inf = torch.tensor(0.0)  # as the training loop steps it
+    with OpCounter() as counter:
+        optimizer.step()
+    assert counter.ops <= 400
+
+
 def test_warmup_then_linear_decay():
     factor = linear_warmup_decay(4, 14)
     assert [factor(s) for s in (0, 3, 4, 9, 14)] == [0.25, 1.0, 1.0, 0.5, 0.0]
@@ -142,25 +233,60 @@ def _run_cli(args, **kwargs):
                             stderr=subprocess.STDOUT, text=True, env=env, **kwargs)
 
 
-def test_sigterm_writes_a_checkpoint_and_exits_cleanly(data, tmp_path):
-    args = ["--data", data, "--out", str(tmp_path), "--steps", "100000", "--batch-size", "8", "--seq-lengths", "16",
+def _cli_args(data, out, steps):
+    args = ["--data", data, "--out", str(out), "--steps", str(steps), "--batch-size", "8", "--seq-lengths", "16",
             "--phase-fractions", "1", "--log-every", "1", "--no-progress", "--peak-tflops", "1", "--device", "cpu"]
-    args += [x for k, v in SMALL.items() for x in (f"--model.{k}", str(v))]
-    process = _run_cli(args)
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.time() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
-        time.sleep(0.2)
-    process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=120)
-    assert process.returncode == 0, output
-    assert "stopped at step" in output and "Traceback" not in output
-    step = int(output.split("stopped at step ")[1].split()[0])
-    assert step >= 2 and losses(tmp_path)[-1]["step"] == step
-    saved = tmp_path / "checkpoints" / f"step_{step:08d}"
-    assert (saved / "trainer.pt").exists() and (saved / "model" / "model.safetensors").exists()
-    assert not [n for n in os.listdir(tmp_path / "checkpoints") if n.startswith(".tmp")]
-    assert torch.load(saved / "trainer.pt", weights_only=False)["step"] == step
+    return args + [x for k, v in SMALL.items() for x in (f"--model.{k}", str(v))]
+
+
+def test_runs_exit_cleanly_when_finished_or_sigtermed(data, tmp_path):
+    """Status 0 every time: never 134, the abort of a prefetch thread still in torch code at exit."""
+    for round in range(2):
+        finished = [_run_cli(_cli_args(data, tmp_path / f"done{round}{i}", 3)) for i in range(2)]
+        signalled = {tmp_path / f"term{round}{i}": None for i in range(2)}
+        for out in signalled:
+            signalled[out] = _run_cli(_cli_args(data, out, 100000))
+        deadline = time.time() + 120
+        for out, process in signalled.items():
+            metrics = out / "metrics.jsonl"
+            while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+                time.sleep(0.2)
+            process.send_signal(signal.SIGTERM)
+        for process in finished:
+            output, _ = process.communicate(timeout=120)
+            assert process.returncode == 0 and "done: 3 steps" in output, output
+        for out, process in signalled.items():
+            output, _ = process.communicate(timeout=120)
+            assert process.returncode == 0, output
+            assert "stopped at step" in output and "(signal)" in output and "Traceback" not in output
+            step = int(output.split("stopped at step ")[1].split()[0])
+            assert step >= 2 and losses(out)[-1]["step"] == step
+            saved = out / "checkpoints" / f"step_{step:08d}"
+            assert (saved / "trainer.pt").exists() and (saved / "model" / "model.safetensors").exists()
+            assert not [n for n in os.listdir(out / "checkpoints") if n.startswith(".tmp")]
+            assert torch.load(saved / "trainer.pt", weights_only=False)["step"] == step
+
+
+def test_prefetch_thread_is_joined_on_every_exit(data, tmp_path, monkeypatch):
+    def prefetching():
+        return [t.name for t in threading.enumerate() if t.name == "fastbert-prefetch"]
+
+    pretrain.train(config(data, tmp_path / "done", steps=2, seq_lengths="16", phase_fractions="1"), SMALL)
+    assert not prefetching()
+    pretrain.train(config(data, tmp_path / "stopped", stop_at=1), SMALL)
+    assert not prefetching()
+    forward = BertForPreTraining.forward
+
+    def failing_forward(self, *args, **kwargs):
+        failing_forward.calls = getattr(failing_forward, "calls", 0) + 1
+        if failing_forward.calls == 2:
+            raise RuntimeError("a failing forward")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(BertForPreTraining, "forward", failing_forward)
+    with pytest.raises(RuntimeError, match="a failing forward"):
+        pretrain.train(config(data, tmp_path / "failed"), SMALL)
+    assert not prefetching()
 
 
 WORKER = textwrap.dedent("""

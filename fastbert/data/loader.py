@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_map_only
 
 from fastbert.data.masking import MaskingCollator, example_seed
 from fastbert.data.shards import ShardedDataset
@@ -73,29 +74,34 @@ class PretrainingLoader:
 def prefetch(iterator: Iterator, depth: int = 2, pin_memory: bool = False) -> Iterator:
     """Run `iterator` in a background thread, `depth` items ahead; exceptions re-raise in the consumer.
 
-    With pin_memory, tensors in the items (lists of dicts) are pinned, so that copies to the GPU can
-    be asynchronous. The thread stops when the returned generator is closed or garbage collected.
+    With pin_memory, the tensors in the items (any nesting of lists, tuples and dicts) are pinned, so
+    that copies to the GPU can be asynchronous. Closing the returned generator (or its garbage
+    collection) stops the thread and waits for it: no thread is left running torch code while the
+    interpreter shuts down, which aborts the process ("terminate called without an active exception").
     """
     items: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
     done = object()
 
+    def offer(item) -> None:  # put, unless the consumer has gone
+        while not stop.is_set():
+            try:
+                items.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
     def produce():
         try:
             for item in iterator:
                 if pin_memory:
-                    item = [{k: v.pin_memory() for k, v in batch.items()} for batch in item]
-                while not stop.is_set():
-                    try:
-                        items.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                    item = tree_map_only(torch.Tensor, torch.Tensor.pin_memory, item)
+                offer(item)
                 if stop.is_set():
                     return
-            items.put(done)
+            offer(done)
         except BaseException as exc:  # handed to the consumer, which raises it
-            items.put(exc)
+            offer(exc)
 
     thread = threading.Thread(target=produce, daemon=True, name="fastbert-prefetch")
     thread.start()
@@ -109,3 +115,4 @@ def prefetch(iterator: Iterator, depth: int = 2, pin_memory: bool = False) -> It
             yield item
     finally:
         stop.set()
+        thread.join()

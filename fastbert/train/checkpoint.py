@@ -31,9 +31,10 @@ def complete_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def latest_checkpoint(root: str) -> str | None:
-    found = complete_checkpoints(root)
-    return found[-1][1] if found else None
+def latest_checkpoint(root: str, before: int | None = None) -> str | None:
+    """The newest complete checkpoint (of a step < before, if given), or None."""
+    found = [path for step, path in complete_checkpoints(root) if before is None or step < before]
+    return found[-1] if found else None
 
 
 def remove_incomplete(root: str) -> None:

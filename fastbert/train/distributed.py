@@ -21,6 +21,7 @@ class Dist:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    host_group: object = None  # gloo group for host-side agreement (None: the default group is gloo already)
 
     @property
     def is_main(self) -> bool:
@@ -52,7 +53,8 @@ def init(device: str = "auto") -> Dist:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if kind.type == "cuda" else "gloo")
     if dist.is_initialized():
-        return Dist(dist.get_rank(), dist.get_world_size(), local, kind)
+        host_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        return Dist(dist.get_rank(), dist.get_world_size(), local, kind, host_group)
     return Dist(device=kind)
 
 
@@ -96,6 +98,15 @@ def all_reduce_sum(tensor: torch.Tensor, env: Dist) -> torch.Tensor:
     if env.distributed:
         dist.all_reduce(tensor)
     return tensor
+
+
+def host_sum(values: list[float], env: Dist) -> list[float]:
+    """Sum host numbers over the ranks through a CPU (gloo) collective: the device's queue is not waited for."""
+    if not env.distributed:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, group=env.host_group)
+    return tensor.tolist()
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

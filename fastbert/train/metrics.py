@@ -9,8 +9,10 @@ MFU = achieved model FLOP/s / the device's measured matmul rate in the run's com
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -54,27 +56,78 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     return 2.0 * n ** 3 / min(times[2:])
 
 
-# The sums over the global batch that a training step returns, in this order.
+# What a metrics line averages, summed over the global batches of its steps. The first six count the
+# steps whose loss was finite; tokens and FLOPs were spent by every step.
 STATS = ("mlm_loss", "nsp_loss", "mlm_correct", "nsp_correct", "masked_tokens", "sequences", "tokens", "flops")
 
 
-class Window:
-    """The sums (STATS) of the steps since the last metrics line, and the line they make."""
+@dataclass
+class Reading:
+    """What Window.read() brought to the host."""
+    sums: dict[str, float]  # STATS since the last metrics line
+    elapsed: float  # seconds since the last metrics line (a resumed run includes those before its stop)
+    skipped: int  # steps whose update was skipped, since the last read
+    bad: list[tuple[int, bool]]  # (step, a non-finite loss or gradient) of each step since the last read
+    grad_norm: float  # of the last step, before clipping
 
-    def __init__(self, device: torch.device, peak_flops: float):
-        self.peak_flops = peak_flops  # of all ranks together
-        self.totals = torch.zeros(len(STATS), dtype=torch.float64, device=device)
+
+class Window:
+    """Accounting of the steps since the last metrics line, without waiting for the device: add() only
+    queues device operations; read() brings everything to the host in one transfer (once per metrics
+    line, and before a checkpoint) and record() makes the metrics line.
+
+    reduce: sums a float64 tensor over the ranks (the host's token and FLOP counts are per rank).
+    carried: a checkpoint's window (carry()), so that the first line after a resume averages the
+    same steps as the uninterrupted run's.
+    """
+
+    def __init__(self, device: torch.device, reduce, carried: dict | None = None):
+        self.device, self.reduce = device, reduce
+        self.sums = torch.zeros(6, dtype=torch.float64, device=device)  # the first six STATS
+        self.skipped = torch.zeros((), dtype=torch.float64, device=device)
+        self.bad: list[tuple[int, torch.Tensor]] = []
+        self.grad_norm = torch.zeros((), device=device)
+        self.rank_tokens = self.rank_flops = 0.0  # this rank's, since the last read
+        carried = carried or {}
+        if carried:
+            self.sums += torch.tensor([carried[k] for k in STATS[:6]], dtype=torch.float64, device=device)
+        self.tokens, self.flops = carried.get("tokens", 0.0), carried.get("flops", 0.0)  # all ranks'
+        self.elapsed_before = carried.get("elapsed", 0.0)
         self.start = time.perf_counter()
 
-    def add(self, stats: torch.Tensor) -> None:
-        self.totals += stats
+    def add(self, step: int, result, masked_global: float, sequences: int, tokens: int, flops: float) -> None:
+        """One step's result (step.StepResult); masked_global and sequences: the global batch's."""
+        finite = result.loss_finite
+        counts = torch.stack([finite * float(masked_global), finite * float(sequences)]).double()
+        self.sums += torch.where(finite, torch.cat([result.sums, counts]), 0.0)
+        self.skipped += result.skipped
+        self.bad.append((step, result.bad))
+        self.grad_norm = result.grad_norm
+        self.rank_tokens += tokens
+        self.rank_flops += flops
 
-    def record(self, **fields) -> dict:
-        """One metrics line: the given fields (step, phase, ...) and the window's averages and rates;
+    def read(self) -> Reading:
+        host = self.reduce(torch.tensor([self.rank_tokens, self.rank_flops], dtype=torch.float64, device=self.device))
+        device = torch.stack([self.skipped, self.grad_norm.double(), *[bad.double() for _, bad in self.bad]])
+        values = torch.cat([self.sums, host, device]).tolist()  # the one wait for the device
+        self.tokens, self.flops = self.tokens + values[6], self.flops + values[7]
+        reading = Reading(dict(zip(STATS, values[:6] + [self.tokens, self.flops])),
+                          self.elapsed_before + time.perf_counter() - self.start, int(values[8]),
+                          [(step, bool(bad)) for (step, _), bad in zip(self.bad, values[10:])], values[9])
+        self.rank_tokens = self.rank_flops = 0.0
+        self.skipped.zero_()
+        self.bad.clear()
+        return reading
+
+    @staticmethod
+    def carry(reading: Reading) -> dict:
+        """The window so far, for a checkpoint (see `carried`)."""
+        return {**reading.sums, "elapsed": reading.elapsed}
+
+    def record(self, reading: Reading, peak_flops: float, **fields) -> dict:
+        """One metrics line: the given fields (step, phase, ...) and the averages and rates of the window;
         then the window starts afresh. loss is None when every step of the window was skipped."""
-        totals = dict(zip(STATS, self.totals.tolist()))
-        elapsed = time.perf_counter() - self.start
-        record = dict(fields)
+        totals, record = reading.sums, dict(fields)
         if totals["masked_tokens"] > 0:
             mlm_loss = totals["mlm_loss"] / totals["masked_tokens"]
             nsp_loss = totals["nsp_loss"] / totals["sequences"]
@@ -83,8 +136,11 @@ class Window:
                           nsp_accuracy=totals["nsp_correct"] / totals["sequences"])
         else:
             record["loss"] = None
-        record.update(tokens_per_s=totals["tokens"] / elapsed, mfu=totals["flops"] / elapsed / self.peak_flops)
-        self.totals.zero_()
+        record.update(tokens_per_s=totals["tokens"] / reading.elapsed,
+                      mfu=totals["flops"] / reading.elapsed / peak_flops,
+                      grad_norm=reading.grad_norm if math.isfinite(reading.grad_norm) else None)
+        self.sums.zero_()
+        self.tokens = self.flops = self.elapsed_before = 0.0
         self.start = time.perf_counter()
         return record
 

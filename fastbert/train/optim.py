@@ -24,6 +24,17 @@ import torch
 
 
 class Lamb(torch.optim.Optimizer):
+    """LAMB as above, multi-tensor: each parameter group's update is a fixed number of torch._foreach_*
+    calls (about 35), whatever its number of tensors, and nothing is read back to the host.
+
+    To skip an update without a host sync, set `optimizer.found_inf` to a 0-d float tensor on the
+    parameters' device (1 = skip) before step(), as torch's fused optimizers take it: weights, moments
+    and step counts are then left exactly as they were. `grad_scale`, when set (GradScaler does so for
+    optimizers with _step_supports_amp_scaling), divides the gradients first.
+    """
+
+    _step_supports_amp_scaling = True
+
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01):
         if not lr > 0:
@@ -34,7 +45,8 @@ class Lamb(torch.optim.Optimizer):
             raise ValueError(f"eps must be > 0, got {eps}")
         if weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        # capturable: load_state_dict keeps the step counts on the parameters' device, where step() reads them
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=True))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -43,28 +55,77 @@ class Lamb(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                exp_avg.lerp_(p.grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                denom = (exp_avg_sq / (1 - beta2 ** state["step"])).sqrt_().add_(group["eps"])
-                update = (exp_avg / (1 - beta1 ** state["step"])).div_(denom)
-                if group["weight_decay"]:
-                    update.add_(p, alpha=group["weight_decay"])
-                weight_norm, update_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(update)
-                trust = torch.where((weight_norm > 0) & (update_norm > 0), weight_norm / update_norm,
-                                    torch.ones_like(weight_norm))
-                p.sub_(update * (trust * group["lr"]))
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._update(group, params, getattr(self, "found_inf", None), getattr(self, "grad_scale", None))
         return loss
+
+    def _update(self, group: dict, params: list, found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None):
+        beta1, beta2 = group["betas"]
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [self.state[p] for p in params]
+        steps = [s["step"] for s in states]
+        weights, grads = _local([p for p in params]), _local([p.grad for p in params])
+        exp_avgs, exp_avg_sqs = _local([s["exp_avg"] for s in states]), _local([s["exp_avg_sq"] for s in states])
+        if grad_scale is not None:
+            torch._foreach_div_(grads, grad_scale)
+        advance, decay1, decay2 = 1.0, beta1, beta2
+        if found_inf is not None:  # a skipped step: no advance, moments decay by 1 and gain 0
+            skip = found_inf.to(torch.bool)
+            for g in grads:  # non-finite gradients must not reach the moments (0 * nan is nan)
+                g.masked_fill_(skip, 0.0)
+            decay1, decay2 = beta1 + (1 - beta1) * found_inf, beta2 + (1 - beta2) * found_inf
+            advance = [1 - found_inf] * len(steps)  # a list: one 0-d tensor for all is read on the host on CPU
+        torch._foreach_add_(steps, advance)
+        torch._foreach_mul_(exp_avgs, decay1)
+        torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, decay2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        counted = torch._foreach_clamp_min(steps, 1.0)  # a skipped first step leaves 0: nothing to correct
+        correction1, correction2 = (_one_minus_power(beta, counted) for beta in (beta1, beta2))
+        denom = torch._foreach_div(exp_avg_sqs, correction2)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, group["eps"])
+        update = torch._foreach_div(exp_avgs, correction1)
+        torch._foreach_div_(update, denom)
+        if group["weight_decay"]:
+            torch._foreach_add_(update, weights, alpha=group["weight_decay"])
+        weight_norm, update_norm = _norms(params, weights, update)  # [N] each
+        trust = torch.where((weight_norm > 0) & (update_norm > 0), weight_norm / update_norm, 1.0)
+        scale = trust * -group["lr"]
+        if found_inf is not None:
+            scale = scale * (1 - found_inf)
+        torch._foreach_mul_(update, list(scale.unbind()))
+        torch._foreach_add_(weights, update)
+
+
+def _one_minus_power(beta: float, steps: list[torch.Tensor]) -> list[torch.Tensor]:
+    """1 - beta ** t for each step count t (0-d tensors): Adam's bias correction."""
+    powers = torch._foreach_pow(beta, steps)
+    torch._foreach_neg_(powers)
+    torch._foreach_add_(powers, 1.0)
+    return powers
+
+
+def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The local shards of FSDP2's DTensors (in-place updates write through), plain tensors as they are."""
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+
+def _norms(params: list, weights: list[torch.Tensor], update: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole-tensor norms of weights and update ([N] each); a sharded parameter's norm sums its shards'
+    squares over the ranks of its mesh (FSDP2 shards every parameter on dim 0 of one mesh)."""
+    norms = torch.stack(torch._foreach_norm(weights) + torch._foreach_norm(update))  # [2N]
+    if hasattr(params[0], "device_mesh"):
+        squares = norms.square()
+        torch.distributed.all_reduce(squares, group=params[0].device_mesh.get_group())
+        norms = squares.sqrt()
+    return norms.chunk(2)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -78,8 +139,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: torch.nn.Module, name: str, lr: float, betas: tuple[float, float], eps: float,
                     weight_decay: float, sharded: bool) -> torch.optim.Optimizer:
-    """"lamb" (apex FusedLAMB when it imports and nothing is sharded, else Lamb) or "adamw" (fused on CUDA
-    without sharding, foreach otherwise)."""
+    """"lamb" (apex FusedLAMB when it imports and nothing is sharded, else fastbert's multi-tensor Lamb) or
+    "adamw" (torch's fused AdamW where torch has a fused kernel for the device, foreach otherwise)."""
     groups = param_groups(model, weight_decay)
     on_cuda = next(model.parameters()).is_cuda
     if name == "lamb":
@@ -92,8 +153,10 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, betas: tuple[f
                 return FusedLAMB(groups, lr=lr, betas=betas, eps=eps, max_grad_norm=math.inf, use_nvlamb=True)
         return Lamb(groups, lr=lr, betas=betas, eps=eps)
     if name == "adamw":
-        fast = {"fused": True} if on_cuda and not sharded else {"foreach": True}
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **fast)
+        try:  # fused (one kernel, skips on found_inf without a sync) on every device torch has it for
+            return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+        except RuntimeError:
+            return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
     raise ValueError(f"optimizer must be 'lamb' or 'adamw', got {name!r}")
 
 

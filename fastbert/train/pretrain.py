@@ -23,20 +23,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import signal
 import sys
 import threading
 
 import torch
+from tqdm import tqdm
 
 from fastbert.data.loader import PretrainingLoader, prefetch
 from fastbert.train import checkpoint, distributed, state
 from fastbert.train.metrics import MetricsLog, Window, measure_peak_flops
 from fastbert.train.options import PretrainConfig, parse_args
 from fastbert.train.run import Run, build_run
-from fastbert.train.step import StepResult, masked_counts, train_step
+from fastbert.train.step import HostStats, host_stats, train_step
 
 __all__ = ["PretrainConfig", "TrainingError", "train", "main"]
 logger = logging.getLogger("fastbert.train")
@@ -70,15 +70,15 @@ def stop_signals():
 
 
 class PhaseBatches:
-    """This rank's micro-batches, step after step, prepared ahead in a background thread; a new phase
-    starts reading its own dataset from the beginning."""
+    """This rank's micro-batches and their HostStats, step after step, prepared ahead in a background
+    thread; a new phase starts reading its own dataset from the beginning."""
 
     def __init__(self, run: Run, progress: state.Progress):
         self.run, self.progress = run, progress
         self.phase_index: int | None = None
         self.stream = None
 
-    def next(self) -> list[dict]:
+    def next(self) -> tuple[list[dict], HostStats]:
         run, progress = self.run, self.progress
         index = run.phase_of(progress.step)
         if index != self.phase_index:
@@ -89,7 +89,8 @@ class PhaseBatches:
             phase = run.phases[index]
             loader = PretrainingLoader(phase.dataset, phase.collator, run.cfg.batch_size, phase.micro_batch_size,
                                        run.env.rank, run.env.world_size, run.cfg.seed, index)
-            self.stream = prefetch(loader.steps(progress.position), run.cfg.prefetch, run.env.device.type == "cuda")
+            steps = ((batches, host_stats(batches, run.config)) for batches in loader.steps(progress.position))
+            self.stream = prefetch(steps, run.cfg.prefetch, run.env.device.type == "cuda")
         return next(self.stream)
 
     def close(self) -> None:
@@ -97,35 +98,43 @@ class PhaseBatches:
             self.stream.close()
 
 
-def _account(run: Run, progress: state.Progress, result: StepResult) -> None:
-    """Advance the counters by one step; raise TrainingError after too many bad steps in a row."""
-    progress.step += 1
-    progress.position += run.cfg.batch_size
-    progress.skipped += not result.updated
-    progress.bad_in_row = progress.bad_in_row + 1 if result.bad else 0
-    if result.bad:
-        run.info(f"step {progress.step}: non-finite loss or gradient norm ({result.grad_norm}); update skipped "
-                 f"({progress.bad_in_row} in a row, {progress.skipped} skipped in all)")
+def _agree(run: Run, host: HostStats, step: int) -> tuple[float, str | None]:
+    """The global batch's masked tokens, and why the ranks stop before this step if they do: "signal"
+    when any rank was sent one, "--stop-at" when the step is reached. A host collective, every step."""
+    at_stop = bool(run.cfg.stop_at and step >= run.cfg.stop_at)
+    masked, signals, stop_at = distributed.host_sum([float(sum(host.masked)), float(STOP.is_set()), float(at_stop)],
+                                                    run.env)
+    return masked, "signal" if signals else "--stop-at" if stop_at else None
+
+
+def _take_reading(run: Run, progress: state.Progress, window: Window):
+    """Read the window (the loop's one wait for the device), count the skipped and bad steps, and stop
+    the run after --max-bad-steps bad steps in a row."""
+    reading = window.read()
+    progress.skipped += reading.skipped
+    for step, bad in reading.bad:
+        progress.bad_in_row = progress.bad_in_row + 1 if bad else 0
         if progress.bad_in_row >= run.cfg.max_bad_steps:
+            first = step - progress.bad_in_row + 1
             raise TrainingError(
-                f"{progress.bad_in_row} consecutive steps had a non-finite loss or gradient (last at step "
-                f"{progress.step}); stopping. The last good checkpoint is {checkpoint.latest_checkpoint(run.checkpoints)}; "
-                "lower --lr, use --precision bf16/fp32, or check the data")
+                f"{progress.bad_in_row} consecutive steps had a non-finite loss or gradient (steps {first} to "
+                f"{step}); stopping. The last checkpoint saved before them is "
+                f"{checkpoint.latest_checkpoint(run.checkpoints, before=first)}; lower --lr, use --precision "
+                "bf16/fp32, or check the data")
+    bad_steps = [step for step, bad in reading.bad if bad]
+    if bad_steps:
+        run.warning(f"step{'s' if len(bad_steps) > 1 else ''} {', '.join(map(str, bad_steps))}: non-finite loss or "
+                    f"gradient; update skipped ({progress.bad_in_row} in a row now, {progress.skipped} skipped in all)")
+    return reading
 
 
-def _metrics_line(run: Run, progress: state.Progress, window: Window, result: StepResult) -> dict:
-    index = run.phase_of(progress.step - 1)
-    grad_norm = result.grad_norm if math.isfinite(result.grad_norm) else None
-    return window.record(step=progress.step, phase=index, seq_length=run.phases[index].seq_length,
-                         lr=run.scheduler.get_last_lr()[0], grad_norm=grad_norm, skipped_steps=progress.skipped)
-
-
-def _agree_to_stop(run: Run, counts: list[int], step: int) -> tuple[float, bool]:
-    """The global batch's masked tokens, and whether any rank was asked to stop (signal or --stop-at)."""
-    asked = STOP.is_set() or (run.cfg.stop_at and step >= run.cfg.stop_at)
-    agreed = distributed.all_reduce_sum(torch.tensor([sum(counts), float(asked)], dtype=torch.float64,
-                                                     device=run.env.device), run.env).tolist()
-    return agreed[0], bool(agreed[1])
+def _save(run: Run, progress: state.Progress, reading) -> str | None:
+    """Checkpoint progress.step, unless inside a run of bad steps (its weights may be what made them bad)."""
+    if progress.bad_in_row:
+        run.warning(f"no checkpoint at step {progress.step}: the last {progress.bad_in_row} steps were non-finite")
+        return None
+    progress.window = Window.carry(reading)
+    return state.save(run, progress)
 
 
 def train(cfg: PretrainConfig, model_overrides: dict | None = None) -> dict:
@@ -134,6 +143,7 @@ def train(cfg: PretrainConfig, model_overrides: dict | None = None) -> dict:
 
     Raises ValueError for bad options or data, TrainingError when the run cannot go on.
     """
+    STOP.clear()
     run = build_run(cfg, dict(model_overrides or {}))
     progress = state.restore(run) if run.resume else state.start(run)
     metrics = MetricsLog(os.path.join(run.out, "metrics.jsonl"), run.env.is_main,
@@ -141,46 +151,52 @@ def train(cfg: PretrainConfig, model_overrides: dict | None = None) -> dict:
     if progress.step >= cfg.steps:
         run.info(f"the run in {run.out} is already complete at step {progress.step}; use --run-name or --out to "
                  "start a new one")
-        return _result(run, progress, run.resume, stopped=False)
+        return _result(run, progress, run.resume, stopped=None)
     _log_start(run)
-    window = Window(run.env.device, (cfg.peak_tflops * 1e12 or measure_peak_flops(run.env.device, run.dtype))
-                    * run.env.world_size)
-    from tqdm import tqdm
+    peak = (cfg.peak_tflops * 1e12 or measure_peak_flops(run.env.device, run.dtype)) * run.env.world_size
+    window = Window(run.env.device, lambda t: distributed.all_reduce_sum(t, run.env), progress.window)
     bar = tqdm(total=cfg.steps, initial=progress.step, disable=not (run.env.is_main and cfg.progress),
                dynamic_ncols=True)
-    last_saved = progress.step if run.resume else -1
-    stopped = False
-    batches = PhaseBatches(run, progress)
+    last_saved, stopped, batches = progress.step if run.resume else -1, None, PhaseBatches(run, progress)
     with stop_signals(), contextlib.closing(bar), contextlib.closing(batches):
         while progress.step < cfg.steps:
-            micro_batches = batches.next()
-            counts = masked_counts(micro_batches)
-            masked_global, stopped = _agree_to_stop(run, counts, progress.step)
+            micro_batches, host = batches.next()
+            masked_global, stopped = _agree(run, host, progress.step)
             if stopped:
                 break
-            result = train_step(run, micro_batches, counts, masked_global)
-            window.add(result.stats)
-            _account(run, progress, result)
+            result = train_step(run, micro_batches, host, masked_global)
+            progress.step, progress.position = progress.step + 1, progress.position + cfg.batch_size
+            window.add(progress.step, result, masked_global, cfg.batch_size, host.tokens, host.flops)
             bar.update(1)
-            if progress.step % cfg.log_every == 0 or progress.step == cfg.steps:
-                record = _metrics_line(run, progress, window, result)
-                metrics.write(record)
-                bar.set_postfix_str(_summary(record), refresh=False)
-            if progress.step % cfg.save_every == 0 and progress.step < cfg.steps:
-                state.save(run, progress)
-                last_saved = progress.step
-    path = state.save(run, progress) if last_saved != progress.step else checkpoint.latest_checkpoint(run.checkpoints)
+            log_due = progress.step % cfg.log_every == 0 or progress.step == cfg.steps
+            if log_due or progress.step % cfg.save_every == 0:
+                reading = _take_reading(run, progress, window)
+                if log_due:
+                    record = _metrics_line(run, progress, window, reading, peak)
+                    metrics.write(record)
+                    bar.set_postfix_str(_summary(record), refresh=False)
+                if progress.step % cfg.save_every == 0 and progress.step < cfg.steps and _save(run, progress, reading):
+                    last_saved = progress.step
+    path = checkpoint.latest_checkpoint(run.checkpoints)
+    if last_saved != progress.step:
+        path = _save(run, progress, _take_reading(run, progress, window)) or path
     if stopped:
-        run.info(f"stopped at step {progress.step} ({'signal' if STOP.is_set() else '--stop-at'}); checkpoint "
-                 f"{path}; run the same command again to resume")
+        run.info(f"stopped at step {progress.step} ({stopped}); checkpoint {path}; run the same command again to "
+                 "resume")
     else:
         run.info(f"done: {progress.step} steps; model and checkpoint in {path}; metrics in "
                  f"{os.path.join(run.out, 'metrics.jsonl')}")
     return _result(run, progress, path, stopped)
 
 
-def _result(run: Run, progress: state.Progress, path: str | None, stopped: bool) -> dict:
-    return {"step": progress.step, "out": run.out, "checkpoint": path, "stopped": stopped,
+def _metrics_line(run: Run, progress: state.Progress, window: Window, reading, peak: float) -> dict:
+    index = run.phase_of(progress.step - 1)
+    return window.record(reading, peak, step=progress.step, phase=index, seq_length=run.phases[index].seq_length,
+                         lr=run.scheduler.get_last_lr()[0], skipped_steps=progress.skipped)
+
+
+def _result(run: Run, progress: state.Progress, path: str | None, stopped: str | None) -> dict:
+    return {"step": progress.step, "out": run.out, "checkpoint": path, "stopped": bool(stopped),
             "skipped_steps": progress.skipped, "model": run.model}
 
 

@@ -26,6 +26,7 @@ class Progress:
     position: int = 0  # examples of the current phase's stream consumed
     skipped: int = 0  # steps whose update was skipped (non-finite, or fp16 overflow)
     bad_in_row: int = 0  # consecutive steps with a non-finite loss or gradient, up to now
+    window: dict = dataclasses.field(default_factory=dict)  # the metrics line in progress (metrics.Window.carry)
 
 
 def rng_state(device: torch.device) -> dict:
@@ -95,7 +96,8 @@ def save(run: Run, progress: Progress) -> str:
         if env.is_main:
             torch.save({"step": progress.step, "optimizer": optimizer_state, "scheduler": run.scheduler.state_dict(),
                         "scaler": run.scaler.state_dict(), "rng": rngs, "skipped_steps": progress.skipped,
-                        "bad_steps_in_row": progress.bad_in_row, "world_size": env.world_size,
+                        "bad_steps_in_row": progress.bad_in_row, "metrics_window": progress.window,
+                        "world_size": env.world_size,
                         "data": {"phase": phase_index, "position": progress.position,
                                  "seq_length": run.phases[phase_index].seq_length},
                         "config": dataclasses.asdict(run.cfg)}, os.path.join(tmp, "trainer.pt"))
@@ -124,7 +126,8 @@ def restore(run: Run) -> Progress:
     _load_optimizer_state(run.optimizer, saved["optimizer"])
     run.scheduler.load_state_dict(saved["scheduler"])
     run.scaler.load_state_dict(saved["scaler"])
-    progress = Progress(saved["step"], saved["data"]["position"], saved["skipped_steps"], saved["bad_steps_in_row"])
+    progress = Progress(saved["step"], saved["data"]["position"], saved["skipped_steps"], saved["bad_steps_in_row"],
+                        saved.get("metrics_window", {}))
     if run.phase_of(progress.step) != saved["data"]["phase"]:  # saved at a phase boundary
         progress.position = 0
     states = saved["rng"]

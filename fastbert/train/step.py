@@ -1,5 +1,12 @@
 """One optimizer step: forward and backward over this rank's micro-batches, gradient clipping, and the
-update, skipped when the loss or the gradient is not finite (or the fp16 loss scaler overflowed)."""
+update, skipped when the loss or the gradient is not finite (or the fp16 loss scaler overflowed).
+
+Nothing in a step waits for the device: the loss sums, the gradient norm and the non-finite checks
+stay device tensors (metrics.Window reads them once per metrics line), a bad update is skipped on
+the device (the optimizer's found_inf, as torch's fused optimizers take it), and what the host knows
+about a batch (its masked tokens, sequences, tokens and FLOPs) is counted on the host, in the loader
+thread (host_stats).
+"""
 from __future__ import annotations
 
 import math
@@ -11,64 +18,80 @@ import torch
 
 from fastbert.data.masking import IGNORE_INDEX
 from fastbert.train import distributed
-from fastbert.train.metrics import STATS, training_flops
+from fastbert.train.metrics import training_flops
 from fastbert.train.run import Run
 
 
 @dataclass
+class HostStats:
+    """What the host knows of this rank's micro-batches of one step (they are still on the host)."""
+    masked: list[int]  # labelled tokens of each micro-batch
+    sequences: list[int]  # rows of each micro-batch
+    tokens: int  # real (not padding) tokens, all micro-batches
+    flops: float  # training FLOPs (metrics.training_flops), all micro-batches
+
+
+def host_stats(micro_batches: list[dict], config) -> HostStats:
+    masked = [int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches]
+    lengths = [mb["attention_mask"].sum(1) for mb in micro_batches]
+    return HostStats(masked, [mb["input_ids"].shape[0] for mb in micro_batches], int(sum(n.sum() for n in lengths)),
+                     sum(training_flops(config, n, m) for n, m in zip(lengths, masked)))
+
+
+@dataclass
 class StepResult:
-    stats: torch.Tensor  # [len(STATS)] float64 sums over the global batch; loss terms zeroed when not finite
-    grad_norm: float  # before clipping
-    updated: bool  # the optimizer applied the update
-    bad: bool  # a non-finite loss or gradient (fp16 overflows alone are not bad: the scaler handles them)
+    """Device tensors, none read by the step."""
+    sums: torch.Tensor  # float64 [4]: MLM loss, NSP loss, MLM correct, NSP correct, summed over the global batch
+    grad_norm: torch.Tensor  # 0-d, before clipping
+    skipped: torch.Tensor  # bool 0-d: the update was not applied
+    bad: torch.Tensor  # bool 0-d: a non-finite loss or gradient (fp16 overflows alone are the scaler's business)
+    loss_finite: torch.Tensor  # bool 0-d
 
 
-def masked_counts(micro_batches: list[dict]) -> list[int]:
-    """Labelled (masked) tokens of each micro-batch."""
-    return [int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches]
-
-
-def train_step(run: Run, micro_batches: list[dict], counts: list[int], masked_global: float) -> StepResult:
+def train_step(run: Run, micro_batches: list[dict], host: HostStats, masked_global: float) -> StepResult:
     """masked_global: labelled tokens of the global batch, all ranks together (the MLM loss's divisor)."""
     env, cfg, scaler, optimizer = run.env, run.cfg, run.scaler, run.optimizer
     autocast = torch.autocast(env.device.type, dtype=run.dtype, enabled=run.dtype != torch.float32)
-    stats = torch.zeros(len(STATS), dtype=torch.float64, device=env.device)
-    for i, (mb, count) in enumerate(zip(micro_batches, counts)):
-        flops = training_flops(run.config, mb["attention_mask"].sum(1), count)
-        rows = mb["input_ids"].shape[0]
-        tokens = int(mb["attention_mask"].sum())
+    sums = torch.zeros(4, dtype=torch.float64, device=env.device)
+    for i, (mb, masked, rows) in enumerate(zip(micro_batches, host.masked, host.sequences)):
         mb = {k: v.to(env.device, non_blocking=True) for k, v in mb.items()}
         with distributed.gradient_sync(run.wrapped, i == len(micro_batches) - 1):
             with autocast:
                 output = run.wrapped(**mb, return_logits=False, validate=False)
-            mlm_sum = output.mlm_loss.float() * count
+            mlm_sum = output.mlm_loss.float() * masked
             nsp_sum = output.nsp_loss.float() * rows
             loss = (mlm_sum / masked_global + nsp_sum / cfg.batch_size) * env.world_size
             scaler.scale(loss).backward()
-        stats += torch.stack([mlm_sum.detach().double(), nsp_sum.detach().double(),
-                              output.mlm_accuracy.detach().double() * count,
-                              output.nsp_accuracy.detach().double() * rows,
-                              *torch.tensor([count, rows, tokens, flops], dtype=torch.float64, device=env.device)])
-    stats = distributed.all_reduce_sum(stats, env)  # sums over the global batch
+        sums += torch.stack([mlm_sum.detach().double(), nsp_sum.detach().double(),
+                             output.mlm_accuracy.detach().double() * masked, output.nsp_accuracy.detach().double() * rows])
+    sums = distributed.all_reduce_sum(sums, env)  # over the global batch
     scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm or math.inf)
-    grad_norm = float(distributed.full_tensor(norm))
-    loss_finite = bool(torch.isfinite(stats).all())
-    if scaler.is_enabled():  # fp16: the scaler skips an update whose gradients overflowed
-        scale = scaler.get_scale()
-        scaler.step(optimizer)
-        scaler.update()
-        updated = scaler.get_scale() >= scale  # it lowers the scale exactly when it skips
-        bad = not loss_finite
-    else:
-        bad = not (loss_finite and math.isfinite(grad_norm))
-        updated = not bad
-        if updated:
-            optimizer.step()
+    norm = distributed.full_tensor(_clip_gradients(run.model, cfg.max_grad_norm))
+    loss_finite = torch.isfinite(sums).all()
+    skipped = ~(loss_finite & torch.isfinite(norm))
+    _update(optimizer, skipped)
+    if scaler.is_enabled():
+        scaler.update()  # lowers the scale after an overflow, from the checks unscale_ recorded
     optimizer.zero_grad(set_to_none=True)
     with warnings.catch_warnings():  # a skipped first update makes torch warn about the order
         warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
         run.scheduler.step()
-    if not loss_finite:
-        stats[:6] = 0  # the loss terms stay out of the averages; tokens and FLOPs were spent
-    return StepResult(stats, grad_norm, updated, bad)
+    return StepResult(sums, norm, skipped, ~loss_finite if scaler.is_enabled() else skipped, loss_finite)
+
+
+def _clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """The gradients' global norm (before clipping), clipped to max_norm unless it is 0."""
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
+
+
+def _update(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """optimizer.step() unless skip: decided on the device by optimizers that take found_inf (torch's
+    fused ones, fastbert's Lamb); the others (apex, torch's foreach) read skip on the host."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.found_inf = skip.float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif not skip.item():
+        optimizer.step()
