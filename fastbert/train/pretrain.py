@@ -216,40 +216,21 @@ def _summary(record: dict) -> str:
             f"tok/s {record['tokens_per_s']:.0f} MFU {record['mfu']:.1%}")
 
 
-class _CurrentStderr(logging.StreamHandler):
-    """Writes to whatever sys.stderr is when a message is emitted (pytest and callers replace it)."""
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value):
-        pass
-
-
-def _log_to_stderr() -> None:
-    """Show the `fastbert` logger's messages when nothing else (the caller's logging set-up) does."""
-    fastbert_logger = logging.getLogger("fastbert")
-    if not fastbert_logger.handlers and not logging.getLogger().handlers:
-        handler = _CurrentStderr()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        fastbert_logger.addHandler(handler)
-        fastbert_logger.setLevel(logging.INFO)
-
-
 def main(argv: list[str] | None = None) -> int:
-    _log_to_stderr()
-    try:
-        cfg, overrides = parse_args(sys.argv[1:] if argv is None else argv, __doc__)
-        train(cfg, overrides)
-    except (ValueError, TrainingError, ImportError) as exc:
-        logger.error(f"fastbert pretrain: error: {exc}")
-        return 1 if isinstance(exc, TrainingError) else 2
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    return 0
+    from fastbert.cli import run_command
+
+    def body() -> int:
+        try:
+            train(*parse_args(sys.argv[1:] if argv is None else argv, __doc__))
+        except TrainingError as exc:  # the run went wrong, not the user's input
+            logger.error("%s", exc)
+            return 1
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        return 0
+
+    return run_command("pretrain", body)
 
 
 if __name__ == "__main__":
