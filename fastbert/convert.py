@@ -1,7 +1,9 @@
 """`fastbert convert SRC DST [--check]`: load any HF BERT directory fastbert reads (safetensors or .bin,
 sharded or not, legacy gamma/beta names), write it back as a clean HF directory (config.json +
 model.safetensors + the tokenizer files), and with --check compare fastbert on DST against transformers
-on SRC on a padded random batch."""
+on SRC on a padded random batch. A SRC that cannot be copied faithfully (missing, unreadable or
+incomplete weights, a config that is not BERT's, DST equal to SRC) is an error and DST is left as it was;
+DST is written aside and renamed into place."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +13,10 @@ import shutil
 
 import torch
 
+from fastbert.cli import run_command
 from fastbert.config import BertConfig
+from fastbert.files import output_lock, replaced_directory
+from fastbert.finetune.loading import checkpoint_directory, load_checkpoint
 from fastbert.modeling import MODEL_CLASSES
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -44,6 +49,40 @@ def check_against_transformers(src: str, dst: str, name: str) -> float:
     return (a - b).abs().max().item()
 
 
+def convert(src: str, dst: str, model_class: str | None = None, check: bool = False) -> int:
+    """Write SRC back to DST as a clean HF directory; with check, compare with transformers (exit 1 on a mismatch).
+    Raises ValueError (exit code 2) for anything that would make DST a wrong or partial copy of SRC."""
+    checkpoint_directory(src, "SRC")
+    if os.path.exists(dst) and os.path.samefile(src, dst):
+        raise ValueError(f"DST {dst} is SRC: convert writes a new directory beside the one it reads; choose another DST")
+    if os.path.exists(dst) and (not os.path.isdir(dst)
+                                or os.listdir(dst) and not os.path.isfile(os.path.join(dst, "config.json"))):
+        raise ValueError(f"DST {dst} exists and is not a checkpoint directory; it would be replaced as a whole, "
+                         "so choose a new or empty one")
+    name = model_class or model_class_name(src)
+    model, info = load_checkpoint(MODEL_CLASSES[name], src, "SRC")
+    if info["missing_keys"]:
+        raise ValueError(f"SRC {src} has no weights for {len(info['missing_keys'])} tensors of {name} "
+                         f"({', '.join(info['missing_keys'][:4])}{', ...' if len(info['missing_keys']) > 4 else ''}): "
+                         "config.json describes more than the weights hold, or another --model-class fits them; "
+                         "DST would hold random weights, so nothing was written")
+    copied = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(src, f))]
+    with output_lock(dst), replaced_directory(dst) as partial:
+        model.save_pretrained(partial)
+        for file in copied:
+            shutil.copyfile(os.path.join(src, file), os.path.join(partial, file))
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{name}: {params / 1e6:.1f}M parameters, {model.config.num_hidden_layers} layers, "
+          f"hidden {model.config.hidden_size}; unexpected keys (not part of {name}) {info['unexpected_keys']}")
+    print(f"wrote {dst} (model.safetensors, config.json{''.join(', ' + f for f in copied)})")
+    if not check:
+        return 0
+    diff = check_against_transformers(src, dst, name)
+    verdict = "OK" if diff <= CHECK_TOLERANCE else "MISMATCH"
+    print(f"check against transformers: max abs difference {diff:.2e} (limit {CHECK_TOLERANCE:.0e}) {verdict}")
+    return 0 if diff <= CHECK_TOLERANCE else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fastbert convert", description=__doc__)
     parser.add_argument("src", help="HF BERT checkpoint directory to read")
@@ -52,20 +91,4 @@ def main(argv: list[str] | None = None) -> int:
                         help="class to load as (default: config.json's architectures, else BertModel)")
     parser.add_argument("--check", action="store_true", help="compare against transformers (needs it installed)")
     args = parser.parse_args(argv)
-    name = args.model_class or model_class_name(args.src)
-    model, info = MODEL_CLASSES[name].from_pretrained(args.src, output_loading_info=True)
-    model.save_pretrained(args.dst)
-    copied = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(args.src, f))]
-    for file in copied:
-        shutil.copyfile(os.path.join(args.src, file), os.path.join(args.dst, file))
-    params = sum(p.numel() for p in model.parameters())
-    print(f"{name}: {params / 1e6:.1f}M parameters, {model.config.num_hidden_layers} layers, "
-          f"hidden {model.config.hidden_size}; missing keys {info['missing_keys']}, "
-          f"unexpected keys {info['unexpected_keys']}")
-    print(f"wrote {args.dst} (model.safetensors, config.json{''.join(', ' + f for f in copied)})")
-    if args.check:
-        diff = check_against_transformers(args.src, args.dst, name)
-        verdict = "OK" if diff <= CHECK_TOLERANCE else "MISMATCH"
-        print(f"check against transformers: max abs difference {diff:.2e} (limit {CHECK_TOLERANCE:.0e}) {verdict}")
-        return 0 if diff <= CHECK_TOLERANCE else 1
-    return 0
+    return run_command("convert", lambda: convert(args.src, args.dst, args.model_class, args.check))

@@ -15,6 +15,7 @@ import warnings
 import torch
 
 from fastbert.config import BertConfig
+from fastbert.files import file_mode
 
 SAFETENSORS_NAME = "model.safetensors"
 TORCH_NAME = "pytorch_model.bin"
@@ -128,6 +129,7 @@ def save_pretrained(model: torch.nn.Module, path) -> None:
         f.write("\n")
     weights_tmp = os.path.join(path, SAFETENSORS_NAME + ".tmp")
     save_file(hf_state_dict(model), weights_tmp, metadata={"format": "pt"})
+    os.chmod(weights_tmp, file_mode())  # safetensors creates its file 0600; give it the umask's mode as config.json
     os.replace(weights_tmp, os.path.join(path, SAFETENSORS_NAME))
     os.replace(config_tmp, os.path.join(path, "config.json"))
 

@@ -15,6 +15,13 @@ def _check_integer(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{name} must be an integer tensor (token ids), got dtype {tensor.dtype}")
 
 
+def _check_index_dtype(name: str, tensor: torch.Tensor) -> None:
+    """Ids that index an embedding table: int64 or int32, the dtypes torch's embedding lookup takes."""
+    _check_integer(name, tensor)
+    if tensor.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name} must be int64 or int32 (embedding indices), got dtype {tensor.dtype}")
+
+
 def _check_range(name: str, tensor: torch.Tensor, limit: int, limit_name: str, ignore: int | None = None) -> None:
     """Every value in [0, limit), except `ignore` where given. Skipped while torch.compile traces:
     reading values back to the host would break the graph."""
@@ -36,7 +43,7 @@ def check_model_inputs(config, input_ids, attention_mask, token_type_ids, positi
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
     if input_ids is not None:
-        _check_integer("input_ids", input_ids)
+        _check_index_dtype("input_ids", input_ids)
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
         shape = tuple(input_ids.shape)
@@ -45,6 +52,8 @@ def check_model_inputs(config, input_ids, attention_mask, token_type_ids, positi
             raise ValueError(f"inputs_embeds must be [batch, seq_len, hidden_size={config.hidden_size}], "
                              f"got shape {tuple(inputs_embeds.shape)}")
         shape = tuple(inputs_embeds.shape[:2])
+    if shape[1] == 0:
+        raise ValueError(f"sequences must hold at least one token, got input shape {shape}")
     if shape[1] > config.max_position_embeddings:
         raise ValueError(f"sequence length {shape[1]} is longer than max_position_embeddings "
                          f"({config.max_position_embeddings})")
@@ -57,7 +66,7 @@ def check_model_inputs(config, input_ids, attention_mask, token_type_ids, positi
                 if not bool(((tensor == 0) | (tensor == 1)).all()):
                     raise ValueError("attention_mask must hold 1 for tokens and 0 for padding; got other values")
         else:
-            _check_integer(name, tensor)
+            _check_index_dtype(name, tensor)
         if tuple(tensor.shape) != shape and not (name == "position_ids" and tuple(tensor.shape) == (1, shape[1])):
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, but input_ids has shape {shape}")
     if validate:

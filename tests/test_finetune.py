@@ -143,7 +143,7 @@ def write_swag(path, n, seed):
 
 def run(tmp_path, tiny_model, task, train, eval, **options):
     cfg = FinetuneConfig(task, tiny_model, str(train), str(eval), out=str(tmp_path / "out"), **{**FAST, **options})
-    result = finetune(cfg, log=lambda *_: None)
+    result = finetune(cfg)
     return result["best"], cfg.out
 
 
@@ -223,8 +223,7 @@ def test_cli_jsonl_columns_and_paper_recipe(tmp_path, tiny_model, capsys):
     assert saved["learning_rate"] == 5e-5
     results = json.loads(open_text(out, "eval_results.json"))
     assert results["history"][0]["step"] == 2
-    with pytest.raises(SystemExit):  # the flag takes only the paper's grid
-        finetune_cli.parser().parse_args([*argv, "--learning-rate", "1e-3"])
+    assert finetune_cli.parser().parse_args([*argv, "--learning-rate", "1e-4"]).learning_rate == 1e-4  # off the grid
 
 
 def test_bad_input_names_file_and_line(tmp_path, tiny_model, capsys):
@@ -234,15 +233,15 @@ def test_bad_input_names_file_and_line(tmp_path, tiny_model, capsys):
     cfg = FinetuneConfig("classification", tiny_model, str(tmp_path / "train.tsv"), str(dev),
                          out=str(tmp_path / "o"), **FAST)
     with pytest.raises(DataError, match=rf"{dev}:3: label 'meh' was not seen in training"):
-        finetune(cfg, log=lambda *_: None)
+        finetune(cfg)
     dev.write_text("text\tlabel\nthe movie was good\tpos\n")
     with pytest.raises(DataError, match=rf"{dev}:1: no column 'sentence' in the header"):
-        finetune(cfg, log=lambda *_: None)
+        finetune(cfg)
     dev.write_text("")
     with pytest.raises(DataError, match=rf"{dev}: no records"):
-        finetune(cfg, log=lambda *_: None)
+        finetune(cfg)
     with pytest.raises(ValueError, match="metric 'pearson' is not one of classification's: accuracy, f1, matthews"):
-        finetune(FinetuneConfig("classification", tiny_model, str(dev), metric="pearson"), log=lambda *_: None)
+        finetune(FinetuneConfig("classification", tiny_model, str(dev), metric="pearson"))
     # the command prints the message and fails
     argv = ["finetune", "--task", "classification", "--model", tiny_model, "--train", str(dev), "--no-progress"]
     assert fastbert.cli.main(argv) == 2

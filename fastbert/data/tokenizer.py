@@ -54,10 +54,14 @@ def load_tokenizer(path: str, lowercase: bool = True):
     if not os.path.isfile(path):
         raise ValueError(f"tokenizer file {path!r} does not exist")
     tk = _tokenizers()
-    if path.endswith(".json"):
-        tokenizer = tk.Tokenizer.from_file(path)
-    else:
-        tokenizer = tk.BertWordPieceTokenizer(path, lowercase=lowercase)._tokenizer
+    try:
+        if path.endswith(".json"):
+            tokenizer = tk.Tokenizer.from_file(path)
+        else:
+            tokenizer = tk.BertWordPieceTokenizer(path, lowercase=lowercase)._tokenizer
+    except Exception as exc:  # tokenizers raises plain Exception for a file it cannot parse
+        kind = "tokenizer.json" if path.endswith(".json") else "vocab.txt (one token per line, UTF-8)"
+        raise ValueError(f"{path}: not a valid {kind} ({exc}); the file is damaged or of another kind") from None
     missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
     if missing:
         raise ValueError(f"tokenizer {path!r} lacks the special tokens {missing} that BERT pretraining needs")

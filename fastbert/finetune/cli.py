@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fastbert.cli import run_command
 from fastbert.finetune.readers import TABLE_FORMATS
 from fastbert.finetune.train import PAPER_LEARNING_RATES, TASKS, FinetuneConfig, finetune
 
@@ -50,8 +51,9 @@ def parser() -> argparse.ArgumentParser:
     recipe.add_argument("--max-seq-length", type=int, help="default 128; 384 for question-answering")
     recipe.add_argument("--batch-size", type=int, default=defaults.batch_size)
     recipe.add_argument("--epochs", type=int, default=defaults.epochs)
-    recipe.add_argument("--learning-rate", type=float, default=defaults.learning_rate, choices=PAPER_LEARNING_RATES,
-                        help="the paper's grid")
+    recipe.add_argument("--learning-rate", type=float, default=defaults.learning_rate,
+                        help="peak learning rate, any positive number; the paper searches "
+                             + ", ".join(f"{lr:g}" for lr in PAPER_LEARNING_RATES))
     recipe.add_argument("--warmup-proportion", type=float, default=defaults.warmup_proportion)
     recipe.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
     recipe.add_argument("--dropout", type=float, default=defaults.dropout)
@@ -77,15 +79,14 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    try:
+
+    def run() -> None:
         result = finetune(config_from_args(args))
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"fastbert finetune: error: {exc}", file=sys.stderr)
-        return 2
-    if result["best"] is not None:
-        print(f"best (epoch {result['best']['epoch']}): "
-              + ", ".join(f"{k} {v:.4f}" for k, v in result["best"].items() if k not in ("epoch", "step")))
-    return 0
+        if result["best"] is not None:
+            print(f"best (epoch {result['best']['epoch']}): "
+                  + ", ".join(f"{k} {v:.4f}" for k, v in result["best"].items() if k not in ("epoch", "step")))
+
+    return run_command("finetune", run)
 
 
 if __name__ == "__main__":

@@ -15,18 +15,23 @@ or its [CLS] vector (--sequence-pool cls).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import sys
-import warnings
 
 import numpy as np
 import torch
 
+from fastbert.cli import run_command
+from fastbert.files import output_lock, replaced_file, write_text
 from fastbert.finetune.encoding import Packer, collate, tokenizer_for
+from fastbert.finetune.loading import load_checkpoint, resolve_device
 from fastbert.finetune.readers import TABLE_FORMATS, DataError, read_table, read_text
 
 PAIR_SEPARATOR = " ||| "
+logger = logging.getLogger("fastbert.embed")
 
 
 def read_texts(path: str, text_column: str | None = None, text_pair_column: str | None = None,
@@ -62,15 +67,19 @@ def check_layers(layers: list[int], num_hidden_layers: int) -> list[int]:
 @torch.no_grad()
 def embed(model, packer: Packer, texts: list[tuple[str, str | None]], layers=(-4, -3, -2, -1),
           combine: str = "concat", pooled: bool = False, per: str = "token", sequence_pool: str = "mean",
-          batch_size: int = 32, out: str | None = None) -> tuple[np.ndarray, list[list[str]]]:
+          batch_size: int = 32, out: str | None = None, progress: bool = True) -> tuple[np.ndarray, list[list[str]]]:
     """Features of each sequence and its WordPiece tokens.
 
     Returns (features, tokens): features float32 [N, S, D] (per token, zero-padded to the longest
     sequence S) or [N, D] (per sequence, or pooled); D = H * len(layers) for concat, H otherwise.
-    With `out` the features are written batch by batch into that .npy file (memory-mapped, so per-token
-    features of a large input never sit in memory whole) and the returned array is the mapping.
+    With `out` the features are written batch by batch into a .npy file beside it (memory-mapped, so
+    per-token features of a large input never sit in memory whole), renamed to `out` when complete (an
+    interrupted run leaves the previous file, never one with unwritten rows of zeros); the returned
+    array is the mapping. A tqdm bar shows sequences per second (`progress`, on a terminal).
     Raises ValueError for unknown options or layers outside the model.
     """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
     if combine not in ("concat", "sum", "mean"):
         raise ValueError(f"combine must be concat, sum or mean, got {combine!r}")
     if per not in ("token", "sequence"):
@@ -89,30 +98,35 @@ def embed(model, packer: Packer, texts: list[tuple[str, str | None]], layers=(-4
     hidden_size = model.config.hidden_size
     width = hidden_size * len(layers) if combine == "concat" and not pooled else hidden_size
     shape = (len(features), width) if pooled or per == "sequence" else (len(features), max(map(len, tokens)), width)
-    result = (np.lib.format.open_memmap(out, mode="w+", dtype=np.float32, shape=shape) if out
-              else np.zeros(shape, dtype=np.float32))
+    from tqdm import tqdm
+
     device = model.device
     model.eval()
-    for start in range(0, len(features), batch_size):
-        batch = {k: v.to(device) for k, v in collate(features[start:start + batch_size], packer.pad_id).items()}
-        output = model(**batch, output_hidden_states=not pooled)
-        rows = slice(start, start + len(batch["input_ids"]))
-        if pooled:
-            result[rows] = output.pooler_output.float().cpu().numpy()
-            continue
-        mask = batch["attention_mask"].unsqueeze(-1).to(torch.float32)  # [B, S, 1]
-        states = [output.hidden_states[layer].float() for layer in layers]  # each [B, S, H]
-        if combine == "concat":
-            hidden = torch.cat(states, dim=-1)
-        else:
-            hidden = torch.stack(states).sum(0) / (len(states) if combine == "mean" else 1)
-        hidden = hidden * mask  # padded positions are zeros
-        if per == "sequence":
-            result[rows] = (hidden[:, 0] if sequence_pool == "cls" else hidden.sum(1) / mask.sum(1)).cpu().numpy()
-        else:
-            result[rows, :hidden.shape[1]] = hidden.cpu().numpy()
-    if out:
-        result.flush()
+    with (replaced_file(out) if out else contextlib.nullcontext()) as partial, \
+            tqdm(total=len(features), unit="seq", desc="embedding", disable=None if progress else True) as bar:
+        result = (np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=shape) if out
+                  else np.zeros(shape, dtype=np.float32))
+        for start in range(0, len(features), batch_size):
+            batch = {k: v.to(device) for k, v in collate(features[start:start + batch_size], packer.pad_id).items()}
+            output = model(**batch, output_hidden_states=not pooled)
+            rows = slice(start, start + len(batch["input_ids"]))
+            bar.update(len(batch["input_ids"]))
+            if pooled:
+                result[rows] = output.pooler_output.float().cpu().numpy()
+                continue
+            mask = batch["attention_mask"].unsqueeze(-1).to(torch.float32)  # [B, S, 1]
+            states = [output.hidden_states[layer].float() for layer in layers]  # each [B, S, H]
+            if combine == "concat":
+                hidden = torch.cat(states, dim=-1)
+            else:
+                hidden = torch.stack(states).sum(0) / (len(states) if combine == "mean" else 1)
+            hidden = hidden * mask  # padded positions are zeros
+            if per == "sequence":
+                result[rows] = (hidden[:, 0] if sequence_pool == "cls" else hidden.sum(1) / mask.sum(1)).cpu().numpy()
+            else:
+                result[rows, :hidden.shape[1]] = hidden.cpu().numpy()
+        if out:
+            result.flush()
     return result, tokens
 
 
@@ -145,42 +159,45 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    return run_command("embed", lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> None:
+    """Check every option, then embed into args.out (and its .tokens.jsonl) under the output's lock."""
     from fastbert import BertModel
+
     try:
         layers = [int(x) for x in args.layers.split(",") if x.strip()]
     except ValueError:
-        print(f"fastbert embed: error: --layers must be comma-separated integers, got {args.layers!r}",
-              file=sys.stderr)
-        return 2
-    try:
-        texts = read_texts(args.input, args.text_column, args.text_pair_column, args.format)
-        tokenizer = tokenizer_for(args.model, args.tokenizer, args.lowercase)
-        overrides = {"backend": args.backend} if args.backend else {}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model, info = BertModel.from_pretrained(args.model, output_loading_info=True, **overrides)
-        if args.pooled and any(k.startswith("pooler.") for k in info["missing_keys"]):
-            raise ValueError(f"--pooled: the checkpoint {args.model} has no pooler weights")
-        positions = model.config.max_position_embeddings
-        max_seq_length = args.max_seq_length or min(128, positions)
-        if max_seq_length > positions:
-            raise ValueError(f"--max-seq-length {max_seq_length} is longer than the model's "
-                             f"max_position_embeddings ({positions})")
-        packer = Packer(tokenizer, max_seq_length)
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        raise ValueError(f"--layers must be comma-separated integers, got {args.layers!r}") from None
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    if os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out} is a directory; --out names the .npy file to write")
+    device = resolve_device(args.device)
+    texts = read_texts(args.input, args.text_column, args.text_pair_column, args.format)
+    tokenizer = tokenizer_for(args.model, args.tokenizer, args.lowercase)
+    model, info = load_checkpoint(BertModel, args.model, **({"backend": args.backend} if args.backend else {}))
+    if args.pooled and any(k.startswith("pooler.") for k in info["missing_keys"]):
+        raise ValueError(f"--pooled: the checkpoint {args.model} has no pooler weights")
+    positions = model.config.max_position_embeddings
+    max_seq_length = args.max_seq_length or min(128, positions)
+    if max_seq_length > positions:
+        raise ValueError(f"--max-seq-length {max_seq_length} is longer than the model's "
+                         f"max_position_embeddings ({positions})")
+    packer = Packer(tokenizer, max_seq_length)
+    tokens_path = os.path.splitext(args.out)[0] + ".tokens.jsonl"
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with output_lock(args.out):
         features, tokens = embed(model.float().to(device), packer, texts, layers, args.combine, args.pooled,
                                  args.per, args.sequence_pool, args.batch_size, out=args.out)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"fastbert embed: error: {exc}", file=sys.stderr)
-        return 2
+        if not args.pooled and args.per == "token":
+            write_text(tokens_path, "".join(json.dumps(t) + "\n" for t in tokens))
+        elif os.path.exists(tokens_path):  # a per-token run's tokens do not describe these features
+            os.remove(tokens_path)
     truncated = sum(len(t) == packer.max_seq_length for t in tokens)
-    if not args.pooled and args.per == "token":
-        with open(os.path.splitext(args.out)[0] + ".tokens.jsonl", "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(t) + "\n" for t in tokens)
-    print(f"{len(texts)} sequences -> {args.out} {tuple(features.shape)}"
-          + (f"; {truncated} reached --max-seq-length and may be truncated" if truncated else ""))
-    return 0
+    logger.info(f"{len(texts)} sequences -> {args.out} {tuple(features.shape)}"
+                + (f"; {truncated} reached --max-seq-length and may be truncated" if truncated else ""))
 
 
 if __name__ == "__main__":

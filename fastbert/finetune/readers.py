@@ -119,10 +119,20 @@ class TaggedSentence:
 
 
 def read_conll(path: str) -> list[TaggedSentence]:
-    """Sentences of a CoNLL file: word in the first column, tag in the last, blank lines between sentences."""
+    """Sentences of a CoNLL file: word in the first column, tag in the last, blank lines between sentences.
+    A table (a .csv / .tsv / .jsonl name, or a tab-separated field holding spaces) is refused: its rows
+    would be read as one word and a nonsense tag each."""
+    if os.path.splitext(path)[1].lower() in (".csv", ".tsv", ".jsonl", ".json"):
+        raise DataError(path, None, f"token classification reads CoNLL files (one word and its tag per line, a "
+                                    f"blank line between sentences), not a {os.path.splitext(path)[1]} table; "
+                                    "for one label per sentence use --task classification")
     sentences: list[TaggedSentence] = []
     current: TaggedSentence | None = None
     for number, text in enumerate(io.StringIO(read_text(path), newline=""), start=1):
+        if "\t" in text and any(" " in field.strip() for field in text.split("\t")):
+            raise DataError(path, number, f"a tab-separated field holds several words ({text.strip()[:60]!r}): "
+                                          "this is a table, not CoNLL (one word and its tag per line); for one "
+                                          "label per sentence use --task classification")
         fields = text.split()
         if not fields or fields[0] == "-DOCSTART-":
             if current is not None:
@@ -209,11 +219,15 @@ def _qa_example(path: str, line: int | None, where: str, qa: dict, context: str)
                 and isinstance(answer.get("answer_start"), int)):
             raise DataError(path, line, f"{where}.answers[{i}] (id {qa['id']!r}) needs \"text\" and an integer "
                                         f"\"answer_start\"")
-        start = answer["answer_start"]
-        if not 0 <= start <= len(context) - len(answer["text"]):
+        start, text = answer["answer_start"], answer["text"]
+        if not 0 <= start <= len(context) - len(text):
             raise DataError(path, line, f"{where}.answers[{i}] (id {qa['id']!r}): answer_start {start} puts "
-                                        f"{answer['text']!r} outside the context ({len(context)} characters)")
-        answers.append((answer["text"], start))
+                                        f"{text!r} outside the context ({len(context)} characters)")
+        if context[start:start + len(text)] != text:
+            raise DataError(path, line, f"{where}.answers[{i}] (id {qa['id']!r}): the context at answer_start "
+                                        f"{start} reads {context[start:start + len(text)]!r}, not the answer "
+                                        f"text {text!r}")
+        answers.append((text, start))
     if not answers and not impossible:
         raise DataError(path, line, f"{where} (id {qa['id']!r}) has no answers and is not marked is_impossible")
     return QAExample(str(qa["id"]), question, context, answers, impossible, line)

@@ -12,6 +12,7 @@ example. Families (the paper's section 4):
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -118,10 +119,12 @@ class SequenceTask(Task):
         if self.regression:
             for e in examples:
                 try:
-                    float(e.label)
+                    value = float(e.label)
                 except ValueError:
-                    raise DataError(path, e.line, f"label {e.label!r} in column {c.label!r} is not a number; "
-                                                  "regression needs real-valued labels") from None
+                    value = None
+                if value is None or not math.isfinite(value):
+                    raise DataError(path, e.line, f"label {e.label!r} in column {c.label!r} is not a finite number; "
+                                                  "regression needs real-valued labels")
         return examples
 
     def fit(self, train_examples: list[TableExample]) -> None:

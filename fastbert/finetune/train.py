@@ -17,22 +17,26 @@ import json
 import math
 import os
 import random
+import logging
 import time
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from fastbert.config import BertConfig
+from fastbert.files import output_lock, replaced_directory
 from fastbert.finetune.encoding import Packer, collate, save_tokenizer_files, tokenizer_for
+from fastbert.finetune.loading import checkpoint_directory, load_checkpoint, resolve_device
 from fastbert.finetune.squad import QuestionAnsweringTask
 from fastbert.finetune.tasks import ChoiceTask, Columns, SequenceTask, Task, TokenTask
 from fastbert.train.optim import linear_warmup_decay, param_groups
 
 TASKS = ("classification", "regression", "token-classification", "question-answering", "multiple-choice")
 PAPER_LEARNING_RATES = (2e-5, 3e-5, 4e-5, 5e-5)  # the paper's fine-tuning grid (appendix A.3)
+CONFIG_FILE = "finetune_config.json"  # marks a directory as a `fastbert finetune` output
 LOWER_IS_BETTER = ("mse", "loss")
+logger = logging.getLogger("fastbert.finetune")
 # task -> (text column, text pair column) when the flags leave them unset: GLUE's and SWAG's names
 DEFAULT_COLUMNS = {"classification": ("sentence", None), "regression": ("sentence", None),
                    "multiple-choice": ("sent1", "sent2")}
@@ -86,8 +90,8 @@ class FinetuneConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be a positive integer, got {self.max_steps}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if not 0 < self.learning_rate < math.inf:
+            raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
         if not 0 <= self.warmup_proportion < 1:
             raise ValueError(f"warmup_proportion must be in [0, 1), got {self.warmup_proportion}")
         if not 0 <= self.dropout < 1:
@@ -110,16 +114,27 @@ def build_task(cfg: FinetuneConfig, packer: Packer) -> Task:
     return SequenceTask(packer, columns, regression=cfg.task == "regression")
 
 
-def load_model(task: Task, path: str, log, **overrides) -> torch.nn.Module:
+def load_model(task: Task, path: str, **overrides) -> torch.nn.Module:
     """The task's model class from an HF directory, the newly initialised head reported in one line."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model, info = task.model_class.from_pretrained(path, output_loading_info=True, **overrides)
+    model, info = load_checkpoint(task.model_class, path, **overrides)
     if info["missing_keys"]:
-        log(f"newly initialised: {', '.join(info['missing_keys'])}")
+        logger.info(f"newly initialised: {', '.join(info['missing_keys'])}")
     if info["unexpected_keys"]:
-        log(f"not used by {task.model_class.__name__}: {', '.join(info['unexpected_keys'])}")
+        logger.info(f"not used by {task.model_class.__name__}: {', '.join(info['unexpected_keys'])}")
     return model
+
+
+def check_output_directory(out: str, model: str) -> None:
+    """--out is replaced as a whole when the run ends: refuse one that holds the model or other files."""
+    out_path, model_path = os.path.realpath(out), os.path.realpath(model)
+    if os.path.commonpath([out_path, model_path]) == out_path:
+        raise ValueError(f"--out {out} {'is' if out_path == model_path else 'contains'} the --model directory "
+                         f"{model}: fine-tuning would replace the checkpoint it starts from; choose another --out")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out} is a file; --out names the output directory")
+    if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, CONFIG_FILE)):
+        raise ValueError(f"--out {out} holds files that `fastbert finetune` did not write (no {CONFIG_FILE}); "
+                         "the output directory is replaced as a whole, so choose a new or empty one")
 
 
 def batches(inputs: list[dict], batch_size: int, pad_id: int, order=None):
@@ -149,18 +164,21 @@ def evaluate(model, task: Task, examples: list, inputs: list[dict], meta: list, 
     return scores, predictions
 
 
-def finetune(cfg: FinetuneConfig, log=print) -> dict:
+def finetune(cfg: FinetuneConfig) -> dict:
     """Fine-tune and save; returns {"out", "steps", "history": [eval scores per evaluation], "best"}.
 
     Raises ValueError (DataError for bad files, naming the file and line) before training starts.
+    `out` is built aside and replaces the previous one only when the run completes, under a lock.
     """
     cfg.validate()
+    device = resolve_device(cfg.device)
+    if cfg.bf16 and device.type != "cuda":
+        raise ValueError(f"bf16 autocast needs a CUDA device, got {device}")
+    checkpoint_directory(cfg.model)
+    check_output_directory(cfg.out, cfg.model)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if cfg.bf16 and device.type != "cuda":
-        raise ValueError(f"bf16 autocast needs a CUDA device, got {device}")
 
     config = BertConfig.from_json(cfg.model)
     tokenizer = tokenizer_for(cfg.model, cfg.tokenizer, cfg.lowercase)
@@ -185,15 +203,38 @@ def finetune(cfg: FinetuneConfig, log=print) -> dict:
     if cfg.eval:
         eval_examples = task.read(cfg.eval)
         evaluation = (eval_examples, *task.features(eval_examples))
-    log(f"{task.name}: {len(train_examples)} training examples -> {len(train_inputs)} features"
-        + (f"; {len(evaluation[0])} eval examples" if evaluation else ""))
+    logger.info(f"{task.name}: {len(train_examples)} training examples -> {len(train_inputs)} features"
+                + (f"; {len(evaluation[0])} eval examples" if evaluation else ""))
 
     overrides = dict(task.model_overrides(), hidden_dropout_prob=cfg.dropout,
                      attention_probs_dropout_prob=cfg.dropout, classifier_dropout=None)
     if cfg.backend:
         overrides["backend"] = cfg.backend
-    model = load_model(task, cfg.model, log, **overrides).float().to(device).train()
+    model = load_model(task, cfg.model, **overrides).float().to(device).train()
 
+    def save(directory: str, predictions) -> None:
+        model.save_pretrained(directory)
+        save_tokenizer_files(tokenizer, cfg.model, directory)
+        with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+        if predictions is not None:
+            task.write_predictions(directory, evaluation[0], predictions)
+
+    with output_lock(cfg.out), replaced_directory(cfg.out) as staging:
+        step, history, best = train_loop(cfg, model, task, train_inputs, evaluation, metric, device,
+                                         lambda predictions: save(staging, predictions))
+        if evaluation is None:
+            save(staging, None)
+        with open(os.path.join(staging, "eval_results.json"), "w", encoding="utf-8") as f:
+            json.dump({"metric": metric, "best": best, "history": history}, f, indent=2)
+    logger.info(f"saved to {cfg.out}")
+    return {"out": cfg.out, "steps": step, "history": history, "best": best}
+
+
+def train_loop(cfg: FinetuneConfig, model, task: Task, train_inputs: list[dict], evaluation, metric: str,
+               device: torch.device, save_best) -> tuple[int, list[dict], dict | None]:
+    """The paper's recipe over the training features; after each epoch, evaluation and save_best(predictions)
+    when the metric improved. Returns (steps, evaluation history, best evaluation)."""
     steps_per_epoch = math.ceil(len(train_inputs) / cfg.batch_size)
     total_steps = steps_per_epoch * cfg.epochs
     if cfg.max_steps is not None:
@@ -202,18 +243,8 @@ def finetune(cfg: FinetuneConfig, log=print) -> dict:
                                   betas=(0.9, 0.999), eps=1e-6)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, linear_warmup_decay(int(cfg.warmup_proportion * total_steps), total_steps))
-
-    os.makedirs(cfg.out, exist_ok=True)
     history: list[dict] = []
     best: dict | None = None
-
-    def save(predictions) -> None:
-        model.save_pretrained(cfg.out)
-        save_tokenizer_files(tokenizer, cfg.model, cfg.out)
-        with open(os.path.join(cfg.out, "finetune_config.json"), "w", encoding="utf-8") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=2)
-        if predictions is not None:
-            task.write_predictions(cfg.out, evaluation[0], predictions)
 
     from tqdm import tqdm
     autocast = cfg.bf16
@@ -223,7 +254,7 @@ def finetune(cfg: FinetuneConfig, log=print) -> dict:
     step, seen, started = 0, 0, time.perf_counter()
     for epoch in range(cfg.epochs):
         order = torch.randperm(len(train_inputs), generator=generator).tolist()
-        for batch in batches(train_inputs, cfg.batch_size, packer.pad_id, order):
+        for batch in batches(train_inputs, cfg.batch_size, task.packer.pad_id, order):
             batch = {k: v.to(device) for k, v in batch.items()}
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 loss = model(**batch).loss
@@ -244,19 +275,14 @@ def finetune(cfg: FinetuneConfig, log=print) -> dict:
             scores, predictions = evaluate(model, task, *evaluation, cfg.eval_batch_size, device, autocast)
             scores = {"epoch": epoch + 1, "step": step, **scores}
             history.append(scores)
-            log(f"epoch {epoch + 1}, step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()
-                                                                if k not in ("epoch", "step")))
+            logger.info(f"epoch {epoch + 1}, step {step}: " + ", ".join(
+                f"{k} {v:.4f}" for k, v in scores.items() if k not in ("epoch", "step")))
             sign = -1 if metric in LOWER_IS_BETTER else 1
             if best is None or sign * scores[metric] > sign * best[metric]:
                 best = scores
-                save(predictions)
-                log(f"best {metric} so far: saved to {cfg.out}")
+                save_best(predictions)
+                logger.info(f"best {metric} so far (kept for {cfg.out})")
         if step >= total_steps:
             break
     bar.close()
-    if evaluation is None:
-        save(None)
-        log(f"saved to {cfg.out}")
-    with open(os.path.join(cfg.out, "eval_results.json"), "w", encoding="utf-8") as f:
-        json.dump({"metric": metric, "best": best, "history": history}, f, indent=2)
-    return {"out": cfg.out, "steps": step, "history": history, "best": best}
+    return step, history, best

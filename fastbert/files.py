@@ -1,0 +1,128 @@
+"""Writing outputs so that a failed, interrupted or concurrent run never leaves a plausible partial one.
+
+An output (a file or a directory) is written under a hidden partial name beside it,
+`.NAME.partial-PID`, and renamed to NAME only when complete, so NAME holds the previous good output
+or the new one, never a mix. A lock file beside it, `.NAME.lock` (the filelock package: an OS lock
+that dies with its process), keeps two fastbert processes from writing the same output; partial
+names left by a killed process are removed by the next run that takes the lock. Files get the
+permissions the umask gives (0644 under the usual 022), as a plain open() would.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+
+logger = logging.getLogger("fastbert.files")
+
+
+def file_mode() -> int:
+    """0o666 less the process's umask: the mode open() gives a new file."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _sibling(path: str, suffix: str) -> str:
+    path = os.path.abspath(path)
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{suffix}")
+
+
+def partial_path(path: str) -> str:
+    """Where this process writes `path` before renaming it into place."""
+    return _sibling(path, f"partial-{os.getpid()}")
+
+
+@contextlib.contextmanager
+def output_lock(path: str, wait: bool = False) -> Iterator[None]:
+    """Hold `.NAME.lock` beside `path` for the block. wait=False: another holder is an error (OSError)
+    saying so; wait=True: wait for it (logged), as for a shared cache that the other process is filling."""
+    import filelock
+
+    lock_file = _sibling(path, "lock")
+    os.makedirs(os.path.dirname(lock_file), exist_ok=True)
+    lock = filelock.FileLock(lock_file, mode=file_mode())
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        if not wait:
+            raise OSError(f"{path} is being written by another fastbert process (it holds {lock_file}); "
+                          "wait for it to finish or choose another output") from None
+        logger.info(f"waiting for another fastbert process writing {path} (it holds {lock_file})")
+        lock.acquire()
+    try:
+        _remove_stale_partials(path)
+        yield
+    finally:
+        lock.release()
+
+
+def _remove_stale_partials(path: str) -> None:
+    """What processes killed before their rename left (only called under the lock): partial outputs,
+    and an old directory caught between the two renames of replaced_directory."""
+    prefixes = tuple(os.path.basename(_sibling(path, kind)) for kind in ("partial-", "old-"))
+    folder = os.path.dirname(os.path.abspath(path))
+    for name in os.listdir(folder):
+        if name.startswith(prefixes):
+            _remove(os.path.join(folder, name))
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _named(exc: OSError, path: str) -> OSError:
+    """The same error, naming the output it was writing (ENOSPC alone does not say where)."""
+    return OSError(exc.errno, f"{exc.strerror or exc} while writing {path} (the previous output, if any, "
+                              "is unchanged)")
+
+
+@contextlib.contextmanager
+def replaced_file(path: str) -> Iterator[str]:
+    """Yield a partial path to write; on success it is fsynced and renamed to `path`, on any error removed."""
+    partial = partial_path(path)
+    try:
+        yield partial
+        with open(partial, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(partial, file_mode())
+        os.replace(partial, path)
+    except OSError as exc:
+        _remove(partial)
+        raise _named(exc, path) from exc
+    except BaseException:
+        _remove(partial)
+        raise
+
+
+@contextlib.contextmanager
+def replaced_directory(path: str) -> Iterator[str]:
+    """Yield a new partial directory to fill; on success it takes `path`'s place (the old directory,
+    if any, is removed after the swap), on any error it is removed and `path` is untouched."""
+    partial = partial_path(path)
+    _remove(partial)
+    os.makedirs(partial)
+    try:
+        yield partial
+        old = _sibling(path, f"old-{os.getpid()}")
+        if os.path.lexists(path):
+            os.replace(path, old)
+        os.replace(partial, path)
+        _remove(old)
+    except OSError as exc:
+        _remove(partial)
+        raise _named(exc, path) from exc
+    except BaseException:
+        _remove(partial)
+        raise
+
+
+def write_text(path: str, text: str) -> None:
+    """A whole text file, replaced atomically."""
+    with replaced_file(path) as partial, open(partial, "w", encoding="utf-8") as f:
+        f.write(text)
