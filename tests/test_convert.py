@@ -1,5 +1,7 @@
-"""`fastbert convert`: a legacy-format HF directory in, a clean one out, checked against transformers."""
+"""`fastbert convert`: a legacy-format HF directory in, a clean one out, checked against transformers; every
+damaged or wrong source is a message (exit code 2) and leaves DST as it was."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -32,3 +34,58 @@ def test_unknown_command_and_help(capsys):
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
     assert cli.main(["--help"]) == 0
     assert "convert" in capsys.readouterr().out
+
+
+def small_checkpoint(path, **config):
+    torch.manual_seed(0)
+    values = dict(vocab_size=90, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48,
+                  max_position_embeddings=40)
+    transformers.BertModel(transformers.BertConfig(**{**values, **config})).save_pretrained(path)
+    return path
+
+
+def edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def truncate(path, keep):
+    data = path.read_bytes()
+    path.write_bytes(data[:keep] if keep >= 0 else data[:len(data) + keep])
+
+
+# each case damages a good checkpoint in src (a Path); the message the command must print
+BAD_SOURCES = {
+    "missing directory": (shutil.rmtree, "no such directory"),
+    "a file": (lambda src: (shutil.rmtree(src), src.write_text("x")), "is a file"),
+    "no config": (lambda src: (src / "config.json").unlink(), "has no config.json"),
+    "garbage config": (lambda src: (src / "config.json").write_text("{nope"), "config.json: not a JSON config"),
+    "no weights": (lambda src: (src / "model.safetensors").unlink(), "no model.safetensors or pytorch_model.bin"),
+    "garbage weights": (lambda src: (src / "model.safetensors").write_bytes(b"\x00" * 64), "weights cannot be loaded"),
+    "truncated weights": (lambda src: truncate(src / "model.safetensors", -100), "weights cannot be loaded"),
+    "shape mismatch": (lambda src: edit_config(src, intermediate_size=64), "weights cannot be loaded"),
+    "more layers than weights": (lambda src: edit_config(src, num_hidden_layers=3),
+                                 "has no weights for 24 tensors of BertModel"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SOURCES))
+def test_convert_errors_are_messages_and_leave_dst(tmp_path, capsys, case):
+    src = small_checkpoint(tmp_path / "src")
+    dst = tmp_path / "dst"
+    assert cli.main(["convert", str(src), str(dst)]) == 0
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    capsys.readouterr()
+    damage, message = BAD_SOURCES[case]
+    damage(src)
+    assert cli.main(["convert", str(src), str(dst), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastbert convert: error:") and message in err and "Traceback" not in err, err
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
+
+
+def test_convert_refuses_to_write_over_its_source(tmp_path, capsys):
+    src = small_checkpoint(tmp_path / "src")
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    assert cli.main(["convert", str(src), str(src) + "/"]) == 2
+    assert "DST" in capsys.readouterr().err and {p.name: p.read_bytes() for p in src.iterdir()} == before

@@ -27,7 +27,7 @@ import torch
 from fastbert.cli import run_command
 from fastbert.files import output_lock, replaced_file, write_text
 from fastbert.finetune.encoding import Packer, collate, tokenizer_for
-from fastbert.finetune.loading import load_checkpoint, resolve_device
+from fastbert.finetune.loading import checkpoint_directory, load_checkpoint, resolve_device
 from fastbert.finetune.readers import TABLE_FORMATS, DataError, read_table, read_text
 
 PAIR_SEPARATOR = " ||| "
@@ -175,6 +175,7 @@ def run(args: argparse.Namespace) -> None:
     if os.path.isdir(args.out):
         raise ValueError(f"--out {args.out} is a directory; --out names the .npy file to write")
     device = resolve_device(args.device)
+    checkpoint_directory(args.model)
     texts = read_texts(args.input, args.text_column, args.text_pair_column, args.format)
     tokenizer = tokenizer_for(args.model, args.tokenizer, args.lowercase)
     model, info = load_checkpoint(BertModel, args.model, **({"backend": args.backend} if args.backend else {}))

@@ -1,0 +1,209 @@
+"""Issue 14 outside the training loop: outputs that are complete or absent (finetune, embed, convert,
+prepare-data, the built-in corpus cache), locked against a second writer, with the umask's permissions;
+every bad input a message naming the file or argument, exit code 2, nothing destroyed.
+docs/reliability.md lists each case with its test here."""
+import hashlib
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import fastbert
+from fastbert import cli
+from fastbert.files import output_lock
+from fastbert.finetune import FinetuneConfig, finetune
+from fastbert.finetune import train as finetune_train
+from fastbert.finetune.readers import DataError
+from tests.test_finetune import FAST, tiny_model, write_sentiment, write_squad  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def digest(directory):
+    """{file name: sha256} of a directory (or a single file): what 'unchanged' means below."""
+    if os.path.isfile(directory):
+        with open(directory, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    return {name: digest(os.path.join(directory, name)) for name in sorted(os.listdir(directory))}
+
+
+def leftovers(folder):
+    """Hidden partial or old outputs a run left behind (lock files are expected to stay)."""
+    return [n for n in os.listdir(folder) if n.startswith(".") and not n.endswith(".lock")]
+
+
+def finetune_config(tmp_path, model, **changes):
+    values = dict(train=str(tmp_path / "train.tsv"), eval=str(tmp_path / "train.tsv"), out=str(tmp_path / "out"),
+                  max_steps=2, **FAST)
+    return FinetuneConfig("classification", model, **{**values, **changes})
+
+
+@pytest.fixture
+def sentiment(tmp_path):
+    write_sentiment(tmp_path / "train.tsv", 24, seed=1)
+
+
+# finetune ---------------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("sentiment")
+def test_finetune_out_equal_to_or_holding_model_is_refused(tmp_path, tiny_model):
+    before = digest(tiny_model)
+    for out in (tiny_model, os.path.dirname(tiny_model)):
+        with pytest.raises(ValueError, match="fine-tuning would replace the checkpoint it starts from"):
+            finetune(finetune_config(tmp_path, tiny_model, out=out))
+    assert digest(tiny_model) == before
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("a user's file")
+    with pytest.raises(ValueError, match="did not write"):
+        finetune(finetune_config(tmp_path, tiny_model, out=str(tmp_path / "mine")))
+
+
+@pytest.mark.usefixtures("sentiment")
+def test_finetune_rerun_replaces_the_output_directory(tmp_path, tiny_model):
+    finetune(finetune_config(tmp_path, tiny_model))
+    assert (tmp_path / "out" / "predictions.jsonl").exists()
+    finetune(finetune_config(tmp_path, tiny_model, eval=None))
+    assert not (tmp_path / "out" / "predictions.jsonl").exists()  # it described the previous model
+    assert json.loads((tmp_path / "out" / "eval_results.json").read_text())["best"] is None
+    assert (tmp_path / "out" / "model.safetensors").exists() and not leftovers(tmp_path)
+
+
+@pytest.mark.usefixtures("sentiment")
+def test_finetune_interrupted_or_concurrent_leaves_the_previous_output(tmp_path, tiny_model, monkeypatch):
+    finetune(finetune_config(tmp_path, tiny_model))
+    before = digest(tmp_path / "out")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(finetune_train, "evaluate", interrupted)  # after the first epoch's training steps
+        with pytest.raises(KeyboardInterrupt):
+            finetune(finetune_config(tmp_path, tiny_model, seed=7))
+    assert digest(tmp_path / "out") == before and not leftovers(tmp_path)
+    with output_lock(str(tmp_path / "out")):  # another process is writing it
+        with pytest.raises(OSError, match="being written by another fastbert process"):
+            finetune(finetune_config(tmp_path, tiny_model, seed=7))
+    assert digest(tmp_path / "out") == before
+
+
+def test_outputs_get_the_umask_permissions(tmp_path):
+    model = fastbert.BertModel(fastbert.BertConfig.tiny())
+    for umask in (0o022, 0o002):
+        previous = os.umask(umask)
+        try:
+            model.save_pretrained(str(tmp_path / oct(umask)))
+        finally:
+            os.umask(previous)
+        for name in ("model.safetensors", "config.json"):
+            assert os.stat(tmp_path / oct(umask) / name).st_mode & 0o777 == 0o666 & ~umask, name
+
+
+# embed ------------------------------------------------------------------------------------------------
+def embed_argv(tmp_path, model, *options):
+    source = tmp_path / "input.txt"
+    source.write_text("the movie was good\nthe film was bad ||| so it was\nthe plot\n")
+    return ["embed", "--model", model, "--input", str(source), "--out", str(tmp_path / "f.npy"),
+            "--backend", "torch", "--batch-size", "1", "--layers=-2,-1", *options]
+
+
+def test_embed_interrupted_or_bad_batch_size_leaves_the_previous_file(tmp_path, tiny_model, monkeypatch):
+    assert cli.main(embed_argv(tmp_path, tiny_model)) == 0
+    before = digest(tmp_path)
+    calls = []
+
+    def forward_then_interrupt(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    original = fastbert.BertModel.forward
+    monkeypatch.setattr(fastbert.BertModel, "forward", forward_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(embed_argv(tmp_path, tiny_model, "--layers=-1"))
+    monkeypatch.undo()
+    assert digest(tmp_path) == before and not leftovers(tmp_path)
+    assert cli.main(embed_argv(tmp_path, tiny_model, "--batch-size", "0")) == 2
+    assert digest(tmp_path) == before
+    # a per-sequence run removes the per-token run's tokens file, which would not describe it
+    assert cli.main(embed_argv(tmp_path, tiny_model, "--per", "sequence")) == 0
+    assert np.load(tmp_path / "f.npy").shape == (3, 2 * 32) and not (tmp_path / "f.tokens.jsonl").exists()
+
+
+def run_with_file_size_limit(argv, limit_bytes):
+    """A fastbert command in a child process that cannot write files larger than limit_bytes (the
+    write fails with EFBIG, as a full disk fails with ENOSPC: an OSError mid-write)."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    code = "import sys; from fastbert import cli; sys.exit(cli.main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, preexec_fn=limit,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_a_full_disk_is_a_message_and_the_previous_output_stays(tmp_path, tiny_model):
+    assert cli.main(embed_argv(tmp_path, tiny_model)) == 0
+    before = digest(tmp_path)
+    result = run_with_file_size_limit(embed_argv(tmp_path, tiny_model, "--layers=-1"), 2048)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "File too large while writing" in result.stderr and "f.npy" in result.stderr
+    assert digest(tmp_path) == before and not leftovers(tmp_path)
+
+
+# bad input ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_regression_labels_are_refused(tmp_path, tiny_model, value):
+    (tmp_path / "train.tsv").write_text(f"sentence\tlabel\nthe movie\t1.5\nthe film\t{value}\n")
+    with pytest.raises(DataError, match=rf"train.tsv:3: label '{value}' .* is not a finite number"):
+        finetune(FinetuneConfig("regression", tiny_model, str(tmp_path / "train.tsv"), out=str(tmp_path / "out"),
+                                **FAST))
+    assert not (tmp_path / "out").exists()
+
+
+def test_misaligned_squad_answer_is_refused(tmp_path, tiny_model):
+    write_squad(tmp_path / "train.json", 4, seed=0)
+    data = json.loads((tmp_path / "train.json").read_text())
+    data["data"][0]["paragraphs"][2]["qas"][0]["answers"][0]["answer_start"] += 1
+    (tmp_path / "train.json").write_text(json.dumps(data, indent=1))
+    cfg = FinetuneConfig("question-answering", tiny_model, str(tmp_path / "train.json"), out=str(tmp_path / "out"),
+                         max_seq_length=64, max_query_length=8, **FAST)
+    with pytest.raises(DataError, match=r"train.json:\d+: data\[0\].paragraphs\[2\].qas\[0\].answers\[0\] "
+                                        r"\(id 'q2'\): the context at answer_start \d+ reads '.*', not the answer"):
+        finetune(cfg)
+
+
+def test_a_table_is_refused_for_token_classification(tmp_path, tiny_model):
+    (tmp_path / "ner.txt").write_text("sentence\tlabel\nthe movie was good\tpos\n")
+    write_sentiment(tmp_path / "train.tsv", 8, seed=1)
+    for train, message in ((tmp_path / "train.tsv", "not a .tsv table"),
+                           (tmp_path / "ner.txt", "ner.txt:2: a tab-separated field holds several words")):
+        with pytest.raises(DataError, match=message):
+            finetune(FinetuneConfig("token-classification", tiny_model, str(train), out=str(tmp_path / "o"), **FAST))
+
+
+@pytest.mark.parametrize("content", ["not json", '{"version": "1.0", "trunc'])
+def test_a_damaged_tokenizer_json_is_a_message(tmp_path, tiny_model, content, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (model / name).write_bytes((open(os.path.join(tiny_model, name), "rb")).read())
+    (model / "tokenizer.json").write_text(content)
+    assert cli.main(embed_argv(tmp_path, str(model))) == 2
+    assert f"{model / 'tokenizer.json'}: not a valid tokenizer.json" in capsys.readouterr().err
+    assert not (tmp_path / "f.npy").exists()
+
+
+@pytest.mark.parametrize("shape, dtype, message", [((2, 0), torch.int64, r"at least one token, got input shape \(2, 0\)"),
+                                                   ((2, 3), torch.uint8, "must be int64 or int32"),
+                                                   ((2, 3), torch.int16, "must be int64 or int32")])
+def test_model_refuses_empty_sequences_and_narrow_ids(shape, dtype, message):
+    model = fastbert.BertModel(fastbert.BertConfig.tiny())
+    with pytest.raises(ValueError, match=message):
+        model(torch.zeros(shape, dtype=dtype))
