@@ -38,13 +38,24 @@ class _CommandFormatter(logging.Formatter):
         return message
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each message (a test framework swaps it), not as it was at set-up."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def configure_logging(command: str = "") -> None:
-    """Send the `fastbert` logger's INFO and above to the current stderr, once (a second call replaces
-    the handler, so a command run from a test writes to that test's stderr)."""
-    for handler in [h for h in LOG.handlers if getattr(h, "fastbert_command_handler", False)]:
+    """Send the `fastbert` logger's INFO and above to stderr through one handler (a second call replaces
+    it, with the new command's name in warnings and errors)."""
+    for handler in [h for h in LOG.handlers if isinstance(h, _StderrHandler)]:
         LOG.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.fastbert_command_handler = True
+    handler = _StderrHandler()
     handler.setFormatter(_CommandFormatter(command))
     LOG.addHandler(handler)
     LOG.setLevel(logging.INFO)
