@@ -114,26 +114,36 @@ def _configs():
     if INTERPRETER:
         # The interpreter runs each program in numpy: few large tiles are fastest, tuning is moot.
         return [triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 256, "GROUP_M": 8})]
-    # Hopper-sized tiles (Triton tutorial / Liger choices); fp32 ones are pruned by shared memory.
+    # Hopper-sized tiles (Triton tutorial / Liger choices), each of whole warpgroups (4 warps or more: with
+    # fewer, sm_90a falls back from warpgroup MMA to MMA); the pruning below drops what a call cannot use.
     shapes = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 32, 4, 4), (128, 64, 64, 4, 4),
-              (64, 128, 64, 4, 4), (64, 64, 64, 4, 4), (64, 64, 32, 5, 2)]
+              (64, 128, 64, 4, 4), (64, 64, 64, 4, 4)]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
             for bm, bn, bk, s, w in shapes]
 
 
-_SHARED_MEMORY_BYTES = 200 * 1024  # under the 227 KiB of an H100/H200 SM, with room for the epilogue
+# The GELU epilogue's own temporaries need about half the registers: with more than 64 fp32 accumulator
+# values per thread (128 x 256 on 8 warps, 128 x 128 on 4) it spills on sm_90a, with either GELU.
+_GELU_EPILOGUE_ACCUMULATOR_PER_THREAD = 64
 
 
-def _prune_by_shared_memory(configs, named_args, **kwargs):
+def _prune(configs, named_args, **kwargs):
+    """The configs whose pipeline fits the GPU's shared memory (A (BLOCK_M x BLOCK_K) and B (BLOCK_K x
+    BLOCK_N) tiles per stage; the epilogue reuses them) and, with a GELU epilogue, whose accumulator leaves
+    the GELU its registers."""
+    driver = triton.runtime.driver.active
+    shared = driver.utils.get_device_properties(driver.get_current_device())["max_shared_mem"]
     element = named_args["x_ptr"].element_size()
+    gelu_epilogue = kwargs["ACTIVATION"] != "none"
     fitting = [c for c in configs
-               if (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * element
-               * max(c.num_stages, 1) <= _SHARED_MEMORY_BYTES]
+               if (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * element * c.num_stages <= shared
+               and not (gelu_epilogue and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] // (32 * c.num_warps)
+                        > _GELU_EPILOGUE_ACCUMULATOR_PER_THREAD)]
     return fitting or configs[-1:]
 
 
 @triton.autotune(configs=_configs(), key=["N", "K", "SPLIT_HEADS", "ACTIVATION", "STORE_PRE"],
-                 prune_configs_by={"early_config_prune": _prune_by_shared_memory})
+                 prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _matmul_fwd_kernel(
     x_ptr,  # [M, K]
@@ -193,11 +203,16 @@ def _matmul_fwd_kernel(
     elif ACTIVATION == "gelu_tanh":
         acc = gelu(acc, "tanh")
 
-    row_off = (out_rows // seqlen) * stride_ob + (out_rows % seqlen) * stride_os  # [BLOCK_M]
+    # The divisions stay in int32 (indices below M, N < 2**31), widened only to multiply the strides: an
+    # int64 division is a subroutine call on the GPU, and a call sends the live accumulator to local
+    # memory (328 to 1,560 bytes of spills per thread in the GELU epilogues on sm_90a).
     if SPLIT_HEADS:
-        head = out_cols // HEAD_DIM  # 0 .. 3 * heads - 1: (which of q, k, v) * heads + head
-        col_off = (head // num_heads) * stride_o3 + (head % num_heads) * stride_oh + (out_cols % HEAD_DIM) * stride_od
+        row_off = (offs_m // seqlen).to(tl.int64) * stride_ob + (offs_m % seqlen).to(tl.int64) * stride_os
+        head = offs_n // HEAD_DIM  # 0 .. 3 * heads - 1: (which of q, k, v) * heads + head
+        col_off = ((head // num_heads).to(tl.int64) * stride_o3 + (head % num_heads).to(tl.int64) * stride_oh
+                   + (offs_n % HEAD_DIM).to(tl.int64) * stride_od)
     else:
+        row_off = out_rows * stride_os
         col_off = out_cols * stride_od
     tl.store(out_ptr + row_off[:, None] + col_off[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
