@@ -74,6 +74,7 @@ FORWARD_PROGRAMS_PER_SM = 4
 INTERPRETER_FORWARD_PROGRAMS = 8
 INTERPRETER_BLOCK_V = 2048
 INTERPRETER_BLOCK_K = 256
+DZ_ROW_ALIGNMENT = 16  # elements
 
 
 @triton.jit
@@ -131,25 +132,28 @@ def _mlm_loss_fwd_kernel(
     v_end = tl.minimum(v_start + cols_per_split, V)
     # The launcher makes every split start below V, so each tile has a column and run_max turns
     # finite on the first tile (exp(-inf - finite) = 0 then, never -inf - -inf).
+    offs_v = tl.arange(0, BLOCK_V)
     for v0 in range(v_start, v_end, BLOCK_V):
-        cols = (v0 + tl.arange(0, BLOCK_V)).to(tl.int64)
+        cols = v0 + offs_v.to(tl.int64)
         col_mask = cols < v_end
         z = _logits_tile(x_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, H,
                          stride_xn, stride_xh, stride_wv, stride_wh, stride_b,
                          HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K)
-        z = tl.where(col_mask[None, :], z, float("-inf"))
+        # Element-wise tests use the in-tile column offs_v (int32), v0 added after the reductions: an int64
+        # [BLOCK_N, BLOCK_V] index tile costs two registers per element and made the 16-bit sm_90 build spill
+        in_tile = offs_v < (v_end - v0).to(tl.int32)
+        z = tl.where(in_tile[None, :], z, float("-inf"))
         tile_max = tl.max(z, axis=1)
-        # the in-tile column as int32, v0 added after the reduction: an int64 [BLOCK_N, BLOCK_V] index
-        # tile costs two registers per element and made the 16-bit sm_90 build spill ~100 bytes
-        tile_argmax = v0 + tl.min(tl.where(z == tile_max[:, None], tl.arange(0, BLOCK_V)[None, :], BLOCK_V), axis=1)
+        tile_argmax = v0 + tl.min(tl.where(z == tile_max[:, None], offs_v[None, :], BLOCK_V), axis=1)
         # tiles come in column order: a strictly larger max is needed to move the argmax, so ties
         # keep the first column
         argmax = tl.where(tile_max > run_max, tile_argmax, argmax)
         new_max = tl.maximum(run_max, tile_max)
         run_sumexp = run_sumexp * tl.exp(run_max - new_max) + tl.sum(tl.exp(z - new_max[:, None]), axis=1)
         run_max = new_max
-        target_logit += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
-        logit_sum += tl.sum(tl.where(col_mask[None, :], z, 0.0), axis=1)
+        target_in_tile = tl.where((target >= v0) & (target < v0 + BLOCK_V), target - v0, -1).to(tl.int32)
+        target_logit += tl.sum(tl.where(offs_v[None, :] == target_in_tile[:, None], z, 0.0), axis=1)
+        logit_sum += tl.sum(tl.where(in_tile[None, :], z, 0.0), axis=1)
     out = split.to(tl.int64) * N + rows
     tl.store(max_ptr + out, run_max, mask=row_mask)
     tl.store(sumexp_ptr + out, run_sumexp, mask=row_mask)
@@ -221,24 +225,27 @@ def _check_inputs(x, weight, bias, target, reduction, label_smoothing) -> None:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
 
 
-def _config(dtype: torch.dtype, rows: int) -> dict:
-    """Tile sizes. On a GPU (Hopper): up to 128 rows x 128 columns of fp32 accumulator over 8 warps; K
-    tiles of 64 (16-bit) or 32 (fp32) keep a pipeline stage at 32 KiB of shared memory, so 3 stages
-    fit. Fewer rows than 128 take the next power of two (16 at least, tl.dot's minimum) rather than
-    computing padding. The interpreter's cost is per operation, not per element, so on CPU the tiles
-    are as large as the same kernels allow."""
+def _config(dtype: torch.dtype, rows: int, forward: bool) -> dict:
+    """Tile sizes. The interpreter's cost is per operation, not per element, so on CPU the tiles are as
+    large as the same kernels allow; on a GPU, _gpu_config."""
     if INTERPRETER:
-        return dict(BLOCK_N=_block_n(rows), BLOCK_V=INTERPRETER_BLOCK_V, BLOCK_K=INTERPRETER_BLOCK_K)
-    return _gpu_config(dtype, rows)
+        return dict(BLOCK_N=_block_n(rows, 16), BLOCK_V=INTERPRETER_BLOCK_V, BLOCK_K=INTERPRETER_BLOCK_K)
+    return _gpu_config(dtype, rows, forward)
 
 
-def _block_n(rows: int) -> int:
-    return min(128, max(16, triton.next_power_of_2(rows)))
+def _block_n(rows: int, smallest: int) -> int:
+    """Fewer rows than 128 take the next power of two (at least `smallest`) rather than computing padding."""
+    return min(128, max(smallest, triton.next_power_of_2(rows)))
 
 
-def _gpu_config(dtype: torch.dtype, rows: int) -> dict:
-    return dict(BLOCK_N=_block_n(rows), BLOCK_V=128, BLOCK_K=32 if dtype == torch.float32 else 64, num_warps=8,
-                num_stages=3)
+def _gpu_config(dtype: torch.dtype, rows: int, forward: bool) -> dict:
+    """Hopper: up to 128 rows over 8 warps, and never fewer than 64 rows, a warpgroup MMA's height (with 32
+    or 16, as few labelled rows would give, sm_90a falls back to MMA). Vocabulary tiles of 128 columns, 64
+    in the forward: its running statistics with a 128 x 128 tile of logits filled the registers (8 bytes
+    spilled on sm_90a). K tiles of 64 (16-bit) or 32 (fp32) keep a pipeline stage at 32 KiB of shared
+    memory at most, so 3 stages fit."""
+    return dict(BLOCK_N=_block_n(rows, 64), BLOCK_V=64 if forward else 128,
+                BLOCK_K=32 if dtype == torch.float32 else 64, num_warps=8, num_stages=3)
 
 
 def _forward_cols_per_split(device: torch.device, rows: int, vocab: int, block_n: int, block_v: int) -> int:
@@ -282,7 +289,7 @@ def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if rows == 0:
         zero = torch.zeros((), dtype=torch.float32, device=x.device)
         return zero, torch.zeros((), dtype=torch.int64, device=x.device), x.new_empty((2, 0), dtype=torch.float32)
-    config = _config(x.dtype, rows)
+    config = _config(x.dtype, rows, forward=True)
     cols_per_split = _forward_cols_per_split(x.device, rows, vocab, config["BLOCK_N"], config["BLOCK_V"])
     splits = triton.cdiv(vocab, cols_per_split)
     stats = torch.empty((4, splits, rows), dtype=torch.float32, device=x.device)
@@ -340,14 +347,20 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     if reduction == "mean":
         coef = coef / labelled.sum().clamp(min=1)
     coef = torch.where(labelled, coef, 0.0).masked_fill(out_of_vocab, float("nan"))  # [N]
-    config = _config(x.dtype, rows)
+    config = _config(x.dtype, rows, forward=False)
     chunk_cols = _backward_chunk_cols(rows, vocab, config["BLOCK_V"])
     dx = torch.zeros((rows, hidden), dtype=torch.float32, device=x.device)
     b = weight if bias is None else bias
     for v0 in range(0, vocab, chunk_cols):
         v1 = min(v0 + chunk_cols, vocab)
-        dz = torch.empty((rows, v1 - v0), dtype=x.dtype, device=x.device)
-        _mlm_loss_bwd_kernel[(triton.cdiv(rows, config["BLOCK_N"]), triton.cdiv(v1 - v0, config["BLOCK_V"]))](
+        # dz's rows start at multiples of DZ_ROW_ALIGNMENT elements, also for a last chunk of odd width
+        # (10,042 columns at N = 2458): Triton specialises the row stride as divisible by 16 and stores
+        # whole vectors (an unaligned stride spilled 180 bytes on sm_90a), and cuBLAS gets an aligned
+        # leading dimension
+        width = v1 - v0
+        dz = torch.empty((rows, triton.cdiv(width, DZ_ROW_ALIGNMENT) * DZ_ROW_ALIGNMENT), dtype=x.dtype,
+                         device=x.device)[:, :width]
+        _mlm_loss_bwd_kernel[(triton.cdiv(rows, config["BLOCK_N"]), triton.cdiv(width, config["BLOCK_V"]))](
             x, weight, b, target, softmax_stats[0], softmax_stats[1], coef, dz,
             rows, vocab, hidden, v0, v1, label_smoothing,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),
