@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastbert.kernels.numerics import cast, dot
+
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_GRID_AXIS = 65535  # CUDA's limit on grid axes 1 and 2 (heads, sequences)
@@ -176,7 +178,7 @@ def _attention_fwd_kernel(
         col_valid = _token_valid(KEY_MASK, stride_mb, stride_ms, b64, cols, lo, hi, HAS_MASK)
         in_cols = cols < hi
         kt = tl.load(kt_ptrs + start_n * stride_ks, mask=in_cols[None, :], other=0.0)
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        s = dot(q, kt, None, DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         s = tl.where(col_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row whose keys so far are all masked has m = -inf; exponentiating against 0 instead keeps
@@ -189,14 +191,14 @@ def _attention_fwd_kernel(
             # the normaliser l sums the probabilities before dropout; only the values are dropped
             p = tl.where(_dropout_keep(seed, b, h, rows[:, None], cols[None, :], dropout_p), p, 0.0)
         v = tl.load(v_ptrs + start_n * stride_vs, mask=in_cols[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + dot(cast(p, v.dtype), v, None, DOT_PRECISION)
         m_i = m_new
 
     # Every token row sees at least itself, so l > 0 on valid rows; padded rows get zeros.
     l_safe = tl.where(row_valid, l_i, 1.0)
     out = tl.where(row_valid[:, None], acc * (keep_scale / l_safe)[:, None], 0.0)
     lse = tl.where(row_valid, m_i + tl.math.log2(l_safe), float("inf"))
-    tl.store(Out + rows[:, None] * stride_os + dims[None, :] * stride_od, out.to(Out.dtype.element_ty),
+    tl.store(Out + rows[:, None] * stride_os + dims[None, :] * stride_od, cast(out, Out.dtype.element_ty),
              mask=in_rows[:, None])
     tl.store(LSE + rows, lse, mask=in_rows)
 
@@ -302,22 +304,22 @@ def _attention_bwd_kernel(
         do = tl.load(do_ptrs + start_m * stride_dos, mask=in_rows[:, None], other=0.0)
         lse = tl.load(LSE + rows, mask=in_rows, other=float("inf"))
         delta = tl.load(DELTA + rows, mask=in_rows, other=0.0)
-        st = tl.dot(k, qt, input_precision=DOT_PRECISION) * scale_log2
+        st = dot(k, qt, None, DOT_PRECISION) * scale_log2
         pt = tl.where(key_valid[:, None], tl.math.exp2(st - lse[None, :]), 0.0)
-        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (dO V^T)^T
+        dpt = dot(v, tl.trans(do), None, DOT_PRECISION)  # (dO V^T)^T
         if DROPOUT:
             keep = _dropout_keep(seed, b, h, rows[None, :], keys[:, None], dropout_p)
             pt_dropped = tl.where(keep, pt * keep_scale, 0.0)
             dpt = tl.where(keep, dpt * keep_scale, 0.0)
         else:
             pt_dropped = pt
-        dv += tl.dot(pt_dropped.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dv += dot(cast(pt_dropped, do.dtype), do, None, DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)
+        dk += dot(cast(dst, qt.dtype), tl.trans(qt), None, DOT_PRECISION)
     dk *= scale
-    tl.store(DK + keys[:, None] * stride_dks + dims[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
+    tl.store(DK + keys[:, None] * stride_dks + dims[None, :] * stride_dkd, cast(dk, DK.dtype.element_ty),
              mask=in_keys[:, None])
-    tl.store(DV + keys[:, None] * stride_dvs + dims[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+    tl.store(DV + keys[:, None] * stride_dvs + dims[None, :] * stride_dvd, cast(dv, DV.dtype.element_ty),
              mask=in_keys[:, None])
 
     # dq of query block pid, on scores s [BLOCK_MAJOR queries, BLOCK_MINOR keys].
@@ -336,16 +338,16 @@ def _attention_bwd_kernel(
         col_valid = _token_valid(KEY_MASK, stride_mb, stride_ms, b64, cols, lo, hi, HAS_MASK)
         kt = tl.load(kt_ptrs + start_n * stride_ks, mask=in_cols[None, :], other=0.0)
         vt = tl.load(vt_ptrs + start_n * stride_vs, mask=in_cols[None, :], other=0.0)
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2
+        s = dot(q, kt, None, DOT_PRECISION) * scale_log2
         p = tl.where(col_valid[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
+        dp = dot(do, vt, None, DOT_PRECISION)
         if DROPOUT:
             keep = _dropout_keep(seed, b, h, rows[:, None], cols[None, :], dropout_p)
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
+        dq += dot(cast(ds, kt.dtype), tl.trans(kt), None, DOT_PRECISION)
     dq *= scale
-    tl.store(DQ + rows[:, None] * stride_dqs + dims[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
+    tl.store(DQ + rows[:, None] * stride_dqs + dims[None, :] * stride_dqd, cast(dq, DQ.dtype.element_ty),
              mask=in_rows[:, None])
 
 

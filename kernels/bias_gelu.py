@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.matmul import DTYPES, INTERPRETER, check_operands, gelu, gelu_grad, matmul_fwd, row_groups
+from fastbert.kernels.matmul import DTYPES, check_operands, gelu, gelu_grad, matmul_fwd, row_groups
+from fastbert.kernels.numerics import INTERPRETER, cast
 
 APPROXIMATIONS = ("none", "tanh")
 LINEAR_BIAS_GELU_FORMS = ("epilogue", "cublas_then_bias_gelu")
@@ -56,7 +57,7 @@ def _bias_gelu_fwd_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
     b = tl.load(bias_ptr + cols, mask=cols < N, other=0.0)
     y = gelu(x.to(tl.float32) + b.to(tl.float32)[None, :], APPROXIMATE)
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], cast(y, y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -88,10 +89,10 @@ def _bias_gelu_bwd_kernel(
         dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=mask, other=0.0)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
         dx = dy.to(tl.float32) * gelu_grad(x.to(tl.float32) + b[None, :], APPROXIMATE)
-        dx = dx.to(dx_ptr.dtype.element_ty)
+        dx = cast(dx, dx_ptr.dtype.element_ty)
         tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dx, mask=mask)
         # Sum the rounded dx, as autograd does for an unfused x + bias.
-        dbias += tl.sum(tl.where(mask, dx.to(tl.float64), 0.0), axis=0)
+        dbias += tl.sum(tl.where(mask, cast(dx, tl.float64), 0.0), axis=0)
     tl.store(dbias_partial_ptr + group * N + cols, dbias, mask=col_mask)
 
 

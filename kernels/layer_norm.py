@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.matmul import INTERPRETER, sm_count
+from fastbert.kernels.matmul import sm_count
+from fastbert.kernels.numerics import INTERPRETER, cast
 
 MAX_HIDDEN = 8192
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -104,7 +105,7 @@ def _layer_norm_fwd_kernel(
     w = tl.load(W + cols, mask=col_exists, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=col_exists, other=0.0).to(tl.float32)
     y = centred * rstd[:, None] * w[None, :] + b[None, :]
-    tl.store(Y + rows[:, None] * H + cols[None, :], y.to(Y.dtype.element_ty), mask=in_tile)
+    tl.store(Y + rows[:, None] * H + cols[None, :], cast(y, Y.dtype.element_ty), mask=in_tile)
     tl.store(MEAN + rows, mean, mask=row_exists)
     tl.store(RSTD + rows, rstd, mask=row_exists)
 
@@ -156,10 +157,10 @@ def _layer_norm_bwd_kernel(
         dh = (g - mean_g[:, None] - xhat * mean_gx[:, None]) * rstd[:, None]
         out_offsets = rows[:, None] * H + cols[None, :]
         if HAS_RESIDUAL:
-            tl.store(DR + out_offsets, dh.to(DR.dtype.element_ty), mask=in_tile)
+            tl.store(DR + out_offsets, cast(dh, DR.dtype.element_ty), mask=in_tile)
         if HAS_DROPOUT:
             dh = tl.where(keep, dh * dropout_scale, 0.0)
-        tl.store(DX + out_offsets, dh.to(DX.dtype.element_ty), mask=in_tile)
+        tl.store(DX + out_offsets, cast(dh, DX.dtype.element_ty), mask=in_tile)
         dw += dy * xhat
         db += dy
     tl.store(DW_PARTIAL + program * H + cols, tl.sum(dw, axis=0), mask=col_exists)

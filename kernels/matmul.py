@@ -24,11 +24,12 @@
 # Offsets are int64 (M * N passes 2**31 for large batches).
 # Sources: Triton tutorial 03-matrix-multiplication; Liger-Kernel's fused linear epilogues.
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from fastbert.kernels.numerics import INTERPRETER, cast, dot
 
 ACTIVATIONS = ("none", "gelu", "gelu_tanh")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -76,14 +77,6 @@ def gelu_grad(z, APPROXIMATE: tl.constexpr):
     else:
         cdf = 0.5 * (1.0 + tl.math.erf(z * _SQRT_HALF))
         return cdf + z * _INV_SQRT_2PI * tl.exp(-0.5 * z * z)
-
-
-# Triton's interpreter (CPU tests) runs each program in numpy at a fixed cost per operation: few,
-# large tiles are what make it fast, so the launchers pick larger tiles under it. Every launcher
-# chooses its tiles by this flag, never by the tensors' device: compiled, they pick the GPU's tiles
-# whatever the tensors claim, which is what lets `fastbert bench --suite compile` compile them for
-# a GPU from meta tensors on a machine without one.
-INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,7 +181,7 @@ def _matmul_fwd_kernel(
         k_left = K - k * BLOCK_K
         a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        acc = dot(a, b, acc, INPUT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
@@ -197,7 +190,7 @@ def _matmul_fwd_kernel(
     out_cols = offs_n.to(tl.int64)
     mask = (out_rows[:, None] < M) & (out_cols[None, :] < N)
     if STORE_PRE:
-        tl.store(pre_ptr + out_rows[:, None] * N + out_cols[None, :], acc.to(pre_ptr.dtype.element_ty), mask=mask)
+        tl.store(pre_ptr + out_rows[:, None] * N + out_cols[None, :], cast(acc, pre_ptr.dtype.element_ty), mask=mask)
     if ACTIVATION == "gelu":
         acc = gelu(acc, "none")
     elif ACTIVATION == "gelu_tanh":
@@ -214,7 +207,7 @@ def _matmul_fwd_kernel(
     else:
         row_off = out_rows * stride_os
         col_off = out_cols * stride_od
-    tl.store(out_ptr + row_off[:, None] + col_off[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row_off[:, None] + col_off[None, :], cast(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
 def check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:

@@ -59,7 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.matmul import INTERPRETER, sm_count
+from fastbert.kernels.matmul import sm_count
+from fastbert.kernels.numerics import INTERPRETER, cast, dot
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 REDUCTIONS = ("mean", "sum")
@@ -98,7 +99,7 @@ def _logits_tile(
         b = tl.load(w_ptr + cols[None, :] * stride_wv + k[:, None] * stride_wh,
                     mask=col_mask[None, :] & in_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_V]
         # "ieee": fp32 inputs must not be rounded to TF32 (the flag is inert for 16-bit inputs)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        acc = dot(a, b, acc, "ieee")
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols * stride_b, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     return acc
@@ -192,7 +193,7 @@ def _mlm_loss_bwd_kernel(
     dz -= tl.where(cols[None, :] == target[:, None], 1.0 - label_smoothing, 0.0)
     # unlabelled rows give exact zeros whatever their logits; a NaN coef (bad target) propagates
     dz = tl.where(coef[:, None] != 0.0, dz * coef[:, None], 0.0)
-    tl.store(dz_ptr + rows[:, None] * stride_dzn + (cols - V0)[None, :], dz.to(dz_ptr.dtype.element_ty),
+    tl.store(dz_ptr + rows[:, None] * stride_dzn + (cols - V0)[None, :], cast(dz, dz_ptr.dtype.element_ty),
              mask=row_mask[:, None] & col_mask[None, :])
 
 

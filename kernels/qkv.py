@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.matmul import DTYPES, INTERPRETER, matmul_fwd, row_groups
+from fastbert.kernels.matmul import DTYPES, matmul_fwd, row_groups
+from fastbert.kernels.numerics import INTERPRETER, cast
 
 # Elements per tile of the gradient gather: as in kernels/bias_gelu.py.
 _TILE_ELEMENTS = 65536 if INTERPRETER else 4096
@@ -51,7 +52,7 @@ def _qkv_bwd_kernel(
         row_off = (rows // seqlen) * stride_b + (rows % seqlen) * stride_s  # [BLOCK_M]
         g = tl.load(grad_ptr + row_off[:, None] + col_off[None, :], mask=mask, other=0.0)
         tl.store(dqkv_ptr + rows[:, None] * (3 * H) + col_offset + cols[None, :], g, mask=mask)
-        dbias += tl.sum(g.to(tl.float64), axis=0)
+        dbias += tl.sum(cast(g, tl.float64), axis=0)
     tl.store(dbias_partial_ptr + group * (3 * H) + col_offset + cols, dbias, mask=col_mask)
 
 

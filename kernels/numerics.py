@@ -1,0 +1,99 @@
+# How every kernel multiplies and rounds: one `dot` and one `cast` that all kernels call instead of
+# tl.dot and .to(dtype), so that Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) computes what
+# the GPU computes.
+#
+# The interpreter runs a kernel in numpy and keeps bf16 values as their raw uint16 bits. Its tl.dot
+# multiplies those bits as integers (bf16 results are garbage), its casts between bf16 and anything but
+# fp32 convert the bits as integers too, and its fp32 -> bf16 cast truncates where the GPU rounds to
+# nearest even. Under the interpreter only, `dot` therefore upcasts bf16 operands to fp32 (exact: a bf16
+# product fits fp32's mantissa, and the GPU's bf16 MMA also accumulates in fp32), and `cast` goes
+# through fp32 and rounds to nearest even from the bits. The choice is a tl.constexpr global fixed when
+# the kernels are defined (the interpreter is chosen then too), so on the GPU the helpers compile to the
+# plain tl.dot and .to: the same PTX and SASS, instruction for instruction.
+#
+# fp32 dots: `dot_precision` reads PyTorch's setting for fp32 matmuls when a launcher runs. "tf32"
+# (torch.backends.cuda.matmul.fp32_precision = "tf32", or the older allow_tf32 = True /
+# set_float32_matmul_precision("high" or "medium")) runs them on tensor cores with 10-bit-mantissa
+# inputs and fp32 accumulation, as cuBLAS then does; "ieee" (PyTorch's default, "highest") keeps exact
+# fp32 products, which have no tensor-core path: several times slower, and register-hungry in the
+# attention kernels. Under the interpreter `dot` rounds fp32 operands to TF32 when asked, so the tests
+# see the precision that was chosen.
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton picks its interpreter when a @triton.jit function is defined, from the same variable. The
+# interpreter (CPU tests) runs each program in numpy at a fixed cost per operation: few, large tiles
+# are what make it fast, so the launchers pick larger tiles under it. Every launcher chooses its tiles
+# by this flag, never by the tensors' device: compiled, they pick the GPU's tiles whatever the tensors
+# claim, which is what lets `fastbert bench --suite compile` compile them for a GPU from meta tensors
+# on a machine without one.
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRETED = tl.constexpr(INTERPRETER)
+_CANONICAL_NAN = tl.constexpr(0x7FC00000)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for operands of `dtype`, as PyTorch would multiply fp32 matrices now:
+    "tf32" when it allows TF32, "ieee" when it asks for full fp32 ("highest", the default). 16-bit
+    operands get "tf32", Triton's default, which does not affect them."""
+    if dtype != torch.float32:
+        return "tf32"
+    # torch >= 2.9 has fp32_precision; once a program sets it, the older getters raise instead of answering
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
+    if precision in ("tf32", "ieee"):
+        return precision
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+@triton.jit
+def _round_fp32(x, DROPPED_BITS: tl.constexpr):
+    """fp32 x rounded to nearest even at 23 - DROPPED_BITS mantissa bits, as uint32 bits (the dropped
+    bits zero); NaN becomes the canonical quiet NaN (the rounding add could carry a NaN into -0)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    half = (1 << (DROPPED_BITS - 1)) - 1
+    rounded = (bits + half + ((bits >> DROPPED_BITS) & 1)) >> DROPPED_BITS << DROPPED_BITS
+    return tl.where(x != x, _CANONICAL_NAN, rounded)
+
+
+@triton.jit
+def _interpreter_cast(x, dtype: tl.constexpr):
+    if x.dtype == tl.bfloat16:
+        x = x.to(tl.float32)  # the one conversion from bf16 the interpreter does from the bits
+    if dtype == tl.bfloat16:
+        bits = _round_fp32(x.to(tl.float32), 16) >> 16
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def cast(x, dtype: tl.constexpr):
+    """x.to(dtype), rounding to nearest even as the GPU does (also under the interpreter)."""
+    if _INTERPRETED:
+        return _interpreter_cast(x, dtype)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _interpreter_dot(a, b, acc, PRECISION: tl.constexpr):
+    if a.dtype == tl.bfloat16:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    elif PRECISION == "tf32":
+        if a.dtype == tl.float32:
+            a = _round_fp32(a, 13).to(tl.float32, bitcast=True)
+            b = _round_fp32(b, 13).to(tl.float32, bitcast=True)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def dot(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b in fp32 (acc fp32, or None for 0; a, b of one dtype): tl.dot with input_precision=PRECISION
+    (from `dot_precision`). Under the interpreter: bf16 operands as fp32 and "tf32" emulated."""
+    if _INTERPRETED:
+        return _interpreter_dot(a, b, acc, PRECISION)
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
