@@ -226,8 +226,8 @@ def _attention_bwd_preprocess_kernel(
     in_rows = rows < n_rows
     out_ptrs = Out + b64 * stride_ob + h64 * stride_oh + (seq_start + rows[:, None]) * stride_os
     do_ptrs = DO + b64 * stride_dob + h64 * stride_doh + (seq_start + rows[:, None]) * stride_dos
-    o = tl.load(out_ptrs + dims[None, :] * stride_od, mask=in_rows[:, None], other=0.0).to(tl.float32)
-    do = tl.load(do_ptrs + dims[None, :] * stride_dod, mask=in_rows[:, None], other=0.0).to(tl.float32)
+    o = cast(tl.load(out_ptrs + dims[None, :] * stride_od, mask=in_rows[:, None], other=0.0), tl.float32)
+    do = cast(tl.load(do_ptrs + dims[None, :] * stride_dod, mask=in_rows[:, None], other=0.0), tl.float32)
     tl.store(DELTA + b64 * stride_lb + h64 * stride_lh + seq_start + rows, tl.sum(o * do, 1), mask=in_rows)
 
 

@@ -56,7 +56,7 @@ def _bias_gelu_fwd_kernel(
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
     b = tl.load(bias_ptr + cols, mask=cols < N, other=0.0)
-    y = gelu(x.to(tl.float32) + b.to(tl.float32)[None, :], APPROXIMATE)
+    y = gelu(cast(x, tl.float32) + cast(b, tl.float32)[None, :], APPROXIMATE)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], cast(y, y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -79,7 +79,7 @@ def _bias_gelu_bwd_kernel(
     col_mask = cols < N
     b = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
-        b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        b = cast(tl.load(bias_ptr + cols, mask=col_mask, other=0.0), tl.float32)
     dbias = tl.zeros((BLOCK_N,), dtype=tl.float64)
     first = group * rows_per_group
     last = tl.minimum(first + rows_per_group, M)
@@ -88,7 +88,7 @@ def _bias_gelu_bwd_kernel(
         mask = (rows[:, None] < last) & col_mask[None, :]
         dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=mask, other=0.0)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
-        dx = dy.to(tl.float32) * gelu_grad(x.to(tl.float32) + b[None, :], APPROXIMATE)
+        dx = cast(dy, tl.float32) * gelu_grad(cast(x, tl.float32) + b[None, :], APPROXIMATE)
         dx = cast(dx, dx_ptr.dtype.element_ty)
         tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dx, mask=mask)
         # Sum the rounded dx, as autograd does for an unfused x + bias.

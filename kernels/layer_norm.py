@@ -65,7 +65,7 @@ def _pre_norm_tile(
     (in_tile when there is no dropout)."""
     # int32 column offsets (the launchers guarantee stride_col * H < 2**31) save registers over int64
     h = tl.load(X + rows[:, None] * stride_x_row + cols[None, :] * stride_x_col, mask=in_tile, other=0.0)
-    h = h.to(tl.float32)
+    h = cast(h, tl.float32)
     keep = in_tile
     if HAS_DROPOUT:
         # int64 offsets: rows * H can pass 2**31
@@ -73,7 +73,7 @@ def _pre_norm_tile(
         h = tl.where(keep, h * dropout_scale, 0.0)
     if HAS_RESIDUAL:
         r = tl.load(R + rows[:, None] * stride_r_row + cols[None, :] * stride_r_col, mask=in_tile, other=0.0)
-        h += r.to(tl.float32)
+        h += cast(r, tl.float32)
     return h, keep
 
 
@@ -102,8 +102,8 @@ def _layer_norm_fwd_kernel(
     centred = tl.where(in_tile, h - mean[:, None], 0.0)
     var = tl.sum(centred * centred, axis=1) / H
     rstd = 1.0 / tl.sqrt(var + eps)
-    w = tl.load(W + cols, mask=col_exists, other=0.0).to(tl.float32)
-    b = tl.load(B + cols, mask=col_exists, other=0.0).to(tl.float32)
+    w = cast(tl.load(W + cols, mask=col_exists, other=0.0), tl.float32)
+    b = cast(tl.load(B + cols, mask=col_exists, other=0.0), tl.float32)
     y = centred * rstd[:, None] * w[None, :] + b[None, :]
     tl.store(Y + rows[:, None] * H + cols[None, :], cast(y, Y.dtype.element_ty), mask=in_tile)
     tl.store(MEAN + rows, mean, mask=row_exists)
@@ -134,7 +134,7 @@ def _layer_norm_bwd_kernel(
     program = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     col_exists = cols < H
-    w = tl.load(W + cols, mask=col_exists, other=0.0).to(tl.float32)
+    w = cast(tl.load(W + cols, mask=col_exists, other=0.0), tl.float32)
     dw = tl.zeros((BLOCK_ROWS, BLOCK_H), dtype=tl.float32)
     db = tl.zeros((BLOCK_ROWS, BLOCK_H), dtype=tl.float32)
     # rows_per_program is a multiple of BLOCK_ROWS, so programs never share a tile
@@ -150,7 +150,7 @@ def _layer_norm_bwd_kernel(
         rstd = tl.load(RSTD + rows, mask=row_exists, other=0.0)
         xhat = tl.where(in_tile, (h - mean[:, None]) * rstd[:, None], 0.0)
         dy_offsets = rows[:, None] * stride_dy_row + cols[None, :] * stride_dy_col
-        dy = tl.load(DY + dy_offsets, mask=in_tile, other=0.0).to(tl.float32)
+        dy = cast(tl.load(DY + dy_offsets, mask=in_tile, other=0.0), tl.float32)
         g = dy * w[None, :]
         mean_g = tl.sum(g, axis=1) / H
         mean_gx = tl.sum(g * xhat, axis=1) / H

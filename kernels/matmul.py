@@ -185,7 +185,7 @@ def _matmul_fwd_kernel(
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
-    acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+    acc += cast(tl.load(bias_ptr + cols), tl.float32)[None, :]
     out_rows = offs_m.to(tl.int64)
     out_cols = offs_n.to(tl.int64)
     mask = (out_rows[:, None] < M) & (out_cols[None, :] < N)

@@ -101,7 +101,7 @@ def _logits_tile(
         # "ieee": fp32 inputs must not be rounded to TF32 (the flag is inert for 16-bit inputs)
         acc = dot(a, b, acc, "ieee")
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols * stride_b, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        acc += cast(tl.load(b_ptr + cols * stride_b, mask=col_mask, other=0.0), tl.float32)[None, :]
     return acc
 
 

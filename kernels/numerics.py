@@ -4,10 +4,11 @@
 #
 # The interpreter runs a kernel in numpy and keeps bf16 values as their raw uint16 bits. Its tl.dot
 # multiplies those bits as integers (bf16 results are garbage), its casts between bf16 and anything but
-# fp32 convert the bits as integers too, and its fp32 -> bf16 cast truncates where the GPU rounds to
-# nearest even. Under the interpreter only, `dot` therefore upcasts bf16 operands to fp32 (exact: a bf16
-# product fits fp32's mantissa, and the GPU's bf16 MMA also accumulates in fp32), and `cast` goes
-# through fp32 and rounds to nearest even from the bits. The choice is a tl.constexpr global fixed when
+# fp32 convert the bits as integers too, its bf16 -> fp32 cast mangles subnormals, and its fp32 -> bf16
+# cast truncates where the GPU rounds to nearest even. Under the interpreter only, `dot` therefore
+# upcasts bf16 operands to fp32 (exact: a bf16 product fits fp32's mantissa, and the GPU's bf16 MMA
+# also accumulates in fp32), and `cast` converts from and to bf16 from the bits, rounding to nearest
+# even. Kernels convert every data value with `cast`, upcasts included, never with .to. The choice is a tl.constexpr global fixed when
 # the kernels are defined (the interpreter is chosen then too), so on the GPU the helpers compile to the
 # plain tl.dot and .to: the same PTX and SASS, instruction for instruction.
 #
@@ -16,8 +17,9 @@
 # set_float32_matmul_precision("high" or "medium")) runs them on tensor cores with 10-bit-mantissa
 # inputs and fp32 accumulation, as cuBLAS then does; "ieee" (PyTorch's default, "highest") keeps exact
 # fp32 products, which have no tensor-core path: several times slower, and register-hungry in the
-# attention kernels. Under the interpreter `dot` rounds fp32 operands to TF32 when asked, so the tests
-# see the precision that was chosen.
+# attention kernels. Under the interpreter `dot` truncates fp32 operands to TF32 when asked, as the
+# tensor cores do (Triton hands them the fp32 registers; they ignore the low 13 mantissa bits), so the
+# tests see the precision that was chosen.
 import os
 
 import torch
@@ -32,7 +34,7 @@ import triton.language as tl
 # on a machine without one.
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INTERPRETED = tl.constexpr(INTERPRETER)
-_CANONICAL_NAN = tl.constexpr(0x7FC00000)
+_CANONICAL_BF16_NAN = tl.constexpr(0x7FC0)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -49,22 +51,24 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _round_fp32(x, DROPPED_BITS: tl.constexpr):
-    """fp32 x rounded to nearest even at 23 - DROPPED_BITS mantissa bits, as uint32 bits (the dropped
-    bits zero); NaN becomes the canonical quiet NaN (the rounding add could carry a NaN into -0)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    half = (1 << (DROPPED_BITS - 1)) - 1
-    rounded = (bits + half + ((bits >> DROPPED_BITS) & 1)) >> DROPPED_BITS << DROPPED_BITS
-    return tl.where(x != x, _CANONICAL_NAN, rounded)
+def _bf16_to_fp32(x):
+    """Exact: bf16 is the top half of fp32 (the interpreter's own conversion mangles subnormals)."""
+    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _interpreter_cast(x, dtype: tl.constexpr):
     if x.dtype == tl.bfloat16:
-        x = x.to(tl.float32)  # the one conversion from bf16 the interpreter does from the bits
+        x = _bf16_to_fp32(x)
     if dtype == tl.bfloat16:
-        bits = _round_fp32(x.to(tl.float32), 16) >> 16
-        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        # round to nearest even from the bits: add just under half a bf16 step, plus one if the kept
+        # last bit is odd, and drop the low 16 bits; NaN becomes the canonical quiet NaN (the add could
+        # carry a NaN's payload into the sign bit)
+        x = x.to(tl.float32)
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, _CANONICAL_BF16_NAN, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return x.to(dtype)
 
 
@@ -80,19 +84,19 @@ def cast(x, dtype: tl.constexpr):
 @triton.jit
 def _interpreter_dot(a, b, acc, PRECISION: tl.constexpr):
     if a.dtype == tl.bfloat16:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
+        a = _bf16_to_fp32(a)
+        b = _bf16_to_fp32(b)
     elif PRECISION == "tf32":
-        if a.dtype == tl.float32:
-            a = _round_fp32(a, 13).to(tl.float32, bitcast=True)
-            b = _round_fp32(b, 13).to(tl.float32, bitcast=True)
+        if a.dtype == tl.float32:  # TF32 keeps 10 of fp32's 23 mantissa bits
+            a = (a.to(tl.uint32, bitcast=True) >> 13 << 13).to(tl.float32, bitcast=True)
+            b = (b.to(tl.uint32, bitcast=True) >> 13 << 13).to(tl.float32, bitcast=True)
     return tl.dot(a, b, acc)
 
 
 @triton.jit
 def dot(a, b, acc, PRECISION: tl.constexpr):
     """acc + a @ b in fp32 (acc fp32, or None for 0; a, b of one dtype): tl.dot with input_precision=PRECISION
-    (from `dot_precision`). Under the interpreter: bf16 operands as fp32 and "tf32" emulated."""
+    (from `dot_precision`). Under the interpreter: bf16 operands as fp32, and "tf32" truncates fp32 ones."""
     if _INTERPRETED:
         return _interpreter_dot(a, b, acc, PRECISION)
     else:

@@ -1,0 +1,115 @@
+"""kernels/numerics.py: the `dot` and `cast` every kernel uses. Under Triton's interpreter they compute
+what the GPU computes (bf16 dots from the values, not the bits; fp32 -> bf16 rounded to nearest even;
+TF32 operands when asked); compiled for a GPU they are exactly tl.dot and .to (same PTX)."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from fastbert.kernels.numerics import cast, dot
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="checks the interpreter's path")
+
+
+@triton.jit
+def _cast_kernel(x_ptr, y_ptr, back_ptr, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    y = cast(tl.load(x_ptr + offsets), y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offsets, y)
+    tl.store(back_ptr + offsets, cast(y, back_ptr.dtype.element_ty))
+
+
+def test_cast_to_bf16_rounds_to_nearest_even_as_torch():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([
+        torch.randn(4084, generator=gen) * 10.0 ** torch.randint(-40, 38, (4084,), generator=gen),
+        torch.tensor([float("nan"), float("inf"), -float("inf"), 3.4e38, -3.4e38, 1e-40, -0.0, 0.0]),
+        # ties: exactly half a bf16 step above 1 and above 1 + 2**-7 (to even: down, then up)
+        torch.tensor([1.0 + 2.0**-8, 1.0 + 2.0**-7 + 2.0**-8]),
+        torch.tensor([0x7FFFFFFF, 0xFFFFFFFF - 2**32], dtype=torch.int64).to(torch.int32).view(torch.float32),
+    ])
+    y = torch.empty(4096, dtype=torch.bfloat16)
+    back = torch.empty(4096, dtype=torch.float64)
+    _cast_kernel[(1,)](x, y, back, N=4096)
+    expected = x.to(torch.bfloat16)
+    finite = ~expected.isnan()
+    assert torch.equal(y.isnan(), ~finite)
+    assert torch.equal(y[finite].view(torch.int16), expected[finite].view(torch.int16))
+    # and bf16 -> fp64 from the value (the interpreter alone converts the raw bits as an integer)
+    assert torch.equal(back[finite], expected[finite].double())
+
+
+@triton.jit
+def _dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, PRECISION: tl.constexpr):
+    rows = tl.arange(0, M)
+    tile = rows[:, None] * M + rows[None, :]
+    acc = tl.full((M, M), 1.0, tl.float32)
+    tl.store(c_ptr + tile, dot(tl.load(a_ptr + tile), tl.load(b_ptr + tile), acc, PRECISION))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_dot(dtype, precision):
+    """1 + a @ b with fp32 accumulation; "tf32" truncates fp32 operands to 10 mantissa bits as tensor
+    cores do (error ~1e-3 relative), and changes nothing for 16-bit operands."""
+    gen = torch.Generator().manual_seed(1)
+    a, b = (torch.randn(32, 32, generator=gen).to(dtype) for _ in range(2))
+    out = torch.empty(32, 32)
+    _dot_kernel[(1,)](a, b, out, M=32, PRECISION=precision)
+    error = (out.double() - (1.0 + a.double() @ b.double())).abs().max().item()
+    if dtype == torch.float32 and precision == "tf32":
+        tf32 = [t.view(torch.int32).bitwise_and(-(1 << 13)).view(torch.float32) for t in (a, b)]
+        assert 1e-3 < error and torch.allclose(out.double(), 1.0 + tf32[0].double() @ tf32[1].double(), atol=1e-4)
+    else:
+        assert error < 1e-4  # fp32 accumulation of exact products: 32 terms of size ~1
+
+
+PROBE = textwrap.dedent('''
+    import os, re, sys
+    import triton, triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from fastbert.kernels.numerics import cast, dot
+
+    @triton.jit
+    def with_helpers(a_ptr, b_ptr, c_ptr, PRECISION: tl.constexpr):
+        rows = tl.arange(0, 64)
+        tile = rows[:, None] * 64 + rows[None, :]
+        acc = dot(tl.load(a_ptr + tile), tl.load(b_ptr + tile), None, PRECISION)
+        tl.store(c_ptr + tile, cast(acc, c_ptr.dtype.element_ty))
+
+    @triton.jit
+    def plain(a_ptr, b_ptr, c_ptr, PRECISION: tl.constexpr):
+        rows = tl.arange(0, 64)
+        tile = rows[:, None] * 64 + rows[None, :]
+        acc = tl.dot(tl.load(a_ptr + tile), tl.load(b_ptr + tile), None, input_precision=PRECISION)
+        tl.store(c_ptr + tile, acc.to(c_ptr.dtype.element_ty))
+
+    for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee"), ("fp32", "tf32")):
+        ptx = []
+        for fn in (with_helpers, plain):
+            source = ASTSource(fn, {"a_ptr": "*" + dtype, "b_ptr": "*" + dtype, "c_ptr": "*" + dtype,
+                                    "PRECISION": "constexpr"}, {"PRECISION": precision})
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+            # the name, and the comments' alignment to its length, are all that may differ
+            text = compiled.asm["ptx"].replace(fn.__name__, "KERNEL")
+            ptx.append([line.split("//")[0].split() for line in text.splitlines()])
+        print(dtype, precision, "same" if ptx[0] == ptx[1] else "DIFFERENT")
+''')
+
+
+def test_helpers_compile_to_plain_dot_and_cast(tmp_path):
+    """Compiled for sm_90 (no GPU needed), a kernel written with dot/cast gives the PTX of the one written
+    with tl.dot/.to, for bf16 and for fp32 with both precisions."""
+    probe = tmp_path / "probe.py"  # Triton reads a kernel's source from its file
+    probe.write_text(PROBE)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DISABLE_LINE_INFO"] = "1"  # source line numbers differ between the two kernels
+    result = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[:3] == ["bf16 tf32 same", "fp32 ieee same", "fp32 tf32 same"], result.stdout
