@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks, on one H100 or H200 in the environment DESIGN.md names:
 #   benchmarks/gpu_check.sh OUTDIR [tests|bench|all]   (default all)
-# tests: every kernel test on the GPU (bf16 included: the interpreter cannot check bf16) and the whole model
-#        on the Triton path, as JUnit XML + log in OUTDIR. A few minutes, mostly Triton autotuning.
+# tests: every kernel test on the GPU (the full-size `gpu` cases too: the interpreter runs smaller ones) and
+#        the whole model on the Triton path, as JUnit XML + log in OUTDIR. A few minutes, mostly Triton autotuning.
 # bench: benchmarks/run_gpu.sh OUTDIR (under 10 minutes), then PERF.md regenerated from OUTDIR.
 # On a machine that limits one command to 10 minutes, run `tests` and `bench` as two commands.
 set -uo pipefail

@@ -34,7 +34,8 @@ def one_thread():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (bf16 kernels, timings)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU for speed or size (full-size cases, timings); "
+                                       "every dtype, bf16 included, is tested in the interpreter at smaller sizes")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,6 @@
 """kernels/attention.py against the float64 reference (fastbert.reference.attention) with DESIGN.md's
-tolerance rule, on CPU under TRITON_INTERPRET=1 (fp32, fp16) and on a GPU (bf16): padded batches with a
-fully padded sequence and arbitrary masks, packed (varlen) batches, dropout, determinism,
+tolerance rule, on CPU under TRITON_INTERPRET=1 (fp32, fp16, bf16; long sequences on a GPU): padded batches
+with a fully padded sequence and arbitrary masks, packed (varlen) batches, dropout, determinism,
 torch.compile tracing and input errors."""
 import pytest
 import torch
@@ -55,7 +55,7 @@ def assert_matches_reference(kernel_fn, reference_fn, q, k, v, dout):
     return out, grads
 
 
-# Every listed length, both dtypes, head dims 32/64/128, heads 2-4, both layouts and all mask kinds
+# Every listed length, the three dtypes, head dims 32/64/128, heads 2-4, both layouts and all mask kinds
 # appear; not their full product (the interpreter is slow).
 CASES = [
     # (S, dtype, head_dim, heads, layout, mask kind, scale)
@@ -68,10 +68,14 @@ CASES = [
     (129, torch.float16, 64, 2, "qkv_buffer", "right", None),
     (257, torch.float32, 32, 2, "qkv_buffer", "arbitrary", None),
     (257, torch.float16, 64, 2, "contiguous", "right", None),
+    (1, torch.bfloat16, 64, 2, "contiguous", "right", None),
+    (37, torch.bfloat16, 32, 2, "qkv_buffer", "none", 0.5),
+    (97, torch.bfloat16, 64, 3, "qkv_buffer", "right", None),
+    (129, torch.bfloat16, 128, 2, "contiguous", "arbitrary", None),
 ]
 
 
-@pytest.mark.parametrize("seqlen,dtype,head_dim,heads,layout,mask_kind,scale", CASES)
+@pytest.mark.parametrize("seqlen,dtype,head_dim,heads,layout,mask_kind,scale", CASES, ids=str)
 def test_attention_matches_reference(device, seqlen, dtype, head_dim, heads, layout, mask_kind, scale):
     torch.manual_seed(seqlen)
     batch = 4
@@ -252,9 +256,10 @@ def test_torch_compile_traces_without_graph_breaks(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seqlen,head_dim,mask_kind", [(97, 64, "right"), (512, 64, "arbitrary"),
-                                                       (1000, 128, "right"), (4096, 32, "right")])
-def test_attention_bf16_gpu(device, seqlen, head_dim, mask_kind):
+@pytest.mark.parametrize("seqlen,head_dim,mask_kind", [(512, 64, "arbitrary"), (1000, 128, "right"),
+                                                       (4096, 32, "right")])
+def test_attention_bf16_long_sequences(device, seqlen, head_dim, mask_kind):
+    """BERT's longest sequences and beyond (slow in the interpreter)."""
     torch.manual_seed(seqlen)
     batch, heads = 4, 3
     q, k, v = make_qkv(batch, heads, seqlen, head_dim, torch.bfloat16, device, "qkv_buffer")

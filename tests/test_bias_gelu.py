@@ -8,7 +8,7 @@ from tolerance import GRADIENT_FACTOR, assert_within_rule
 from fastbert import ops, reference
 from fastbert.kernels import bias_gelu as kernel
 
-DTYPES = [torch.float32, torch.float16]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _run(fn, inputs, grad_out):
@@ -29,7 +29,7 @@ def _check_against_reference(fn, ref_fn, inputs, grad_out, names):
         assert_within_rule(name, g, tg, eg, GRADIENT_FACTOR)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("rows, hidden", [(1, 384), (7, 1000), (113, 768), (1000, 1024)])
 def test_bias_gelu_matches_reference(rows, hidden, approximate, dtype, device):
@@ -41,7 +41,7 @@ def test_bias_gelu_matches_reference(rows, hidden, approximate, dtype, device):
                              lambda a, b: reference.bias_gelu(a, b, approximate), [x, bias], dy, ["dx", "dbias"])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_bias_gelu_noncontiguous_and_batched(dtype, device):
     torch.manual_seed(0)
     # [S, B, H] transposed to [B, S, H]: the leading dims do not merge, so x is read through a copy;
@@ -57,7 +57,7 @@ def test_bias_gelu_noncontiguous_and_batched(dtype, device):
 
 
 @pytest.mark.parametrize("form", kernel.LINEAR_BIAS_GELU_FORMS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows, in_features, out_features, approximate",
                          [(1, 384, 1536, "none"), (7, 1000, 384, "tanh"), (113, 768, 1000, "none"),
                           (1000, 1024, 384, "tanh")])
@@ -167,7 +167,8 @@ def test_bad_inputs(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
-def test_bf16_gpu(approximate, device):
+def test_bf16_full_size(approximate, device):
+    """The FFN up-projection at BERT-large's width: 1000 x 1024 x 4096 (slow in the interpreter)."""
     torch.manual_seed(6)
     x = torch.randn(1000, 1024, device=device, dtype=torch.bfloat16)
     weight = torch.randn(4096, 1024, device=device, dtype=torch.bfloat16) / 32

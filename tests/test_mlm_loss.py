@@ -92,11 +92,14 @@ CASES = [
     (3, 1, 30522, 768, torch.float32, "mean", 0.1, -100, True),
     (3, 1, 30522, 768, torch.float16, "sum", 0.0, 7, True),
     (40, 37, 30522, 384, torch.float32, "mean", 0.2, -100, True),
+    (50, 37, 1000, 384, torch.bfloat16, "mean", 0.1, -100, True),
+    (320, 300, 1000, 768, torch.bfloat16, "sum", 0.0, 3, False),
+    (3, 1, 30522, 768, torch.bfloat16, "mean", 0.1, -100, True),
 ]
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("rows,labelled,vocab,hidden,dtype,reduction,smoothing,ignore,bias", CASES)
+@pytest.mark.parametrize("rows,labelled,vocab,hidden,dtype,reduction,smoothing,ignore,bias", CASES, ids=str)
 def test_matches_float64(impl, rows, labelled, vocab, hidden, dtype, reduction, smoothing, ignore, bias, device):
     x, weight, b, target = _make_inputs(rows, labelled, vocab, hidden, dtype, device, ignore, bias)
     _assert_matches_float64(impl, x, weight, b, target, ignore_index=ignore, reduction=reduction,
@@ -112,7 +115,7 @@ def test_confident_rows_keep_fp32_precision(device):
     _assert_matches_float64("triton", x, weight, bias, target, reduction="sum")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_gpu_tiles_odd_sizes_strided_inputs(dtype, device, monkeypatch):
     """GPU tile sizes (vocabulary splits, partial K and V tiles), odd H and V, non-contiguous x and
     weight, int32 targets, and a backward cut into several vocabulary chunks."""
@@ -242,7 +245,8 @@ def test_bad_inputs_raise(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_bf16_matches_float64(impl, device):
+def test_bf16_pretraining_size(impl, device):
+    """The pretraining shape: 2458 labelled rows (B=32, S=512, 15%), BERT's vocabulary and width."""
     x, weight, bias, target = _make_inputs(2458, 2458, 30522, 768, torch.bfloat16, device)
     _assert_matches_float64(impl, x, weight, bias, target, label_smoothing=0.1)
 

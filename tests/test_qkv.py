@@ -8,7 +8,7 @@ from tolerance import GRADIENT_FACTOR, assert_within_rule
 from fastbert import ops, reference
 from fastbert.kernels import qkv as kernel
 
-DTYPES = [torch.float32, torch.float16]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _run(fn, inputs, grads_out):
@@ -53,7 +53,7 @@ def _check_against_reference(x, weight, bias, num_heads, grads):
     return outs
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape, num_heads", [((1, 1, 384), 6), ((1, 7, 1000), 8), ((3, 37, 768), 12),
                                               ((2, 500, 384), 6)])
 def test_padded_layout_matches_reference(shape, num_heads, dtype, device):
@@ -66,7 +66,7 @@ def test_padded_layout_matches_reference(shape, num_heads, dtype, device):
     assert k.data_ptr() - q.data_ptr() == v.data_ptr() - k.data_ptr() == q.numel() * q.element_size()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens, hidden, num_heads", [(1, 1024, 16), (7, 384, 12), (113, 1024, 16),
                                                        (113, 1000, 8)])
 def test_packed_layout_matches_reference(tokens, hidden, num_heads, dtype, device):
@@ -138,7 +138,8 @@ def test_bad_inputs(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape, num_heads", [((4, 512, 768), 12), ((1000, 1024), 16)])
-def test_bf16_gpu(shape, num_heads, device):
+def test_bf16_full_size(shape, num_heads, device):
+    """BERT-base and -large widths at full batch (slow in the interpreter)."""
     x, weight, bias = _inputs(shape, torch.bfloat16, device, seed=4)
     like = (torch.empty(shape[0], num_heads, shape[1], shape[-1] // num_heads) if len(shape) == 3
             else torch.empty(shape[0], num_heads, shape[-1] // num_heads))
