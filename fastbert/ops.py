@@ -8,6 +8,11 @@ kernel (`fastbert.kernels.<op>`) and the pure-PyTorch reference (`fastbert.refer
   otherwise it raises RuntimeError rather than silently running something else.
 - torch: the reference, everywhere.
 Arguments are checked here, before any kernel runs, with errors that name the argument.
+
+fp32 inputs to the matmul-type kernels (QKV projection, attention, the FFN up-projection, the MLM loss)
+multiply as PyTorch's own fp32 matmuls do at the time of the call: in TF32 on tensor cores when PyTorch
+allows it (`torch.backends.cuda.matmul.fp32_precision = "tf32"`, or `torch.set_float32_matmul_precision`
+"high" / "medium"), else in exact IEEE fp32 (PyTorch's default, "highest"), which is several times slower.
 """
 from __future__ import annotations
 

@@ -24,8 +24,9 @@
 # padded and packed layouts of the same batch draw the same mask. The seed is an int64 tensor drawn with
 # torch's generator on the tensors' device (no host sync; torch.manual_seed reproduces a mask).
 #
-# Limits. Head dim 32, 64 or 128; fp32, fp16 or bf16 (q, k, v of one dtype; fp32 dots use IEEE fp32, not
-# TF32, so fp32 results match fp32 references); any sequence length (blocks are masked, not padded);
+# Limits. Head dim 32, 64 or 128; fp32, fp16 or bf16 (q, k, v of one dtype; fp32 dots run in TF32 on tensor
+# cores when PyTorch allows TF32 matmuls, else in exact IEEE fp32, PyTorch's default and the tests':
+# several times slower, without tensor cores and with large register spills); any sequence length (blocks are masked, not padded);
 # heads and batch up to 65535 (grid axes); q, k, v and the output gradient with any strides (offsets
 # across sequences and heads are int64; offsets inside one sequence must fit int32, checked). Block sizes
 # are autotuned on the GPU per (sequence length bucket, head dim, dtype, flags); the autotuned choice is
@@ -43,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.numerics import cast, dot
+from fastbert.kernels.numerics import cast, dot, dot_precision
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -63,7 +64,7 @@ def _configs(gpu_shapes, interpreter_shape, names=("BLOCK_M", "BLOCK_N")):
 # Keyed by the sequence-length bucket, not the length, so that varying batch lengths do not retune; not
 # by the layout (VARLEN, HAS_MASK), so a packed batch runs the blocks of its padded twin and gives its
 # bitwise results (the dtype is part of every key).
-AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "DROPOUT"]
+AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "DROPOUT", "DOT_PRECISION"]
 # Forward: large query blocks amortise the K/V loads; 8 warps for 128 x 128 tiles.
 FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3),
                         (64, 32, 4, 2)], (128, 64, 4, 1))
@@ -140,7 +141,7 @@ def _attention_fwd_kernel(
     scale_log2,  # scale * log2(e)
     dropout_p, keep_scale,  # keep_scale = 1 / (1 - dropout_p)
     HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32), the default otherwise
+    DOT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (kernels/numerics.py dot_precision)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -257,7 +258,7 @@ def _attention_bwd_kernel(
     stride_lb, stride_lh, stride_mb, stride_ms,
     seqlen, seqlen_bucket, scale, scale_log2, dropout_p, keep_scale,
     HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32), the default otherwise
+    DOT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (kernels/numerics.py dot_precision)
     BLOCK_MAJOR: tl.constexpr,  # the keys of the dk/dv phase and the queries of the dq phase
     BLOCK_MINOR: tl.constexpr,  # the blocks each phase streams through: queries, then keys
 ):
@@ -456,7 +457,7 @@ def _launch_meta(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, sca
                    scale_log2=scale * LOG2E, dropout_p=dropout_p, keep_scale=1.0 / (1.0 - dropout_p))
     flags = dict(HEAD_DIM=q.shape[-1], VARLEN=varlen, HAS_MASK=key_mask is not None and not varlen,
                  DROPOUT=seed is not None and dropout_p > 0.0,
-                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+                 DOT_PRECISION=dot_precision(q.dtype))
     return (heads, batch), pointers, (stride_mb, stride_ms), scalars, flags
 
 

@@ -9,8 +9,9 @@
 # Algorithm: the tiled matmul of Triton's matmul tutorial: one program per [BLOCK_M, BLOCK_N] output
 # tile, tiles visited in GROUP_M-row super-groups so neighbouring programs share weight tiles in L2,
 # fp32 accumulation over BLOCK_K slices of K (masked on the last slice), the epilogue in fp32, one
-# rounding to the output dtype. fp32 operands use input_precision="ieee" (no TF32), so fp32 results
-# match torch's fp32 matmul rather than a 10-bit-mantissa approximation of it.
+# rounding to the output dtype. fp32 operands multiply as PyTorch's fp32 matmuls do at the time of the
+# call (kernels/numerics.py `dot_precision`): TF32 on tensor cores when PyTorch allows it, else exact
+# IEEE fp32 (PyTorch's default, and the tests'), which runs without tensor cores and is several times slower.
 #
 # The GELU and its derivative live here, as the epilogue's activations; the elementwise kernels of
 # kernels/bias_gelu.py use the same two functions, so both forms compute identical GELUs.
@@ -29,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.numerics import INTERPRETER, cast, dot
+from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_precision
 
 ACTIVATIONS = ("none", "gelu", "gelu_tanh")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -154,7 +155,7 @@ def _matmul_fwd_kernel(
     SPLIT_HEADS: tl.constexpr,
     ACTIVATION: tl.constexpr,  # "none", "gelu" (erf) or "gelu_tanh"
     STORE_PRE: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands, None (the default) for fp16/bf16
+    INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (kernels/numerics.py dot_precision)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -267,5 +268,5 @@ def matmul_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: t
         seqlen, heads, stride_ob, stride_os, stride_o3, stride_oh, stride_od,
         HEAD_DIM=head_dim if out.dim() == 5 else 1, SPLIT_HEADS=out.dim() == 5,
         ACTIVATION=activation, STORE_PRE=pre is not None,
-        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+        INPUT_PRECISION=dot_precision(x.dtype),
     )

@@ -8,7 +8,8 @@
 #   num_correct = labelled rows whose first argmax of z is t
 #
 # Forward: one Triton kernel over (row block, vocabulary split). For each [BLOCK_N, BLOCK_V] tile it
-# computes the logits with tl.dot over H (fp32 accumulation, IEEE fp32 dots for fp32 inputs) and
+# computes the logits with tl.dot over H (fp32 accumulation; fp32 inputs in TF32 or IEEE fp32 as PyTorch's
+# fp32 matmuls at the time of the call, see kernels/numerics.py: IEEE is exact and several times slower) and
 # folds them into per-row running statistics: an online log-sum-exp (max, sum of exp(z - max)), the
 # target's logit, the sum of logits and the first argmax. The vocabulary is split across programs so
 # that few rows (N = 2458 is 20 row blocks) still fill the GPU; a few torch ops merge the [splits, N]
@@ -60,7 +61,7 @@ import triton
 import triton.language as tl
 
 from fastbert.kernels.matmul import sm_count
-from fastbert.kernels.numerics import INTERPRETER, cast, dot
+from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_precision
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 REDUCTIONS = ("mean", "sum")
@@ -86,7 +87,8 @@ def _logits_tile(
     rows, row_mask,  # [BLOCK_N] int64 row indices and rows < N
     cols, col_mask,  # [BLOCK_V] int64 vocabulary indices and which of them this tile owns
     H, stride_xn, stride_xh, stride_wv, stride_wh, stride_b,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """fp32 logits x[rows] W[cols]^T + b[cols], [BLOCK_N, BLOCK_V]; masked rows and columns read zeros."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
@@ -98,8 +100,7 @@ def _logits_tile(
                     mask=row_mask[:, None] & in_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         b = tl.load(w_ptr + cols[None, :] * stride_wv + k[:, None] * stride_wh,
                     mask=col_mask[None, :] & in_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_V]
-        # "ieee": fp32 inputs must not be rounded to TF32 (the flag is inert for 16-bit inputs)
-        acc = dot(a, b, acc, "ieee")
+        acc = dot(a, b, acc, DOT_PRECISION)
     if HAS_BIAS:
         acc += cast(tl.load(b_ptr + cols * stride_b, mask=col_mask, other=0.0), tl.float32)[None, :]
     return acc
@@ -118,7 +119,9 @@ def _mlm_loss_fwd_kernel(
     argmax_ptr,  # [splits, N] int64 out: first column of the split holding its max
     N, V, H, cols_per_split,
     stride_xn, stride_xh, stride_wv, stride_wh, stride_b, stride_t,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (kernels/numerics.py dot_precision)
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     split = tl.program_id(1)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,7 +142,7 @@ def _mlm_loss_fwd_kernel(
         col_mask = cols < v_end
         z = _logits_tile(x_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, H,
                          stride_xn, stride_xh, stride_wv, stride_wh, stride_b,
-                         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K)
+                         HAS_BIAS, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
         # Element-wise tests use the in-tile column offs_v (int32), v0 added after the reductions: an int64
         # [BLOCK_N, BLOCK_V] index tile costs two registers per element and made the 16-bit sm_90 build spill
         in_tile = offs_v < (v_end - v0).to(tl.int32)
@@ -175,7 +178,8 @@ def _mlm_loss_bwd_kernel(
     dz_ptr,  # [N, V1 - V0] out, x's dtype, row stride stride_dzn: d loss / d z for columns [V0, V1)
     N, V, H, V0, V1, label_smoothing,
     stride_xn, stride_xh, stride_wv, stride_wh, stride_b, stride_t, stride_dzn,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,  # as in the forward
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # d loss_row / d z_v = softmax(z)_v - (1 - e) [v == t] - e / V, with softmax(z)_v = exp((z_v - m) - s)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -184,7 +188,7 @@ def _mlm_loss_bwd_kernel(
     col_mask = cols < V1
     z = _logits_tile(x_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, H,
                      stride_xn, stride_xh, stride_wv, stride_wh, stride_b,
-                     HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K)
+                     HAS_BIAS, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
     row_max = tl.load(max_ptr + rows, mask=row_mask, other=0.0)
     log_sumexp = tl.load(log_sumexp_ptr + rows, mask=row_mask, other=float("inf"))  # padding rows: exp(.) = 0
     coef = tl.load(coef_ptr + rows, mask=row_mask, other=0.0)
@@ -301,7 +305,7 @@ def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         x, weight, b, target, split_max, split_sumexp, target_logit, logit_sum, split_argmax,
         rows, vocab, x.shape[1], cols_per_split,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),
-        target.stride(0), HAS_BIAS=bias is not None, **config,
+        target.stride(0), HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype), **config,
     )
     # merge the splits: s = log sum_s sumexp_s exp(max_s - m) with m the overall max; the first
     # split holding m has the first argmax (torch.argmax returns the first maximal index)
@@ -365,7 +369,8 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
             x, weight, b, target, softmax_stats[0], softmax_stats[1], coef, dz,
             rows, vocab, hidden, v0, v1, label_smoothing,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),
-            target.stride(0), dz.stride(0), HAS_BIAS=bias is not None, **config,
+            target.stride(0), dz.stride(0), HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype),
+            **config,
         )
         torch.mm(dz.t(), x, out=dweight[v0:v1])
         if bias is not None:

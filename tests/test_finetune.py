@@ -18,6 +18,7 @@ import fastbert.cli
 from fastbert.finetune import FinetuneConfig, finetune
 from fastbert.finetune import cli as finetune_cli
 from fastbert.finetune.readers import DataError
+from fastbert.finetune.train import uses_bf16_autocast
 
 POSITIVE = ["great", "good", "fine", "nice"]
 NEGATIVE = ["bad", "awful", "poor", "sad"]
@@ -220,10 +221,24 @@ def test_cli_jsonl_columns_and_paper_recipe(tmp_path, tiny_model, capsys):
     assert "best (epoch 1): accuracy" in capsys.readouterr().out
     saved = json.loads(open_text(out, "finetune_config.json"))
     assert saved["batch_size"] == 32 and saved["epochs"] == 3 and saved["dropout"] == 0.1
-    assert saved["learning_rate"] == 5e-5
+    assert saved["learning_rate"] == 5e-5 and saved["precision"] == "auto"
     results = json.loads(open_text(out, "eval_results.json"))
     assert results["history"][0]["step"] == 2
     assert finetune_cli.parser().parse_args([*argv, "--learning-rate", "1e-4"]).learning_rate == 1e-4  # off the grid
+
+
+def test_precision_auto_is_bf16_autocast_on_a_gpu_with_bf16(monkeypatch):
+    """The default precision, "auto", autocasts to bf16 on a GPU that supports it and stays fp32
+    elsewhere, as pretrain does; "bf16" off CUDA is refused."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert FinetuneConfig("classification", "m", "t").precision == "auto"
+    assert not uses_bf16_autocast("auto", cpu)
+    for supported in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: supported)
+        assert uses_bf16_autocast("auto", gpu) == supported
+    assert uses_bf16_autocast("bf16", gpu) and not uses_bf16_autocast("fp32", gpu)
+    with pytest.raises(ValueError, match="bf16 autocast needs a CUDA device"):
+        uses_bf16_autocast("bf16", cpu)
 
 
 def test_bad_input_names_file_and_line(tmp_path, tiny_model, capsys):

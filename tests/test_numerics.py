@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastbert import ops
 from fastbert.kernels.numerics import cast, dot
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="checks the interpreter's path")
@@ -113,3 +114,56 @@ def test_helpers_compile_to_plain_dot_and_cast(tmp_path):
     result = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split("\n")[:3] == ["bf16 tf32 same", "fp32 ieee same", "fp32 tf32 same"], result.stdout
+
+
+def _fp32_matmul_precision(api: str):
+    """Set PyTorch's fp32 matmul precision through one of its APIs: (set, restore) callables."""
+    matmul = torch.backends.cuda.matmul
+    if api == "fp32_precision":  # torch >= 2.9
+        before = matmul.fp32_precision
+        return (lambda tf32: setattr(matmul, "fp32_precision", "tf32" if tf32 else "ieee"),
+                lambda: setattr(matmul, "fp32_precision", before))
+    before = torch.get_float32_matmul_precision()
+    return (lambda tf32: torch.set_float32_matmul_precision("high" if tf32 else "highest"),
+            lambda: torch.set_float32_matmul_precision(before))
+
+
+def _fp32_kernel_runs():
+    """(name, run) for every matmul-type kernel through fastbert.ops: run() -> (fp32 result, float64 reference)."""
+    gen = torch.Generator().manual_seed(2)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    x, w, b = randn(16, 256), randn(128, 256) / 16, randn(128)
+    q, k, v = randn(1, 2, 40, 32), randn(1, 2, 40, 32), randn(1, 2, 40, 32)
+    h, decoder, target = randn(8, 64), randn(100, 64), torch.arange(8) * 7
+
+    def both(fn, *args):
+        return fn(*(a.float() for a in args), backend="triton"), fn(*args, backend="torch")
+
+    return [
+        ("matmul (FFN up-projection)", lambda: both(ops.linear_bias_gelu, x, w, b)),
+        ("matmul (QKV projection)", lambda: [t[0] for t in both(lambda *a, backend: ops.qkv_projection(
+            *a, 2, backend=backend), x, randn(768, 256) / 16, randn(768))]),
+        ("attention", lambda: both(ops.attention, q, k, v)),
+        ("mlm_loss", lambda: [t[0] for t in both(lambda *a, backend: ops.linear_cross_entropy(
+            *a, target, backend=backend), h, decoder, randn(100))]),
+    ]
+
+
+@pytest.mark.parametrize("api", ["fp32_precision", "set_float32_matmul_precision"])
+@pytest.mark.parametrize("name,run", _fp32_kernel_runs(), ids=[name for name, _ in _fp32_kernel_runs()])
+def test_fp32_dots_follow_torch_precision(api, name, run):
+    """fp32 through every matmul-type kernel: exact fp32 products when PyTorch says "highest" / "ieee"
+    (errors ~1e-6), TF32's 10-bit operands when it allows TF32 (errors ~1e-3), read at each call."""
+    set_tf32, restore = _fp32_matmul_precision(api)
+    try:
+        errors = {}
+        for tf32 in (False, True, False):
+            set_tf32(tf32)
+            out, exact = run()
+            errors.setdefault(tf32, []).append((out.double() - exact).abs().max().item())
+    finally:
+        restore()
+    assert max(errors[False]) < 2e-5 < 1e-4 < errors[True][0], errors

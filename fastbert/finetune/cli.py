@@ -12,7 +12,7 @@ import sys
 
 from fastbert.cli import run_command
 from fastbert.finetune.readers import TABLE_FORMATS
-from fastbert.finetune.train import PAPER_LEARNING_RATES, TASKS, FinetuneConfig, finetune
+from fastbert.finetune.train import PAPER_LEARNING_RATES, PRECISIONS, TASKS, FinetuneConfig, finetune
 
 
 def parser() -> argparse.ArgumentParser:
@@ -66,7 +66,8 @@ def parser() -> argparse.ArgumentParser:
     run = p.add_argument_group("run")
     run.add_argument("--device", help="default: cuda when available, else cpu")
     run.add_argument("--backend", choices=("auto", "triton", "torch"), help="default: the checkpoint's config")
-    run.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA)")
+    run.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
+                     help="auto (default): bf16 autocast on a GPU that supports it, fp32 elsewhere")
     run.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 

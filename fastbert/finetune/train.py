@@ -31,11 +31,13 @@ from fastbert.finetune.loading import checkpoint_directory, load_checkpoint, res
 from fastbert.finetune.squad import QuestionAnsweringTask
 from fastbert.finetune.tasks import ChoiceTask, Columns, SequenceTask, Task, TokenTask
 from fastbert.train.optim import linear_warmup_decay, param_groups
+from fastbert.train.run import compute_dtype
 
 TASKS = ("classification", "regression", "token-classification", "question-answering", "multiple-choice")
 PAPER_LEARNING_RATES = (2e-5, 3e-5, 4e-5, 5e-5)  # the paper's fine-tuning grid (appendix A.3)
 CONFIG_FILE = "finetune_config.json"  # marks a directory as a `fastbert finetune` output
 LOWER_IS_BETTER = ("mse", "loss")
+PRECISIONS = ("auto", "fp32", "bf16")
 logger = logging.getLogger("fastbert.finetune")
 # task -> (text column, text pair column) when the flags leave them unset: GLUE's and SWAG's names
 DEFAULT_COLUMNS = {"classification": ("sentence", None), "regression": ("sentence", None),
@@ -79,7 +81,7 @@ class FinetuneConfig:
     metric: str | None = None  # metric that picks the best epoch; default: the task's main metric
     device: str | None = None  # default: cuda when available, else cpu
     backend: str | None = None  # fastbert backend: auto | triton | torch; default: the checkpoint's
-    bf16: bool = False  # bf16 autocast (CUDA only)
+    precision: str = "auto"  # auto (bf16 autocast on a GPU that supports it, else fp32, as pretrain) | fp32 | bf16
     progress: bool = True  # tqdm progress bar
 
     def validate(self) -> None:
@@ -96,8 +98,19 @@ class FinetuneConfig:
             raise ValueError(f"warmup_proportion must be in [0, 1), got {self.warmup_proportion}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.max_seq_length is not None and self.max_seq_length < 4:
             raise ValueError(f"max_seq_length must be at least 4, got {self.max_seq_length}")
+
+
+def uses_bf16_autocast(precision: str, device: torch.device) -> bool:
+    """Whether to train and evaluate under bf16 autocast: "bf16", or "auto" on a GPU that supports it
+    (as pretrain decides). Raises ValueError for "bf16" off CUDA."""
+    bf16 = compute_dtype(precision, device) == torch.bfloat16
+    if bf16 and device.type != "cuda":
+        raise ValueError(f"bf16 autocast needs a CUDA device, got {device}")
+    return bf16
 
 
 def build_task(cfg: FinetuneConfig, packer: Packer) -> Task:
@@ -172,8 +185,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
     """
     cfg.validate()
     device = resolve_device(cfg.device)
-    if cfg.bf16 and device.type != "cuda":
-        raise ValueError(f"bf16 autocast needs a CUDA device, got {device}")
+    uses_bf16_autocast(cfg.precision, device)  # raises now for "bf16" off CUDA
     checkpoint_directory(cfg.model)
     check_output_directory(cfg.out, cfg.model)
     random.seed(cfg.seed)
@@ -247,7 +259,7 @@ def train_loop(cfg: FinetuneConfig, model, task: Task, train_inputs: list[dict],
     best: dict | None = None
 
     from tqdm import tqdm
-    autocast = cfg.bf16
+    autocast = uses_bf16_autocast(cfg.precision, device)
     generator = torch.Generator().manual_seed(cfg.seed)
     bar = tqdm(total=total_steps, unit="step", desc=f"fine-tuning ({task.name})", dynamic_ncols=True,
                disable=not cfg.progress)
