@@ -9,8 +9,8 @@ import torch
 
 from fastbert.data import corpus, prepare
 from fastbert.data.examples import IS_NEXT, RANDOM_NEXT, create_examples
-from fastbert.data.loader import PretrainingLoader, prefetch
-from fastbert.data.masking import IGNORE_INDEX, MaskingCollator, example_seed
+from fastbert.data.loader import PretrainingLoader, ShardReader, permute, prefetch
+from fastbert.data.masking import IGNORE_INDEX, ExampleBatch, MaskingCollator, hash_keys, mix_in, stream_draws
 from fastbert.data.shards import ShardedDataset, write_index, write_shard
 from fastbert.data.tokenizer import SPECIAL_TOKENS
 
@@ -193,45 +193,87 @@ def random_examples(count, rng, vocab_size, low=8, high=120):
     return examples
 
 
+def padded(examples, width=None):
+    """(tokens, a_length, label) examples as an ExampleBatch of `width` columns (default: the longest)."""
+    lengths = np.array([len(tokens) for tokens, _, _ in examples])
+    tokens = np.zeros((len(examples), width or lengths.max()), dtype=np.int64)
+    for row, (ids, _, _) in enumerate(examples):
+        tokens[row, :len(ids)] = ids
+    return ExampleBatch(tokens, lengths, np.array([a for _, a, _ in examples]), np.array([n for _, _, n in examples]))
+
+
+def masked(collator, batch, keys):
+    return {name: torch.from_numpy(array) for name, array in collator(batch, keys).items()}
+
+
+def splitmix64(seed, count):
+    """Reference splitmix64 (Steele, Lea and Flood, 2014) in Python integers: its first `count` outputs."""
+    outputs, state, mask = [], seed, (1 << 64) - 1
+    for _ in range(count):
+        state = (state + 0x9E3779B97F4A7C15) & mask
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        outputs.append(z ^ (z >> 31))
+    return outputs
+
+
+def test_draws_are_splitmix64_streams_of_the_example_keys():
+    keys = hash_keys(3, 1, np.array([0, 0, 5]), np.array([7, 8, 7]))
+    assert keys.dtype == np.uint64 and len(set(keys.tolist())) == 3  # each key input changes the hash
+    assert hash_keys(3, 1, 0, 8)[0] == keys[1]  # scalars and arrays hash alike
+    assert np.array_equal(mix_in(hash_keys(3, 1, 5)[0], np.array([7])), hash_keys(3, 1, 5, 7))  # keys mix in one by one
+    draws = stream_draws(keys, 5)
+    assert [draws[row].tolist() for row in range(3)] == [splitmix64(int(k), 5) for k in keys]
+
+
 def test_masking_statistics():
     vocab = vocabulary()
     collator = MaskingCollator(vocab)
     rng = np.random.default_rng(0)
     examples = random_examples(2000, rng, len(vocab))
-    batch = collator(examples, [example_seed(7, i) for i in range(len(examples))])
-    original = torch.full_like(batch["input_ids"], 0)
-    for row, (tokens, _, _) in enumerate(examples):
-        original[row, :len(tokens)] = torch.from_numpy(tokens)
-    special = (original == CLS) | (original == SEP) | (batch["attention_mask"] == 0)
-    chosen = batch["labels"] != IGNORE_INDEX
+    batch = padded(examples)
+    out = masked(collator, batch, hash_keys(7, np.arange(len(examples))))
+    original = torch.from_numpy(batch.tokens)
+    special = (original == CLS) | (original == SEP) | (out["attention_mask"] == 0)
+    chosen = out["labels"] != IGNORE_INDEX
     candidates = int((~special).sum())
     assert candidates > 100_000
-    assert not (chosen & special).any() and torch.equal(batch["input_ids"][special], original[special])
+    assert not (chosen & special).any() and torch.equal(out["input_ids"][special], original[special])
     assert abs(int(chosen.sum()) / candidates - 0.15) < 0.005
-    assert torch.equal(batch["labels"][chosen], original[chosen])
+    assert torch.equal(out["labels"][chosen], original[chosen])
     n = int(chosen.sum())
-    masked = int((batch["input_ids"][chosen] == collator.mask_id).sum()) / n
-    unchanged = int((batch["input_ids"][chosen] == original[chosen]).sum()) / n
-    assert abs(masked - 0.8) < 0.01 and abs(unchanged - 0.1) < 0.01 and abs(1 - masked - unchanged - 0.1) < 0.01
-    assert torch.equal(batch["token_type_ids"][0, :examples[0][1]], torch.zeros(examples[0][1], dtype=torch.int64))
-    assert batch["token_type_ids"][0, examples[0][1]:len(examples[0][0])].eq(1).all()
-    assert batch["input_ids"].shape[1] % 8 == 0
-    assert batch["next_sentence_label"].tolist() == [e[2] for e in examples]
+    replaced = out["input_ids"][chosen]
+    shown_masked = int((replaced == collator.mask_id).sum()) / n
+    unchanged = int((replaced == original[chosen]).sum()) / n
+    assert abs(shown_masked - 0.8) < 0.01 and abs(unchanged - 0.1) < 0.01
+    assert abs(1 - shown_masked - unchanged - 0.1) < 0.01
+    random_tokens = replaced[(replaced != collator.mask_id) & (replaced != original[chosen])]
+    # drawn uniformly from the whole vocabulary: mean (V - 1) / 2, standard error about V / sqrt(12 n)
+    assert abs(random_tokens.double().mean() - (len(vocab) - 1) / 2) < 4 * len(vocab) / (12 * len(random_tokens)) ** 0.5
+    assert int(random_tokens.min()) < 10 and int(random_tokens.max()) >= len(vocab) - 10
+    lengths = torch.from_numpy(batch.lengths)
+    assert torch.equal(out["attention_mask"].sum(1), lengths)
+    a_length = examples[0][1]
+    assert out["token_type_ids"][0, :a_length].eq(0).all() and out["token_type_ids"][0, a_length:lengths[0]].eq(1).all()
+    assert out["token_type_ids"][0, lengths[0]:].eq(0).all()
+    assert out["next_sentence_label"].tolist() == [e[2] for e in examples]
+    assert all(v.dtype == torch.int64 for v in out.values())
 
 
-def test_masks_depend_only_on_the_seed():
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_masks_depend_only_on_the_key(whole_word):
     vocab = vocabulary()
-    collator = MaskingCollator(vocab)
+    collator = MaskingCollator(vocab, whole_word=whole_word)
     examples = random_examples(6, np.random.default_rng(1), len(vocab))
-    seeds = [example_seed(3, 0, i) for i in range(6)]
-    whole = collator(examples, seeds)
-    assert all(torch.equal(whole[k], v) for k, v in collator(examples, seeds).items())
-    for row in (0, 5):  # alone in its batch, an example gets the same mask
-        alone = collator([examples[row]], [seeds[row]])
+    keys = hash_keys(3, 0, 0, np.arange(6))
+    whole = masked(collator, padded(examples), keys)
+    assert all(torch.equal(whole[k], v) for k, v in masked(collator, padded(examples), keys).items())
+    for row in (0, 5):  # alone in its batch and padded wider, an example gets the same mask
+        alone = masked(collator, padded([examples[row]], width=200), keys[row:row + 1])
         n = len(examples[row][0])
         assert torch.equal(alone["input_ids"][0, :n], whole["input_ids"][row, :n])
         assert torch.equal(alone["labels"][0, :n], whole["labels"][row, :n])
-    other = collator(examples, [s + 1 for s in seeds])
+    other = masked(collator, padded(examples), keys + np.uint64(1))
     assert not torch.equal(other["labels"], whole["labels"])
 
 
@@ -239,9 +281,8 @@ def test_whole_word_masking_masks_whole_words():
     vocab = vocabulary()
     collator = MaskingCollator(vocab, whole_word=True)
     examples = random_examples(400, np.random.default_rng(2), len(vocab), low=30)
-    batch = collator(examples, list(range(400)))
-    chosen = batch["labels"] != IGNORE_INDEX
-    continuation = collator.continuation
+    chosen = masked(collator, padded(examples), hash_keys(np.arange(400)))["labels"] != IGNORE_INDEX
+    continuation = torch.from_numpy(collator.continuation)
     for row, (tokens, _, _) in enumerate(examples):
         ids = torch.from_numpy(tokens)
         candidate = (ids != CLS) & (ids != SEP)
@@ -261,18 +302,48 @@ def test_whole_word_masking_masks_whole_words():
 
 
 # loader ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 64, 65, 1000, 4097])
+def test_epoch_permutation_is_a_bijection(size):
+    image = permute(np.arange(size), size, key=9)
+    assert sorted(image.tolist()) == list(range(size))
+    if size >= 64:  # and a shuffle: neither the identity nor a shift, and another key gives another order
+        assert (np.diff(image) == 1).mean() < 0.1 and abs(np.corrcoef(np.arange(size), image)[0, 1]) < 0.3
+        assert not np.array_equal(image, permute(np.arange(size), size, key=10))
+
+
+def test_epoch_permutation_needs_no_table():
+    """A position of a dataset of 10^12 examples maps in O(1): distinct images, inside the range."""
+    size, positions = 10 ** 12, np.arange(10 ** 12 - 50_000, 10 ** 12)
+    image = permute(positions, size, key=123)
+    assert len(np.unique(image)) == len(positions) and image.min() >= 0 and image.max() < size
+    assert np.array_equal(permute(positions[-7:], size, key=123), image[-7:])
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     out = tmp_path_factory.mktemp("data")
     examples = create_examples(synthetic_documents(30), 40, 0.1, 1, CLS, SEP, random.Random(3))
     for e in examples:
         e.tokens = [t % 590 + 5 if t not in (CLS, SEP) else t for t in e.tokens]
-    entries = [write_shard(str(out), "shard_00000", examples, 600)]
+    parts = (examples[:50], [], examples[50:51], examples[51:])  # shards of several sizes, one empty
+    entries = [write_shard(str(out), f"shard_{i:05d}", part, 600) for i, part in enumerate(parts)]
     write_index(str(out), {"max_seq_length": 40, "vocab_size": 600, "shards": entries,
                            "special_ids": {"pad": 0, "unk": 1, "cls": CLS, "sep": SEP, "mask": 4}})
     with open(out / "vocab.txt", "w") as f:
         f.writelines(t + "\n" for t in vocabulary())
     return ShardedDataset(str(out))
+
+
+def test_read_examples_across_shards(dataset):
+    indices = np.array([len(dataset) - 1, 0, 50, 49, 51, 7, 50])
+    batch = ShardReader(dataset).read(indices, pad_id=0, pad_to_multiple_of=8)
+    assert batch.tokens.shape[1] % 8 == 0 and batch.tokens.shape[1] - 8 < batch.lengths.max()
+    for row, index in enumerate(indices):
+        tokens, a_length, label = dataset[int(index)]
+        assert batch.lengths[row] == len(tokens) and batch.a_lengths[row] == a_length
+        assert batch.next_sentence_labels[row] == label
+        assert batch.tokens[row, :len(tokens)].tolist() == tokens.tolist()
+        assert not batch.tokens[row, len(tokens):].any()
 
 
 def test_ranks_split_the_global_batch(dataset):
@@ -294,13 +365,45 @@ def test_ranks_split_the_global_batch(dataset):
         PretrainingLoader(dataset, collator, 6, 4, world_size=1)
 
 
+def test_steps_built_together_equal_steps_built_alone(dataset):
+    collator = MaskingCollator(dataset.vocabulary(), whole_word=True)
+    together = PretrainingLoader(dataset, collator, 8, 2, seed=3)  # 32 steps per build
+    alone = PretrainingLoader(dataset, collator, 8, 2, seed=3, rows_per_build=1)
+    start = len(dataset) - 20  # across an epoch's end
+    stream = together.steps(start)
+    for k in range(6):
+        built, single = next(stream), alone.step(start + 8 * k)
+        assert len(built) == len(single) == 4
+        for a, b in zip(built, single):  # the same tensors, each micro-batch padded to its own longest
+            assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+            assert a["input_ids"].is_contiguous() and a["input_ids"].shape[1] - 8 < int(a["attention_mask"].sum(1).max())
+
+
 def test_epochs_cover_the_dataset_and_reshuffle(dataset):
     loader = PretrainingLoader(dataset, MaskingCollator(dataset.vocabulary()), 4, 4, seed=1)
     n = len(dataset)
-    assert sorted(loader.permutation(0).tolist()) == list(range(n))
-    assert not np.array_equal(loader.permutation(0), loader.permutation(1))
+    indices, keys = loader.examples(np.arange(2 * n))
+    assert sorted(indices[:n].tolist()) == list(range(n)) and sorted(indices[n:].tolist()) == list(range(n))
+    assert not np.array_equal(indices[:n], indices[n:])
+    assert np.array_equal(keys, hash_keys(1, 0, [0] * n + [1] * n, indices))  # seed, phase, epoch, example
+    some = np.array([2 * n - 1, 3, n + 5, n - 1])
+    assert all(np.array_equal(a, b[some]) for a, b in zip(loader.examples(some), (indices, keys)))
     stream = prefetch(loader.steps(0), depth=2)
     first = [next(stream) for _ in range(3)]
     resumed = next(prefetch(loader.steps(8), depth=2))  # a stream restarted at position 8 is step 3's
     assert all(torch.equal(resumed[0][k], first[2][0][k]) for k in resumed[0])
     stream.close()
+
+
+def test_prefetch_runs_torch_at_the_given_thread_count():
+    def thread_counts():
+        while True:
+            yield torch.get_num_threads()
+
+    stream = prefetch(thread_counts(), threads=1)
+    assert next(stream) == 1
+    stream.close()
+    if torch.get_num_threads() > 1:  # the setting stays in the loader's thread
+        stream = prefetch(thread_counts(), threads=torch.get_num_threads())
+        assert next(stream) == torch.get_num_threads()
+        stream.close()

@@ -10,46 +10,81 @@ Whole-word masking chooses whole words (a token and the "##" pieces that follow 
 order while the count stays within k; the first word is always taken, so a sequence whose first
 drawn word is longer than k gets that one word.
 
-Randomness: every example has its own torch.Generator stream, seeded from (seed, epoch, example
-index) by the loader. The mask of an example therefore depends neither on the batch it lands in nor
-on the rank that reads it: a run on N GPUs sees the masks of a run on 1 GPU, and a resumed run the
-masks of the uninterrupted one, with no generator state to carry.
+Randomness is counter-based: the draw of position s of an example is the s-th output of a
+splitmix64 stream seeded with the example's key, a hash of (seed, phase, epoch, example index) made
+by the loader. The mask of an example therefore depends neither on the batch it lands in nor on the
+rank that reads it (a run on N GPUs sees the masks of a run on 1 GPU, and a resumed run the masks
+of the uninterrupted one, with no generator state to carry), and the whole batch is drawn at once
+with numpy: no per-example loop, and no torch op whose threads could oversubscribe the CPU.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
-import torch
 
 IGNORE_INDEX = -100
 MASK_FRACTION, RANDOM_FRACTION = 0.8, 0.1  # of the chosen tokens; the remaining 0.1 stay unchanged
 
+GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's stream increment
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+# the low 16 bits of a position's draw pick its replacement: [MASK] below the first threshold,
+# a random token below the second, unchanged above
+_REPLACE_BITS = 16
+_MASK_BELOW = round(MASK_FRACTION * 2 ** _REPLACE_BITS)
+_RANDOM_BELOW = round((MASK_FRACTION + RANDOM_FRACTION) * 2 ** _REPLACE_BITS)
+_RANDOM_TOKEN_STREAM = np.uint64(0x5851F42D4C957F2D)  # separates a random token's draw from its position's
 
-def example_seed(*keys: int) -> int:
-    """A 63-bit seed mixing integer keys (splitmix64's finaliser over a running combination)."""
-    h = 0x9E3779B97F4A7C15
+
+def mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of uint64 whose every output bit depends on every input bit."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def hash_keys(*keys) -> np.ndarray:
+    """uint64 [N]: the keys (integers or integer arrays, broadcast together) mixed into one 64-bit hash each.
+
+    Keys are mixed in one after the other: hash_keys(a, b, c) == mix_in(hash_keys(a, b), c).
+    """
+    h = np.full(np.broadcast(*(np.asarray(k) for k in keys)).shape or (1,), GOLDEN_GAMMA, dtype=np.uint64)
     for key in keys:
-        h = (h ^ (int(key) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 29
-    return h >> 1
+        h = mix_in(h, key)
+    return h.reshape(-1)
+
+
+def mix_in(h, key) -> np.ndarray:
+    """The hash h (uint64 [N] or an integer) extended by key (an integer array, or an integer with h an array)."""
+    return mix64(np.asarray(h, dtype=np.uint64) ^ np.asarray(key).astype(np.uint64))
+
+
+def stream_draws(keys: np.ndarray, count: int) -> np.ndarray:
+    """uint64 [N, count]: outputs 1..count of the splitmix64 stream of each key (keys uint64 [N])."""
+    steps = (np.arange(1, count + 1, dtype=np.uint64) * GOLDEN_GAMMA)[None, :]
+    return mix64(keys[:, None] + steps)
+
+
+class ExampleBatch(NamedTuple):
+    """Examples laid out as a padded batch (numpy, host memory)."""
+    tokens: np.ndarray  # int64 [B, S]: [CLS] A [SEP] B [SEP], then padding
+    lengths: np.ndarray  # int64 [B]: real tokens of each row
+    a_lengths: np.ndarray  # int64 [B]: tokens of [CLS] A [SEP] (token type 0 below, 1 from there on)
+    next_sentence_labels: np.ndarray  # int64 [B]
 
 
 class MaskingCollator:
-    """Pads examples into a batch and masks it.
+    """Masks a batch of examples.
 
     vocabulary: tokens in id order (for the special ids and, with whole_word, the "##" pieces).
-    __call__(examples, seeds): examples are (tokens int64 [L], a_length, next_sentence_label),
-    seeds one int per example. Returns a dict of CPU tensors: input_ids, token_type_ids,
-    attention_mask, labels (int64 [B, S]) and next_sentence_label (int64 [B]), with S the longest
-    example rounded up to a multiple of pad_to_multiple_of.
+    __call__(batch, keys): batch an ExampleBatch, keys uint64 [B] (one per example, see hash_keys).
+    Returns a dict of int64 numpy arrays: input_ids, token_type_ids, attention_mask, labels [B, S] and
+    next_sentence_label [B] (the model's arguments; torch.from_numpy shares their memory).
     """
 
-    def __init__(self, vocabulary: list[str], mask_prob: float = 0.15, whole_word: bool = False,
-                 pad_to_multiple_of: int = 8):
+    def __init__(self, vocabulary: list[str], mask_prob: float = 0.15, whole_word: bool = False):
         if not 0.0 < mask_prob < 1.0:
             raise ValueError(f"mask_prob must be in (0, 1), got {mask_prob!r}")
-        if pad_to_multiple_of < 1:
-            raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of!r}")
         ids = {token: i for i, token in enumerate(vocabulary)}
         missing = [t for t in ("[PAD]", "[CLS]", "[SEP]", "[MASK]") if t not in ids]
         if missing:
@@ -58,56 +93,63 @@ class MaskingCollator:
         self.pad_id, self.cls_id, self.sep_id, self.mask_id = (ids[t] for t in ("[PAD]", "[CLS]", "[SEP]", "[MASK]"))
         self.mask_prob = mask_prob
         self.whole_word = whole_word
-        self.pad_to_multiple_of = pad_to_multiple_of
-        self.continuation = torch.tensor([t.startswith("##") for t in vocabulary])  # [V] bool
-        self._generator = torch.Generator()
+        self.continuation = np.array([t.startswith("##") for t in vocabulary])  # [V] bool
 
-    def __call__(self, examples: list[tuple[np.ndarray, int, int]], seeds: list[int]) -> dict[str, torch.Tensor]:
-        lengths = [len(tokens) for tokens, _, _ in examples]
-        multiple = self.pad_to_multiple_of
-        batch, seqlen = len(examples), -(-max(lengths) // multiple) * multiple
-        input_ids = torch.full((batch, seqlen), self.pad_id, dtype=torch.int64)
-        token_type_ids = torch.zeros(batch, seqlen, dtype=torch.int64)
-        uniforms = torch.ones(batch, 2, seqlen)  # [B, {choice order, replacement}, S]
-        random_tokens = torch.zeros(batch, seqlen, dtype=torch.int64)
-        for row, ((tokens, a_length, _), seed) in enumerate(zip(examples, seeds)):
-            length = len(tokens)
-            input_ids[row, :length] = torch.from_numpy(tokens)
-            token_type_ids[row, a_length:length] = 1
-            self._generator.manual_seed(seed)
-            uniforms[row, :, :length] = torch.rand(2, length, generator=self._generator)
-            random_tokens[row, :length] = torch.randint(self.vocab_size, (length,), generator=self._generator)
-        attention_mask = (torch.arange(seqlen)[None, :] < torch.tensor(lengths)[:, None]).to(torch.int64)
-        chosen = self.choose(input_ids, attention_mask.bool(), uniforms[:, 0])
-        labels = torch.where(chosen, input_ids, IGNORE_INDEX)
-        replacement = uniforms[:, 1]
-        masked_ids = torch.where(chosen & (replacement < MASK_FRACTION), self.mask_id, input_ids)
-        masked_ids = torch.where(chosen & (replacement >= MASK_FRACTION)
-                                 & (replacement < MASK_FRACTION + RANDOM_FRACTION), random_tokens, masked_ids)
-        return {"input_ids": masked_ids, "token_type_ids": token_type_ids, "attention_mask": attention_mask,
-                "labels": labels,
-                "next_sentence_label": torch.tensor([label for _, _, label in examples], dtype=torch.int64)}
+    def __call__(self, batch: ExampleBatch, keys: np.ndarray) -> dict[str, np.ndarray]:
+        tokens = batch.tokens
+        positions = np.arange(tokens.shape[1])
+        real = positions < batch.lengths[:, None]  # [B, S]
+        draws = stream_draws(keys, tokens.shape[1])  # [B, S]: one 64-bit draw per position
+        # the high 48 bits rank the tokens (the position in the low bits makes every rank distinct);
+        # the low 16 bits of a chosen token pick its replacement
+        order = (draws & ~np.uint64(2 ** _REPLACE_BITS - 1)) | positions.astype(np.uint64)
+        chosen = np.flatnonzero(self.choose(tokens, real, order))  # into [B * S]
+        chosen_draws = draws.reshape(-1)[chosen]
+        replacement = chosen_draws & np.uint64(2 ** _REPLACE_BITS - 1)
+        to_random = (replacement >= _MASK_BELOW) & (replacement < _RANDOM_BELOW)
+        # a token uniform in [0, V): the high 32 bits of a second draw times V, over 2^32
+        second = mix64(chosen_draws[to_random] ^ _RANDOM_TOKEN_STREAM) >> np.uint64(32)
+        input_ids = tokens.copy()
+        input_ids.reshape(-1)[chosen[replacement < _MASK_BELOW]] = self.mask_id
+        input_ids.reshape(-1)[chosen[to_random]] = (second * np.uint64(self.vocab_size)) >> np.uint64(32)
+        labels = np.full_like(tokens, IGNORE_INDEX)
+        labels.reshape(-1)[chosen] = tokens.reshape(-1)[chosen]
+        token_type_ids = real & (positions >= batch.a_lengths[:, None])
+        return {"input_ids": input_ids, "token_type_ids": token_type_ids.astype(np.int64),
+                "attention_mask": real.astype(np.int64), "labels": labels,
+                "next_sentence_label": batch.next_sentence_labels.astype(np.int64)}
 
-    def choose(self, input_ids: torch.Tensor, real: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-        """Which tokens to predict: bool [B, S]. order [B, S]: uniforms ranking the words."""
-        candidate = real & (input_ids != self.cls_id) & (input_ids != self.sep_id) & (input_ids != self.pad_id)
-        word_start = candidate
+    def choose(self, tokens: np.ndarray, real: np.ndarray, order: np.ndarray) -> np.ndarray:
+        """Which tokens to predict: bool [B, S]. order uint64 [B, S]: distinct within a row, ranks the words.
+
+        The words (with whole-word masking) or the candidate tokens (without) are ranked by order (a
+        word by its first token's) and taken in that order while the count stays within the budget.
+        """
+        batch, seqlen = tokens.shape
+        candidate = real & (tokens != self.cls_id) & (tokens != self.sep_id) & (tokens != self.pad_id)
+        candidates = candidate.sum(axis=1)  # [B]
+        last = np.iinfo(np.uint64).max  # the order of what is no word: ranks after every word
         if self.whole_word:  # a "##" piece continues the word unless the token before it is no candidate
-            previous = torch.nn.functional.pad(candidate[:, :-1], (1, 0), value=False)
-            word_start = candidate & ~(self.continuation[input_ids] & previous)
-        word = torch.cumsum(word_start, dim=1) - 1  # [B, S]: word number of each token
-        word = torch.where(candidate, word, input_ids.shape[1])  # non-candidates go to a spare slot
-        slots = input_ids.shape[1] + 1
-        word_length = torch.zeros(input_ids.shape[0], slots, dtype=torch.int64).scatter_add_(
-            1, word, candidate.to(torch.int64))  # [B, words]
-        # only word starts write an order: unused slots and the spare one keep 2.0 and rank last
-        word_order = torch.full((input_ids.shape[0], slots), 2.0).scatter_(
-            1, torch.where(word_start, word, slots - 1), torch.where(word_start, order, 2.0))
-        ranked = torch.argsort(word_order, dim=1, stable=True)  # words in random order, then unused slots
-        ranked_length = torch.gather(word_length, 1, ranked)  # [B, words]
-        taken = torch.cumsum(ranked_length, dim=1)  # tokens masked after each word
-        budget = torch.clamp(torch.round(candidate.sum(1) * self.mask_prob), min=1)[:, None]  # k per row
+            previous = np.zeros_like(candidate)
+            previous[:, 1:] = candidate[:, :-1]
+            word_start = candidate & ~(self.continuation[tokens] & previous)
+            slots = seqlen + 1  # word numbers 0..S-1, and a spare slot S for the non-candidates
+            word = np.where(candidate, np.cumsum(word_start, axis=1) - 1, seqlen)  # [B, S]
+            flat_word = word + (np.arange(batch) * slots)[:, None]  # [B, S]: into [B * slots]
+            length = np.bincount(flat_word[candidate], minlength=batch * slots).reshape(batch, slots)
+            word_order = np.full((batch, slots), last, dtype=np.uint64)
+            word_order.reshape(-1)[flat_word[word_start]] = order[word_start]
+        else:  # every candidate token is a word of one token, at its own position
+            length, word_order = candidate, np.where(candidate, order, last)
+        budget = np.maximum(np.round(candidates * self.mask_prob), 1).astype(np.int64)[:, None]  # k per row
+        # a row takes at most k words (each has a token or more): rank only the `most` first words
+        most = int(budget.max())
+        first = np.argpartition(word_order, most - 1, axis=1)[:, :most]  # [B, most], in no order
+        ranked = np.take_along_axis(first, np.argsort(np.take_along_axis(word_order, first, axis=1), axis=1), axis=1)
+        ranked_length = np.take_along_axis(length, ranked, axis=1).astype(np.int64)
+        taken = np.cumsum(ranked_length, axis=1)  # tokens masked after each word
         selected_ranked = (taken <= budget) & (ranked_length > 0)
         selected_ranked[:, 0] |= ranked_length[:, 0] > 0
-        selected = torch.zeros_like(selected_ranked).scatter_(1, ranked, selected_ranked)  # [B, words]
-        return torch.gather(selected, 1, word) & candidate
+        selected = np.zeros(word_order.shape, dtype=bool)
+        np.put_along_axis(selected, ranked, selected_ranked, axis=1)
+        return selected.reshape(-1)[flat_word] & candidate if self.whole_word else selected
