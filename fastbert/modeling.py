@@ -338,15 +338,34 @@ class BertLMPredictionHead(nn.Module):
         """Logits for every position: [B, S, H] -> [B, S, V]."""
         return F.linear(self.transform(sequence_output), self.decoder.weight, self.bias)
 
-    def masked_loss(self, sequence_output, labels):
+    def masked_loss(self, sequence_output, labels, shown_masked=None):
         """Cross entropy on the labelled positions only (labels != -100): the transform runs on those rows,
-        and the decoder + softmax never hold [rows, V] logits. Returns (loss, accuracy)."""
+        and the decoder + softmax never hold [rows, V] logits. Returns (loss, accuracy, masked_accuracy).
+
+        shown_masked: bool [B, S] or None, the positions whose input is [MASK]. With it the labelled rows
+        go through the loss in two parts, [MASK] and the others (the same loss), and masked_accuracy is
+        the accuracy of the first part alone, which copying the input cannot raise; without it, None.
+        """
         flat_labels = labels.reshape(-1)
-        rows = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)  # [N]
+        labelled = flat_labels != IGNORE_INDEX
+        if shown_masked is None:
+            loss, correct, count = self._loss_sum(sequence_output, flat_labels, labelled, "mean")
+            return loss, correct / max(count, 1), None
+        masked = labelled & shown_masked.reshape(-1)
+        masked_loss, masked_correct, masked_count = self._loss_sum(sequence_output, flat_labels, masked, "sum")
+        other_loss, other_correct, other_count = self._loss_sum(sequence_output, flat_labels, labelled & ~masked, "sum")
+        count = max(masked_count + other_count, 1)
+        return ((masked_loss + other_loss) / count, (masked_correct + other_correct) / count,
+                masked_correct / max(masked_count, 1))
+
+    def _loss_sum(self, sequence_output, flat_labels, which, reduction):
+        """(loss, correct, rows) of linear_cross_entropy over the rows where `which` (bool [B*S]) holds."""
+        rows = which.nonzero().squeeze(1)  # [N]
         selected = sequence_output.reshape(-1, sequence_output.shape[-1]).index_select(0, rows)  # [N, H]
         loss, correct = ops.linear_cross_entropy(self.transform(selected), self.decoder.weight, self.bias,
-                                                 flat_labels.index_select(0, rows), backend=self.config.backend)
-        return loss, correct / max(rows.numel(), 1)
+                                                 flat_labels.index_select(0, rows), reduction=reduction,
+                                                 backend=self.config.backend)
+        return loss, correct, rows.numel()
 
 
 class BertPreTrainingHeads(nn.Module):
@@ -383,7 +402,8 @@ class BertForPreTraining(BertPreTrainedModel):
 
     With labels the MLM loss runs on the labelled positions only (fastbert.ops.linear_cross_entropy).
     return_logits: None (default) returns prediction_logits when there are no labels or in eval mode;
-    False never materialises them (the training path); True always does.
+    False never materialises them (the training path); True always does. mask_token_id (with labels):
+    also report mlm_mask_accuracy, the accuracy at the positions whose input is that token.
     """
 
     def __init__(self, config: BertConfig):
@@ -394,7 +414,9 @@ class BertForPreTraining(BertPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, next_sentence_label=None, output_hidden_states=False,
-                output_attentions=False, return_dict=True, return_logits=None, validate=True):
+                output_attentions=False, return_dict=True, return_logits=None, validate=True, mask_token_id=None):
+        if mask_token_id is not None and input_ids is None:
+            raise ValueError("mask_token_id needs input_ids (the [MASK] positions are read from them)")
         base = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                          output_hidden_states, output_attentions, validate=validate)
         sequence_output = base.last_hidden_state
@@ -402,9 +424,10 @@ class BertForPreTraining(BertPreTrainedModel):
         check_labels("next_sentence_label", next_sentence_label, sequence_output.shape[:1], 2, "2 classes",
                      validate)
         head = self.cls.predictions
-        mlm_loss = mlm_accuracy = nsp_loss = nsp_accuracy = None
+        mlm_loss = mlm_accuracy = mlm_mask_accuracy = nsp_loss = nsp_accuracy = None
         if labels is not None:
-            mlm_loss, mlm_accuracy = head.masked_loss(sequence_output, labels)
+            shown_masked = None if mask_token_id is None else input_ids == mask_token_id
+            mlm_loss, mlm_accuracy, mlm_mask_accuracy = head.masked_loss(sequence_output, labels, shown_masked)
         nsp_logits = self.cls.seq_relationship(base.pooler_output)  # [B, 2]
         if next_sentence_label is not None:
             nsp_loss, nsp_accuracy = _nsp_loss(nsp_logits, next_sentence_label)
@@ -413,7 +436,8 @@ class BertForPreTraining(BertPreTrainedModel):
             loss=sum(terms) if terms else None,
             prediction_logits=head(sequence_output) if _wants_logits(self, labels, return_logits) else None,
             seq_relationship_logits=nsp_logits, hidden_states=base.hidden_states, attentions=base.attentions,
-            mlm_loss=mlm_loss, nsp_loss=nsp_loss, mlm_accuracy=mlm_accuracy, nsp_accuracy=nsp_accuracy)
+            mlm_loss=mlm_loss, nsp_loss=nsp_loss, mlm_accuracy=mlm_accuracy,
+            mlm_mask_accuracy=mlm_mask_accuracy, nsp_accuracy=nsp_accuracy)
         return result if return_dict else result.to_tuple()
 
 
@@ -436,7 +460,7 @@ class BertForMaskedLM(BertPreTrainedModel):
         head = self.cls.predictions
         loss = accuracy = None
         if labels is not None:
-            loss, accuracy = head.masked_loss(sequence_output, labels)
+            loss, accuracy, _ = head.masked_loss(sequence_output, labels)
         result = outputs.MaskedLMOutput(
             loss=loss, logits=head(sequence_output) if _wants_logits(self, labels, return_logits) else None,
             hidden_states=base.hidden_states, attentions=base.attentions, accuracy=accuracy)

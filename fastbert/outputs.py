@@ -52,6 +52,7 @@ class BertForPreTrainingOutput(ModelOutput):
     nsp_loss: Tensor | None = None
     mlm_accuracy: Tensor | None = None  # fraction of labelled tokens predicted right
     nsp_accuracy: Tensor | None = None
+    mlm_mask_accuracy: Tensor | None = None  # the same at the positions shown as [MASK] (with mask_token_id)
 
 
 @dataclass

@@ -56,7 +56,32 @@ def test_loss_falls(data, tmp_path):
     assert [r["step"] for r in records] == list(range(1, 25))
     first, last = (sum(r["loss"] for r in part) / 4 for part in (records[:4], records[-4:]))
     assert last < first - 0.5
-    assert all(0 <= r["mlm_accuracy"] <= 1 and r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in records)
+    assert all(0 <= r["mlm_accuracy"] <= 1 and 0 <= r["mlm_mask_accuracy"] <= 1 and r["tokens_per_s"] > 0
+               and r["mfu"] > 0 for r in records)
+
+
+def test_mask_token_accuracy_counts_the_mask_positions_alone():
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.tiny(vocab_size=50, **NO_DROPOUT)).eval()
+    ids = torch.randint(5, 50, (4, 16), generator=torch.Generator().manual_seed(1))
+    mask_id, labelled = 4, torch.rand(4, 16, generator=torch.Generator().manual_seed(2)) < 0.5
+    labelled[:, 15] = False
+    shown_masked = labelled & (torch.arange(16) % 2 == 0)
+    ids[shown_masked | (torch.arange(16) == 15)] = mask_id  # and an unlabelled [MASK] that must not count
+    nsp = torch.tensor([0, 1, 1, 0])
+    predicted = model(input_ids=ids, next_sentence_label=nsp, return_logits=True).prediction_logits.argmax(-1)
+    # labels: right at half the [MASK] positions, wrong everywhere else
+    right = shown_masked & (torch.arange(4)[:, None] % 2 == 0)
+    labels = torch.where(right, predicted, (predicted + 1) % 50).masked_fill(~labelled, -100)
+    plain = model(input_ids=ids, labels=labels, next_sentence_label=nsp)
+    split = model(input_ids=ids, labels=labels, next_sentence_label=nsp, mask_token_id=mask_id)
+    assert plain.mlm_mask_accuracy is None
+    torch.testing.assert_close(split.mlm_loss, plain.mlm_loss)
+    torch.testing.assert_close(split.mlm_accuracy, plain.mlm_accuracy)
+    torch.testing.assert_close(split.mlm_mask_accuracy, right.sum() / shown_masked.sum())
+    assert 0 < float(split.mlm_accuracy) < float(split.mlm_mask_accuracy) < 1
+    with pytest.raises(ValueError, match="mask_token_id needs input_ids"):
+        model(inputs_embeds=torch.zeros(1, 4, 128), mask_token_id=mask_id)
 
 
 def test_resume_is_exact_and_checkpoints_are_pruned(data, tmp_path):

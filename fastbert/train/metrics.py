@@ -56,9 +56,12 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     return 2.0 * n ** 3 / min(times[2:])
 
 
-# What a metrics line averages, summed over the global batches of its steps. The first six count the
-# steps whose loss was finite; tokens and FLOPs were spent by every step.
-STATS = ("mlm_loss", "nsp_loss", "mlm_correct", "nsp_correct", "masked_tokens", "sequences", "tokens", "flops")
+# What a metrics line averages, summed over the global batches of its steps. Those before "tokens" count
+# the steps whose loss was finite; tokens and FLOPs were spent by every step. mask_*: the labelled tokens
+# shown as [MASK] (copying the input cannot get them right, unlike the 10% shown unchanged).
+STATS = ("mlm_loss", "nsp_loss", "mlm_correct", "nsp_correct", "mask_correct", "masked_tokens", "sequences",
+         "mask_tokens", "tokens", "flops")
+FINITE_STATS = STATS[:STATS.index("tokens")]
 
 
 @dataclass
@@ -83,22 +86,23 @@ class Window:
 
     def __init__(self, device: torch.device, reduce, carried: dict | None = None):
         self.device, self.reduce = device, reduce
-        self.sums = torch.zeros(6, dtype=torch.float64, device=device)  # the first six STATS
+        self.sums = torch.zeros(len(FINITE_STATS), dtype=torch.float64, device=device)
         self.skipped = torch.zeros((), dtype=torch.float64, device=device)
         self.bad: list[tuple[int, torch.Tensor]] = []
         self.grad_norm = torch.zeros((), device=device)
         self.rank_tokens = self.rank_flops = 0.0  # this rank's, since the last read
         carried = carried or {}
         if carried:
-            self.sums += torch.tensor([carried[k] for k in STATS[:6]], dtype=torch.float64, device=device)
+            self.sums += torch.tensor([carried.get(k, 0.0) for k in FINITE_STATS], dtype=torch.float64, device=device)
         self.tokens, self.flops = carried.get("tokens", 0.0), carried.get("flops", 0.0)  # all ranks'
         self.elapsed_before = carried.get("elapsed", 0.0)
         self.start = time.perf_counter()
 
-    def add(self, step: int, result, masked_global: float, sequences: int, tokens: int, flops: float) -> None:
-        """One step's result (step.StepResult); masked_global and sequences: the global batch's."""
+    def add(self, step: int, result, masked_global: float, sequences: int, mask_global: float, tokens: int,
+            flops: float) -> None:
+        """One step's result (step.StepResult); masked_global, sequences and mask_global: the global batch's."""
         finite = result.loss_finite
-        counts = torch.stack([finite * float(masked_global), finite * float(sequences)]).double()
+        counts = torch.stack([finite * float(n) for n in (masked_global, sequences, mask_global)]).double()
         self.sums += torch.where(finite, torch.cat([result.sums, counts]), 0.0)
         self.skipped += result.skipped
         self.bad.append((step, result.bad))
@@ -110,10 +114,11 @@ class Window:
         host = self.reduce(torch.tensor([self.rank_tokens, self.rank_flops], dtype=torch.float64, device=self.device))
         device = torch.stack([self.skipped, self.grad_norm.double(), *[bad.double() for _, bad in self.bad]])
         values = torch.cat([self.sums, host, device]).tolist()  # the one wait for the device
-        self.tokens, self.flops = self.tokens + values[6], self.flops + values[7]
-        reading = Reading(dict(zip(STATS, values[:6] + [self.tokens, self.flops])),
-                          self.elapsed_before + time.perf_counter() - self.start, int(values[8]),
-                          [(step, bool(bad)) for (step, _), bad in zip(self.bad, values[10:])], values[9])
+        finite, (tokens, flops, skipped, grad_norm, *bad) = values[:len(FINITE_STATS)], values[len(FINITE_STATS):]
+        self.tokens, self.flops = self.tokens + tokens, self.flops + flops
+        reading = Reading(dict(zip(STATS, finite + [self.tokens, self.flops])),
+                          self.elapsed_before + time.perf_counter() - self.start, int(skipped),
+                          [(step, bool(b)) for (step, _), b in zip(self.bad, bad)], grad_norm)
         self.rank_tokens = self.rank_flops = 0.0
         self.skipped.zero_()
         self.bad.clear()
@@ -133,6 +138,7 @@ class Window:
             nsp_loss = totals["nsp_loss"] / totals["sequences"]
             record.update(loss=mlm_loss + nsp_loss, mlm_loss=mlm_loss, nsp_loss=nsp_loss,
                           mlm_accuracy=totals["mlm_correct"] / totals["masked_tokens"],
+                          mlm_mask_accuracy=totals["mask_correct"] / max(totals["mask_tokens"], 1),
                           nsp_accuracy=totals["nsp_correct"] / totals["sequences"])
         else:
             record["loss"] = None

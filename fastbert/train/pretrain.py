@@ -89,7 +89,8 @@ class PhaseBatches:
             phase = run.phases[index]
             loader = PretrainingLoader(phase.dataset, phase.collator, run.cfg.batch_size, phase.micro_batch_size,
                                        run.env.rank, run.env.world_size, run.cfg.seed, index)
-            steps = ((batches, host_stats(batches, run.config)) for batches in loader.steps(progress.position))
+            steps = ((batches, host_stats(batches, run.config, phase.collator.mask_id))
+                     for batches in loader.steps(progress.position))
             self.stream = prefetch(steps, run.cfg.prefetch, run.env.device.type == "cuda")
         return next(self.stream)
 
@@ -98,13 +99,14 @@ class PhaseBatches:
             self.stream.close()
 
 
-def _agree(run: Run, host: HostStats, step: int) -> tuple[float, str | None]:
-    """The global batch's masked tokens, and why the ranks stop before this step if they do: "signal"
-    when any rank was sent one, "--stop-at" when the step is reached. A host collective, every step."""
+def _agree(run: Run, host: HostStats, step: int) -> tuple[float, float, str | None]:
+    """The global batch's masked tokens and, of those, the ones shown as [MASK], and why the ranks stop
+    before this step if they do: "signal" when any rank was sent one, "--stop-at" when the step is
+    reached. A host collective, every step."""
     at_stop = bool(run.cfg.stop_at and step >= run.cfg.stop_at)
-    masked, signals, stop_at = distributed.host_sum([float(sum(host.masked)), float(STOP.is_set()), float(at_stop)],
-                                                    run.env)
-    return masked, "signal" if signals else "--stop-at" if stop_at else None
+    masked, shown_masked, signals, stop_at = distributed.host_sum(
+        [float(sum(host.masked)), float(sum(host.shown_masked)), float(STOP.is_set()), float(at_stop)], run.env)
+    return masked, shown_masked, "signal" if signals else "--stop-at" if stop_at else None
 
 
 def _take_reading(run: Run, progress: state.Progress, window: Window):
@@ -161,12 +163,12 @@ def train(cfg: PretrainConfig, model_overrides: dict | None = None) -> dict:
     with stop_signals(), contextlib.closing(bar), contextlib.closing(batches):
         while progress.step < cfg.steps:
             micro_batches, host = batches.next()
-            masked_global, stopped = _agree(run, host, progress.step)
+            masked_global, mask_global, stopped = _agree(run, host, progress.step)
             if stopped:
                 break
             result = train_step(run, micro_batches, host, masked_global)
             progress.step, progress.position = progress.step + 1, progress.position + cfg.batch_size
-            window.add(progress.step, result, masked_global, cfg.batch_size, host.tokens, host.flops)
+            window.add(progress.step, result, masked_global, cfg.batch_size, mask_global, host.tokens, host.flops)
             bar.update(1)
             log_due = progress.step % cfg.log_every == 0 or progress.step == cfg.steps
             if log_due or progress.step % cfg.save_every == 0:
@@ -212,7 +214,8 @@ def _summary(record: dict) -> str:
     """The progress bar's text for a metrics line."""
     if record["loss"] is None:
         return "every step skipped"
-    return (f"loss {record['loss']:.3f} mlm_acc {record['mlm_accuracy']:.3f} nsp_acc {record['nsp_accuracy']:.3f} "
+    return (f"loss {record['loss']:.3f} mlm_acc {record['mlm_accuracy']:.3f} "
+            f"[MASK]_acc {record['mlm_mask_accuracy']:.3f} nsp_acc {record['nsp_accuracy']:.3f} "
             f"tok/s {record['tokens_per_s']:.0f} MFU {record['mfu']:.1%}")
 
 

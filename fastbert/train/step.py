@@ -26,22 +26,25 @@ from fastbert.train.run import Run
 class HostStats:
     """What the host knows of this rank's micro-batches of one step (they are still on the host)."""
     masked: list[int]  # labelled tokens of each micro-batch
+    shown_masked: list[int]  # of those, the ones shown as [MASK]
     sequences: list[int]  # rows of each micro-batch
     tokens: int  # real (not padding) tokens, all micro-batches
     flops: float  # training FLOPs (metrics.training_flops), all micro-batches
 
 
-def host_stats(micro_batches: list[dict], config) -> HostStats:
+def host_stats(micro_batches: list[dict], config, mask_id: int) -> HostStats:
     masked = [int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches]
+    shown_masked = [int(((mb["labels"] != IGNORE_INDEX) & (mb["input_ids"] == mask_id)).sum()) for mb in micro_batches]
     lengths = [mb["attention_mask"].sum(1) for mb in micro_batches]
-    return HostStats(masked, [mb["input_ids"].shape[0] for mb in micro_batches], int(sum(n.sum() for n in lengths)),
-                     sum(training_flops(config, n, m) for n, m in zip(lengths, masked)))
+    return HostStats(masked, shown_masked, [mb["input_ids"].shape[0] for mb in micro_batches],
+                     int(sum(n.sum() for n in lengths)), sum(training_flops(config, n, m) for n, m in zip(lengths, masked)))
 
 
 @dataclass
 class StepResult:
     """Device tensors, none read by the step."""
-    sums: torch.Tensor  # float64 [4]: MLM loss, NSP loss, MLM correct, NSP correct, summed over the global batch
+    sums: torch.Tensor  # float64 [5]: MLM loss, NSP loss, MLM correct, NSP correct, MLM correct at [MASK],
+    # summed over the global batch
     grad_norm: torch.Tensor  # 0-d, before clipping
     skipped: torch.Tensor  # bool 0-d: the update was not applied
     bad: torch.Tensor  # bool 0-d: a non-finite loss or gradient (fp16 overflows alone are the scaler's business)
@@ -52,18 +55,21 @@ def train_step(run: Run, micro_batches: list[dict], host: HostStats, masked_glob
     """masked_global: labelled tokens of the global batch, all ranks together (the MLM loss's divisor)."""
     env, cfg, scaler, optimizer = run.env, run.cfg, run.scaler, run.optimizer
     autocast = torch.autocast(env.device.type, dtype=run.dtype, enabled=run.dtype != torch.float32)
-    sums = torch.zeros(4, dtype=torch.float64, device=env.device)
-    for i, (mb, masked, rows) in enumerate(zip(micro_batches, host.masked, host.sequences)):
+    mask_id = run.phases[0].collator.mask_id
+    sums = torch.zeros(5, dtype=torch.float64, device=env.device)
+    for i, (mb, masked, shown_masked, rows) in enumerate(zip(micro_batches, host.masked, host.shown_masked,
+                                                             host.sequences)):
         mb = {k: v.to(env.device, non_blocking=True) for k, v in mb.items()}
         with distributed.gradient_sync(run.wrapped, i == len(micro_batches) - 1):
             with autocast:
-                output = run.wrapped(**mb, return_logits=False, validate=False)
+                output = run.wrapped(**mb, return_logits=False, validate=False, mask_token_id=mask_id)
             mlm_sum = output.mlm_loss.float() * masked
             nsp_sum = output.nsp_loss.float() * rows
             loss = (mlm_sum / masked_global + nsp_sum / cfg.batch_size) * env.world_size
             scaler.scale(loss).backward()
         sums += torch.stack([mlm_sum.detach().double(), nsp_sum.detach().double(),
-                             output.mlm_accuracy.detach().double() * masked, output.nsp_accuracy.detach().double() * rows])
+                             output.mlm_accuracy.detach().double() * masked, output.nsp_accuracy.detach().double() * rows,
+                             output.mlm_mask_accuracy.detach().double() * shown_masked])
     sums = distributed.all_reduce_sum(sums, env)  # over the global batch
     scaler.unscale_(optimizer)
     norm = distributed.full_tensor(_clip_gradients(run.model, cfg.max_grad_norm))
