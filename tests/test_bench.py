@@ -144,3 +144,21 @@ def test_ffn_form_section_names_the_faster_form_only_when_measured():
     table = ffn_form_lines({("gpu", "H100"): rows})
     assert table[-1].endswith("| 1.250 | 1.000 | fastbert-split |")
     assert not any("not yet measured" in line for line in table)
+
+
+def test_data_suite_rows_and_their_verdict(tmp_path, monkeypatch):
+    """The data suite's loader row on a small dataset (CPU time per batch, sequences per CPU-second),
+    and PERF.md's verdict on issue 13's targets, taken from the slowest row of each length."""
+    from fastbert.bench import data_suite
+    monkeypatch.setattr(data_suite, "EXAMPLES", 400)
+    monkeypatch.setattr(data_suite, "SHARDS", 8)
+    dataset = data_suite.write_dataset(str(tmp_path), 128)
+    assert len(dataset) == 400 and len(dataset.metadata["shards"]) == 8
+    row = data_suite.loader_row(dataset, batch=16, whole_word=True, threads=1)
+    assert row["p20_ms"] <= row["median_ms"] <= row["p80_ms"] and row["median_ms"] > 0
+    assert row["sequences_per_cpu_s"] == pytest.approx(16 / row["median_ms"] * 1e3)
+    slow = {**row, "shape": {**row["shape"], "batch": 32}, "sequences_per_cpu_s": 24_000.0, "median_ms": 32 / 24.0}
+    fast = {**row, "sequences_per_cpu_s": 90_000.0}
+    text = "\n".join(report.data_lines([fast, slow]))
+    assert "| S=128: >= 25,000 | 24,000 | no |" in text and "| S=512: >= 6,300 | not yet measured | - |" in text
+    assert "| S=128: >= 25,000 | 90,000 | yes |" in "\n".join(report.data_lines([fast]))

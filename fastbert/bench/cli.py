@@ -16,9 +16,10 @@ def parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, reference and torch providers "
                       "(a few seconds; what CI runs)")
-    mode.add_argument("--suite", choices=("gpu", "cpu-memory", "smoke"),
+    mode.add_argument("--suite", choices=("gpu", "cpu-memory", "data", "smoke"),
                       help="gpu: the whole suite on one CUDA GPU (H100/H200, under 10 minutes); cpu-memory: the "
-                           "MLM head's peak memory and time at full size on the CPU")
+                           "MLM head's peak memory and time at full size on the CPU; data: pretraining batches "
+                           "built per CPU-second by the input pipeline (about a minute)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"directory for the JSON file (default {DEFAULT_OUT})")
     p.add_argument("--only", metavar="REGEX", help="run only the items whose 'case provider' matches")
     p.add_argument("--budget", type=float, metavar="SECONDS",

@@ -13,8 +13,9 @@ import os
 
 GPU_COMMAND = "benchmarks/run_gpu.sh benchmarks/results"
 CPU_MEMORY_COMMAND = "fastbert bench --suite cpu-memory --out benchmarks/results"
+DATA_COMMAND = "fastbert bench --suite data --out benchmarks/results"
 REGENERATE = "python benchmarks/make_perf.py"
-DEFAULT_SUITES = ("gpu", "cpu-memory")
+DEFAULT_SUITES = ("gpu", "cpu-memory", "data")
 OP_TITLES = {
     "layer_norm": "Residual + dropout + LayerNorm (issue 3)",
     "bias_gelu": "Bias + GELU (issue 3)",
@@ -64,8 +65,9 @@ def provenance_line(rows: list[dict]) -> str:
     commit = (r.get("commit") or "unknown")[:12] + (" (with uncommitted changes)" if r.get("dirty") else "")
     load = f"; 1-min load average {r['load_average_1min']:.1f}" if r.get("device_type") == "cpu" and \
         r.get("load_average_1min") is not None else ""
+    memory = f"; memory: {r['memory_meter']}" if r.get("memory_meter") else ""
     return (f"*Measured on {r['device']}; {versions}; commit {commit}; {r['date']}{load}; "
-            f"`{r['command']}`; timer: {r['timer']}; memory: {r['memory_meter']}.*")
+            f"`{r['command']}`; timer: {r['timer']}{memory}.*")
 
 
 def _mib(value) -> str:
@@ -185,6 +187,32 @@ def mlm_memory_lines(rows: list[dict]) -> list[str]:
                       "the times do (see the load average above) and are indicative only. fastbert's Triton path "
                       "runs on a GPU only: its figures here are not yet measured."]
     return lines
+
+
+def data_lines(rows: list[dict]) -> list[str]:
+    """The input pipeline's sequences per CPU-second against issue 13's target, and the permutation's cost."""
+    from fastbert.bench.data_suite import TARGETS
+    loader = [r for r in rows if r["op"] == "loader" and r["status"] == "ok"]
+    lines = ["### Pretraining batches built per CPU-second (issue 13)", "",
+             "| length | batch | masking | loader thread | sequences per CPU-second | CPU ms per batch |",
+             "|---|---|---|---|---|---|"]
+    for r in loader:
+        shape = r["shape"]
+        lines.append(f"| {shape['seqlen']} | {shape['batch']} | {'whole-word' if shape['whole_word'] else 'token'} | "
+                     f"{r['provider']} | {r['sequences_per_cpu_s']:,.0f} | {r['median_ms']:.2f} |")
+    lines += ["", "| target: sequences per CPU-second (4x one H100's training rate) | slowest row measured | met |",
+              "|---|---|---|"]
+    for seqlen, target in TARGETS.items():
+        measured = [r["sequences_per_cpu_s"] for r in loader if r["shape"]["seqlen"] == seqlen]
+        lines.append(f"| S={seqlen}: >= {target:,} | " + (f"{min(measured):,.0f} | {'yes' if min(measured) >= target else 'no'} |"
+                                                         if measured else "not yet measured | - |"))
+    permutation = [r for r in rows if r["op"] == "permutation" and r["status"] == "ok"]
+    if permutation:
+        lines += ["", "Epoch permutation (keyed Feistel network, cycle-walked): CPU time to map one batch of stream "
+                      "positions to examples, whatever the dataset size (no per-epoch table):", "",
+                  "| examples in the dataset | batch | CPU ms |", "|---|---|---|"]
+        lines += [f"| {r['shape']['examples']:,} | {r['shape']['batch']} | {r['median_ms']:.3f} |" for r in permutation]
+    return lines + [""]
 
 
 def plots(runs: dict, plots_dir: str) -> list[str]:
@@ -342,6 +370,8 @@ def render(rows: list[dict], plots_dir: str | None = None, suites=DEFAULT_SUITES
                 f"(the GPU environment of DESIGN.md): `{GPU_COMMAND}` (under 10 minutes), then `{REGENERATE}`.", ""]
     if not any(k[0] == "cpu-memory" for k in runs):
         out += [f"The CPU memory measurement of the MLM head is not yet measured: `{CPU_MEMORY_COMMAND}`.", ""]
+    if not any(k[0] == "data" for k in runs):
+        out += [f"The input pipeline's rate (issue 13) is not yet measured: `{DATA_COMMAND}`.", ""]
     out += ["## Peak references", ""]
     peak_lines = peaks_table(runs)
     out += (peak_lines if len(peak_lines) > 2 else ["No peaks measured yet."]) + [""]
@@ -353,6 +383,9 @@ def render(rows: list[dict], plots_dir: str | None = None, suites=DEFAULT_SUITES
     images = plots(runs, plots_dir) if plots_dir else []
     for (suite, device), rows in runs.items():
         out += [f"## {suite} suite on {device}", "", provenance_line(rows), ""]
+        if suite == "data":
+            out += data_lines(rows)
+            continue
         measured = [r for r in rows if r["op"] != "peak"]
         if suite == "cpu-memory" or (suite != "gpu" and any(r["op"] == "mlm_head" for r in measured)):
             mlm = mlm_memory_lines(measured)

@@ -6,6 +6,8 @@ Suites:
   (default 480 s of measuring, so that with start-up the suite ends inside 10 minutes); items left when the budget is spent are
   written as rows with status "skipped", never silently dropped.
 - "cpu-memory": issue 5's MLM head at full size, fp32 on the CPU: peak allocated bytes and time.
+- "data": issue 13's input pipeline on the CPU: pretraining sequences built per CPU-second
+  (fastbert.bench.data_suite).
 
 Rows are written to the output file after every item, so an interrupted run keeps what it measured.
 Each row: provenance (device, versions, commit, date, command), suite, case, op, shape, dtype,
@@ -29,7 +31,7 @@ from fastbert.bench.peaks import measure_peaks, peak_figures
 from fastbert.bench.provenance import provenance
 from fastbert.bench.timing import memory_meter_name, peak_memory, time_ms, timer_name
 
-SUITES = ("smoke", "gpu", "cpu-memory")
+SUITES = ("smoke", "gpu", "cpu-memory", "data")
 GPU_BUDGET_S = 480.0
 STATUS = ("ok", "oom", "error", "skipped")
 
@@ -169,15 +171,21 @@ def run_suite(suite: str, out_dir: str, only: str | None = None, budget_s: float
         raise ValueError(f"suite must be one of {SUITES}, got {suite!r}")
     device = suite_device(suite)
     budget_s = (GPU_BUDGET_S if suite == "gpu" else None) if budget_s is None else budget_s
-    items = work_items(suite)
-    if only:
-        pattern = re.compile(only)
-        items = [i for i in items if pattern.search(f"{i.case.name} {i.provider}")]
     common = {**provenance(device, command), "suite": suite, "timer": timer_name(device),
               "memory_meter": memory_meter_name(device)}
     os.makedirs(out_dir, exist_ok=True)
     stamp = common["date"].replace(":", "").replace("-", "").replace("+0000", "Z")
     path = os.path.join(out_dir, f"{suite}-{re.sub(r'[^A-Za-z0-9]+', '-', common['device']).strip('-')}-{stamp}.json")
+    if suite == "data":
+        from fastbert.bench import data_suite
+        rows = [{**common, "timer": data_suite.CPU_CLOCK, "memory_meter": None, **row}
+                for row in data_suite.measure(progress)]
+        _write(path, rows)
+        return path, rows
+    items = work_items(suite)
+    if only:
+        pattern = re.compile(only)
+        items = [i for i in items if pattern.search(f"{i.case.name} {i.provider}")]
     start = time.monotonic()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = [{**common, "status": "ok", **r} for r in measure_peaks(device, dtype, quick=suite == "smoke")]
