@@ -16,7 +16,7 @@ setup(
     extras_require={
         # triton ships with CUDA builds of torch; on a CPU machine it is needed for the interpreter tests
         "test": ["pytest", "pytest-xdist", "triton", "transformers", "tokenizers"],
-        "bench": ["pytest-benchmark", "matplotlib", "transformers"],
+        "bench": ["pytest-benchmark", "matplotlib", "transformers", "psutil"],
         "hf": ["transformers", "tokenizers"],
     },
     entry_points={"console_scripts": ["fastbert = fastbert.cli:main"]},

@@ -54,7 +54,8 @@ def convert(src: str, dst: str, model_class: str | None = None, check: bool = Fa
     Raises ValueError (exit code 2) for anything that would make DST a wrong or partial copy of SRC."""
     checkpoint_directory(src, "SRC")
     if os.path.exists(dst) and os.path.samefile(src, dst):
-        raise ValueError(f"DST {dst} is SRC: convert writes a new directory beside the one it reads; choose another DST")
+        raise ValueError(f"DST {dst} is SRC: convert writes a new directory beside the one it reads; "
+                         "choose another DST")
     if os.path.exists(dst) and (not os.path.isdir(dst)
                                 or os.listdir(dst) and not os.path.isfile(os.path.join(dst, "config.json"))):
         raise ValueError(f"DST {dst} exists and is not a checkpoint directory; it would be replaced as a whole, "

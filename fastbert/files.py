@@ -53,13 +53,13 @@ def output_lock(path: str, wait: bool = False) -> Iterator[None]:
         logger.info(f"waiting for another fastbert process writing {path} (it holds {lock_file})")
         lock.acquire()
     try:
-        _remove_stale_partials(path)
+        remove_leftovers(path)
         yield
     finally:
         lock.release()
 
 
-def _remove_stale_partials(path: str) -> None:
+def remove_leftovers(path: str) -> None:
     """What processes killed before their rename left (only called under the lock): partial outputs,
     and an old directory caught between the two renames of replaced_directory."""
     prefixes = tuple(os.path.basename(_sibling(path, kind)) for kind in ("partial-", "old-"))
@@ -109,17 +109,24 @@ def replaced_directory(path: str) -> Iterator[str]:
     os.makedirs(partial)
     try:
         yield partial
-        old = _sibling(path, f"old-{os.getpid()}")
-        if os.path.lexists(path):
-            os.replace(path, old)
-        os.replace(partial, path)
-        _remove(old)
+        move_into_place(partial, path)
     except OSError as exc:
         _remove(partial)
         raise _named(exc, path) from exc
     except BaseException:
         _remove(partial)
         raise
+
+
+def move_into_place(partial: str, path: str) -> None:
+    """Rename the complete directory `partial` to `path`; a directory already there is renamed aside
+    first and removed after (a process killed between the two renames leaves nothing at `path`, and
+    the old directory for remove_leftovers)."""
+    old = _sibling(path, f"old-{os.getpid()}")
+    if os.path.lexists(path):
+        os.replace(path, old)
+    os.replace(partial, path)
+    _remove(old)
 
 
 def write_text(path: str, text: str) -> None:

@@ -79,10 +79,10 @@ def test_prepare_data_bad_corpus_is_a_clear_error(tmp_path, capsys, case):
     rc = prepare.main(["--corpus", str(path), "--out", str(tmp_path / "out"), "--vocab-size", "50"])
     err = capsys.readouterr().err
     assert rc == 2
-    assert err.startswith("fastbert prepare-data: error:") and "Traceback" not in err
-    expected = {"missing": "does not exist", "empty": "contains no text", "undecodable": "not valid UTF-8",
-                "single_document": "at least 2"}[case]
-    assert expected in err
+    assert err.splitlines()[-1].startswith("fastbert prepare-data: error:") and "Traceback" not in err
+    expected = {"missing": "does not exist", "empty": "contains no text", "undecodable": "c.txt:2: byte 4 of the "
+                "line is not valid UTF-8", "single_document": "at least 2"}[case]
+    assert expected in err.splitlines()[-1]
     assert not os.path.exists(tmp_path / "out" / "seq128")
 
 
@@ -157,24 +157,48 @@ def test_shard_round_trip(tmp_path, vocab_size):
 
 
 def test_prepare_data_end_to_end(tmp_path):
-    path = write_corpus(tmp_path / "c.txt", documents=11)  # chunks of 5, 5 and 1: the 1 joins the 2nd
+    path = write_corpus(tmp_path / "c.txt", documents=11)
     out = tmp_path / "data"
+    chunks = len(corpus.plan_chunks([path], 1024))
+    assert chunks >= 3
     assert prepare.main(["--corpus", path, "--out", str(out), "--vocab-size", "120", "--max-seq-length", "24", "48",
-                         "--docs-per-chunk", "5"]) == 0
+                         "--chunk-bytes", "1K"]) == 0
     for length in (24, 48):
         dataset = ShardedDataset(str(out / f"seq{length}"))
-        assert dataset.max_seq_length == length and len(dataset.metadata["shards"]) == 2
+        assert dataset.max_seq_length == length and len(dataset.metadata["shards"]) == chunks
         assert dataset.vocabulary()[:5] == list(SPECIAL_TOKENS) and dataset.vocab_size <= 120
         assert max(len(dataset[i][0]) for i in range(len(dataset))) <= length
-    assert not [n for n in os.listdir(out) if n.startswith(".tmp")]
+        assert dataset.metadata["documents"] == 11
+    assert sorted(os.listdir(out)) == [".prepare.lock", "seq24", "seq48", "tokenizer.json", "vocab.txt"]
     # a given vocab.txt is used as it is
     again = tmp_path / "again"
     assert prepare.main(["--corpus", path, "--out", str(again), "--tokenizer", str(out / "vocab.txt"),
-                         "--max-seq-length", "24", "--docs-per-chunk", "5"]) == 0
+                         "--max-seq-length", "24", "--chunk-bytes", "1K"]) == 0
     first, second = ShardedDataset(str(out / "seq24")), ShardedDataset(str(again / "seq24"))
     assert first.vocabulary() == second.vocabulary() and len(first) == len(second)
-    # existing output is not overwritten silently
+    # existing output made with other options is not overwritten silently
     assert prepare.main(["--corpus", path, "--out", str(out), "--max-seq-length", "24"]) == 2
+
+
+def test_chunks_end_at_document_boundaries_and_cut_only_long_documents(tmp_path):
+    """Every chunk holds whole documents, and the chunks together hold the corpus; a document longer
+    than a quarter of a chunk is cut at a line; a .jsonl line is never cut."""
+    short = write_corpus(tmp_path / "short.txt", documents=40, sentences=6)
+    long_document = tmp_path / "book.txt"
+    long_document.write_text("".join(f"sentence {i} of one long book.\n" for i in range(400)))
+    lines = tmp_path / "lines.jsonl"
+    lines.write_text("".join(json.dumps({"text": f"Doc {i}. " * 20}) + "\n" for i in range(30)))
+    paths = [short, str(long_document), str(lines)]
+    plan = corpus.plan_chunks(paths, 2048)
+    sizes = [sum(s.end - s.start for s in chunk) for chunk in plan]
+    assert len(plan) >= 10 and max(sizes) <= 2048 * 1.25 + 100 and sum(sizes) == sum(map(os.path.getsize, paths))
+    documents = [d for chunk in plan for s in chunk for d in corpus.segment_documents(s)]
+    whole = list(corpus.read_documents(paths))
+    book = [d for d in documents if d[0].startswith("sentence")]
+    assert [s for d in book for s in d] == [s for d in whole if d[0].startswith("sentence") for s in d]
+    assert len(book) > 1  # the book was cut into pieces at lines
+    assert [d for d in documents if not d[0].startswith("sentence")] == [
+        d for d in whole if not d[0].startswith("sentence")]  # every other document whole, in order
 
 
 # masking --------------------------------------------------------------------------------------------

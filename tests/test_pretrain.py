@@ -33,7 +33,7 @@ COMPUTED = ("step", "phase", "seq_length", "loss", "mlm_loss", "nsp_loss", "mlm_
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("pretrain")
     corpus = write_corpus(root / "corpus.txt", documents=20, sentences=10)
-    prepare.prepare_dataset([corpus], str(root / "data"), vocab_size=120, max_seq_lengths=(16, 32), log=lambda *a: None)
+    prepare.prepare_dataset([corpus], str(root / "data"), vocab_size=120, max_seq_lengths=(16, 32))
     return str(root / "data")
 
 

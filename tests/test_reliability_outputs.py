@@ -9,6 +9,7 @@ import resource
 import signal
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -16,10 +17,14 @@ import torch
 
 import fastbert
 from fastbert import cli
+from fastbert.data import prepare as prepare_module
+from fastbert.data.shards import ShardedDataset
+from fastbert.data.tokenizer import SPECIAL_TOKENS
 from fastbert.files import output_lock
 from fastbert.finetune import FinetuneConfig, finetune
 from fastbert.finetune import train as finetune_train
 from fastbert.finetune.readers import DataError
+from tests.test_data import write_corpus
 from tests.test_finetune import FAST, tiny_model, write_sentiment, write_squad  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -200,10 +205,133 @@ def test_a_damaged_tokenizer_json_is_a_message(tmp_path, tiny_model, content, ca
     assert not (tmp_path / "f.npy").exists()
 
 
-@pytest.mark.parametrize("shape, dtype, message", [((2, 0), torch.int64, r"at least one token, got input shape \(2, 0\)"),
-                                                   ((2, 3), torch.uint8, "must be int64 or int32"),
-                                                   ((2, 3), torch.int16, "must be int64 or int32")])
+@pytest.mark.parametrize("shape, dtype, message", [
+    ((2, 0), torch.int64, r"at least one token, got input shape \(2, 0\)"),
+    ((2, 3), torch.uint8, "must be int64 or int32"),
+    ((2, 3), torch.int16, "must be int64 or int32")])
 def test_model_refuses_empty_sequences_and_narrow_ids(shape, dtype, message):
     model = fastbert.BertModel(fastbert.BertConfig.tiny())
     with pytest.raises(ValueError, match=message):
         model(torch.zeros(shape, dtype=dtype))
+
+
+# prepare-data and the built-in corpus cache ----------------------------------------------------------------
+def prepare_files(out):
+    """{relative path: sha256} of every file of a prepare-data output, hidden lock files aside."""
+    files = {}
+    for folder, _, names in os.walk(out):
+        for name in names:
+            if not name.endswith(".lock"):
+                path = os.path.join(folder, name)
+                files[os.path.relpath(path, out)] = digest(path)
+    return files
+
+
+def prepare(corpus, out, **options):
+    values = dict(vocab_size=200, max_seq_lengths=(24, 48), chunk_bytes=2048, workers=1)
+    return prepare_module.prepare_dataset([str(corpus)], str(out), **{**values, **options})
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return write_corpus(tmp_path / "corpus.txt", documents=30, sentences=8)
+
+
+def test_prepare_data_is_deterministic_whatever_the_workers(tmp_path, corpus):
+    prepare(corpus, tmp_path / "a")
+    prepare(corpus, tmp_path / "b")  # WordPiece trained again in the same process: its hash maps differ
+    prepare(corpus, tmp_path / "c", workers=2)
+    first = prepare_files(tmp_path / "a")
+    assert len([n for n in first if n.endswith(".bin")]) >= 2 * 3  # several shards per length
+    assert prepare_files(tmp_path / "b") == first == prepare_files(tmp_path / "c")
+
+
+def test_adding_a_sequence_length_reuses_the_tokenizer(tmp_path, corpus, caplog):
+    prepare(corpus, tmp_path / "a", max_seq_lengths=(24,))
+    tokenizer = digest(tmp_path / "a" / "tokenizer.json")
+    before = prepare_files(tmp_path / "a")
+    with caplog.at_level("INFO", logger="fastbert.data"):
+        prepare(corpus, tmp_path / "a", max_seq_lengths=(24, 48))
+    assert "as for this directory's other datasets" in caplog.text and "already prepared" in caplog.text
+    after = prepare_files(tmp_path / "a")
+    assert {k: v for k, v in after.items() if k in before} == before  # seq24 and the tokenizer untouched
+    assert digest(tmp_path / "a" / "tokenizer.json") == tokenizer
+    indexes = [json.loads((tmp_path / "a" / f"seq{n}" / "index.json").read_text()) for n in (24, 48)]
+    assert indexes[0]["tokenizer_sha256"] == indexes[1]["tokenizer_sha256"]
+    other = tmp_path / "other-vocab.txt"
+    other.write_text("".join(t + "\n" for t in [*SPECIAL_TOKENS, "the", "cat"]))
+    with pytest.raises(ValueError, match="differs from .*tokenizer.json, which the datasets in .* use"):
+        prepare(corpus, tmp_path / "a", tokenizer=str(other))
+    with pytest.raises(ValueError, match=r"seq24 exists and was prepared otherwise \(seed: 12345 then, 7 now\)"):
+        prepare(corpus, tmp_path / "a", seed=7)
+
+
+def test_interrupted_prepare_data_resumes_and_keeps_the_previous_dataset(tmp_path, corpus, monkeypatch):
+    prepare(corpus, tmp_path / "whole")
+    prepare(corpus, tmp_path / "a", seed=1)
+    before = prepare_files(tmp_path / "a")
+    built = []
+
+    def build_then_interrupt(job):
+        if len(built) == 2:
+            raise KeyboardInterrupt
+        built.append(job[0])
+        return original(job)
+
+    original = prepare_module.build_shards
+    monkeypatch.setattr(prepare_module, "build_shards", build_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(corpus, tmp_path / "a", overwrite=True)
+    assert {k: v for k, v in prepare_files(tmp_path / "a").items() if not k.startswith(".partial")} == before
+    built.clear()
+    monkeypatch.setattr(prepare_module, "build_shards", lambda job: (built.append(job[0]), original(job))[1])
+    prepare(corpus, tmp_path / "a", overwrite=True)
+    assert built and 0 not in built and 1 not in built  # the two finished shards were not built again
+    assert prepare_files(tmp_path / "a") == prepare_files(tmp_path / "whole")
+
+
+def test_a_damaged_dataset_index_is_a_message(tmp_path, corpus):
+    prepare(corpus, tmp_path / "a")
+    (tmp_path / "a" / "seq24" / "index.json").write_text('{"format_version": 1, "max_seq')
+    with pytest.raises(ValueError, match=r"seq24/index.json: damaged"):
+        ShardedDataset(str(tmp_path / "a" / "seq24"))
+    with pytest.raises(ValueError, match=r"seq24 exists and was prepared otherwise \(.*index.json: damaged"):
+        prepare(corpus, tmp_path / "a")
+    prepare(corpus, tmp_path / "a", overwrite=True)
+    assert len(ShardedDataset(str(tmp_path / "a" / "seq24"))) > 0
+
+
+BUILTIN = textwrap.dedent("""
+    from fastbert.cli import configure_logging
+    from fastbert.data import corpus, prepare
+    configure_logging("pretrain")
+    files = corpus.stdlib_files()[:30]  # a slice of the standard library keeps the test short
+    corpus.stdlib_files = lambda: files
+    root = prepare.builtin_dataset(300, [32, 64])
+    print(root)
+""")
+
+
+def builtin(cache, wait=True):
+    process = subprocess.Popen([sys.executable, "-c", BUILTIN], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, "FASTBERT_CACHE": str(cache)})
+    return process.communicate() + (process.returncode,) if wait else process
+
+
+def test_two_runs_preparing_the_builtin_corpus_at_once_share_one_cache(tmp_path):
+    first, second = builtin(tmp_path, wait=False), builtin(tmp_path, wait=False)
+    results = [p.communicate() + (p.returncode,) for p in (first, second)]
+    assert [rc for _, _, rc in results] == [0, 0], results
+    root = results[0][0].strip()
+    assert results[1][0].strip() == root
+    logs = "".join(err for _, err, _ in results)
+    assert logs.count("examples from") == 2  # each length was built once, by one of the two
+    assert "waiting for another fastbert process" in logs or logs.count("already prepared") == 2
+    datasets = [ShardedDataset(os.path.join(root, f"seq{n}")) for n in (32, 64)]
+    assert all(len(d) > 0 for d in datasets)
+    # a damaged cache is rebuilt, not an error for good
+    with open(os.path.join(root, "tokenizer.json"), "w") as f:
+        f.write('{"truncated')
+    out, err, rc = builtin(tmp_path)
+    assert rc == 0 and "rebuilding the built-in corpus's cache" in err, err
+    assert ShardedDataset(os.path.join(root, "seq32")).metadata["fingerprint"] == datasets[0].metadata["fingerprint"]

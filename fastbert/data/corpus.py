@@ -1,4 +1,4 @@
-"""Reading pretraining corpora into documents, each a list of sentences.
+"""Reading pretraining corpora into documents, each a list of sentences, in byte-bounded chunks.
 
 Formats (chosen by file name):
 - plain text (any name not ending in .jsonl): BERT's convention, one sentence per line and a blank
@@ -8,10 +8,17 @@ Formats (chosen by file name):
 - the name "stdlib": the docstrings of Python's standard library, one module per document, read
   from the source files with `ast` (nothing is imported), so every machine with Python has it.
 
+`plan_chunks` cuts the corpus (its files one after another) into chunks of about `chunk_bytes`,
+each a list of Segments (byte ranges of files), at document boundaries: after a blank line in a text
+file, at a line end in a .jsonl file, between files of the standard library. A text document longer
+than a quarter of a chunk may be cut at a line instead, its two parts read as two documents. So the
+memory that reading a chunk needs is bounded by the chunk size, whatever the sizes of the corpus and
+of its documents (one .jsonl line, one document, is read whole). The plan depends on the files'
+bytes and chunk_bytes only.
+
 A bad corpus raises CorpusError (a ValueError) naming the file and, where it applies, the line:
 a missing file, a file with no text, bytes that do not decode (unless encoding_errors is "replace"
-or "ignore"), a .jsonl line that is not an object with a string "text", fewer than 2 documents in
-all (next sentence prediction draws its random segment from another document).
+or "ignore"), a .jsonl line that is not an object with a string "text".
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import os
 import re
 import sysconfig
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 STDLIB = "stdlib"
 ENCODING_ERRORS = ("strict", "replace", "ignore")
@@ -29,10 +37,20 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 # standard-library folders that are tests, tools or vendored code rather than documented modules
 _STDLIB_SKIP = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3",
                 "turtledemo", "idlelib", "tkinter", "ensurepip"}
+_READ_BLOCK = 1 << 20
 
 
 class CorpusError(ValueError):
     """A corpus that cannot be used, with the file (and line) at fault."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Bytes [start, end) of one file; `kind` says how to read them: "text", "jsonl" or "python"."""
+    path: str
+    start: int
+    end: int
+    kind: str
 
 
 def split_sentences(text: str) -> list[str]:
@@ -53,21 +71,103 @@ def check_paths(paths: list[str]) -> None:
             raise CorpusError(f"corpus path {path!r} is not a file")
 
 
-def _lines(path: str, encoding_errors: str) -> Iterator[tuple[int, str]]:
-    """(line number, line) of a UTF-8 file; undecodable bytes raise CorpusError under "strict"."""
+def _has_text(path: str) -> bool:
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
+        while block := f.read(_READ_BLOCK):
+            if block.strip():
+                return True
+    return False
+
+
+def corpus_files(paths: list[str]) -> list[Segment]:
+    """Every file of the corpus as one whole-file Segment, in order (the standard library expanded)."""
+    check_paths(paths)
+    files = []
+    for path in paths:
+        if path == STDLIB:
+            files += [Segment(f, 0, os.path.getsize(f), "python") for f in stdlib_files()]
+            continue
+        if not _has_text(path):
+            raise CorpusError(f"corpus file {path!r} contains no text")
+        files.append(Segment(path, 0, os.path.getsize(path), "jsonl" if path.endswith(".jsonl") else "text"))
+    return files
+
+
+def _boundary(file: Segment, at: int, slack: int) -> int:
+    """The first document boundary of `file` at or after byte `at` (see the module docstring)."""
+    if file.kind == "python" or at <= 0:
+        return file.end if at > 0 else 0
+    with open(file.path, "rb") as f:
+        f.seek(at - 1)
+        f.readline()  # to the start of the first line at or after `at`
+        line_start = f.tell()
+        if file.kind == "jsonl":
+            return line_start
+        while f.tell() < at + slack:
+            line = f.readline()
+            if not line or not line.strip():  # the end, or a blank line: a document starts after it
+                return f.tell()
+        return line_start
+
+
+def plan_chunks(paths: list[str], chunk_bytes: int) -> list[list[Segment]]:
+    """The corpus cut into chunks of at most about chunk_bytes, each a list of Segments (module docstring)."""
+    files = corpus_files(paths)
+    total = sum(f.end for f in files)
+    count = max(1, -(-total // chunk_bytes))
+    targets = iter([total * k // count for k in range(1, count)] + [total])
+    target = next(targets)
+    chunks: list[list[Segment]] = [[]]
+    offset = 0  # bytes of the corpus before the current file
+    for file in files:
+        start = 0
+        while target <= offset + file.end and start < file.end:
+            cut = min(max(_boundary(file, target - offset, chunk_bytes // 4), start), file.end)
+            if cut > start:
+                chunks[-1].append(Segment(file.path, start, cut, file.kind))
+            if chunks[-1]:
+                chunks.append([])
+            start = cut
+            target = next(targets, total + 1)
+        if start < file.end:
+            chunks[-1].append(Segment(file.path, start, file.end, file.kind))
+        offset += file.end
+    return [chunk for chunk in chunks if chunk]
+
+
+def _line_number(path: str, offset: int, relative: int) -> int:
+    """The file's line number of the `relative`-th line (1-based) after byte `offset`."""
+    newlines = 0
+    with open(path, "rb") as f:
+        while offset > 0 and (block := f.read(min(_READ_BLOCK, offset))):
+            newlines += block.count(b"\n")
+            offset -= len(block)
+    return newlines + relative
+
+
+def _lines(segment: Segment, encoding_errors: str) -> Iterator[tuple[int, str]]:
+    """(line number within the segment, line) of a UTF-8 segment; bad bytes raise CorpusError under "strict"."""
+    with open(segment.path, "rb") as f:
+        f.seek(segment.start)
+        position, number = segment.start, 0
+        while position < segment.end:
+            raw = f.readline()
+            if not raw:
+                break
+            position += len(raw)
+            number += 1
             try:
                 yield number, raw.decode("utf-8", errors=encoding_errors)
             except UnicodeDecodeError as exc:
+                line = _line_number(segment.path, segment.start, number)
                 raise CorpusError(
-                    f"{path}:{number}: byte {exc.start} of the line is not valid UTF-8 ({exc.reason}); "
+                    f"{segment.path}:{line}: byte {exc.start} of the line is not valid UTF-8 ({exc.reason}); "
                     "fix the file or pass --encoding-errors replace (or ignore)") from None
 
 
-def _text_documents(path: str, encoding_errors: str) -> Iterator[list[str]]:
+def _text_documents(segment: Segment, encoding_errors: str) -> Iterator[list[str]]:
     sentences: list[str] = []
-    for _, line in _lines(path, encoding_errors):
+    for _, line in _lines(segment, encoding_errors):
         line = line.strip()
         if line:
             sentences.append(line)
@@ -78,16 +178,18 @@ def _text_documents(path: str, encoding_errors: str) -> Iterator[list[str]]:
         yield sentences
 
 
-def _jsonl_documents(path: str, encoding_errors: str) -> Iterator[list[str]]:
-    for number, line in _lines(path, encoding_errors):
+def _jsonl_documents(segment: Segment, encoding_errors: str) -> Iterator[list[str]]:
+    for number, line in _lines(segment, encoding_errors):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise CorpusError(f"{path}:{number}: not a JSON object ({exc.msg})") from None
+            line_number = _line_number(segment.path, segment.start, number)
+            raise CorpusError(f"{segment.path}:{line_number}: not a JSON object ({exc.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise CorpusError(f'{path}:{number}: expected an object with a string "text" field')
+            line_number = _line_number(segment.path, segment.start, number)
+            raise CorpusError(f'{segment.path}:{line_number}: expected an object with a string "text" field')
         sentences = split_sentences(record["text"])
         if sentences:
             yield sentences
@@ -103,23 +205,32 @@ def stdlib_files() -> list[str]:
     return files
 
 
-def _stdlib_documents() -> Iterator[list[str]]:
-    for path in stdlib_files():
-        try:
-            with open(path, encoding="utf-8") as f:
-                tree = ast.parse(f.read())
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue  # a few files are templates or use another encoding: they are simply not part of it
-        sentences = []
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc:
-                    # paragraphs are joined into running text; doctest lines are code, not prose
-                    prose = [p for p in doc.split("\n\n") if not p.lstrip().startswith((">>>", "..."))]
-                    sentences += split_sentences("\n".join(" ".join(p.split()) for p in prose))
-        if sentences:
-            yield sentences
+def _python_documents(segment: Segment) -> Iterator[list[str]]:
+    """The docstrings of one standard-library module as one document."""
+    try:
+        with open(segment.path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return  # a few files are templates or use another encoding: they are simply not part of it
+    sentences = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node)
+            if doc:
+                # paragraphs are joined into running text; doctest lines are code, not prose
+                prose = [p for p in doc.split("\n\n") if not p.lstrip().startswith((">>>", "..."))]
+                sentences += split_sentences("\n".join(" ".join(p.split()) for p in prose))
+    if sentences:
+        yield sentences
+
+
+def segment_documents(segment: Segment, encoding_errors: str = "strict") -> Iterator[list[str]]:
+    """The documents of one segment, each a non-empty list of sentences."""
+    if segment.kind == "python":
+        return _python_documents(segment)
+    if segment.kind == "jsonl":
+        return _jsonl_documents(segment, encoding_errors)
+    return _text_documents(segment, encoding_errors)
 
 
 def read_documents(paths: list[str], encoding_errors: str = "strict") -> Iterator[list[str]]:
@@ -129,17 +240,5 @@ def read_documents(paths: list[str], encoding_errors: str = "strict") -> Iterato
     """
     if encoding_errors not in ENCODING_ERRORS:
         raise ValueError(f"encoding_errors must be one of {ENCODING_ERRORS}, got {encoding_errors!r}")
-    check_paths(paths)
-    for path in paths:
-        if path == STDLIB:
-            documents = _stdlib_documents()
-        elif path.endswith(".jsonl"):
-            documents = _jsonl_documents(path, encoding_errors)
-        else:
-            documents = _text_documents(path, encoding_errors)
-        empty = True
-        for document in documents:
-            empty = False
-            yield document
-        if empty:
-            raise CorpusError(f"corpus file {path!r} contains no text")
+    for file in corpus_files(paths):
+        yield from segment_documents(file, encoding_errors)

@@ -18,6 +18,7 @@ Masking is not done here: the loader masks anew every epoch (fastbert.data.maski
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 IS_NEXT, RANDOM_NEXT = 0, 1  # next_sentence_label, HF's convention
@@ -43,14 +44,14 @@ def _random_segment(documents, document_index: int, target: int, rng: random.Ran
     other += other >= document_index
     document = documents[other]
     tokens: list[int] = []
-    for sentence in document[rng.randrange(len(document)):]:
-        tokens += sentence
+    for i in range(rng.randrange(len(document)), len(document)):
+        tokens += document[i]
         if len(tokens) >= target:
             break
     return tokens
 
 
-def document_examples(documents: list[list[list[int]]], document_index: int, max_seq_length: int,
+def document_examples(documents: Sequence[Sequence[list[int]]], document_index: int, max_seq_length: int,
                       short_seq_prob: float, cls_id: int, sep_id: int, rng: random.Random) -> list[Example]:
     """Examples from documents[document_index]; the others supply random B segments.
 
@@ -88,12 +89,20 @@ def document_examples(documents: list[list[list[int]]], document_index: int, max
     return examples
 
 
-def create_examples(documents: list[list[list[int]]], max_seq_length: int, short_seq_prob: float,
-                    dupe_factor: int, cls_id: int, sep_id: int, rng: random.Random) -> list[Example]:
-    """Examples of every document, dupe_factor times over (each pass cuts the documents differently)."""
+def iter_examples(documents: Sequence[Sequence[list[int]]], max_seq_length: int, short_seq_prob: float,
+                  dupe_factor: int, cls_id: int, sep_id: int, rng: random.Random) -> Iterator[Example]:
+    """Examples of every document, dupe_factor times over (each pass cuts the documents differently),
+    one at a time. documents[d][s] is the list of token ids of sentence s of document d."""
     if len(documents) < 2:
         raise ValueError(f"next sentence prediction needs at least 2 documents, got {len(documents)}")
     if max_seq_length < 5:
         raise ValueError(f"max_seq_length must be at least 5 ([CLS] A [SEP] B [SEP]), got {max_seq_length}")
-    return [example for _ in range(dupe_factor) for index in range(len(documents))
-            for example in document_examples(documents, index, max_seq_length, short_seq_prob, cls_id, sep_id, rng)]
+    for _ in range(dupe_factor):
+        for index in range(len(documents)):
+            yield from document_examples(documents, index, max_seq_length, short_seq_prob, cls_id, sep_id, rng)
+
+
+def create_examples(documents: Sequence[Sequence[list[int]]], max_seq_length: int, short_seq_prob: float,
+                    dupe_factor: int, cls_id: int, sep_id: int, rng: random.Random) -> list[Example]:
+    """iter_examples' examples as a list."""
+    return list(iter_examples(documents, max_seq_length, short_seq_prob, dupe_factor, cls_id, sep_id, rng))

@@ -9,7 +9,10 @@ special tokens [PAD] [UNK] [CLS] [SEP] [MASK] at ids 0-4.
 from __future__ import annotations
 
 import os
+import unicodedata
 from collections.abc import Iterable
+
+from fastbert.files import write_text
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 CONTINUATION_PREFIX = "##"
@@ -25,20 +28,64 @@ def _tokenizers():
 
 def train_wordpiece(sentences: Iterable[str], vocab_size: int, lowercase: bool = True,
                     min_frequency: int = 2):
-    """A BERT WordPiece tokenizer (tokenizers.Tokenizer) trained on an iterable of sentences."""
+    """A BERT WordPiece tokenizer (tokenizers.Tokenizer) trained on sentences, an iterable read twice
+    (a list, or an object whose __iter__ starts over). The same sentences give the same vocabulary.
+
+    Why twice: HF tokenizers' trainer numbers the "##x" continuation pieces in the order it meets them
+    in a hash map of the words, which differs from run to run, and breaks ties between equally frequent
+    merges by those numbers: four trainings on one corpus gave four vocabularies (huggingface/tokenizers
+    issue 1794). The first pass finds the characters; declaring "##x" for each of them up front, in
+    sorted order, numbers them before training, so every tie breaks the same way. They are declared as
+    special tokens only to fix their ids, then made ordinary vocabulary entries again.
+    """
     if vocab_size <= len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be larger than the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}")
     tk = _tokenizers()
-    tokenizer = tk.Tokenizer(tk.models.WordPiece(unk_token="[UNK]", continuing_subword_prefix=CONTINUATION_PREFIX))
-    tokenizer.normalizer = tk.normalizers.BertNormalizer(lowercase=lowercase)  # accents stripped iff lowercase
-    tokenizer.pre_tokenizer = tk.pre_tokenizers.BertPreTokenizer()
-    tokenizer.decoder = tk.decoders.WordPiece(prefix=CONTINUATION_PREFIX)
+    normalizer = tk.normalizers.BertNormalizer(lowercase=lowercase)  # accents stripped iff lowercase
+    characters: set[str] = set()
+    for sentence in sentences:
+        characters.update(sentence)
+    continuations = [CONTINUATION_PREFIX + c for c in continuation_characters(characters, normalizer)]
     trainer = tk.trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                           special_tokens=list(SPECIAL_TOKENS),
+                                           special_tokens=list(SPECIAL_TOKENS) + continuations,
                                            continuing_subword_prefix=CONTINUATION_PREFIX, show_progress=False)
-    tokenizer.train_from_iterator(sentences, trainer)
+    trained = _bert_tokenizer(tk.models.WordPiece(unk_token="[UNK]", continuing_subword_prefix=CONTINUATION_PREFIX),
+                              normalizer)
+    trained.train_from_iterator(iter(sentences), trainer)
+    model = tk.models.WordPiece(trained.get_vocab(with_added_tokens=False), unk_token="[UNK]",
+                                continuing_subword_prefix=CONTINUATION_PREFIX)
+    tokenizer = _bert_tokenizer(model, normalizer)
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     _add_post_processor(tokenizer)
     return tokenizer
+
+
+def _bert_tokenizer(model, normalizer):
+    tk = _tokenizers()
+    tokenizer = tk.Tokenizer(model)
+    tokenizer.normalizer = normalizer
+    tokenizer.pre_tokenizer = tk.pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = tk.decoders.WordPiece(prefix=CONTINUATION_PREFIX)
+    return tokenizer
+
+
+def _is_punctuation(character: str) -> bool:
+    """BERT's punctuation (ASCII symbols and Unicode P*): the pre-tokeniser makes each one a word of its own."""
+    code = ord(character)
+    return 33 <= code <= 47 or 58 <= code <= 64 or 91 <= code <= 96 or 123 <= code <= 126 or \
+        unicodedata.category(character).startswith("P")
+
+
+def continuation_characters(characters: set[str], normalizer) -> list[str]:
+    """Sorted characters that can follow another inside a word after BERT's normalisation: not white
+    space, not punctuation, not CJK ideographs (the normaliser puts spaces around those)."""
+    kept = set()
+    for character in characters:
+        normalized = normalizer.normalize_str(character)
+        if normalized[:1].isspace():  # white space, or an ideograph the normaliser isolates
+            continue
+        kept.update(c for c in normalized if not c.isspace() and not _is_punctuation(c))
+    return sorted(kept)
 
 
 def _add_post_processor(tokenizer) -> None:
@@ -77,15 +124,15 @@ def vocabulary(tokenizer) -> list[str]:
 
 
 def save_tokenizer(tokenizer, directory: str) -> None:
-    """tokenizer.json (for `tokenizers` / transformers) and vocab.txt (BERT's format) into directory."""
+    """tokenizer.json (for `tokenizers` / transformers) and vocab.txt (BERT's format) into directory,
+    each replaced atomically."""
     os.makedirs(directory, exist_ok=True)
-    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    write_text(os.path.join(directory, "tokenizer.json"), tokenizer.to_str(pretty=True))
     write_vocab(vocabulary(tokenizer), os.path.join(directory, "vocab.txt"))
 
 
 def write_vocab(tokens: list[str], path: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(t + "\n" for t in tokens)
+    write_text(path, "".join(t + "\n" for t in tokens))
 
 
 def read_vocab(path: str) -> list[str]:

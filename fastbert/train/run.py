@@ -6,7 +6,6 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,26 +67,16 @@ def plan_phases(cfg: PretrainConfig, max_positions: int, world_size: int) -> lis
     return [Phase(n, s, e, m) for n, s, e, m in zip(lengths, starts, ends, micro) if e > s]
 
 
-def _cache_dir() -> str:
-    base = os.environ.get("FASTBERT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fastbert")
-    return base
-
-
 def stdlib_data(vocab_size: int, seq_lengths: list[int], env: distributed.Dist) -> str:
-    """The built-in corpus (Python's docstrings) prepared once into the cache; rank 0 builds, others wait."""
-    from fastbert.data.prepare import dataset_dir, prepare_dataset
+    """The built-in corpus (Python's docstrings), prepared once into the cache by rank 0 (under the cache's
+    lock: fastbert.data.prepare.builtin_dataset); the other ranks wait."""
+    from fastbert.data.prepare import builtin_dataset, builtin_dir
 
-    root = os.path.join(_cache_dir(), f"stdlib-py{sys.version_info[0]}.{sys.version_info[1]}-vocab{vocab_size}")
-    missing = [n for n in seq_lengths if not os.path.isfile(os.path.join(dataset_dir(root, n), INDEX_FILE))]
-    if missing and env.is_main:
-        tokenizer = os.path.join(root, "tokenizer.json")
-        logger.info(f"preparing the built-in corpus (Python standard-library docstrings) in {root}")
-        prepare_dataset([STDLIB], root, tokenizer if os.path.isfile(tokenizer) else None, vocab_size,
-                        max_seq_lengths=tuple(missing), overwrite=True, log=logger.info)
+    if env.is_main:
+        builtin_dataset(vocab_size, seq_lengths)
     if env.distributed:
         torch.distributed.barrier()
-    return root
+    return builtin_dir(vocab_size)
 
 
 def phase_dataset(data: str, seq_length: int) -> ShardedDataset:
