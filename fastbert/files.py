@@ -76,10 +76,10 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
-def _named(exc: OSError, path: str) -> OSError:
+def writing_error(exc: OSError, path: str) -> OSError:
     """The same error, naming the output it was writing (ENOSPC alone does not say where)."""
-    return OSError(exc.errno, f"{exc.strerror or exc} while writing {path} (the previous output, if any, "
-                              "is unchanged)")
+    message = f"{exc.strerror or exc} while writing {path} (the previous output, if any, is unchanged)"
+    return OSError(message) if exc.errno is None else OSError(exc.errno, message)
 
 
 @contextlib.contextmanager
@@ -94,7 +94,7 @@ def replaced_file(path: str) -> Iterator[str]:
         os.replace(partial, path)
     except OSError as exc:
         _remove(partial)
-        raise _named(exc, path) from exc
+        raise writing_error(exc, path) from exc
     except BaseException:
         _remove(partial)
         raise
@@ -112,7 +112,7 @@ def replaced_directory(path: str) -> Iterator[str]:
         move_into_place(partial, path)
     except OSError as exc:
         _remove(partial)
-        raise _named(exc, path) from exc
+        raise writing_error(exc, path) from exc
     except BaseException:
         _remove(partial)
         raise

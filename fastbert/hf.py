@@ -116,6 +116,7 @@ def save_pretrained(model: torch.nn.Module, path) -> None:
     Files are written to temporary names and renamed, so an interrupted save never leaves a
     half-written checkpoint under the final names.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
@@ -128,7 +129,10 @@ def save_pretrained(model: torch.nn.Module, path) -> None:
         json.dump(values, f, indent=2, sort_keys=True)
         f.write("\n")
     weights_tmp = os.path.join(path, SAFETENSORS_NAME + ".tmp")
-    save_file(hf_state_dict(model), weights_tmp, metadata={"format": "pt"})
+    try:
+        save_file(hf_state_dict(model), weights_tmp, metadata={"format": "pt"})
+    except SafetensorError as exc:  # a failed write (a full disk) comes as safetensors' own error type
+        raise OSError(f"{exc} (writing {weights_tmp})") from exc
     os.chmod(weights_tmp, file_mode())  # safetensors creates its file 0600; give it the umask's mode as config.json
     os.replace(weights_tmp, os.path.join(path, SAFETENSORS_NAME))
     os.replace(config_tmp, os.path.join(path, "config.json"))

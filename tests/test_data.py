@@ -431,3 +431,23 @@ def test_prefetch_runs_torch_at_the_given_thread_count():
         stream = prefetch(thread_counts(), threads=torch.get_num_threads())
         assert next(stream) == torch.get_num_threads()
         stream.close()
+
+
+def test_prepare_data_perf_section_projects_from_the_measured_rate():
+    from fastbert.bench.prepare_report import prepare_data_section
+
+    common = {"suite": "prepare-data", "date": "2026-01-01T00:00:00+00:00", "chunk_bytes": 32 << 20,
+              "documents": 100, "peak_rss_worker_bytes": 200 << 20, "peak_rss_parent_bytes": 100 << 20,
+              "peak_rss_tree_bytes": 500 << 20, "load_average_1min": 1.0}
+    rows = [{**common, "op": "vocab-training", "corpus": "a", "corpus_bytes": 100 << 20, "sample_bytes": 100 << 20,
+             "workers": 1, "wall_s": 50.0, "cpu_s": 50.0, "mib_per_cpu_s": 2.0},
+            {**common, "op": "sharding", "corpus": "a", "corpus_bytes": 100 << 20, "workers": 1, "wall_s": 100.0,
+             "cpu_s": 100.0, "mib_per_cpu_s": 1.0},
+            {**common, "op": "sharding", "corpus": "a", "corpus_bytes": 100 << 20, "workers": 2, "wall_s": 50.0,
+             "cpu_s": 100.0, "mib_per_cpu_s": 1.0}]
+    text = "\n".join(prepare_data_section(rows, lambda run: "provenance"))
+    assert "**1.00 MiB of text per CPU-second**" in text
+    assert "2 worker(s) 1.00 CPU-s per MiB, wall time 2.00x as fast as 1" in text
+    assert "- 16 cores: sharding about 17 min" in text and "- 64 cores: sharding about 4 min" in text  # 16384 s / n
+    assert "0.50 CPU-s per MiB of sample" in text and "about 9 min of CPU time" in text  # 0.5 * 1024 s
+    assert "Not yet measured" in "\n".join(prepare_data_section([], lambda run: ""))

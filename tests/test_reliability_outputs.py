@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,12 +154,31 @@ def run_with_file_size_limit(argv, limit_bytes):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_a_full_disk_is_a_message_and_the_previous_output_stays(tmp_path, tiny_model):
-    assert cli.main(embed_argv(tmp_path, tiny_model)) == 0
+def full_disk_case(tmp_path, model, command):
+    """(argv of a good run, argv of a rerun that writes a different output, the output, its size limit)."""
+    if command == "embed":
+        return embed_argv(tmp_path, model), embed_argv(tmp_path, model, "--layers=-1"), "f.npy", 2048
+    if command == "finetune":
+        write_sentiment(tmp_path / "train.tsv", 24, seed=1)
+        argv = ["finetune", "--task", "classification", "--model", model, "--train", str(tmp_path / "train.tsv"),
+                "--out", str(tmp_path / "out"), "--max-steps", "1", "--no-progress", "--device", "cpu"]
+        return argv, [*argv, "--seed", "7"], "out", 20000
+    corpus = write_corpus(tmp_path / "corpus.txt", documents=30, sentences=8)
+    argv = ["prepare-data", "--corpus", corpus, "--out", str(tmp_path / "data"), "--vocab-size", "200",
+            "--max-seq-length", "48", "--workers", "1"]
+    return argv, [*argv, "--seed", "7", "--overwrite"], "data", 4096
+
+
+@pytest.mark.parametrize("command", ["embed", "finetune", "prepare-data"])
+def test_a_full_disk_is_a_message_and_the_previous_output_stays(tmp_path, tiny_model, command):
+    good, rerun, output, limit = full_disk_case(tmp_path, tiny_model, command)
+    assert cli.main(good) == 0
     before = digest(tmp_path)
-    result = run_with_file_size_limit(embed_argv(tmp_path, tiny_model, "--layers=-1"), 2048)
+    result = run_with_file_size_limit(rerun, limit)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert "File too large while writing" in result.stderr and "f.npy" in result.stderr
+    assert "File too large" in result.stderr and f"while writing {tmp_path / output}" in result.stderr, result.stderr
+    if command == "prepare-data":  # the shards that were finished stay for a rerun, beside the dataset
+        shutil.rmtree(tmp_path / "data" / ".partial-seq48")
     assert digest(tmp_path) == before and not leftovers(tmp_path)
 
 

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
+from fastbert.cli import run_command
+
 DEFAULT_OUT = "benchmarks/results"
+logger = logging.getLogger("fastbert.bench")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -31,17 +35,20 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    command = ["fastbert", "bench", *(sys.argv[1:] if argv is None else argv)]
+    return run_command("bench", lambda: run(args, command))
+
+
+def run(args: argparse.Namespace, command: list[str]) -> int:
     suite = "smoke" if args.smoke or args.suite is None else args.suite
     from fastbert.bench.runner import GPUUnavailable, run_suite, summary
 
-    command = ["fastbert", "bench", *(sys.argv[1:] if argv is None else argv)]
     try:
         path, rows = run_suite(suite, args.out, args.only, args.budget, not args.no_progress, command)
     except GPUUnavailable as exc:
-        print(f"fastbert bench: {exc}", file=sys.stderr)
-        return 2
+        raise ValueError(str(exc)) from None
     if not args.quiet:
         print(summary(rows))
     failed = [r for r in rows if r["status"] in ("error", "oom")]
-    print(f"{len(rows)} rows ({len(failed)} failed) written to {path}", file=sys.stderr)
+    logger.info(f"{len(rows)} rows ({len(failed)} failed) written to {path}")
     return 1 if any(r["status"] == "error" for r in rows) else 0

@@ -9,13 +9,18 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import logging
 import os
+
+from fastbert.bench.prepare_report import prepare_data_section
+from fastbert.cli import configure_logging
 
 GPU_COMMAND = "benchmarks/run_gpu.sh benchmarks/results"
 CPU_MEMORY_COMMAND = "fastbert bench --suite cpu-memory --out benchmarks/results"
 DATA_COMMAND = "fastbert bench --suite data --out benchmarks/results"
 REGENERATE = "python benchmarks/make_perf.py"
 DEFAULT_SUITES = ("gpu", "cpu-memory", "data")
+logger = logging.getLogger("fastbert.bench")
 OP_TITLES = {
     "layer_norm": "Residual + dropout + LayerNorm (issue 3)",
     "bias_gelu": "Bias + GELU (issue 3)",
@@ -380,6 +385,7 @@ def render(rows: list[dict], plots_dir: str | None = None, suites=DEFAULT_SUITES
     out += [f"| {a} | {b} | {c} |" for a, b, c in PUBLISHED] + [""]
     out += ["## Targets", ""] + targets(runs) + [""]
     out += ["## The FFN up-projection's form", ""] + ffn_form_lines(gpu_runs) + [""]
+    out += prepare_data_section(rows, provenance_line)
     images = plots(runs, plots_dir) if plots_dir else []
     for (suite, device), rows in runs.items():
         out += [f"## {suite} suite on {device}", "", provenance_line(rows), ""]
@@ -413,5 +419,6 @@ def main(argv: list[str] | None = None) -> int:
     text = render(rows, args.plots, plot_prefix="" if prefix == "./" else prefix)
     with open(args.out, "w", encoding="utf-8") as f:
         f.write(text + "\n")
-    print(f"wrote {args.out} from {len(rows)} rows", flush=True)
+    configure_logging("make_perf")
+    logger.info(f"wrote {args.out} from {len(rows)} rows")
     return 0

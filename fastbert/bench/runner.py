@@ -17,11 +17,11 @@ their ratios to the measured peaks, peak memory; tokens/s, sequences/s and MFU f
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +30,8 @@ from fastbert.bench import model_cases, op_cases
 from fastbert.bench.peaks import measure_peaks, peak_figures
 from fastbert.bench.provenance import provenance
 from fastbert.bench.timing import memory_meter_name, peak_memory, time_ms, timer_name
+
+logger = logging.getLogger("fastbert.bench")
 
 SUITES = ("smoke", "gpu", "cpu-memory", "data")
 GPU_BUDGET_S = 480.0
@@ -212,7 +214,7 @@ def run_suite(suite: str, out_dir: str, only: str | None = None, budget_s: float
         except model_cases.oom_errors() as exc:
             rows.append({**base, "status": "oom", "error": str(exc).splitlines()[0]})
         except Exception as exc:  # one provider failing must not lose the rest of the run
-            traceback.print_exc(file=sys.stderr)
+            logger.exception(f"{item.case.name} [{item.provider}] failed; the run goes on")
             rows.append({**base, "status": "error", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
                          if str(exc) else type(exc).__name__})
         release(device, item.provider in (op_cases.COMPILE, model_cases.HF_COMPILE))

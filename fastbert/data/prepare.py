@@ -44,7 +44,7 @@ from fastbert.data.sharding import ShardParams, build_shards, marker_path
 from fastbert.data.shards import VOCAB_FILE, read_index, write_index
 from fastbert.data.tokenizer import (SPECIAL_TOKENS, load_tokenizer, save_tokenizer, train_wordpiece, vocabulary,
                                      write_vocab)
-from fastbert.files import move_into_place, output_lock, remove_leftovers, write_text
+from fastbert.files import move_into_place, output_lock, remove_leftovers, write_text, writing_error
 
 logger = logging.getLogger("fastbert.data")
 DEFAULT_VOCAB_SIZE = 30522
@@ -208,11 +208,14 @@ def _build(options: PrepareOptions, plan: list[list[Segment]]) -> dict[int, str]
     vocab = vocabulary(tokenizer)
     params = ShardParams(options.seed, options.short_seq_prob, options.dupe_factor, len(vocab),
                          tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]"), options.encoding_errors)
-    _run_jobs(jobs, plan, tokenizer_json, params, min(options.workers or available_cores(), max(len(jobs), 1)))
     special = {name: tokenizer.token_to_id(f"[{name.upper()}]") for name in ("pad", "unk", "cls", "sep", "mask")}
-    for length, directory in todo.items():
-        _finish(directory, finals[length], len(plan), {"max_seq_length": length, "vocab_size": len(vocab),
-                                                        "special_ids": special, **identity}, vocab)
+    try:
+        _run_jobs(jobs, plan, tokenizer_json, params, min(options.workers or available_cores(), max(len(jobs), 1)))
+        for length, directory in todo.items():
+            _finish(directory, finals[length], len(plan), {"max_seq_length": length, "vocab_size": len(vocab),
+                                                            "special_ids": special, **identity}, vocab)
+    except OSError as exc:  # a full disk: the finished shards stay in the partial directories for a rerun
+        raise writing_error(exc, out) from exc
     return finals
 
 
