@@ -316,7 +316,7 @@ def test_prefetch_thread_is_joined_on_every_exit(data, tmp_path, monkeypatch):
 
 
 WORKER = textwrap.dedent("""
-    import json, sys, torch, torch.distributed as dist
+    import dataclasses, json, sys, torch, torch.distributed as dist
     from fastbert.train import pretrain
     data, out, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     dist.init_process_group("gloo")
@@ -325,6 +325,8 @@ WORKER = textwrap.dedent("""
                                       micro_batch_size="2", seq_lengths="16", phase_fractions="1", log_every=1,
                                       progress=False, peak_tflops=1.0, device="cpu", lr=1e-3,
                                       distributed=strategy, optimizer=optimizer)
+        if strategy == "fsdp":  # stopped and resumed: a sharded checkpoint, written and read by 2 ranks
+            pretrain.train(dataclasses.replace(cfg, stop_at=2), overrides)
         model = pretrain.train(cfg, overrides)["model"]
         flat = torch.cat([getattr(p, "full_tensor", lambda: p)().detach().reshape(-1) for p in model.parameters()])
         gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
@@ -334,6 +336,13 @@ WORKER = textwrap.dedent("""
             json.dump({"identical": same}, open(f"{out}/{strategy}/ranks.json", "w"))
     dist.destroy_process_group()
 """)
+
+
+def assert_same_losses(two, one, what):
+    for a, b in zip(two, one, strict=True):
+        assert a["step"] == b["step"]
+        for key in ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (what, a["step"], key)
 
 
 def test_torchrun_two_processes_match_one(data, tmp_path):
@@ -351,11 +360,17 @@ def test_torchrun_two_processes_match_one(data, tmp_path):
         # one process, the same global batch of 8 in micro-batches of 4 (2 ranks x micro-batches of 2 above)
         pretrain.train(config(data, single, steps=4, micro_batch_size="4", seq_lengths="16", phase_fractions="1",
                               optimizer=optimizer), overrides)
-        two, one = losses(tmp_path / strategy), losses(single)
-        assert [r["step"] for r in two] == [1, 2, 3, 4]
-        for a, b in zip(two, one):
-            for key in ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy"):
-                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (strategy, a["step"], key)
+        assert [r["step"] for r in losses(tmp_path / strategy)] == [1, 2, 3, 4]
+        assert_same_losses(losses(tmp_path / strategy), losses(single), strategy)
+    # FSDP2's checkpoints: each rank wrote its shards (no gathering); the whole model only at the end
+    stopped = tmp_path / "fsdp" / "checkpoints" / "step_00000002"
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(stopped / "sharded"))
+    assert not (stopped / "model").exists() and (tmp_path / "fsdp" / "checkpoints" / "step_00000004" / "model").exists()
+    # the 2-rank sharded checkpoint resumes in one process (resharded), weights and LAMB moments
+    resharded = tmp_path / "resharded"
+    pretrain.train(config(data, resharded, steps=4, micro_batch_size="4", seq_lengths="16", phase_fractions="1",
+                          optimizer="lamb", resume=str(stopped)), overrides)
+    assert_same_losses(losses(resharded), losses(tmp_path / "fsdp")[2:], "resharded")
 
 
 def test_fp16_loss_scaling_runs_and_is_checkpointed(data, tmp_path):

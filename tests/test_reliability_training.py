@@ -1,13 +1,21 @@
 """Training faults from issue #14, each with what fastbert does about it (docs/reliability.md lists them):
 checkpoints a new run cannot destroy, resumes that refuse a changed run, metrics that survive a crash,
 non-finite runs that point at a good checkpoint. Small models on CPU."""
+import errno
+import json
 import os
+import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 from fastbert import BertForPreTraining
+from fastbert.data import prepare
 from fastbert.train import pretrain
+from tests.test_data import write_corpus
 from tests.test_pretrain import SMALL, config, data, losses  # noqa: F401  (data: the module's dataset fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -44,3 +52,180 @@ def test_non_finite_stop_names_the_checkpoint_before_the_bad_steps_and_saves_non
     assert "steps 3 to 5" in str(error.value)
     assert f"{os.path.join(tmp_path, 'checkpoints', 'step_00000002')};" in str(error.value)
     assert checkpoint_steps(tmp_path) == [1, 2]
+
+
+def test_a_fresh_start_moves_the_previous_run_aside_and_keeps_its_own_checkpoints(data, tmp_path):
+    pretrain.train(config(data, tmp_path, save_every=2), SMALL)  # the old run: checkpoints 4 and 6 kept
+    old_metrics = (tmp_path / "metrics.jsonl").read_text()
+    result = pretrain.train(config(data, tmp_path, save_every=2, resume="never", stop_at=3), SMALL)
+    assert result["checkpoint"].endswith("step_00000003")
+    assert checkpoint_steps(tmp_path) == [2, 3]  # the new run's, not the old run's higher steps
+    previous = tmp_path / "previous" / "1"
+    assert checkpoint_steps(previous) == [4, 6] and (previous / "metrics.jsonl").read_text() == old_metrics
+    assert [r["step"] for r in losses(tmp_path)] == [1, 2, 3]
+
+
+def test_a_rollback_keeps_its_start_point_and_sets_the_later_steps_aside(data, tmp_path):
+    pretrain.train(config(data, tmp_path, save_every=1, keep_checkpoints=3), SMALL)  # 4, 5 and 6 kept
+    start = os.path.join(tmp_path, "checkpoints", "step_00000004")
+    rolled = pretrain.train(config(data, tmp_path, save_every=1, resume=start, lr=5e-4), SMALL)
+    assert rolled["step"] == 6
+    assert checkpoint_steps(tmp_path) == [4, 5, 6]  # keep 2, and the start point
+    assert checkpoint_steps(tmp_path / "previous" / "1") == [5, 6]
+    assert [r["step"] for r in losses(tmp_path / "previous" / "1")] == [1, 2, 3, 4, 5, 6]
+    again = pretrain.train(config(data, tmp_path, resume=start, lr=5e-4), SMALL)  # the start point still resumes
+    assert again["step"] == 6
+
+
+@pytest.fixture(scope="module")
+def stopped_run(data, tmp_path_factory):
+    """A run stopped at step 2 (of 6, two phases)."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    pretrain.train(config(data, out, stop_at=2), SMALL)
+    return out
+
+
+@pytest.fixture
+def resumable(stopped_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(stopped_run, copy)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def other_data(tmp_path_factory):
+    """The same corpus prepared again with another seed: the same vocabulary size, other examples."""
+    root = tmp_path_factory.mktemp("other")
+    corpus = write_corpus(root / "corpus.txt", documents=20, sentences=10)
+    prepare.prepare_dataset([corpus], str(root / "data"), vocab_size=120, max_seq_lengths=(16, 32), seed=7,
+                            log=lambda *a: None)
+    return str(root / "data")
+
+
+def cli(data, out, *extra):
+    args = ["--data", data, "--out", str(out), "--model", "tiny", "--steps", "6", "--batch-size", "8", "--seq-lengths",
+            "16,32", "--phase-fractions", "0.5,0.5", "--log-every", "1", "--no-progress", "--peak-tflops", "1",
+            "--device", "cpu", "--lr", "0.001", *extra]
+    return args + [x for k, v in SMALL.items() if f"--model.{k}" not in extra for x in (f"--model.{k}", str(v))]
+
+
+@pytest.mark.parametrize("change,message", [
+    (["--batch-size", "16"], "--batch-size: checkpoint 8, now 16"),
+    (["--seed", "7"], "--seed: checkpoint 12345, now 7"),
+    (["--optimizer", "lamb"], "--optimizer: checkpoint 'adamw', now 'lamb'"),
+    (["--model.hidden_dropout_prob", "0.2"], "--model.hidden_dropout_prob: checkpoint 0.1, now 0.2"),
+    (["--model.hidden_size", "64"], "the model differs in shape (--model.hidden_size: checkpoint 32, now 64)"),
+    (["--model.num_hidden_layers", "2"], "--model.num_hidden_layers: checkpoint 1, now 2"),
+])
+def test_a_resume_that_would_not_continue_the_run_is_refused_naming_the_option(data, resumable, capsys, change,
+                                                                               message):
+    assert pretrain.main(cli(data, resumable, *change)) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert checkpoint_steps(resumable) == [2] and not (resumable / "previous").exists()  # nothing touched
+
+
+def test_a_resume_on_other_data_is_refused(other_data, resumable, capsys):
+    assert pretrain.main(cli(other_data, resumable)) == 2
+    assert "--data: the length-16 dataset is not the one the checkpoint's run read" in capsys.readouterr().err
+
+
+def test_accept_changes_resumes_anyway_and_says_what_changed(data, resumable, caplog):
+    assert pretrain.main(cli(data, resumable, "--batch-size", "16", "--accept-changes")) == 0
+    assert "resuming with a change (--accept-changes): --batch-size: checkpoint 8, now 16" in caplog.text
+    assert [r["step"] for r in losses(resumable)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_changed_learning_rate_or_length_is_honoured_and_logged(data, resumable, caplog):
+    assert pretrain.main(cli(data, resumable, "--lr", "0.002", "--steps", "8")) == 0
+    assert "resuming with --lr 0.002 (the checkpoint's run had 0.001)" in caplog.text
+    assert "resuming with --steps 8 (the checkpoint's run had 6)" in caplog.text
+    records = {r["step"]: r for r in losses(resumable)}
+    assert sorted(records) == list(range(1, 9))
+    warmup = max(round(0.01 * 8), 1)  # linear decay to 0 at the new last step, from the new peak
+    assert records[3]["lr"] == pytest.approx(0.002 * (8 - 3) / (8 - warmup))  # the line of step s shows factor(s)
+    assert json.load(open(resumable / "config.json"))["lr"] == 0.002
+
+
+def test_two_runs_cannot_share_a_run_directory(data, tmp_path, capsys):
+    from filelock import FileLock
+    with FileLock(str(tmp_path / ".lock")):  # another run holds the directory
+        assert pretrain.main(cli(data, tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert f"another `fastbert pretrain` is writing to {tmp_path}" in err
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(data, tmp_path, capsys, monkeypatch):
+    save, saves = torch.save, []
+
+    def disk_full_on_the_second_checkpoint(obj, path, *args, **kwargs):
+        saves.append(path)
+        if len(saves) == 2:
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full_on_the_second_checkpoint)
+    assert pretrain.main(cli(data, tmp_path, "--save-every", "2")) == 2
+    err = capsys.readouterr().err
+    previous = os.path.join(tmp_path, "checkpoints", "step_00000002")
+    assert "No space left on device" in err and "the checkpoint of step 4 could not be written" in err
+    assert f"the previous checkpoint {previous} is intact" in err and "Traceback" not in err
+    assert os.listdir(tmp_path / "checkpoints") == ["step_00000002"]  # no partial checkpoint left behind
+    monkeypatch.undo()
+    assert torch.load(os.path.join(previous, "trainer.pt"), weights_only=False)["step"] == 2
+    assert pretrain.main(cli(data, tmp_path)) == 0  # and the run resumes from it
+
+
+def test_a_truncated_last_metrics_line_is_dropped_with_a_warning(data, resumable, caplog):
+    metrics = resumable / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"step": 3, "loss": 5.')  # a crash while writing step 3's line
+    assert pretrain.main(cli(data, resumable)) == 0
+    assert "dropped its last line, cut short" in caplog.text
+    assert [r["step"] for r in losses(resumable)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_corrupt_metrics_line_is_an_error_naming_the_file_and_line(data, resumable, capsys):
+    metrics = resumable / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("garbage\n" + "".join(lines))
+    assert pretrain.main(cli(data, resumable)) == 2
+    assert f"{metrics}, line 1: not a metrics record" in capsys.readouterr().err
+
+
+SIGNALLED_RANK = textwrap.dedent("""
+    import json, os, signal, sys, torch.distributed as dist
+    from fastbert.cli import configure_logging
+    from fastbert.train import pretrain
+    data, out, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    configure_logging("pretrain")
+    dist.init_process_group("gloo")
+    step = pretrain.train_step
+
+    def signalled_at_step_2(*args, **kwargs):  # rank 1 alone gets a SIGTERM during its second step
+        signalled_at_step_2.calls = getattr(signalled_at_step_2, "calls", 0) + 1
+        if signalled_at_step_2.calls == 2 and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(*args, **kwargs)
+
+    pretrain.train_step = signalled_at_step_2
+    pretrain.train(pretrain.PretrainConfig(data=data, out=out, model="tiny", steps=50, batch_size=8,
+                                           seq_lengths="16", log_every=1, progress=False, peak_tflops=1.0,
+                                           device="cpu"), overrides)
+    dist.destroy_process_group()
+""")
+
+
+def test_sigterm_to_one_rank_stops_every_rank_and_rank_0_names_the_signal(data, tmp_path):
+    worker = tmp_path / "worker.py"
+    worker.write_text(SIGNALLED_RANK)
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(worker), data, str(tmp_path / "run"), json.dumps(SMALL)],
+                         capture_output=True, text=True, env=env, timeout=280)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    assert "stopped at step 2 (signal)" in output and "--stop-at" not in output
+    assert checkpoint_steps(tmp_path / "run") == [2]

@@ -1,22 +1,33 @@
-"""Atomic checkpoint directories: a checkpoint counts only once it is complete.
+"""Checkpoint directories of a run: atomic, written in the background, pruned only within the run line.
 
-<out>/checkpoints/step_00001000/ holds model/ (HF format: config.json + model.safetensors, loadable
-by fastbert's and transformers' from_pretrained) and trainer.pt (optimizer, LR scheduler, loss
-scaler, RNG states of every rank, data position, counters). It is written under a temporary name
-(.tmp-step_...), every file and directory fsync'ed, then renamed: a crash leaves either the complete
-checkpoint or a temporary directory that is ignored and removed by the next run. The newest `keep`
-complete checkpoints are kept.
+<out>/checkpoints/step_00001000/ is written under a temporary name (.tmp-step_...), every file and
+directory fsync'ed, then renamed: a crash or a full disk leaves the complete checkpoint or a
+temporary directory that is removed (at once after an error, else by the next run); the previous
+checkpoints are untouched until the new one is complete. What a checkpoint holds is state.py's.
+
+The run line: the checkpoints a run builds on. A run that starts afresh in a directory that has
+checkpoints or metrics, or rolls back to an older checkpoint, first moves what does not belong to its
+line (the newer checkpoints, the metrics they logged) to <out>/previous/N/ and says so; retention
+then keeps the newest `keep` checkpoints of the directory, which are all of this line, and never the
+checkpoint a run was explicitly resumed from.
+
+The run directory is locked (<out>/.lock) while a run writes to it.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable
 
 CHECKPOINT_DIR = "checkpoints"
+PREVIOUS_DIR = "previous"
+LOCK_FILE = ".lock"
 _NAME = re.compile(r"^step_(\d{8,})$")
 TMP_PREFIX = ".tmp-"
+logger = logging.getLogger("fastbert.train")
 
 
 def checkpoint_name(step: int) -> str:
@@ -45,6 +56,55 @@ def remove_incomplete(root: str) -> None:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+def lock_run_directory(out: str):
+    """Hold <out>/.lock (released by the returned lock's release()); ValueError when another process holds it."""
+    from filelock import FileLock, Timeout
+
+    os.makedirs(out, exist_ok=True)
+    lock = FileLock(os.path.join(out, LOCK_FILE))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise ValueError(f"another `fastbert pretrain` is writing to {out} (it holds {lock.lock_file}); wait for it "
+                         "to finish, or use another --out / --run-name") from None
+    return lock
+
+
+def set_aside(out: str, metrics_file: str, resume: str | None) -> None:
+    """Move what does not belong to the run line that starts at `resume` (None: a fresh start) to
+    <out>/previous/N/: on a fresh start every checkpoint and metrics.jsonl; on a rollback to a
+    checkpoint of <out>, the newer checkpoints and a copy of metrics.jsonl (the run keeps its lines up
+    to the resume step); resuming from another directory, every checkpoint of <out> and metrics.jsonl."""
+    root = os.path.join(out, CHECKPOINT_DIR)
+    resumed_here = resume is not None and os.path.dirname(os.path.abspath(resume)) == os.path.abspath(root)
+    start = int(_NAME.match(os.path.basename(resume)).group(1)) if resumed_here else -1
+    foreign = [(step, path) for step, path in complete_checkpoints(root) if step > start]
+    metrics = os.path.isfile(metrics_file)
+    if not foreign and not (metrics and not resumed_here):
+        return
+    previous = _new_previous_dir(out)
+    for _, path in foreign:
+        os.rename(path, os.path.join(previous, CHECKPOINT_DIR, os.path.basename(path)))
+    if metrics:
+        if resumed_here:
+            shutil.copy2(metrics_file, previous)
+        else:
+            os.rename(metrics_file, os.path.join(previous, os.path.basename(metrics_file)))
+    steps = ", ".join(str(step) for step, _ in foreign) or "none"
+    reason = f"rolling back to step {start}" if resumed_here else "a new run line starts"
+    logger.warning(f"{reason} in {out}: checkpoints of other steps ({steps}) and the metrics of the run they "
+                   f"belong to were moved to {previous}")
+
+
+def _new_previous_dir(out: str) -> str:
+    parent = os.path.join(out, PREVIOUS_DIR)
+    os.makedirs(parent, exist_ok=True)
+    number = 1 + max((int(n) for n in os.listdir(parent) if n.isdigit()), default=0)
+    path = os.path.join(parent, str(number))
+    os.makedirs(os.path.join(path, CHECKPOINT_DIR))
+    return path
+
+
 def _fsync_tree(path: str) -> None:
     for folder, _, files in os.walk(path):
         for name in files:
@@ -61,20 +121,65 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def save_checkpoint(root: str, step: int, write: Callable[[str], None], keep: int) -> str:
-    """Call write(tmp_dir) to fill a temporary directory, make it durable, rename it to the step's name,
-    and delete all but the newest `keep` complete checkpoints. Returns the checkpoint's path."""
-    os.makedirs(root, exist_ok=True)
-    final = os.path.join(root, checkpoint_name(step))
-    tmp = os.path.join(root, f"{TMP_PREFIX}{checkpoint_name(step)}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    write(tmp)
-    _fsync_tree(tmp)
+def temporary_path(root: str, step: int) -> str:
+    """Where the checkpoint of `step` is written before it is complete (the same on every rank)."""
+    return os.path.join(root, f"{TMP_PREFIX}{checkpoint_name(step)}")
+
+
+def save_checkpoint(root: str, step: int, write: Callable[[str], None], keep: int, pinned: str | None = None) -> str:
+    """Call write(tmp_dir) to fill the step's temporary directory, make it durable, rename it to the
+    step's name, and delete all but the newest `keep` complete checkpoints (never `pinned`). Returns
+    the checkpoint's path. OSError (a full disk, ...) names the step and the intact previous checkpoint."""
+    final, tmp = os.path.join(root, checkpoint_name(step)), temporary_path(root, step)
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        write(tmp)
+        _fsync_tree(tmp)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(exc.errno, f"the checkpoint of step {step} could not be written to {tmp}: "
+                                 f"{exc.strerror or exc}; the previous checkpoint {latest_checkpoint(root)} is "
+                                 "intact") from exc
     if os.path.exists(final):  # the same step saved again (a resumed run stopped at once): replace it
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
     for _, old in complete_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if pinned is None or os.path.abspath(old) != os.path.abspath(pinned):
+            shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+class BackgroundWriter:
+    """One checkpoint write at a time in a background thread, so that the loop only waits for the copy
+    to the host. An error in a write is raised by the next submit(), check() or wait()."""
+
+    def __init__(self):
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self.wait()
+
+        def run():
+            try:
+                job()
+            except BaseException as exc:  # raised in the training loop by check() / wait()
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, name="fastbert-checkpoint")
+        self.thread.start()
+
+    def check(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+    def wait(self) -> None:
+        self.join()
+        self.check()

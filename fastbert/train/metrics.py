@@ -9,12 +9,15 @@ MFU = achieved model FLOP/s / the device's measured matmul rate in the run's com
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger("fastbert.train")
 
 
 def encoder_flops(config, lengths: torch.Tensor) -> float:
@@ -154,7 +157,9 @@ class Window:
 class MetricsLog:
     """Appends one JSON object per logged step to <out>/metrics.jsonl (rank 0 only).
 
-    resume_step None starts the file afresh; a step keeps the lines up to it."""
+    resume_step None starts the file afresh; a step keeps the lines up to it. A last line cut short
+    (a crash while it was written) is dropped with a warning; a bad line before it is a ValueError
+    naming the file and the line."""
 
     def __init__(self, path: str, enabled: bool, resume_step: int | None):
         self.path, self.enabled = path, enabled
@@ -162,16 +167,39 @@ class MetricsLog:
             return
         if resume_step is None:
             os.remove(path)
-        else:
-            # lines a crashed run wrote after its last checkpoint would be repeated by the resumed run
-            with open(path, encoding="utf-8") as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
-            tmp = path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(kept)
-            os.replace(tmp, path)
+            return
+        # lines a crashed run wrote after its last checkpoint would be repeated by the resumed run
+        kept = [line for line, record in self._records() if record["step"] <= resume_step]
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+
+    def _records(self) -> list[tuple[str, dict]]:
+        with open(self.path, encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+        records = []
+        for number, line in enumerate(lines, start=1):
+            record = _parse_record(line)
+            if record is None:
+                if number < len(lines):
+                    raise ValueError(f"{self.path}, line {number}: not a metrics record: {line.strip()[:80]!r}")
+                logger.warning(f"{self.path}: dropped its last line, cut short (a crash while it was written): "
+                               f"{line.strip()[:80]!r}")
+                break
+            records.append((line if line.endswith("\n") else line + "\n", record))
+        return records
 
     def write(self, record: dict) -> None:
         if self.enabled:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def _parse_record(line: str) -> dict | None:
+    """A metrics line's record, or None when the line is not one."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None

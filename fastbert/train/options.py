@@ -48,6 +48,7 @@ class PretrainConfig:
     keep_checkpoints: int = 2  # newest complete checkpoints kept (>= 2)
     max_bad_steps: int = 20  # consecutive steps with a non-finite loss or gradient that stop the run
     resume: str = "auto"  # auto (newest checkpoint of the output directory, if any) | never | a checkpoint path
+    accept_changes: bool = False  # resume even if the model, data or options differ from the checkpoint's run
     stop_at: int = 0  # stop after this step with a checkpoint, to be resumed later; 0 = run to the end
     peak_tflops: float = 0.0  # device peak for MFU in TFLOP/s; 0 = measure a matmul at start
     prefetch: int = 2  # batches prepared ahead in a background thread

@@ -109,15 +109,17 @@ def _agree(run: Run, host: HostStats, step: int) -> tuple[float, float, str | No
     return masked, shown_masked, "signal" if signals else "--stop-at" if stop_at else None
 
 
-def _take_reading(run: Run, progress: state.Progress, window: Window):
-    """Read the window (the loop's one wait for the device), count the skipped and bad steps, and stop
-    the run after --max-bad-steps bad steps in a row."""
+def _take_reading(run: Run, progress: state.Progress, window: Window, saver: state.Saver):
+    """Read the window (the loop's one wait for the device), count the skipped and bad steps, stop the run
+    after --max-bad-steps bad steps in a row or when a checkpoint could not be written."""
+    saver.check()
     reading = window.read()
     progress.skipped += reading.skipped
     for step, bad in reading.bad:
         progress.bad_in_row = progress.bad_in_row + 1 if bad else 0
         if progress.bad_in_row >= run.cfg.max_bad_steps:
             first = step - progress.bad_in_row + 1
+            saver.wait()
             raise TrainingError(
                 f"{progress.bad_in_row} consecutive steps had a non-finite loss or gradient (steps {first} to "
                 f"{step}); stopping. The last checkpoint saved before them is "
@@ -130,30 +132,40 @@ def _take_reading(run: Run, progress: state.Progress, window: Window):
     return reading
 
 
-def _save(run: Run, progress: state.Progress, reading) -> str | None:
+def _save(run: Run, saver: state.Saver, progress: state.Progress, reading, last: bool = False) -> bool:
     """Checkpoint progress.step, unless inside a run of bad steps (its weights may be what made them bad)."""
     if progress.bad_in_row:
         run.warning(f"no checkpoint at step {progress.step}: the last {progress.bad_in_row} steps were non-finite")
-        return None
+        return False
     progress.window = Window.carry(reading)
-    return state.save(run, progress)
+    saver.save(progress, last)
+    return True
 
 
 def train(cfg: PretrainConfig, model_overrides: dict | None = None) -> dict:
     """Run (or resume) pretraining; returns {"step", "out", "checkpoint", "stopped", "skipped_steps", "model"}
     (model: the trained BertForPreTraining, its parameters sharded under FSDP2).
 
-    Raises ValueError for bad options or data, TrainingError when the run cannot go on.
+    Raises ValueError for bad options or data (OSError for files that cannot be written), TrainingError
+    when the run cannot go on.
     """
     STOP.clear()
     run = build_run(cfg, dict(model_overrides or {}))
-    progress = state.restore(run) if run.resume else state.start(run)
-    metrics = MetricsLog(os.path.join(run.out, "metrics.jsonl"), run.env.is_main,
-                         progress.step if run.resume else None)
-    if progress.step >= cfg.steps:
-        run.info(f"the run in {run.out} is already complete at step {progress.step}; use --run-name or --out to "
-                 "start a new one")
-        return _result(run, progress, run.resume, stopped=None)
+    try:
+        progress = state.restore(run) if run.resume else state.start(run)
+        if progress.step >= cfg.steps:
+            run.info(f"the run in {run.out} is already complete at step {progress.step}; use --run-name or --out "
+                     "to start a new one")
+            return _result(run, progress, run.resume, stopped=None)
+        with contextlib.closing(state.Saver(run)) as saver:
+            return _train(run, progress, saver)
+    finally:
+        run.close()
+
+
+def _train(run: Run, progress: state.Progress, saver: state.Saver) -> dict:
+    cfg = run.cfg
+    metrics = MetricsLog(run.metrics_file, run.env.is_main, progress.step if run.resume else None)
     _log_start(run)
     peak = (cfg.peak_tflops * 1e12 or measure_peak_flops(run.env.device, run.dtype)) * run.env.world_size
     window = Window(run.env.device, lambda t: distributed.all_reduce_sum(t, run.env), progress.window)
@@ -172,22 +184,23 @@ def train(cfg: PretrainConfig, model_overrides: dict | None = None) -> dict:
             bar.update(1)
             log_due = progress.step % cfg.log_every == 0 or progress.step == cfg.steps
             if log_due or progress.step % cfg.save_every == 0:
-                reading = _take_reading(run, progress, window)
+                reading = _take_reading(run, progress, window, saver)
                 if log_due:
                     record = _metrics_line(run, progress, window, reading, peak)
                     metrics.write(record)
                     bar.set_postfix_str(_summary(record), refresh=False)
-                if progress.step % cfg.save_every == 0 and progress.step < cfg.steps and _save(run, progress, reading):
+                if progress.step % cfg.save_every == 0 and progress.step < cfg.steps and \
+                        _save(run, saver, progress, reading):
                     last_saved = progress.step
-    path = checkpoint.latest_checkpoint(run.checkpoints)
     if last_saved != progress.step:
-        path = _save(run, progress, _take_reading(run, progress, window)) or path
+        _save(run, saver, progress, _take_reading(run, progress, window, saver), last=progress.step == cfg.steps)
+    saver.wait()
+    path = checkpoint.latest_checkpoint(run.checkpoints)
     if stopped:
         run.info(f"stopped at step {progress.step} ({stopped}); checkpoint {path}; run the same command again to "
                  "resume")
     else:
-        run.info(f"done: {progress.step} steps; model and checkpoint in {path}; metrics in "
-                 f"{os.path.join(run.out, 'metrics.jsonl')}")
+        run.info(f"done: {progress.step} steps; model and checkpoint in {path}; metrics in {run.metrics_file}")
     return _result(run, progress, path, stopped)
 
 

@@ -19,6 +19,7 @@ from fastbert.train.optim import build_optimizer, linear_warmup_decay
 from fastbert.train.options import PRESETS, PretrainConfig, parse_list
 
 logger = logging.getLogger("fastbert.train")
+METRICS_FILE = "metrics.jsonl"
 
 
 @dataclass
@@ -132,10 +133,21 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
+    fingerprint: dict  # fingerprint.fingerprint(): what a checkpoint of this run must match to be resumed
+    pinned: str | None  # a checkpoint retention must keep: the one an explicit --resume started from
+    lock: object  # the run directory's lock (rank 0)
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
     @property
     def checkpoints(self) -> str:
         return os.path.join(self.out, checkpoint.CHECKPOINT_DIR)
+
+    @property
+    def metrics_file(self) -> str:
+        return os.path.join(self.out, METRICS_FILE)
 
     def phase_of(self, step: int) -> int:
         """Index of the phase that step (0-based) belongs to."""
@@ -173,11 +185,45 @@ def _resume_point(cfg: PretrainConfig, root: str) -> str | None:
     return cfg.resume
 
 
+def _lock(out: str, env: distributed.Dist):
+    """Rank 0 locks the run directory; every rank raises when it could not."""
+    lock, error = None, None
+    if env.is_main:
+        try:
+            lock = checkpoint.lock_run_directory(out)
+        except ValueError as exc:
+            error = exc
+    if distributed.host_sum([float(error is not None)], env)[0]:
+        raise error or ValueError(f"rank 0 could not lock the run directory {out}")
+    return lock
+
+
+def _prepare_directory(cfg: PretrainConfig, model_overrides: dict, out: str, resume: str | None,
+                       current: dict, env: distributed.Dist) -> None:
+    """Refuse a resume that would not continue its run (fingerprint.check_resume); move aside what belongs
+    to another run line; write config.json."""
+    from fastbert.train.fingerprint import check_resume
+    from fastbert.train.state import read_run_file
+
+    saved = read_run_file(resume) if resume else None
+    if saved is not None:
+        check_resume(saved["fingerprint"], current, resume, cfg.accept_changes)
+    elif resume and env.is_main:
+        logger.warning(f"{resume} records no fingerprint of its run (an older fastbert wrote it): resuming unchecked")
+    if env.is_main:
+        root = os.path.join(out, checkpoint.CHECKPOINT_DIR)
+        checkpoint.remove_incomplete(root)
+        checkpoint.set_aside(out, os.path.join(out, METRICS_FILE), resume)
+        with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+            json.dump({**dataclasses.asdict(cfg), "model_overrides": model_overrides}, f, indent=2)
+
+
 def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
-    """Check the options, join the process group, find the data, create the output directory and build
-    the model (with the weights of the checkpoint to resume from, if any) and the optimizer."""
+    """Check the options, join the process group, find the data, lock and prepare the output directory,
+    and build the model and the optimizer: initialised from cfg.seed, or on the meta device and then
+    materialised uninitialised when a checkpoint is to be loaded into them (state.restore)."""
     from fastbert import BertForPreTraining
-    from fastbert.hf import load_state, read_state_dict
+    from fastbert.train.fingerprint import fingerprint
 
     cfg.validate()
     env = distributed.init(cfg.device)
@@ -197,26 +243,31 @@ def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
                          f"[PAD] id {dataset.special_ids['pad']}")
 
     out = cfg.out or os.path.join("runs", cfg.run_name or default_run_name(cfg))
-    root = os.path.join(out, checkpoint.CHECKPOINT_DIR)
-    resume = _resume_point(cfg, root)
-    if env.is_main:
-        os.makedirs(out, exist_ok=True)
-        checkpoint.remove_incomplete(root)
-        with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
-            json.dump({**dataclasses.asdict(cfg), "model_overrides": model_overrides}, f, indent=2)
-
-    torch.manual_seed(cfg.seed)
-    model = BertForPreTraining(config)
-    if resume:
-        load_state(model, read_state_dict(os.path.join(resume, "model")))
-    if cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable()
-    model.to(env.device)
-    wrapped = distributed.wrap(model, cfg.distributed, env, dtype if dtype != torch.float32 else None)
-    optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay,
-                                sharded)
-    warmup = int(cfg.warmup) if cfg.warmup >= 1 else round(cfg.warmup * cfg.steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_decay(max(warmup, 1), cfg.steps))
-    scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
+    resume = _resume_point(cfg, os.path.join(out, checkpoint.CHECKPOINT_DIR))
+    current = fingerprint(cfg, config, phases, dtype)
+    lock = _lock(out, env)
+    try:
+        _prepare_directory(cfg, model_overrides, out, resume, current, env)
+        torch.manual_seed(cfg.seed)
+        if resume:
+            with torch.device("meta"):
+                model = BertForPreTraining(config)
+            model.to_empty(device=env.device)
+            model.tie_weights()
+        else:
+            model = BertForPreTraining(config).to(env.device)
+        if cfg.activation_checkpointing:
+            model.gradient_checkpointing_enable()
+        wrapped = distributed.wrap(model, cfg.distributed, env, dtype if dtype != torch.float32 else None)
+        optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay,
+                                    sharded)
+        warmup = int(cfg.warmup) if cfg.warmup >= 1 else round(cfg.warmup * cfg.steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_decay(max(warmup, 1), cfg.steps))
+        scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    pinned = resume if resume and cfg.resume not in ("auto", "never") else None
     return Run(cfg, model_overrides, env, config, phases, dtype, sharded, out, resume, model, wrapped, optimizer,
-               scheduler, scaler)
+               scheduler, scaler, current, pinned, lock)

@@ -1,22 +1,39 @@
-"""A checkpoint's contents besides the directory mechanics (checkpoint.py): writing the training state
-and resuming from it.
+"""What a checkpoint holds, how it is written without stalling the loop, and resuming from it.
 
-step_N/model/ holds the weights in HF format; step_N/trainer.pt the optimizer, LR scheduler, loss
-scaler, the RNG states of every rank, the data position and the counters of Progress, and the run's
-options.
+    step_N/run.json     the step and the run's fingerprint (fingerprint.py), read first on resume
+    step_N/trainer.pt   loss scaler, RNG states of every rank, data position, counters, the metrics line
+                        in progress, the options; and the optimizer's state, unless sharded/ holds it
+    step_N/model/       the weights in HF format (from_pretrained and transformers load it); under FSDP2
+                        only in the last checkpoint of a run
+    step_N/sharded/     under FSDP2: model and optimizer as torch.distributed.checkpoint writes them, one
+                        file per rank, loadable on any number of ranks or in one process
+
+Saving costs the loop the copy of the state to host memory (pinned buffers reused from save to save
+on a GPU; DCP's staging under FSDP2); the files are written by a background thread (DCP's async_save
+under FSDP2), one checkpoint at a time, and committed by checkpoint.save_checkpoint (fsync, rename,
+retention). Resuming builds the model on the meta device (no random initialisation to overwrite),
+loads the weights and optimizer, and rebuilds the LR schedule from the options at the resume step.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fastbert.train import checkpoint, distributed
 from fastbert.train.run import Run
+
+RUN_FILE = "run.json"
+TRAINER_FILE = "trainer.pt"
+MODEL_DIR = "model"
+SHARDED_DIR = "sharded"
 
 
 @dataclass
@@ -44,12 +61,220 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
-    """optimizer.state_dict() with FSDP2's sharded state gathered whole (a collective on every rank)."""
-    state = optimizer.state_dict()
-    state["state"] = {k: {n: distributed.full_tensor(v) if isinstance(v, torch.Tensor) else v for n, v in s.items()}
-                      for k, s in state["state"].items()}
-    return state
+def read_run_file(path: str) -> dict | None:
+    """A checkpoint's run.json, or None for checkpoints written before fastbert recorded it."""
+    file = os.path.join(path, RUN_FILE)
+    if not os.path.isfile(file):
+        return None
+    with open(file, encoding="utf-8") as f:
+        return json.load(f)
+
+
+class HostCopy:
+    """Host buffers mirroring device tensors, reused from save to save (pinned for a GPU's tensors, so the
+    copies are queued at once and waited for together)."""
+
+    def __init__(self):
+        self.buffers: list[torch.Tensor] = []
+
+    def __call__(self, tree):
+        """tree (nested dicts / lists of tensors and other values) with every tensor copied to the host."""
+        leaves, spec = tree_flatten(tree)
+        tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        if len(self.buffers) != len(tensors) or any(
+                b.shape != leaves[i].shape or b.dtype != leaves[i].dtype for b, i in zip(self.buffers, tensors)):
+            self.buffers = [torch.empty(leaves[i].shape, dtype=leaves[i].dtype, pin_memory=leaves[i].is_cuda)
+                            for i in tensors]
+        for buffer, i in zip(self.buffers, tensors):
+            buffer.copy_(leaves[i].detach(), non_blocking=True)
+            leaves[i] = buffer
+        if any(b.is_pinned() for b in self.buffers):
+            torch.cuda.current_stream().synchronize()
+        return tree_unflatten(leaves, spec)
+
+
+class Saver:
+    """Writes the run's checkpoints; every rank calls save() at the same steps."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.writer = checkpoint.BackgroundWriter()
+        self.model_copy, self.optimizer_copy = HostCopy(), HostCopy()
+        # DCP's background collectives get a group of their own, apart from the loop's
+        self.group = torch.distributed.new_group(backend="gloo") if run.sharded else None
+
+    def save(self, progress: Progress, last: bool = False) -> str:
+        """Start the checkpoint of progress.step and return its path (complete once wait() returns).
+        last: the checkpoint of the run's last step (under FSDP2 it alone also gets model/)."""
+        run, env = self.run, self.run.env
+        self.writer.wait()  # one checkpoint at a time: its buffers are about to be reused
+        rngs = [rng_state(env.device)]
+        if env.distributed:
+            rngs = [None] * env.world_size
+            torch.distributed.all_gather_object(rngs, rng_state(env.device))
+        tmp = checkpoint.temporary_path(run.checkpoints, progress.step)
+        pending, weights, optimizer_state = None, None, None
+        if run.sharded:
+            from torch.distributed.checkpoint import async_save
+            pending = async_save(_sharded_state(run), checkpoint_id=os.path.join(tmp, SHARDED_DIR),
+                                 process_group=self.group)
+            if last:
+                weights = _gathered_weights(run.model, env)
+        elif env.is_main:
+            weights = self.model_copy(_weights(run.model))
+            optimizer_state = self.optimizer_copy(run.optimizer.state_dict())
+        trainer = {"step": progress.step, "optimizer": optimizer_state, "scaler": run.scaler.state_dict(),
+                   "rng": rngs, "skipped_steps": progress.skipped, "bad_steps_in_row": progress.bad_in_row,
+                   "metrics_window": progress.window, "world_size": env.world_size,
+                   "data": {"position": progress.position, "phase": run.phase_of(max(progress.step - 1, 0))},
+                   "config": dataclasses.asdict(run.cfg)}
+        record = {"step": progress.step, "fingerprint": run.fingerprint, "options": dataclasses.asdict(run.cfg),
+                  "model_overrides": run.model_overrides}
+
+        def write(directory: str) -> None:
+            if pending is not None:
+                pending.result()
+            if weights is not None:
+                _save_weights(run, weights, os.path.join(directory, MODEL_DIR))
+            torch.save(trainer, os.path.join(directory, TRAINER_FILE))
+            with open(os.path.join(directory, RUN_FILE), "w", encoding="utf-8") as f:
+                json.dump(record, f, indent=2)
+
+        if env.is_main:
+            self.writer.submit(lambda: checkpoint.save_checkpoint(run.checkpoints, progress.step, write,
+                                                                  run.cfg.keep_checkpoints, run.pinned))
+        elif pending is not None:
+            self.writer.submit(pending.result)
+        return os.path.join(run.checkpoints, checkpoint.checkpoint_name(progress.step))
+
+    def check(self) -> None:
+        """Raise the error of a background write that failed (a full disk, ...)."""
+        self.writer.check()
+
+    def wait(self) -> None:
+        """Wait until the last checkpoint is complete, on every rank."""
+        self.writer.wait()
+        if self.run.env.distributed:
+            torch.distributed.barrier()
+
+    def close(self) -> None:
+        """Let a write in progress finish (after an error elsewhere: its own error is not raised)."""
+        self.writer.join()
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters by name (a tied matrix once)."""
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def _gathered_weights(model: torch.nn.Module, env: distributed.Dist) -> dict[str, torch.Tensor] | None:
+    """FSDP2's shards gathered whole into rank 0's host memory (a collective); None on the other ranks."""
+    whole = {name: distributed.full_tensor(p).cpu() for name, p in _weights(model).items()}
+    return whole if env.is_main else None
+
+
+def _sharded_state(run: Run) -> dict:
+    """What sharded/ holds: the parameters and the optimizer's state, by parameter name, as they are
+    (FSDP2's DTensor shards when saving; this run's layout when loading, which DCP reshards into)."""
+    weights = _weights(run.model)
+    optimizer = {f"{name}/{key}": value for name, p in run.model.named_parameters()
+                 for key, value in run.optimizer.state[p].items() if isinstance(value, torch.Tensor)}
+    return {"model": weights, "optimizer": optimizer}
+
+
+def _save_weights(run: Run, weights: dict[str, torch.Tensor], path: str) -> None:
+    """HF-format weights from host tensors, through a copy of the model built on the meta device."""
+    with torch.device("meta"):
+        shell = type(run.model)(run.config)
+    shell.load_state_dict(weights, strict=False, assign=True)
+    shell.tie_weights()
+    shell.save_pretrained(path)
+
+
+def start(run: Run) -> Progress:
+    """A fresh run: the same weights on every rank (seeded in build_run), different dropout per rank."""
+    torch.manual_seed(run.cfg.seed + run.env.rank)
+    return Progress()
+
+
+def restore(run: Run) -> Progress:
+    """Load run.resume into the run (the weights, the optimizer unless its kind changed, the loss scaler,
+    the RNG states) and return where it stood; the LR schedule continues from its step with the options
+    of this run (a changed --lr or --steps is honoured)."""
+    env, cfg = run.env, run.cfg
+    saved = torch.load(os.path.join(run.resume, TRAINER_FILE), map_location="cpu", weights_only=False)
+    same_optimizer = saved["config"]["optimizer"] == cfg.optimizer
+    if not same_optimizer:
+        run.warning(f"the checkpoint's optimizer state is {saved['config']['optimizer']}'s: {cfg.optimizer} "
+                    "starts from fresh moments")
+    if os.path.isdir(os.path.join(run.resume, SHARDED_DIR)):
+        _load_sharded(run, os.path.join(run.resume, SHARDED_DIR), same_optimizer)
+    else:
+        _load_weights(run, os.path.join(run.resume, MODEL_DIR))
+        if same_optimizer:
+            _load_optimizer_state(run.optimizer, saved["optimizer"])
+    run.scaler.load_state_dict(saved["scaler"])
+    step = saved["step"]
+    for group in run.optimizer.param_groups:
+        group["initial_lr"] = cfg.lr
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, run.scheduler.lr_lambdas[0], last_epoch=step - 1)
+    progress = Progress(step, saved["data"]["position"], saved["skipped_steps"], saved["bad_steps_in_row"],
+                        saved.get("metrics_window", {}))
+    if run.phase_of(step) != saved["data"]["phase"]:  # saved at a phase boundary
+        progress.position = 0
+    states = saved["rng"]
+    if len(states) == env.world_size:
+        set_rng_state(states[env.rank], env.device)
+    else:
+        run.warning(f"the checkpoint has RNG states of {len(states)} ranks, this run has {env.world_size}; "
+                    "dropout draws new random numbers (data order and masks are unaffected)")
+        torch.manual_seed(cfg.seed + 7919 * step + env.rank)
+    run.info(f"resumed from {run.resume} at step {step}")
+    return progress
+
+
+def _load_weights(run: Run, path: str) -> None:
+    """HF-format weights into the model (sharded like it under FSDP2); every weight must be there."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from fastbert.hf import TIED_KEYS, read_state_dict
+    try:
+        result = set_model_state_dict(run.model, read_state_dict(path),
+                                      options=StateDictOptions(full_state_dict=True, strict=False))
+    except RuntimeError as exc:
+        raise ValueError(f"the weights in {path} do not fit the model: {exc}") from None
+    missing = [k for k in result.missing_keys if k not in TIED_KEYS]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"the weights in {path} do not fit the model: missing {missing}, "
+                         f"unexpected {result.unexpected_keys}")
+
+
+def _load_sharded(run: Run, path: str, with_optimizer: bool) -> None:
+    """A sharded/ checkpoint (torch.distributed.checkpoint) into this run's layout, whatever the number
+    of ranks that wrote it."""
+    import torch.distributed.checkpoint as dcp
+    if with_optimizer:
+        _create_optimizer_state(run.optimizer)
+    state = _sharded_state(run)
+    if not with_optimizer:
+        del state["optimizer"]
+    with warnings.catch_warnings():  # DCP warns that one process loads alone, which is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=not run.env.distributed)  # in place
+
+
+@torch.no_grad()
+def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Make the optimizer create its (lazy) state, for a checkpoint to be loaded into: a step at learning
+    rate 0 on zero gradients, which leaves the weights as they are."""
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
 
 
 def _load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -64,78 +289,3 @@ def _load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None
                                  for n, v in state["state"][i].items()}
     optimizer.load_state_dict(state)
 
-
-def _save_model(model: torch.nn.Module, sharded: bool, path: str, is_main: bool) -> None:
-    """HF-format weights. Under FSDP2 the shards are gathered and written from a CPU copy on rank 0."""
-    if not sharded:
-        if is_main:
-            model.save_pretrained(path)
-        return
-    from fastbert import BertForPreTraining
-    whole = {name: distributed.full_tensor(p.detach()).cpu() for name, p in model.named_parameters()}
-    if is_main:
-        with torch.random.fork_rng(devices=[]):  # building the copy must not move the run's RNG
-            copy = BertForPreTraining(model.config)
-        copy.load_state_dict(whole, strict=False)
-        copy.save_pretrained(path)
-
-
-def save(run: Run, progress: Progress) -> str:
-    """Write the checkpoint of progress.step (every rank calls this); returns its path on rank 0."""
-    env = run.env
-    rngs = [None] * env.world_size
-    if env.distributed:
-        torch.distributed.all_gather_object(rngs, rng_state(env.device))
-    else:
-        rngs = [rng_state(env.device)]
-    optimizer_state = _optimizer_state(run.optimizer)
-    phase_index = run.phase_of(max(progress.step - 1, 0))  # the phase `position` counts examples of
-
-    def write(tmp: str) -> None:
-        _save_model(run.model, run.sharded, os.path.join(tmp, "model"), env.is_main)
-        if env.is_main:
-            torch.save({"step": progress.step, "optimizer": optimizer_state, "scheduler": run.scheduler.state_dict(),
-                        "scaler": run.scaler.state_dict(), "rng": rngs, "skipped_steps": progress.skipped,
-                        "bad_steps_in_row": progress.bad_in_row, "metrics_window": progress.window,
-                        "world_size": env.world_size,
-                        "data": {"phase": phase_index, "position": progress.position,
-                                 "seq_length": run.phases[phase_index].seq_length},
-                        "config": dataclasses.asdict(run.cfg)}, os.path.join(tmp, "trainer.pt"))
-
-    if env.is_main:
-        path = checkpoint.save_checkpoint(run.checkpoints, progress.step, write, run.cfg.keep_checkpoints)
-    else:
-        write("")
-        path = ""
-    if env.distributed:
-        torch.distributed.barrier()
-    return path
-
-
-def start(run: Run) -> Progress:
-    """A fresh run: the same weights on every rank (seeded in build_run), different dropout per rank."""
-    torch.manual_seed(run.cfg.seed + run.env.rank)
-    return Progress()
-
-
-def restore(run: Run) -> Progress:
-    """Load the optimizer, schedule, scaler, RNG states and counters of run.resume (whose weights
-    build_run loaded) and return where the run stands."""
-    env = run.env
-    saved = torch.load(os.path.join(run.resume, "trainer.pt"), map_location="cpu", weights_only=False)
-    _load_optimizer_state(run.optimizer, saved["optimizer"])
-    run.scheduler.load_state_dict(saved["scheduler"])
-    run.scaler.load_state_dict(saved["scaler"])
-    progress = Progress(saved["step"], saved["data"]["position"], saved["skipped_steps"], saved["bad_steps_in_row"],
-                        saved.get("metrics_window", {}))
-    if run.phase_of(progress.step) != saved["data"]["phase"]:  # saved at a phase boundary
-        progress.position = 0
-    states = saved["rng"]
-    if len(states) == env.world_size:
-        set_rng_state(states[env.rank], env.device)
-    else:
-        run.warning(f"the checkpoint has RNG states of {len(states)} ranks, this run has {env.world_size}; "
-                 "dropout draws new random numbers (data order and masks are unaffected)")
-        torch.manual_seed(run.cfg.seed + 7919 * progress.step + env.rank)
-    run.info(f"resumed from {run.resume} at step {progress.step}")
-    return progress
