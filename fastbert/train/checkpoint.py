@@ -10,8 +10,6 @@ checkpoints or metrics, or rolls back to an older checkpoint, first moves what d
 line (the newer checkpoints, the metrics they logged) to <out>/previous/N/ and says so; retention
 then keeps the newest `keep` checkpoints of the directory, which are all of this line, and never the
 checkpoint a run was explicitly resumed from.
-
-The run directory is locked (<out>/.lock) while a run writes to it.
 """
 from __future__ import annotations
 
@@ -24,7 +22,6 @@ from collections.abc import Callable
 
 CHECKPOINT_DIR = "checkpoints"
 PREVIOUS_DIR = "previous"
-LOCK_FILE = ".lock"
 _NAME = re.compile(r"^step_(\d{8,})$")
 TMP_PREFIX = ".tmp-"
 logger = logging.getLogger("fastbert.train")
@@ -54,20 +51,6 @@ def remove_incomplete(root: str) -> None:
         for name in os.listdir(root):
             if name.startswith(TMP_PREFIX):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
-def lock_run_directory(out: str):
-    """Hold <out>/.lock (released by the returned lock's release()); ValueError when another process holds it."""
-    from filelock import FileLock, Timeout
-
-    os.makedirs(out, exist_ok=True)
-    lock = FileLock(os.path.join(out, LOCK_FILE))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise ValueError(f"another `fastbert pretrain` is writing to {out} (it holds {lock.lock_file}); wait for it "
-                         "to finish, or use another --out / --run-name") from None
-    return lock
 
 
 def set_aside(out: str, metrics_file: str, resume: str | None) -> None:

@@ -2,6 +2,7 @@
 LR schedule and loss scaler, and the output directory. `build_run` returns them as one Run."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -135,11 +136,10 @@ class Run:
     scaler: torch.amp.GradScaler
     fingerprint: dict  # fingerprint.fingerprint(): what a checkpoint of this run must match to be resumed
     pinned: str | None  # a checkpoint retention must keep: the one an explicit --resume started from
-    lock: object  # the run directory's lock (rank 0)
+    lock: contextlib.ExitStack  # holds the run directory's lock (rank 0)
 
     def close(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
+        self.lock.close()
 
     @property
     def checkpoints(self) -> str:
@@ -185,16 +185,19 @@ def _resume_point(cfg: PretrainConfig, root: str) -> str | None:
     return cfg.resume
 
 
-def _lock(out: str, env: distributed.Dist):
-    """Rank 0 locks the run directory; every rank raises when it could not."""
-    lock, error = None, None
+def _lock(out: str, env: distributed.Dist) -> contextlib.ExitStack:
+    """Rank 0 holds the run directory's lock (fastbert.files.output_lock) until the stack closes; every
+    rank raises when it could not be taken."""
+    from fastbert.files import output_lock
+
+    lock, error = contextlib.ExitStack(), None
     if env.is_main:
         try:
-            lock = checkpoint.lock_run_directory(out)
-        except ValueError as exc:
+            lock.enter_context(output_lock(out))
+        except OSError as exc:
             error = exc
     if distributed.host_sum([float(error is not None)], env)[0]:
-        raise error or ValueError(f"rank 0 could not lock the run directory {out}")
+        raise error or OSError(f"rank 0 could not lock the run directory {out}")
     return lock
 
 
@@ -212,6 +215,7 @@ def _prepare_directory(cfg: PretrainConfig, model_overrides: dict, out: str, res
         logger.warning(f"{resume} records no fingerprint of its run (an older fastbert wrote it): resuming unchecked")
     if env.is_main:
         root = os.path.join(out, checkpoint.CHECKPOINT_DIR)
+        os.makedirs(out, exist_ok=True)
         checkpoint.remove_incomplete(root)
         checkpoint.set_aside(out, os.path.join(out, METRICS_FILE), resume)
         with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
@@ -265,8 +269,7 @@ def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_decay(max(warmup, 1), cfg.steps))
         scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
     except BaseException:
-        if lock is not None:
-            lock.release()
+        lock.close()
         raise
     pinned = resume if resume and cfg.resume not in ("auto", "never") else None
     return Run(cfg, model_overrides, env, config, phases, dtype, sharded, out, resume, model, wrapped, optimizer,
