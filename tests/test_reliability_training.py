@@ -98,8 +98,7 @@ def other_data(tmp_path_factory):
     """The same corpus prepared again with another seed: the same vocabulary size, other examples."""
     root = tmp_path_factory.mktemp("other")
     corpus = write_corpus(root / "corpus.txt", documents=20, sentences=10)
-    prepare.prepare_dataset([corpus], str(root / "data"), vocab_size=120, max_seq_lengths=(16, 32), seed=7,
-                            log=lambda *a: None)
+    prepare.prepare_dataset([corpus], str(root / "data"), vocab_size=120, max_seq_lengths=(16, 32), seed=7)
     return str(root / "data")
 
 

@@ -2,13 +2,15 @@
 resumption depends on, and honours (and logs) the options that may change.
 
 A checkpoint's run.json records the run's fingerprint: the options, the model's architecture and one
-digest per phase dataset (its index.json, its vocabulary, and the size, head and tail of each shard).
+digest per phase dataset (its index.json, which names each shard's sha256, and its vocabulary).
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+
+from fastbert.data.shards import INDEX_FILE, VOCAB_FILE
 
 logger = logging.getLogger("fastbert.train")
 
@@ -24,25 +26,15 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_
                 "type_vocab_size")
 MODEL_FIELDS = SHAPE_FIELDS + ("num_attention_heads", "hidden_act", "hidden_dropout_prob",
                                "attention_probs_dropout_prob", "layer_norm_eps", "pad_token_id")
-_SAMPLE_BYTES = 1 << 20
 
 
 def dataset_digest(directory: str) -> str:
-    """sha256 of a prepared dataset: index.json, vocab.txt, and each shard file's size, first and last MiB."""
+    """sha256 of a prepared dataset's index.json (which holds each shard's sha256 and the tokenizer's)
+    and its vocabulary."""
     digest = hashlib.sha256()
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            continue
-        size = os.path.getsize(path)
-        digest.update(f"{name}:{size}:".encode())
-        with open(path, "rb") as f:
-            if name in ("index.json", "vocab.txt") or size <= 2 * _SAMPLE_BYTES:
-                digest.update(f.read())
-            else:
-                digest.update(f.read(_SAMPLE_BYTES))
-                f.seek(size - _SAMPLE_BYTES)
-                digest.update(f.read(_SAMPLE_BYTES))
+    for name in (INDEX_FILE, VOCAB_FILE):
+        with open(os.path.join(directory, name), "rb") as f:
+            digest.update(f.read())
     return digest.hexdigest()
 
 
