@@ -98,16 +98,20 @@ def test_finetune_interrupted_or_concurrent_leaves_the_previous_output(tmp_path,
     assert digest(tmp_path / "out") == before
 
 
-def test_outputs_get_the_umask_permissions(tmp_path):
-    model = fastbert.BertModel(fastbert.BertConfig.tiny())
-    for umask in (0o022, 0o002):
-        previous = os.umask(umask)
-        try:
-            model.save_pretrained(str(tmp_path / oct(umask)))
-        finally:
-            os.umask(previous)
-        for name in ("model.safetensors", "config.json"):
-            assert os.stat(tmp_path / oct(umask) / name).st_mode & 0o777 == 0o666 & ~umask, name
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_outputs_get_the_umask_permissions(tmp_path, tiny_model, umask):
+    corpus = write_corpus(tmp_path / "corpus.txt", documents=6)
+    previous = os.umask(umask)
+    try:
+        fastbert.BertModel(fastbert.BertConfig.tiny()).save_pretrained(str(tmp_path / "model"))
+        assert cli.main(embed_argv(tmp_path, tiny_model)) == 0
+        prepare_module.prepare_dataset([corpus], str(tmp_path / "data"), vocab_size=100, max_seq_lengths=(24,))
+    finally:
+        os.umask(previous)
+    written = [os.path.join(folder, name) for folder, _, names in os.walk(tmp_path) for name in names
+               if not name.startswith(("input.txt", "corpus.txt"))]
+    assert len(written) >= 12 and {p for p in written if p.endswith(("model.safetensors", "f.npy", ".bin"))}
+    assert {p: oct(os.stat(p).st_mode & 0o777) for p in written} == {p: oct(0o666 & ~umask) for p in written}
 
 
 # embed ------------------------------------------------------------------------------------------------
