@@ -111,12 +111,8 @@ def directory_tokenizer(out: str, tokenizer_path: str | None, vocab_size: int | 
         if tokenizer_path and load_tokenizer(tokenizer_path, lowercase).to_str() != tokenizer.to_str():
             raise ValueError(f"--tokenizer {tokenizer_path} differs from {existing}, which the datasets in {out} "
                              "use; one directory holds the datasets of one tokenizer: choose a new --out")
-        size = len(vocabulary(tokenizer))
-        if vocab_size is not None and not tokenizer_path and size > vocab_size:
-            raise ValueError(f"{existing} has {size} tokens, more than --vocab-size {vocab_size}: it was trained "
-                             "with other options; one directory holds the datasets of one tokenizer: choose a "
-                             "new --out")
-        logger.info(f"tokenizer: {existing} ({size} tokens), as for this directory's other datasets")
+        logger.info(f"tokenizer: {existing} ({len(vocabulary(tokenizer))} tokens), as for this directory's other "
+                    "datasets (--vocab-size and --cased apply to a new --out)")
         return tokenizer
     if tokenizer_path:
         logger.info(f"tokenizer: {tokenizer_path}")
