@@ -83,15 +83,10 @@ def writing_error(exc: OSError, path: str) -> OSError:
 
 
 @contextlib.contextmanager
-def replaced_file(path: str) -> Iterator[str]:
-    """Yield a partial path to write; on success it is fsynced and renamed to `path`, on any error removed."""
-    partial = partial_path(path)
+def _removed_on_error(partial: str, path: str) -> Iterator[None]:
+    """Remove `partial` if the block fails (Ctrl-C included); an OSError then names `path`."""
     try:
-        yield partial
-        with open(partial, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(partial, file_mode())
-        os.replace(partial, path)
+        yield
     except OSError as exc:
         _remove(partial)
         raise writing_error(exc, path) from exc
@@ -101,21 +96,27 @@ def replaced_file(path: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
+def replaced_file(path: str) -> Iterator[str]:
+    """Yield a partial path to write; on success it is fsynced and renamed to `path`, on any error removed."""
+    partial = partial_path(path)
+    with _removed_on_error(partial, path):
+        yield partial
+        with open(partial, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(partial, file_mode())
+        os.replace(partial, path)
+
+
+@contextlib.contextmanager
 def replaced_directory(path: str) -> Iterator[str]:
     """Yield a new partial directory to fill; on success it takes `path`'s place (the old directory,
     if any, is removed after the swap), on any error it is removed and `path` is untouched."""
     partial = partial_path(path)
     _remove(partial)
     os.makedirs(partial)
-    try:
+    with _removed_on_error(partial, path):
         yield partial
         move_into_place(partial, path)
-    except OSError as exc:
-        _remove(partial)
-        raise writing_error(exc, path) from exc
-    except BaseException:
-        _remove(partial)
-        raise
 
 
 def move_into_place(partial: str, path: str) -> None:
