@@ -63,7 +63,8 @@ def _configs(gpu_shapes, interpreter_shape, names=("BLOCK_M", "BLOCK_N")):
 
 # Keyed by the sequence-length bucket, not the length, so that varying batch lengths do not retune; not
 # by the layout (VARLEN, HAS_MASK), so a packed batch runs the blocks of its padded twin and gives its
-# bitwise results (the dtype is part of every key).
+# bitwise results. Triton adds every tensor argument's dtype to the key: q's (and so out's), and those
+# of the mask, bounds, cu_seqlens and seed pointers, which are fixed (`_placeholder` when unused).
 AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "DROPOUT", "DOT_PRECISION"]
 # Forward: large query blocks amortise the K/V loads; 8 warps for 128 x 128 tiles.
 FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3),
@@ -429,11 +430,19 @@ def _row_stats_strides(stats: torch.Tensor, varlen: bool) -> tuple[int, int]:
     return (0, stats.stride(0)) if varlen else (stats.stride(0), stats.stride(1))
 
 
+def _placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor for a pointer the kernels do not read. Its dtype is the real argument's: the
+    autotuner keys on every tensor argument's dtype, so a placeholder of another dtype (q's, say) would
+    tune the padded and the packed calls apart, and they could run different blocks."""
+    return torch.empty(0, dtype=dtype, device=device)
+
+
 def _mask_and_bounds(q, key_mask):
     """The key mask as uint8 [B, S] (1 = token) and, per sequence, the first token position and the last
     + 1 as int32 [B] (S and 0 for a fully padded sequence), from torch ops on the device: no host sync."""
     if key_mask is None:
-        return q, q, q, 0, 0  # placeholders for pointers the kernels do not read
+        bounds = _placeholder(torch.int32, q.device)
+        return _placeholder(torch.uint8, q.device), bounds, bounds, 0, 0
     keep = key_mask != 0  # [B, S] bool
     seqlen = keep.shape[1]
     positions = torch.arange(seqlen, device=keep.device, dtype=torch.int32)
@@ -441,6 +450,10 @@ def _mask_and_bounds(q, key_mask):
     hi = torch.where(keep, positions + 1, 0).amax(dim=1).to(torch.int32)
     mask = keep.view(torch.uint8)
     return mask, lo, hi, mask.stride(0), mask.stride(1)
+
+
+def _cu_seqlens_pointer(q, cu_seqlens):
+    return _placeholder(torch.int32, q.device) if cu_seqlens is None else cu_seqlens
 
 
 def _launch_meta(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale):
@@ -452,7 +465,8 @@ def _launch_meta(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, sca
     else:
         batch, heads, seqlen = q.shape[0], q.shape[1], q.shape[2]
     mask, lo, hi, stride_mb, stride_ms = _mask_and_bounds(q, None if varlen else key_mask)
-    pointers = (mask, lo, hi, q if cu_seqlens is None else cu_seqlens, q if seed is None else seed)
+    pointers = (mask, lo, hi, _cu_seqlens_pointer(q, cu_seqlens),
+                _placeholder(torch.int64, q.device) if seed is None else seed)
     scalars = dict(seqlen=seqlen, seqlen_bucket=triton.next_power_of_2(max(seqlen, 1)),
                    scale_log2=scale * LOG2E, dropout_p=dropout_p, keep_scale=1.0 / (1.0 - dropout_p))
     flags = dict(HEAD_DIM=q.shape[-1], VARLEN=varlen, HAS_MASK=key_mask is not None and not varlen,
@@ -518,7 +532,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     delta = _new_row_stats(q, varlen)
     stats_strides = _row_stats_strides(lse, varlen)
     _attention_bwd_preprocess_kernel[(triton.cdiv(seqlen, PREPROCESS_BLOCK_M), heads, batch)](
-        out, dout, delta, q if cu_seqlens is None else cu_seqlens, *_bhsd_strides(out, varlen), *_bhsd_strides(dout, varlen),
+        out, dout, delta, _cu_seqlens_pointer(q, cu_seqlens), *_bhsd_strides(out, varlen), *_bhsd_strides(dout, varlen),
         *stats_strides, seqlen, HEAD_DIM=flags["HEAD_DIM"], VARLEN=varlen, BLOCK_M=PREPROCESS_BLOCK_M,
     )
     _attention_bwd_kernel[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_MAJOR"]), heads, batch)](

@@ -4,6 +4,7 @@ with a fully padded sequence and arbitrary masks, packed (varlen) batches, dropo
 torch.compile tracing and input errors."""
 import pytest
 import torch
+import triton
 
 from fastbert import reference
 from fastbert.kernels import attention as attn
@@ -267,3 +268,33 @@ def test_attention_bf16_long_sequences(device, seqlen, head_dim, mask_kind):
     dout = torch.randn(batch, heads, seqlen, head_dim, device=device, dtype=torch.bfloat16)
     assert_matches_reference(lambda q, k, v: attn.attention(q, k, v, mask),
                              lambda q, k, v: reference.attention(q, k, v, mask), q, k, v, dout)
+
+
+def test_padded_and_packed_calls_share_an_autotune_key(device, monkeypatch):
+    """On a GPU the autotuner picks blocks per key, and "varlen equals padded, bitwise" needs both layouts
+    to run the same blocks: the key depends on what changes the compiled kernel (dtype, head dim, dropout,
+    precision) and the length bucket, never on the dtypes of placeholder pointers. The interpreter has one
+    config, which skips the autotuner's key: with two candidates and a stand-in benchmark, a padded call
+    with a mask, one without and the packed call at the same shapes fill one cache entry per kernel."""
+    two_configs = {attn._attention_fwd_kernel: ("BLOCK_M", "BLOCK_N"),
+                   attn._attention_bwd_kernel: ("BLOCK_MAJOR", "BLOCK_MINOR")}
+    for kernel, names in two_configs.items():
+        monkeypatch.setattr(kernel, "configs", [triton.Config(dict(zip(names, shape)), num_warps=4, num_stages=1)
+                                                for shape in ((128, 64), (64, 32))])
+        monkeypatch.setattr(kernel, "cache", {})
+        monkeypatch.delitem(kernel.__dict__, "do_bench", raising=False)  # a cached benchmarker
+        monkeypatch.setattr(kernel, "_do_bench", lambda call, quantiles: [1.0, 1.0, 1.0])
+    torch.manual_seed(0)
+    batch, heads, seqlen, head_dim = 3, 2, 37, 32
+    q, k, v = make_qkv(batch, heads, seqlen, head_dim, torch.float32, device, "contiguous")
+    mask = make_mask(batch, seqlen, "right", device)
+    dout = torch.randn(batch, heads, seqlen, head_dim, device=device)
+    run(lambda q, k, v: attn.attention(q, k, v, mask), (q, k, v), dout)
+    run(lambda q, k, v: attn.attention(q, k, v), (q, k, v), dout)
+    _, _, cu_seqlens, _ = reference.unpad(q.transpose(1, 2), mask)
+    packed = [reference.unpad(t.transpose(1, 2), mask)[0] for t in (q, k, v)]
+    run(lambda q, k, v: attn.attention_varlen(q, k, v, cu_seqlens, seqlen), packed, torch.randn_like(packed[0]))
+    for kernel in two_configs:
+        assert len(kernel.cache) == 1, list(kernel.cache)
+        key = next(iter(kernel.cache))
+        assert {triton.next_power_of_2(seqlen), head_dim, "ieee", "torch.float32"} <= set(key), key
