@@ -392,16 +392,23 @@ def _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p) ->
         raise ValueError(f"attention_mask has shape {tuple(key_mask.shape)}, expected {(q.shape[0], q.shape[2])}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    seqlen = max_seqlen if varlen else q.shape[2]
     for name, tensor in (("q", q), ("k", k), ("v", v)):
-        _check_sequence_reach(name, tensor, max_seqlen if varlen else q.shape[2], varlen)
+        _check_sequence_reach(name, tensor, seqlen, varlen)
+    # out, dq, dk and dv are allocated [B, S, heads, d] (packed: [T, heads, d]): a sequence step of heads * d
+    _check_reach("out, dq, dk, dv", seqlen, heads * head_dim, seqlen * heads * head_dim + head_dim)
 
 
 def _check_sequence_reach(name, tensor, seqlen, varlen) -> None:
     """Offsets inside one sequence are int32 in the kernels (across sequences and heads they are int64)."""
-    reach = seqlen * abs(tensor.stride(-3 if varlen else -2)) + tensor.shape[-1] * abs(tensor.stride(-1))
+    seq_stride = abs(tensor.stride(-3 if varlen else -2))
+    _check_reach(name, seqlen, seq_stride, seqlen * seq_stride + tensor.shape[-1] * abs(tensor.stride(-1)))
+
+
+def _check_reach(name, seqlen, seq_stride, reach) -> None:
     if reach > INT32_MAX:
-        raise ValueError(f"{name}: one sequence spans {reach} elements (sequence length {seqlen} x its "
-                         f"stride); offsets within a sequence must fit int32 ({INT32_MAX})")
+        raise ValueError(f"{name}: one sequence spans {reach} elements (sequence length {seqlen} x a stride of "
+                         f"{seq_stride}); offsets within a sequence must fit int32 ({INT32_MAX})")
 
 
 def _bhsd_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int, int]:

@@ -52,7 +52,7 @@ def _bias_gelu_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # times a column stride: past 2**31
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
     b = tl.load(bias_ptr + cols, mask=cols < N, other=0.0)
@@ -75,7 +75,7 @@ def _bias_gelu_bwd_kernel(
 ):
     # y = gelu(z), z = x + bias:  dx = dy * gelu'(z);  dbias = sum over rows of dx.
     group = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # times a column stride: past 2**31
     col_mask = cols < N
     b = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:

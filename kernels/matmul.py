@@ -174,8 +174,13 @@ def _matmul_fwd_kernel(
     # and their results are dropped by the store mask, which keeps the inner loop mask-free in M, N.
     rows = (offs_m % M).to(tl.int64)
     cols = (offs_n % N).to(tl.int64)
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+    # K offsets and steps in int64: a transposed operand (x^T of 8M tokens, a column-major weight of 8M
+    # rows) has a K stride whose product with K, or with BLOCK_K, passes 2**31
+    k_offsets = offs_k.to(tl.int64)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + k_offsets[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + cols[None, :] * stride_wn + k_offsets[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+    x_step = tl.cast(stride_xk, tl.int64) * BLOCK_K
+    w_step = tl.cast(stride_wk, tl.int64) * BLOCK_K
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -183,8 +188,8 @@ def _matmul_fwd_kernel(
         a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         acc = dot(a, b, acc, INPUT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+        x_ptrs += x_step
+        w_ptrs += w_step
 
     acc += cast(tl.load(bias_ptr + cols), tl.float32)[None, :]
     out_rows = offs_m.to(tl.int64)

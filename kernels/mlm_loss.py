@@ -92,7 +92,7 @@ def _logits_tile(
 ):
     """fp32 logits x[rows] W[cols]^T + b[cols], [BLOCK_N, BLOCK_V]; masked rows and columns read zeros."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    ks = tl.arange(0, BLOCK_K)
+    ks = tl.arange(0, BLOCK_K).to(tl.int64)  # times a hidden-dimension stride: past 2**31 for a transposed x
     for k0 in range(0, H, BLOCK_K):
         k = k0 + ks
         in_k = k < H
@@ -104,6 +104,15 @@ def _logits_tile(
     if HAS_BIAS:
         acc += cast(tl.load(b_ptr + cols * stride_b, mask=col_mask, other=0.0), tl.float32)[None, :]
     return acc
+
+
+@triton.jit
+def _split_columns(split, cols_per_split, V):
+    """The vocabulary columns [v_start, v_end) of a forward split, int64: with V past 2**30, the last
+    split's start + cols_per_split passes 2**31."""
+    v_start = split.to(tl.int64) * cols_per_split
+    v_end = tl.minimum(v_start + cols_per_split, V)
+    return v_start, v_end
 
 
 @triton.jit
@@ -132,8 +141,7 @@ def _mlm_loss_fwd_kernel(
     target_logit = tl.zeros((BLOCK_N,), dtype=tl.float32)
     logit_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     argmax = tl.zeros((BLOCK_N,), dtype=tl.int64)
-    v_start = split * cols_per_split
-    v_end = tl.minimum(v_start + cols_per_split, V)
+    v_start, v_end = _split_columns(split, cols_per_split, V)
     # The launcher makes every split start below V, so each tile has a column and run_max turns
     # finite on the first tile (exp(-inf - finite) = 0 then, never -inf - -inf).
     offs_v = tl.arange(0, BLOCK_V)

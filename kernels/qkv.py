@@ -42,7 +42,7 @@ def _qkv_bwd_kernel(
     group = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < H
-    col_off = (cols // HEAD_DIM).to(tl.int64) * stride_h + (cols % HEAD_DIM) * stride_d  # [BLOCK_N]
+    col_off = (cols // HEAD_DIM).to(tl.int64) * stride_h + (cols % HEAD_DIM).to(tl.int64) * stride_d  # [BLOCK_N]
     dbias = tl.zeros((BLOCK_N,), dtype=tl.float64)
     first = group * rows_per_group
     last = tl.minimum(first + rows_per_group, M)

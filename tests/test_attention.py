@@ -116,6 +116,21 @@ def test_head_dims_and_dtypes_errors(device):
         attn.attention_varlen(packed, packed, packed, torch.tensor([0, 8], device=device, dtype=torch.int32), 0)
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "packed"])
+def test_output_offsets_past_int32_are_refused(varlen):
+    """q, k, v broadcast along the sequence (stride 0: they reach d elements) while the outputs and
+    gradients they would get, laid out [.., S, heads, d], span S * heads * d > 2**31 elements in one
+    sequence: refused before anything is allocated (meta tensors: nothing could be)."""
+    seqlen, heads, head_dim = 2**14, 2**11, 64
+    shape = (seqlen, heads, head_dim) if varlen else (1, heads, seqlen, head_dim)
+    q = torch.zeros(1, device="meta").expand(shape)
+    with pytest.raises(ValueError, match=r"out, dq, dk, dv: one sequence spans 2147483712 elements"):
+        if varlen:
+            attn.attention_varlen(q, q, q, torch.tensor([0, seqlen], dtype=torch.int32, device="meta"), seqlen)
+        else:
+            attn.attention(q, q, q)
+
+
 def test_fully_padded_batch_gives_zeros_and_finite_grads(device):
     torch.manual_seed(0)
     q, k, v = make_qkv(2, 2, 37, 32, torch.float16, device, "qkv_buffer")

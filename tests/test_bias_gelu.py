@@ -3,10 +3,12 @@ backward, against a float64 reference with the tolerance rule; non-contiguous in
 torch.compile tracing, bad inputs."""
 import pytest
 import torch
+from strided import past_int32
 from tolerance import GRADIENT_FACTOR, assert_within_rule
 
 from fastbert import ops, reference
 from fastbert.kernels import bias_gelu as kernel
+from fastbert.kernels import matmul
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -141,6 +143,45 @@ def test_ops_dispatch_to_kernel(device):
     weight = torch.randn(384, 384, device=device)
     assert torch.equal(ops.linear_bias_gelu(x, weight, bias, backend="triton"),
                        kernel.linear_bias_gelu(x, weight, bias))
+
+
+HUGE_STRIDE = 2**30 + 1  # fits int32; two of it do not
+
+
+def test_bias_gelu_column_offsets_past_int32(device):
+    """x and dy [2, 3] whose column stride times 2 passes 2**31: the same results as contiguous copies."""
+    torch.manual_seed(7)
+    x, dy = torch.randn(2, 2, 3, device=device, dtype=torch.float16).unbind(0)
+    bias = torch.randn(3, device=device, dtype=torch.float16)
+    y = kernel.bias_gelu_fwd(x, bias)
+    dx, dbias = kernel.bias_gelu_bwd(dy, x, bias)
+    strided = past_int32(x, (1, HUGE_STRIDE))
+    assert torch.equal(kernel.bias_gelu_fwd(strided, bias), y)
+    del strided
+    dx_strided, dbias_strided = kernel.bias_gelu_bwd(past_int32(dy, (1, HUGE_STRIDE)), x, bias)
+    assert torch.equal(dx_strided, dx) and torch.equal(dbias_strided, dbias)
+
+
+BLOCK_K = matmul._matmul_fwd_kernel.configs[0].kwargs["BLOCK_K"]  # the interpreter's one config
+
+
+@pytest.mark.parametrize("operand", ["x", "weight"])
+@pytest.mark.parametrize("inner,stride", [(3, HUGE_STRIDE), (BLOCK_K + 1, 2**31 // BLOCK_K + 1)],
+                         ids=["offsets", "steps"])
+def test_matmul_k_offsets_past_int32(operand, inner, stride, device):
+    """x [2, K] or weight [4, K] whose K stride passes 2**31 within one K tile (K = 3), or only in the step
+    from one K tile to the next (K = BLOCK_K + 1), in the epilogue matmul of kernels/matmul.py: the same
+    output as with contiguous operands."""
+    torch.manual_seed(8)
+    x = torch.randn(2, inner, device=device, dtype=torch.float16)
+    weight = torch.randn(4, inner, device=device, dtype=torch.float16)
+    bias = torch.randn(4, device=device, dtype=torch.float16)
+    expected = kernel.linear_bias_gelu(x, weight, bias, form="epilogue")
+    if operand == "x":
+        x = past_int32(x, (1, stride))
+    else:
+        weight = past_int32(weight, (1, stride))
+    assert torch.equal(kernel.linear_bias_gelu(x, weight, bias, form="epilogue"), expected)
 
 
 def test_bad_inputs(device):

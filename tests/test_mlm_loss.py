@@ -8,6 +8,9 @@ a vocabulary of 30522 at hidden 768 is slow there, so those cases use few rows."
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+from strided import past_int32
 
 from fastbert import ops, reference
 from fastbert.kernels import mlm_loss
@@ -46,7 +49,7 @@ def _make_inputs(rows, labelled, vocab, hidden, dtype, device, ignore_index=-100
 
 def _run(fn, x, weight, bias, target, **kwargs):
     """(loss, num_correct, gradients wrt x, weight and bias) of fn on fresh leaves."""
-    leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias) if t is not None]
+    leaves = [t.detach().requires_grad_() for t in (x, weight, bias) if t is not None]
     loss, correct = fn(leaves[0], leaves[1], leaves[2] if bias is not None else None, target, **kwargs)
     grads = torch.autograd.grad(loss, leaves)
     return loss.detach(), correct, grads
@@ -126,6 +129,38 @@ def test_gpu_tiles_odd_sizes_strided_inputs(dtype, device, monkeypatch):
     weight = weight.t().contiguous().t()  # [997, 97], strides (1, 997)
     assert not x.is_contiguous() and not weight.is_contiguous()
     _assert_matches_float64("triton", x, weight, bias, target.int(), label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("operand", ["x", "weight"])
+def test_hidden_offsets_past_int32(operand, device):
+    """x [2, 3] or weight [5, 3] whose hidden-dimension stride times 2 passes 2**31: the same loss and
+    gradients as with contiguous operands."""
+    x, weight, bias, target = _make_inputs(2, 2, 5, 3, torch.float16, device, planted_logit=1.0)
+    expected = _run(mlm_loss.linear_cross_entropy, x, weight, bias, target)
+    if operand == "x":
+        x = past_int32(x, (1, 2**30 + 1))
+    else:
+        weight = past_int32(weight, (1, 2**30 + 1))
+    loss, correct, grads = _run(mlm_loss.linear_cross_entropy, x, weight, bias, target)
+    assert torch.equal(loss, expected[0]) and torch.equal(correct, expected[1])
+    for grad, grad_expected in zip(grads, expected[2]):
+        assert torch.equal(grad, grad_expected)
+
+
+@triton.jit
+def _split_columns_probe(out_ptr, cols_per_split, V):
+    start, end = mlm_loss._split_columns(tl.program_id(0), cols_per_split, V)
+    tl.store(out_ptr + 2 * tl.program_id(0), start)
+    tl.store(out_ptr + 2 * tl.program_id(0) + 1, end)
+
+
+def test_split_columns_past_int32():
+    """A vocabulary past 2**30 in two forward splits: the second split's start + width passes 2**31 (a
+    full vocabulary run is hours in the interpreter, so the split arithmetic is run alone)."""
+    vocab, cols_per_split = 2**31 - 1, 2**30 + 2**10
+    out = torch.empty(4, dtype=torch.int64)
+    _split_columns_probe[(2,)](out, cols_per_split, vocab)
+    assert out.tolist() == [0, cols_per_split, cols_per_split, vocab]
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)

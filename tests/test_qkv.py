@@ -3,6 +3,7 @@ against a float64 reference with the tolerance rule; padded [B, S, H] and packed
 non-contiguous inputs and gradients, determinism, torch.compile tracing, bad inputs."""
 import pytest
 import torch
+from strided import past_int32
 from tolerance import GRADIENT_FACTOR, assert_within_rule
 
 from fastbert import ops, reference
@@ -84,6 +85,17 @@ def test_noncontiguous_inputs(device):
     assert not (x.is_contiguous() or weight.is_contiguous() or bias.is_contiguous())
     grads = [torch.randn(3, 6, 37, 64, device=device)] * 3
     _check_against_reference(x, weight, bias, 6, grads)
+
+
+def test_gradient_offsets_past_int32(device):
+    """dq, dk, dv [1, 1, 2, 3] whose head-dim stride times 2 passes 2**31: the same gradients as from
+    contiguous copies."""
+    x, weight, _ = _inputs((1, 2, 3), torch.float16, device, seed=5)
+    grads = [torch.randn(1, 1, 2, 3, device=device, dtype=torch.float16) for _ in range(3)]
+    expected = kernel.qkv_projection_bwd(*grads, x, weight)
+    strided = [past_int32(g, (1, 1, 1, 2**30 + 1)) for g in grads]
+    for got, want in zip(kernel.qkv_projection_bwd(*strided, x, weight), expected):
+        assert torch.equal(got, want)
 
 
 def test_deterministic(device):
