@@ -130,7 +130,8 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none"
         return y
     block_m, block_n = _blocks(cols)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
-    _bias_gelu_fwd_kernel[grid](x2, bias, y, rows, cols, x2.stride(0), x2.stride(1),
+    # the kernels index the bias as contiguous: a strided one (a slice) is copied, N elements
+    _bias_gelu_fwd_kernel[grid](x2, bias.contiguous(), y, rows, cols, x2.stride(0), x2.stride(1),
                                 APPROXIMATE=approximate, BLOCK_M=block_m, BLOCK_N=block_n)
     return y
 
@@ -155,7 +156,7 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
     groups, rows_per_group = row_groups(rows, col_blocks, block_m, x.device)
     partial = torch.empty((groups, cols), dtype=torch.float64, device=x.device)
     _bias_gelu_bwd_kernel[(groups, col_blocks)](
-        dy2, x2, x2 if bias is None else bias, dx, partial, rows, cols, rows_per_group,
+        dy2, x2, x2 if bias is None else bias.contiguous(), dx, partial, rows, cols, rows_per_group,
         dy2.stride(0), dy2.stride(1), x2.stride(0), x2.stride(1),
         HAS_BIAS=bias is not None, APPROXIMATE=approximate, BLOCK_M=block_m, BLOCK_N=block_n)
     return dx, partial.sum(dim=0).to(x.dtype)

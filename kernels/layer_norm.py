@@ -18,7 +18,7 @@
 # Limits. Hidden size 1..MAX_HIDDEN (8192: a whole row lives in registers); any number of rows; x and
 # residual fp32, fp16 or bf16 of one dtype; weight and bias fp32, fp16 or bf16. Inputs may have any
 # strides: the launchers pass both strides of the 2-D view (copying only a view whose column offsets
-# would not fit int32). 0 <= dropout_p < 1.
+# would not fit int32), and copy a strided weight or bias (H elements). 0 <= dropout_p < 1.
 #
 # Sources: the Triton tutorial "Layer Normalization" (row-parallel forward, partial weight gradients),
 # flash-attention's flash_attn/ops/triton/layer_norm.py (fused residual + dropout, seeded dropout
@@ -234,7 +234,7 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, re
     block_rows, block_h, num_warps = _tile(hidden)
     res = x if residual is None else residual  # a placeholder pointer when there is no residual
     _layer_norm_fwd_kernel[(triton.cdiv(rows, block_rows),)](
-        x, res, weight, bias, y, mean, rstd, x if seed is None else seed,
+        x, res, weight.contiguous(), bias.contiguous(), y, mean, rstd, x if seed is None else seed,
         x.stride(0), x.stride(1), res.stride(0), res.stride(1),
         rows, hidden, eps, dropout_p, 1.0 / (1.0 - dropout_p),
         HAS_RESIDUAL=residual is not None, HAS_DROPOUT=seed is not None, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
@@ -274,7 +274,7 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, resi
     db_partial = torch.empty((programs, hidden), dtype=torch.float32, device=x.device)
     res = x if residual is None else residual  # a placeholder pointer when there is no residual
     _layer_norm_bwd_kernel[(programs,)](
-        dy, x, res, weight, mean, rstd, x if seed is None else seed, dx, dres, dw_partial, db_partial,
+        dy, x, res, weight.contiguous(), mean, rstd, x if seed is None else seed, dx, dres, dw_partial, db_partial,
         dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), res.stride(0), res.stride(1),
         rows, rows_per_program, hidden, dropout_p, 1.0 / (1.0 - dropout_p),
         HAS_RESIDUAL=residual is not None, HAS_DROPOUT=seed is not None, BLOCK_ROWS=block_rows,

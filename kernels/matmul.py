@@ -267,7 +267,7 @@ def matmul_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: t
         return (triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(cols, meta["BLOCK_N"]),)
 
     _matmul_fwd_kernel[grid](
-        x, weight, bias, out, out if pre is None else pre,
+        x, weight, bias.contiguous(), out, out if pre is None else pre,  # the kernel reads the bias as contiguous
         rows, cols, inner,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         seqlen, heads, stride_ob, stride_os, stride_o3, stride_oh, stride_od,

@@ -36,9 +36,9 @@ def _reference(x, weight, bias, residual, keep=None, dropout_p=0.0):
 
 def _forward_backward(fn, x, weight, bias, residual, dy):
     """Output and the gradients wrt x, weight, bias (and residual) of fn for upstream gradient dy."""
-    leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
+    leaves = [t.detach().requires_grad_() for t in (x, weight, bias)]
     if residual is not None:
-        leaves.append(residual.detach().clone().requires_grad_())
+        leaves.append(residual.detach().requires_grad_())
     y = fn(*leaves[:3], leaves[3] if residual is not None else None)
     grads = torch.autograd.grad(y, leaves, dy)
     return y.detach(), grads
@@ -111,11 +111,13 @@ def test_zero_rows(device):
 def test_non_contiguous(dtype, device):
     rows, hidden = 37, 384
     x, weight, bias, _, _ = _make_inputs((rows, hidden), dtype, device, with_residual=False)
-    # x: a column slice (row stride 2H); residual: a transpose (column stride = rows); dy: every other column
+    # x: a column slice (row stride 2H); residual: a transpose (column stride = rows); dy, weight and
+    # bias: every other element
     x = torch.cat([x, x.flip(1)], dim=1)[:, :hidden]
+    weight, bias = (torch.stack([t, t.flip(0)], dim=1).flatten()[::2] for t in (weight, bias))
     residual = _make_inputs((hidden, rows), dtype, device, with_residual=False, seed=1)[0].t()
     dy = _make_inputs((rows, 2 * hidden), dtype, device, with_residual=False, seed=2)[0][:, ::2]
-    assert not (x.is_contiguous() or residual.is_contiguous() or dy.is_contiguous())
+    assert not any(t.is_contiguous() for t in (x, residual, dy, weight, bias))
     _assert_matches_reference(x, weight, bias, residual, dy, _kernel())
     # a permuted [B, S, H] input, and an upstream gradient with zero strides (from y.sum())
     x3 = _make_inputs((5, 3, hidden), dtype, device, with_residual=False, seed=3)[0].transpose(0, 1)

@@ -14,7 +14,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 def _run(fn, inputs, grads_out):
     """(q, k, v) = fn(*inputs) and the gradients of sum_i <out_i, grads_out_i> w.r.t. every input."""
-    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    leaves = [t.detach().requires_grad_() for t in inputs]
     outs = fn(*leaves)
     torch.autograd.backward(outs, [g.to(o.dtype) for o, g in zip(outs, grads_out)])
     return [o.detach() for o in outs], [t.grad for t in leaves]
