@@ -118,6 +118,26 @@ def test_confident_rows_keep_fp32_precision(device):
     _assert_matches_float64("triton", x, weight, bias, target, reduction="sum")
 
 
+def test_bf16_dx_accumulates_chunks_in_fp32(device, monkeypatch):
+    """A backward cut into 16 vocabulary chunks whose dz W products are large and cancel (every weight
+    row shares a component of norm 4 that x is orthogonal to): dx within the rule in bf16, which rounding
+    each chunk's product to bf16 before adding it up missed (4.7e-3 against a limit of 3.8e-3)."""
+    _gpu_tiles(monkeypatch)
+    rows, vocab, hidden = 64, 2048, 128
+    block_v = mlm_loss._gpu_config(torch.bfloat16, rows, forward=False)["BLOCK_V"]
+    monkeypatch.setattr(mlm_loss, "BACKWARD_CHUNK_ELEMENTS", rows * vocab // 16)
+    gen = torch.Generator().manual_seed(0)
+    common = torch.randn(hidden, generator=gen, dtype=torch.float64)
+    common *= 4 / common.norm()
+    weight = common + 0.3 * torch.randn(vocab, hidden, generator=gen, dtype=torch.float64) / hidden ** 0.5
+    x = torch.randn(rows, hidden, generator=gen, dtype=torch.float64)
+    x -= (x @ common)[:, None] * common / common.pow(2).sum()
+    target = torch.randint(0, vocab, (rows,), generator=gen)
+    assert mlm_loss._backward_chunk_cols(rows, vocab, block_v) * 16 == vocab
+    _assert_matches_float64("triton", x.to(device, torch.bfloat16), weight.to(device, torch.bfloat16), None,
+                            target.to(device), reduction="sum")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_gpu_tiles_odd_sizes_strided_inputs(dtype, device, monkeypatch):
     """GPU tile sizes (vocabulary splits, partial K and V tiles), odd H and V, non-contiguous x and
