@@ -16,6 +16,7 @@ allows it (`torch.backends.cuda.matmul.fp32_precision = "tf32"`, or `torch.set_f
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 
@@ -71,16 +72,44 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor | None) -> str:
     return backend
 
 
-def _kernel_inputs(*tensors):
-    """Floating tensors in the one dtype a kernel computes in: autocast's dtype when autocast is on
-    (custom ops are invisible to autocast, so this does what it would), else the first tensor's.
-    The casts are differentiable, so fp32 master weights still receive their gradients."""
-    device_type = tensors[0].device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-    else:
-        dtype = tensors[0].dtype
+# Custom ops are invisible to autocast, so the Triton path casts each kernel's inputs as autocast would
+# cast the PyTorch op the kernel replaces (PyTorch's autocast op lists): matmuls (linear, the projections,
+# the MLM decoder) and scaled_dot_product_attention run in the autocast dtype on every device; layer_norm
+# in fp32 on CUDA, and untouched by CPU autocast; x + bias and gelu are never autocast. The casts are
+# differentiable, so fp32 master weights still receive their gradients.
+def autocast_dtype(op: str, device_type: str) -> torch.dtype | None:
+    """The dtype autocast runs `op` ("matmul" or "layer_norm") in on `device_type` now; None when autocast
+    is off or leaves the op alone."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    if op == "layer_norm":
+        return torch.float32 if device_type == "cuda" else None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _cast(tensors, dtype):
     return [t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype else t for t in tensors]
+
+
+def _promoted_dtype(*tensors) -> torch.dtype:
+    """The dtype of elementwise arithmetic on these tensors, as PyTorch promotes it."""
+    dtypes = [t.dtype for t in tensors if t is not None]
+    return functools.reduce(torch.promote_types, dtypes)
+
+
+def _matmul_inputs(*tensors):
+    """One dtype for every operand of a matmul-type kernel: the autocast dtype, else the first tensor's."""
+    return _cast(tensors, autocast_dtype("matmul", tensors[0].device.type) or tensors[0].dtype)
+
+
+def _layer_norm_inputs(x, weight, bias, residual):
+    """All in fp32 under CUDA autocast; otherwise x and residual in their promoted dtype (the kernel takes
+    them in one) and weight and bias as they are (it reads them in their own dtype, as F.layer_norm does)."""
+    dtype = autocast_dtype("layer_norm", x.device.type)
+    if dtype is not None:
+        return _cast((x, weight, bias, residual), dtype)
+    x, residual = _cast((x, residual), _promoted_dtype(x, residual))
+    return x, weight, bias, residual
 
 
 def _check_last_dim(name: str, tensor: torch.Tensor, size: int, what: str) -> None:
@@ -96,7 +125,8 @@ def _check_dropout(dropout_p: float) -> None:
 def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, training=True, backend=None):
     """LayerNorm(dropout(x) + residual) over the last dim (residual=None: LayerNorm(dropout(x))).
 
-    x, residual [..., H] of one dtype; weight, bias [H]. Returns [..., H] in x's dtype.
+    x, residual [..., H]; weight, bias [H]. Returns [..., H] in x's dtype promoted with residual's, or in
+    fp32 under CUDA autocast (as F.layer_norm under autocast).
     """
     hidden = x.shape[-1]
     _check_last_dim("weight", weight, hidden, "x's hidden size")
@@ -107,18 +137,19 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps!r}")
     if resolve_backend(backend, x, weight, bias, residual) == "triton":
-        x, weight, bias, residual = _kernel_inputs(x, weight, bias, residual)
+        x, weight, bias, residual = _layer_norm_inputs(x, weight, bias, residual)
         return KERNELS["layer_norm"].layer_norm(x, weight, bias, eps, residual, dropout_p, training)
     return reference.layer_norm(x, weight, bias, eps, residual, dropout_p, training)
 
 
 def bias_gelu(x, bias, approximate="none", backend=None):
-    """gelu(x + bias); x [..., N], bias [N]; approximate "none" (exact erf) or "tanh"."""
+    """gelu(x + bias); x [..., N], bias [N]; approximate "none" (exact erf) or "tanh". Returns the dtype
+    x + bias has (autocast does not touch it)."""
     _check_last_dim("bias", bias, x.shape[-1], "x's last dimension")
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
     if resolve_backend(backend, x, bias) == "triton":
-        x, bias = _kernel_inputs(x, bias)
+        x, bias = _cast((x, bias), _promoted_dtype(x, bias))  # x + bias, as PyTorch promotes it
         return KERNELS["bias_gelu"].bias_gelu(x, bias, approximate)
     return reference.bias_gelu(x, bias, approximate)
 
@@ -134,7 +165,7 @@ def linear_bias_gelu(x, weight, bias, approximate="none", backend=None):
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
     if resolve_backend(backend, x, weight, bias) == "triton":
-        x, weight, bias = _kernel_inputs(x, weight, bias)
+        x, weight, bias = _matmul_inputs(x, weight, bias)
         return KERNELS["bias_gelu"].linear_bias_gelu(x, weight, bias, approximate)
     return reference.linear_bias_gelu(x, weight, bias, approximate)
 
@@ -154,7 +185,7 @@ def qkv_projection(x, weight, bias, num_heads, backend=None):
     if tuple(bias.shape) != (3 * hidden,):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(3 * hidden,)}")
     if resolve_backend(backend, x, weight, bias) == "triton":
-        x, weight, bias = _kernel_inputs(x, weight, bias)
+        x, weight, bias = _matmul_inputs(x, weight, bias)
         return KERNELS["qkv"].qkv_projection(x, weight, bias, num_heads)
     return reference.qkv_projection(x, weight, bias, num_heads)
 
@@ -177,7 +208,7 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
     """
     _check_attention_args(q, k, v, attention_mask, dropout_p)
     if resolve_backend(backend, q, k, v, attention_mask) == "triton":
-        q, k, v = _kernel_inputs(q, k, v)
+        q, k, v = _matmul_inputs(q, k, v)
         return KERNELS["attention"].attention(q, k, v, attention_mask, dropout_p, scale, training)
     return reference.attention(q, k, v, attention_mask, dropout_p, scale, training)
 
@@ -200,7 +231,7 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None,
         raise ValueError(f"cu_seqlens must be int32 [B+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
     _check_dropout(dropout_p)
     if resolve_backend(backend, q, k, v, cu_seqlens) == "triton":
-        q, k, v = _kernel_inputs(q, k, v)
+        q, k, v = _matmul_inputs(q, k, v)
         return KERNELS["attention"].attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training)
     return reference.attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training)
 
@@ -229,7 +260,7 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     if resolve_backend(backend, x, weight, bias, target) == "triton":
-        x, weight, bias = _kernel_inputs(x, weight, bias)
+        x, weight, bias = _matmul_inputs(x, weight, bias)
         return KERNELS["mlm_loss"].linear_cross_entropy(x, weight, bias, target, ignore_index, reduction,
                                                         label_smoothing)
     return reference.linear_cross_entropy(x, weight, bias, target, ignore_index, reduction, label_smoothing)

@@ -401,7 +401,8 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.mm(a, b)
     if a.is_cuda and _MM_HAS_OUT_DTYPE:
         return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
+    with torch.autocast(a.device.type, enabled=False):  # a backward run under autocast would cast them back
+        return torch.mm(a.float(), b.float())
 
 
 @mlm_loss_bwd.register_fake

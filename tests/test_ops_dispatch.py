@@ -110,3 +110,55 @@ def test_torch_compile_traces_the_model_without_graph_breaks(unpad):
     expected = model(input_ids=ids, attention_mask=mask)
     got = compiled(input_ids=ids, attention_mask=mask)
     torch.testing.assert_close(got.prediction_logits, expected.prediction_logits)
+
+
+def _autocast_cases():
+    """(name, fn(backend) -> output) for every op, with fp32 parameters as an autocast model has them."""
+    gen = torch.Generator().manual_seed(0)
+    h, w, b = (torch.randn(2, 5, 128, generator=gen), torch.randn(384, 128, generator=gen) / 12,
+               torch.randn(384, generator=gen))
+    ln_w, ln_b = 1 + torch.randn(128, generator=gen) / 4, torch.randn(128, generator=gen)
+    q = torch.randn(1, 2, 5, 64, generator=gen)
+    return [
+        ("layer_norm", lambda backend: ops.layer_norm(h, ln_w, ln_b, residual=h.flip(1), backend=backend)),
+        ("layer_norm of bf16", lambda backend: ops.layer_norm(h.bfloat16(), ln_w, ln_b, backend=backend)),
+        ("bias_gelu of bf16 and a fp32 bias", lambda backend: ops.bias_gelu(h.bfloat16(), ln_b, backend=backend)),
+        ("linear_bias_gelu", lambda backend: ops.linear_bias_gelu(h, w, b, backend=backend)),
+        ("qkv_projection", lambda backend: ops.qkv_projection(h, w, b, 2, backend=backend)[0]),
+        ("attention", lambda backend: ops.attention(q, q, q, backend=backend)),
+        ("linear_cross_entropy", lambda backend: ops.linear_cross_entropy(
+            h[0], w, b, torch.tensor([1, 2, 3, 4, 5]), backend=backend)[0]),
+    ], (h, ln_w, ln_b)
+
+
+CASES, LAYER_NORM_INPUTS = _autocast_cases()
+
+
+@pytest.mark.parametrize("name,fn", CASES, ids=[name for name, _ in CASES])
+def test_triton_path_follows_autocast_policy_per_op(name, fn):
+    """Custom ops are invisible to autocast, so ops casts their inputs as autocast would cast the PyTorch op
+    each replaces: under CPU bf16 autocast the Triton path returns the reference path's dtype for every op."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        triton_out, torch_out = fn("triton"), fn("torch")
+    assert triton_out.dtype == torch_out.dtype, (triton_out.dtype, torch_out.dtype)
+
+
+def test_layer_norm_weights_keep_their_dtype_under_cpu_autocast():
+    """CPU autocast leaves layer_norm alone, so fp32 LayerNorm weights are used as they are, not rounded
+    to bf16: the bits of the kernel called on the inputs as they come."""
+    x, weight, bias = LAYER_NORM_INPUTS
+    layer_norm = ops.KERNELS["layer_norm"].layer_norm
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for x_ in (x, x.bfloat16()):
+            assert torch.equal(ops.layer_norm(x_, weight, bias, backend="triton"), layer_norm(x_, weight, bias))
+
+
+def test_layer_norm_under_cuda_autocast_runs_in_fp32(monkeypatch):
+    """On CUDA, autocast runs layer_norm in fp32 (its "fp32" list), on CPU it leaves it alone; matmuls and
+    attention take the autocast dtype on both. (No CUDA here: the policy lookup itself is checked.)"""
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type: True)
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda device_type: torch.bfloat16)
+    assert ops.autocast_dtype("layer_norm", "cuda") == torch.float32
+    assert ops.autocast_dtype("layer_norm", "cpu") is None
+    for device_type in ("cuda", "cpu"):
+        assert ops.autocast_dtype("matmul", device_type) == torch.bfloat16
