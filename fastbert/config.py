@@ -1,27 +1,43 @@
-"""BertConfig: HF BertConfig's fields and defaults as a dataclass, plus fastbert's switches.
+"""BertConfig: HF BertConfig's fields and defaults, plus fastbert's switches.
 
-`from_json` / `to_json` read and write HF's config.json; keys fastbert does not model are kept
-in `extra` and written back, so a config survives a round trip through fastbert unchanged.
+Where transformers imports, BertConfig is a transformers `PreTrainedConfig` (model_type "bert"), so
+its ecosystem reads it as it reads its own (id2label, num_labels, output_hidden_states, get_text_config,
+...). `from_json` / `to_json` read and write HF's config.json; keys fastbert does not model stay attributes
+and are written back, so a config survives a round trip through fastbert unchanged. fastbert's own
+switches (FASTBERT_FIELDS) are never written to config.json.
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
+import inspect
 import json
 import os
-from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+
+from fastbert.bases import COMMON_CONFIG_DEFAULTS, ConfigBase
 
 # hidden_act -> the `approximate` argument of GELU ("none" = exact erf form)
 GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
 BACKENDS = ("auto", "triton", "torch")
 # HF keys that change the architecture: a checkpoint that sets them otherwise must not load silently
 UNSUPPORTED_IF_NOT = {"position_embedding_type": "absolute", "is_decoder": False, "add_cross_attention": False}
-# fastbert's own fields: never written to HF's config.json
-FASTBERT_FIELDS = ("backend", "unpad", "extra")
+# fastbert's own switches: never written to HF's config.json
+FASTBERT_FIELDS = ("backend", "unpad", "max_predictions_per_seq")
+BERT_MODEL_TYPE = "bert"
 
 
-@dataclass
-class BertConfig:
+class BertConfig(ConfigBase):
+    """BERT's hyper-parameters (keyword arguments only), validated on construction.
+
+    Unknown keyword arguments become attributes, as in transformers; `num_labels` follows `id2label`.
+    """
+
+    model_type = BERT_MODEL_TYPE
+    # transformers' Trainer leaves these outputs out of the predictions it gathers at evaluation
+    keys_to_ignore_at_inference = ["accuracy", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy"]
+
     vocab_size: int = 30522  # WordPiece vocabulary size
     hidden_size: int = 768  # H: width of every token's hidden state
     num_hidden_layers: int = 12  # L: encoder layers
@@ -36,13 +52,22 @@ class BertConfig:
     layer_norm_eps: float = 1e-12  # LayerNorm epsilon (HF's BERT default)
     pad_token_id: int = 0  # padding token; its embedding row is initialised to zero
     classifier_dropout: float | None = None  # dropout before task heads; None = hidden_dropout_prob
-    num_labels: int = 2  # output size of the sequence / token classification heads
-    problem_type: str | None = None  # HF's: "regression", "single_label_classification", "multi_label_classification"
+    tie_word_embeddings: bool = True  # the MLM decoder shares the word embedding matrix
     backend: str = "auto"  # "auto" | "triton" | "torch": which implementation fastbert.ops runs
     unpad: bool = False  # run the encoder on packed tokens only (padding removed once after the embeddings)
-    extra: dict[str, Any] = field(default_factory=dict)  # HF keys fastbert does not model, kept for round trips
+    # MLM loss with labels: 0 = exactly the labelled positions (a data-dependent size: one host sync);
+    # K > 0 = a fixed budget of K positions per sequence (Google BERT's max_predictions_per_seq): static
+    # shapes, no host sync, torch.compile / export friendly; more labels than K in a sequence is an error
+    max_predictions_per_seq: int = 0
 
-    def __post_init__(self) -> None:
+    def __init__(self, **kwargs: Any):
+        for key, supported in UNSUPPORTED_IF_NOT.items():
+            if key in kwargs and kwargs[key] != supported:
+                raise ValueError(f"config {key}={kwargs[key]!r} is not supported: fastbert implements BERT's "
+                                 f"encoder with {key}={supported!r}")
+        for name, default in OWN_FIELDS.items():
+            setattr(self, name, kwargs.pop(name, default))
+        super().__init__(**kwargs)
         self.validate()
 
     def validate(self) -> None:
@@ -73,6 +98,10 @@ class BertConfig:
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(
                 f"BertConfig.pad_token_id ({self.pad_token_id}) must be in [0, vocab_size={self.vocab_size})")
+        budget = self.max_predictions_per_seq
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise ValueError(f"BertConfig.max_predictions_per_seq must be an integer >= 0 (0 = every labelled "
+                             f"position), got {budget!r}")
 
     @property
     def gelu_approximate(self) -> str:
@@ -81,6 +110,14 @@ class BertConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and vars(self) == vars(other)
+
+    def __repr__(self) -> str:
+        changed = {k: v for k, v in self.to_dict().items() if k not in ("id2label", "label2id", "model_type")}
+        fastbert = {name: getattr(self, name) for name in FASTBERT_FIELDS}
+        return f"BertConfig({', '.join(f'{k}={v!r}' for k, v in {**changed, **fastbert}.items())})"
 
     # presets ------------------------------------------------------------------------------------
     @classmethod
@@ -102,44 +139,82 @@ class BertConfig:
         return cls(**{**values, **overrides})
 
     def replace(self, **overrides: Any) -> "BertConfig":
-        """A copy with some fields changed (validated)."""
-        return dataclasses.replace(self, **overrides)
+        """A copy with some attributes changed (validated); each must be an attribute the config has."""
+        config = copy.deepcopy(self)
+        config.update_known(overrides, "BertConfig.replace")
+        return config
+
+    def update_known(self, overrides: dict[str, Any], caller: str) -> None:
+        """Set attributes the config already has (fields, HF's common fields, keys of its config.json),
+        then validate. An unknown name is a TypeError: it is a typo or a setting this config does not hold,
+        never a new key to write into config.json."""
+        unknown = sorted(k for k in overrides if not hasattr(self, k))
+        if unknown:
+            raise TypeError(f"{caller} got unknown argument(s) {unknown}: not a field of BertConfig "
+                            f"(e.g. {', '.join(list(OWN_FIELDS)[:4])}, num_labels, id2label)")
+        for key, value in overrides.items():
+            setattr(self, key, value)
+        self.validate()
 
     # HF config.json -----------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, values: dict[str, Any], **overrides: Any) -> "BertConfig":
-        """Build from HF config.json's dict; keys fastbert does not model go to `extra`."""
-        values = {**values, **overrides}
-        for key, supported in UNSUPPORTED_IF_NOT.items():
-            if key in values and values[key] != supported:
-                raise ValueError(f"config {key}={values[key]!r} is not supported: fastbert implements BERT's "
-                                 f"encoder with {key}={supported!r}")
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        kwargs = {k: v for k, v in values.items() if k in known}
-        extra = {k: v for k, v in values.items() if k not in known}
-        if "id2label" in values and "num_labels" not in values:
-            kwargs["num_labels"] = len(values["id2label"])
-        return cls(**kwargs, extra=extra)
+        """Build from HF config.json's dict (refusing non-BERT model types), then apply `overrides`, each a
+        field or a key the dict holds (as transformers' from_pretrained applies its keyword arguments)."""
+        values = dict(values)
+        model_type = values.pop("model_type", BERT_MODEL_TYPE)
+        if model_type != BERT_MODEL_TYPE:
+            raise ValueError(f"model_type {model_type!r} is not BERT: fastbert loads BERT checkpoints "
+                             f"(model_type {BERT_MODEL_TYPE!r}); use transformers for {model_type!r} models")
+        for key in ("num_labels", "id2label", "label2id"):  # the label fields go in together, as transformers does
+            if key in overrides:
+                values[key] = overrides.pop(key)
+        if "num_labels" in values and "id2label" in values and len(values["id2label"]) != values["num_labels"]:
+            del values["id2label"], values["label2id"]  # num_labels asked for other labels: default names
+        config = cls(**values)
+        config.update_known(overrides, "BertConfig.from_dict")
+        return config
 
     @classmethod
     def from_json(cls, path: str | os.PathLike, **overrides: Any) -> "BertConfig":
-        """Read an HF config.json (a file, or a directory holding one)."""
+        """Read an HF config.json (a file, or a directory holding one). Errors name the file."""
+        path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f), **overrides)
+        try:
+            with open(path, encoding="utf-8") as f:
+                values = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: expected a JSON object of config fields, got {type(values).__name__}")
+        try:
+            return cls.from_dict(values, **overrides)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from exc
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, **kwargs: Any) -> "BertConfig":
+        """config.json of a local directory or a hub id (through the HF cache, offline included);
+        hub arguments (revision, cache_dir, token, local_files_only, subfolder) as transformers takes them,
+        the other keyword arguments override fields."""
+        from fastbert import hub
+
+        hub_kwargs = {k: kwargs.pop(k) for k in hub.HUB_ARGUMENTS if k in kwargs}
+        return cls.from_json(hub.resolve(name_or_path, **hub_kwargs), **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
-        """HF config.json's dict: fastbert-only fields left out, unknown HF keys kept."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in FASTBERT_FIELDS}
-        values = {**self.extra, **values}
-        values.setdefault("model_type", "bert")
-        values.setdefault("position_embedding_type", "absolute")
-        id2label = self.extra.get("id2label")
-        if id2label is None or len(id2label) != self.num_labels:  # num_labels changed: default names
-            id2label = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
-        values["id2label"] = id2label
-        values["label2id"] = {v: int(k) for k, v in values["id2label"].items()}
+        """HF config.json's dict: the fields, the unknown keys kept from the source and the common
+        transformers fields that differ from their defaults; fastbert's own switches left out."""
+        values = {k: v for k, v in vars(self).items()
+                  if not k.startswith("_") and k not in FASTBERT_FIELDS and k not in COMMON_CONFIG_DEFAULTS}
+        for name, default in COMMON_CONFIG_DEFAULTS.items():
+            value = getattr(self, name, default)
+            if value != default:
+                values[name] = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+        values["model_type"] = BERT_MODEL_TYPE
+        values["id2label"] = {str(k): v for k, v in self.id2label.items()}
+        values["label2id"] = {v: int(k) for k, v in self.id2label.items()}
         return values
 
     def to_json(self, path: str | os.PathLike) -> None:
@@ -149,3 +224,13 @@ class BertConfig:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(self.to_dict(), f, indent=2, sort_keys=True)
             f.write("\n")
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+        """config.json into `save_directory` (created if needed), as transformers' method of that name."""
+        if kwargs.get("push_to_hub"):
+            raise ValueError("BertConfig.save_pretrained: push_to_hub is not supported; save, then upload")
+        os.makedirs(save_directory, exist_ok=True)
+        self.to_json(save_directory)
+
+
+OWN_FIELDS = {name: getattr(BertConfig, name) for name in inspect.get_annotations(BertConfig)}

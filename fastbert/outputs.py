@@ -1,40 +1,24 @@
 """Model outputs with transformers' class and attribute names.
 
-Like HF's ModelOutput: attribute access, `out["name"]`, `out[i]` over the fields that are not None,
-and `to_tuple()`. fastbert adds the MLM/NSP losses and accuracies to the pretraining outputs.
+Each is a transformers `ModelOutput` where transformers imports (and fastbert.bases' stand-in otherwise):
+attribute access, `out["name"]`, `"name" in out`, iteration over the keys that are not None, item
+assignment, `out[i]` and `to_tuple()` over those fields, registered with torch's pytree (torch.export).
+fastbert adds the MLM/NSP losses and accuracies to the MLM and pretraining outputs; transformers'
+Trainer leaves them out of its predictions (BertConfig.keys_to_ignore_at_inference).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 import torch
+
+from fastbert.bases import OutputBase
 
 Tensor = torch.Tensor
 
 
 @dataclass
-class ModelOutput:
-    def to_tuple(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None)
-
-    def keys(self) -> list[str]:
-        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
-
-    def __getitem__(self, key: int | slice | str) -> Any:
-        if isinstance(key, str):
-            return getattr(self, key)
-        return self.to_tuple()[key]
-
-    def __iter__(self):
-        return iter(self.to_tuple())
-
-    def __len__(self) -> int:
-        return len(self.to_tuple())
-
-
-@dataclass
-class BaseModelOutputWithPoolingAndCrossAttentions(ModelOutput):
+class BaseModelOutputWithPoolingAndCrossAttentions(OutputBase):
     last_hidden_state: Tensor | None = None  # [B, S, H]; padded positions are not meaningful
     pooler_output: Tensor | None = None  # [B, H]
     hidden_states: tuple[Tensor, ...] | None = None  # embeddings + each layer, each [B, S, H]
@@ -42,7 +26,7 @@ class BaseModelOutputWithPoolingAndCrossAttentions(ModelOutput):
 
 
 @dataclass
-class BertForPreTrainingOutput(ModelOutput):
+class BertForPreTrainingOutput(OutputBase):
     loss: Tensor | None = None  # mlm_loss + nsp_loss (the terms that have labels)
     prediction_logits: Tensor | None = None  # [B, S, V]
     seq_relationship_logits: Tensor | None = None  # [B, 2]
@@ -56,7 +40,7 @@ class BertForPreTrainingOutput(ModelOutput):
 
 
 @dataclass
-class MaskedLMOutput(ModelOutput):
+class MaskedLMOutput(OutputBase):
     loss: Tensor | None = None
     logits: Tensor | None = None  # [B, S, V]
     hidden_states: tuple[Tensor, ...] | None = None
@@ -65,7 +49,7 @@ class MaskedLMOutput(ModelOutput):
 
 
 @dataclass
-class NextSentencePredictorOutput(ModelOutput):
+class NextSentencePredictorOutput(OutputBase):
     loss: Tensor | None = None
     logits: Tensor | None = None  # [B, 2]
     hidden_states: tuple[Tensor, ...] | None = None
@@ -73,7 +57,7 @@ class NextSentencePredictorOutput(ModelOutput):
 
 
 @dataclass
-class SequenceClassifierOutput(ModelOutput):
+class SequenceClassifierOutput(OutputBase):
     loss: Tensor | None = None
     logits: Tensor | None = None  # [B, num_labels]
     hidden_states: tuple[Tensor, ...] | None = None
@@ -81,7 +65,7 @@ class SequenceClassifierOutput(ModelOutput):
 
 
 @dataclass
-class TokenClassifierOutput(ModelOutput):
+class TokenClassifierOutput(OutputBase):
     loss: Tensor | None = None
     logits: Tensor | None = None  # [B, S, num_labels]
     hidden_states: tuple[Tensor, ...] | None = None
@@ -89,7 +73,7 @@ class TokenClassifierOutput(ModelOutput):
 
 
 @dataclass
-class QuestionAnsweringModelOutput(ModelOutput):
+class QuestionAnsweringModelOutput(OutputBase):
     loss: Tensor | None = None
     start_logits: Tensor | None = None  # [B, S]
     end_logits: Tensor | None = None  # [B, S]
@@ -98,7 +82,7 @@ class QuestionAnsweringModelOutput(ModelOutput):
 
 
 @dataclass
-class MultipleChoiceModelOutput(ModelOutput):
+class MultipleChoiceModelOutput(OutputBase):
     loss: Tensor | None = None
     logits: Tensor | None = None  # [B, num_choices]
     hidden_states: tuple[Tensor, ...] | None = None

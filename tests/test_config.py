@@ -65,7 +65,7 @@ def test_unknown_keys_are_kept_and_overrides_apply(tmp_path):
     path.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, "some_future_key": [1, 2],
                                 "architectures": ["BertForMaskedLM"], "gradient_checkpointing": False}))
     config = BertConfig.from_json(path, backend="torch", num_hidden_layers=1)
-    assert config.extra["some_future_key"] == [1, 2]
+    assert config.some_future_key == [1, 2]
     assert config.backend == "torch" and config.num_hidden_layers == 1
     assert config.to_dict()["some_future_key"] == [1, 2]
     with pytest.raises(ValueError, match="num_attention_heads"):
@@ -81,4 +81,4 @@ def test_architecture_changing_keys_are_refused(tmp_path, key, value):
         BertConfig.from_json(path)
     path.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, "position_embedding_type": "absolute",
                                 "is_decoder": False, "add_cross_attention": False}))
-    assert BertConfig.from_json(path).extra["position_embedding_type"] == "absolute"
+    assert BertConfig.from_json(path).position_embedding_type == "absolute"
