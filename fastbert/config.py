@@ -36,7 +36,8 @@ class BertConfig(ConfigBase):
 
     model_type = BERT_MODEL_TYPE
     # transformers' Trainer leaves these outputs out of the predictions it gathers at evaluation
-    keys_to_ignore_at_inference = ["accuracy", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy"]
+    keys_to_ignore_at_inference = ["accuracy", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy",
+                                   "mlm_mask_accuracy"]
 
     vocab_size: int = 30522  # WordPiece vocabulary size
     hidden_size: int = 768  # H: width of every token's hidden state

@@ -1,11 +1,19 @@
-"""BERT (Devlin et al., 2018) as nn.Modules with HF transformers' parameter names, forward arguments
-and outputs. Every fused computation goes through `fastbert.ops`, which picks the Triton kernel or
-the PyTorch reference (config.backend); nothing here launches a kernel or branches on a device.
+"""BERT (Devlin et al., 2018) as nn.Modules with HF transformers' module tree, parameter names, forward
+arguments and outputs. Every fused computation goes through `fastbert.ops`, which picks the Triton kernel
+or the PyTorch reference (config.backend); nothing here launches a kernel or branches on a device.
 
-Shapes: B batch, S sequence length, H hidden size, T packed tokens (config.unpad), V vocabulary.
+Where transformers imports, the models are transformers `PreTrainedModel`s (fastbert.bases).
+
+A Linear that a tool has replaced or hooked (PEFT LoRA, a quantizer's module swap, forward hooks) is
+called as a module, never read through `.weight`: the fused path that reads weights is taken only for a
+plain `nn.Linear` without hooks (`is_plain_linear`), the unfused path calls the module.
+
+Shapes: B batch, S sequence length, H hidden size, T packed tokens, V vocabulary, K the MLM label
+budget per sequence (config.max_predictions_per_seq).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +22,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastbert import ops, outputs
+from fastbert.bases import HAVE_TRANSFORMERS, ModelBase
 from fastbert.config import BertConfig
-from fastbert.validation import IGNORE_INDEX, check_labels, check_model_inputs
+from fastbert.validation import (IGNORE_INDEX, PACKED_ARGUMENTS, HF_PACKED_ALIASES, check_label_budget, check_labels,
+                                 check_model_inputs, check_packed_inputs, key_padding_mask, packed_arguments)
 
 
 @dataclass
@@ -23,11 +33,29 @@ class AttentionLayout:
     """How the encoder's tokens are laid out: padded [B, S, H] with a key mask, or packed [T, H]."""
     attention_mask: torch.Tensor | None = None  # [B, S], padded layout
     cu_seqlens: torch.Tensor | None = None  # int32 [B+1], packed layout
-    max_seqlen: int = 0
+    max_seqlen: int = 0  # >= the longest sequence (an upper bound is enough)
 
     @property
     def packed(self) -> bool:
         return self.cu_seqlens is not None
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """True for an nn.Linear itself (not a subclass or a wrapper) with no hooks, module or global: only
+    then may a fused op read its weight instead of calling it."""
+    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+             module._backward_pre_hooks, nn.modules.module._global_forward_hooks,
+             nn.modules.module._global_forward_pre_hooks, nn.modules.module._global_backward_hooks,
+             nn.modules.module._global_backward_pre_hooks)
+    return type(module) is nn.Linear and not any(hooks)
+
+
+def _gelu_linear(dense: nn.Module, hidden: torch.Tensor, config: BertConfig) -> torch.Tensor:
+    """gelu(dense(hidden)): fused with the matmul for a plain Linear, else after calling the module."""
+    if is_plain_linear(dense) and dense.bias is not None:
+        return ops.linear_bias_gelu(hidden, dense.weight, dense.bias, config.gelu_approximate,
+                                    backend=config.backend)
+    return F.gelu(dense(hidden), approximate=config.gelu_approximate)
 
 
 class BertEmbeddings(nn.Module):
@@ -41,58 +69,50 @@ class BertEmbeddings(nn.Module):
 
     def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None):
         embeds = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds  # [B, S, H]
-        seqlen = embeds.shape[1]
         if position_ids is None:
-            position_ids = torch.arange(seqlen, device=embeds.device)[None, :]
-        embeds = embeds + self.position_embeddings(position_ids)
-        if token_type_ids is None:
-            embeds = embeds + self.token_type_embeddings.weight[0]
-        else:
-            embeds = embeds + self.token_type_embeddings(token_type_ids)
+            position_ids = torch.arange(embeds.shape[1], device=embeds.device)[None, :]
+        if token_type_ids is None:  # segment 0 everywhere, broadcast over the batch
+            token_type_ids = torch.zeros_like(position_ids)
+        embeds = embeds + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)
         hidden = ops.layer_norm(embeds, self.LayerNorm.weight, self.LayerNorm.bias, self.config.layer_norm_eps,
                                 backend=self.config.backend)
         return F.dropout(hidden, self.config.hidden_dropout_prob, self.training)
 
 
-def _split_qkv(module, state_dict, prefix, local_metadata):
-    """state_dict hook: the fused qkv Linear is written as HF's separate query, key and value."""
-    for kind in ("weight", "bias"):
-        fused = state_dict.pop(f"{prefix}qkv.{kind}")
-        for name, part in zip(("query", "key", "value"), fused.chunk(3, dim=0)):
-            state_dict[f"{prefix}{name}.{kind}"] = part
-
-
-def _join_qkv(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    """load_state_dict pre-hook: HF's query, key and value are concatenated into the fused qkv Linear."""
-    for kind in ("weight", "bias"):
-        names = [f"{prefix}{name}.{kind}" for name in ("query", "key", "value")]
-        if all(n in state_dict for n in names):
-            state_dict[f"{prefix}qkv.{kind}"] = torch.cat([state_dict.pop(n) for n in names], dim=0)
-
-
 class BertSelfAttention(nn.Module):
-    """Multi-head self-attention; query, key and value are one [3H, H] Linear, saved as HF's three."""
+    """Multi-head self-attention with HF's query, key and value Linears. When all three are plain
+    Linears, one fused projection reads their concatenated weights; otherwise each module is called."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.register_state_dict_post_hook(_split_qkv)
-        self.register_load_state_dict_pre_hook(_join_qkv)
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def project(self, hidden):
+        """q, k, v each [B, heads, S, d] (padded hidden [B, S, H]) or [T, heads, d] (packed [T, H])."""
+        config = self.config
+        linears = (self.query, self.key, self.value)
+        if all(is_plain_linear(m) and m.bias is not None for m in linears):
+            weight = torch.cat([m.weight for m in linears])  # [3H, H]
+            bias = torch.cat([m.bias for m in linears])
+            return ops.qkv_projection(hidden, weight, bias, config.num_attention_heads, backend=config.backend)
+        heads = (*hidden.shape[:-1], config.num_attention_heads, config.head_dim)
+        projected = [m(hidden).view(heads) for m in linears]
+        return projected if hidden.dim() == 2 else [t.transpose(1, 2) for t in projected]
 
     def forward(self, hidden, layout: AttentionLayout, output_attentions: bool = False):
         config = self.config
-        heads = config.num_attention_heads
         dropout_p = config.attention_probs_dropout_prob if self.training else 0.0
-        q, k, v = ops.qkv_projection(hidden, self.qkv.weight, self.qkv.bias, heads, backend=config.backend)
+        q, k, v = self.project(hidden)
+        probs = None
         if output_attentions:  # the probabilities are wanted: [B, heads, S, S] is materialised
             context, probs = ops.attention_with_probs(q, k, v, layout.attention_mask, dropout_p)
         elif layout.packed:
-            probs = None
             context = ops.attention_varlen(q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout_p,
                                            backend=config.backend)  # [T, heads, d]
         else:
-            probs = None
             context = ops.attention(q, k, v, layout.attention_mask, dropout_p, backend=config.backend)
         if layout.packed:
             context = context.reshape(hidden.shape)  # [T, H]
@@ -133,8 +153,7 @@ class BertIntermediate(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
 
     def forward(self, hidden):
-        return ops.linear_bias_gelu(hidden, self.dense.weight, self.dense.bias, self.config.gelu_approximate,
-                                    backend=self.config.backend)
+        return _gelu_linear(self.dense, hidden, self.config)
 
 
 class BertOutput(BertSelfOutput):
@@ -159,16 +178,20 @@ class BertEncoder(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        # set by gradient_checkpointing_enable (transformers' or fastbert.bases'), with the checkpoint
+        # function it was given; non-reentrant torch.utils.checkpoint when none was
         self.gradient_checkpointing = False
+        self._gradient_checkpointing_func = None
 
     def forward(self, hidden, layout: AttentionLayout, output_hidden_states=False, output_attentions=False):
         all_hidden = [hidden] if output_hidden_states else None
         all_probs = [] if output_attentions else None
+        recompute = self._gradient_checkpointing_func or functools.partial(checkpoint, use_reentrant=False)
         for layer in self.layer:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 # Layer inputs are kept, activations recomputed in the backward. Dropout masks come from
                 # seeds drawn from torch's RNG, which checkpoint restores, so the recomputation matches.
-                hidden, probs = checkpoint(layer, hidden, layout, output_attentions, use_reentrant=False)
+                hidden, probs = recompute(layer, hidden, layout, output_attentions)
             else:
                 hidden, probs = layer(hidden, layout, output_attentions)
             if output_hidden_states:
@@ -187,23 +210,17 @@ class BertPooler(nn.Module):
         return torch.tanh(self.dense(sequence_output[:, 0]))  # [B, H] from the [CLS] token
 
 
-class BertPreTrainedModel(nn.Module):
-    """Weight init as transformers, and HF checkpoint load / save (fastbert.hf does the file work)."""
+class BertPreTrainedModel(ModelBase):
+    """Weight init as transformers, HF checkpoint load / save (fastbert.hf does the file work), and the
+    transformers methods fastbert implements itself so they behave the same with or without it."""
 
+    config_class = BertConfig
     base_model_prefix = "bert"
-
-    def __init__(self, config: BertConfig):
-        super().__init__()
-        self.config = config
-
-    def post_init(self) -> None:
-        """Initialise the weights of every submodule not initialised yet (a head's post_init skips the
-        BertModel inside it, which initialised itself), then tie the MLM decoder."""
-        for module in self.modules():
-            if not getattr(module, "_fastbert_initialized", False):
-                self._init_weights(module)
-                module._fastbert_initialized = True
-        self.tie_weights()
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["BertEmbeddings", "BertLayer"]
+    # the losses are means over their labels and ignore transformers' num_items_in_batch: Trainer must
+    # divide by the gradient accumulation steps itself
+    accepts_loss_kwargs = False
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -222,45 +239,77 @@ class BertPreTrainedModel(nn.Module):
         elif isinstance(module, BertLMPredictionHead):
             nn.init.zeros_(module.bias)
 
-    def tie_weights(self) -> None:
-        """The MLM decoder shares the word embedding matrix (heads that have one override nothing else)."""
-        head = getattr(getattr(self, "cls", None), "predictions", None)
-        if head is not None:
-            head.decoder.weight = self.bert.embeddings.word_embeddings.weight
-
-    def gradient_checkpointing_enable(self) -> None:
-        """Recompute each encoder layer in the backward instead of keeping its activations."""
-        self._base_model().encoder.gradient_checkpointing = True
-
-    def gradient_checkpointing_disable(self) -> None:
-        self._base_model().encoder.gradient_checkpointing = False
-
-    def _base_model(self) -> "BertModel":
+    def _bert(self) -> "BertModel":
         return self if isinstance(self, BertModel) else self.bert
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
+    def get_input_embeddings(self) -> nn.Module:
+        return self._bert().embeddings.word_embeddings
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self._bert().embeddings.word_embeddings = value
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """A word embedding table of `new_num_tokens` rows (rounded up to `pad_to_multiple_of`): the old rows
+        kept, new rows the mean of the old ones (mean_resizing) or N(0, initializer_range); the MLM
+        decoder and its bias follow; config.vocab_size is updated."""
+        old = self.get_input_embeddings()
+        size = old.num_embeddings if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of is not None:
+            size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
+        if size == old.num_embeddings:
+            return old
+        new = nn.Embedding(size, old.embedding_dim, padding_idx=old.padding_idx, device=old.weight.device,
+                           dtype=old.weight.dtype)
+        kept = min(size, old.num_embeddings)
+        with torch.no_grad():
+            new.weight[:kept] = old.weight[:kept]
+            if size > kept and mean_resizing:
+                new.weight[kept:] = old.weight.mean(dim=0)
+            elif size > kept:
+                new.weight[kept:].normal_(0.0, self.config.initializer_range)
+        new.weight.requires_grad_(old.weight.requires_grad)
+        self.set_input_embeddings(new)
+        head = getattr(getattr(self, "cls", None), "predictions", None)
+        if head is not None:
+            bias = head.bias.new_zeros(size)
+            bias[:kept] = head.bias.detach()[:kept]
+            head.bias = nn.Parameter(bias, requires_grad=head.bias.requires_grad)
+            if not self.config.tie_word_embeddings:
+                head.decoder = nn.Linear(old.embedding_dim, size, bias=False, device=old.weight.device,
+                                         dtype=old.weight.dtype)
+                with torch.no_grad():
+                    head.decoder.weight.copy_(new.weight)
+        self.config.vocab_size = size
+        self.tie_weights()
+        return new
+
+    def _outputs(self, result, return_dict: bool | None):
+        """The ModelOutput, or its tuple where return_dict (default: config.return_dict) is False."""
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        return result if return_dict else result.to_tuple()
 
     @classmethod
-    def from_pretrained(cls, path, output_loading_info: bool = False, **config_overrides):
-        """Load an HF BERT directory (config.json + model.safetensors or pytorch_model.bin).
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Load an HF BERT checkpoint: a local directory or a hub id (through the HF cache, offline included).
 
-        config_overrides replace config.json's fields (e.g. backend="triton", num_labels=3).
-        Missing and unexpected keys are reported in a warning and, with output_loading_info=True,
-        returned as (model, {"missing_keys": [...], "unexpected_keys": [...]}).
+        Takes transformers' keyword arguments: config=, dtype= / torch_dtype= ("auto", the default, keeps
+        the checkpoint's), device_map= (one device), output_loading_info=, state_dict=, the hub arguments
+        (revision, cache_dir, token, local_files_only, subfolder, force_download); any other keyword
+        overrides a config field (e.g. backend="triton", num_labels=3). Loader features fastbert does not
+        implement (attn_implementation, quantization, multi-device maps, ...) are errors, never ignored.
+        The model is built on the meta device and the weights assigned, so nothing is randomly initialised
+        but weights the checkpoint lacks (reported in a warning and in output_loading_info).
         """
         from fastbert import hf
-        return hf.load_pretrained(cls, path, output_loading_info, **config_overrides)
+        return hf.load_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs)
 
-    def save_pretrained(self, path) -> None:
-        """Write config.json + model.safetensors that transformers' from_pretrained loads unchanged."""
+    def save_pretrained(self, save_directory, **kwargs) -> None:
+        """Write config.json + model.safetensors that transformers' from_pretrained loads unchanged.
+        Takes transformers' is_main_process=, state_dict=, safe_serialization= (False: pytorch_model.bin)
+        and max_shard_size= (shards + index.json)."""
         from fastbert import hf
-        hf.save_pretrained(self, path)
+        hf.save_pretrained(self, save_directory, **kwargs)
 
     def to_hf(self):
         """The same model as a transformers object with identical weights (needs transformers)."""
@@ -269,10 +318,16 @@ class BertPreTrainedModel(nn.Module):
 
 
 class BertModel(BertPreTrainedModel):
-    """Embeddings, L encoder layers and the [CLS] pooler. With config.unpad the padding is removed
-    once after the embeddings, every layer runs on the T real tokens, and the output is padded back."""
+    """Embeddings, L encoder layers and the [CLS] pooler.
 
-    base_model_prefix = ""
+    Layouts: padded input_ids [B, S] with attention_mask (1 = token, 0 = padding; transformers' 4-D
+    masks are accepted when they mask keys only); with config.unpad the padding is removed once after
+    the embeddings and every layer runs on the T real tokens. Packed inputs need no mask: input_ids
+    [1, T] with cu_seqlens int32 [B+1] and max_seqlen (>= the longest sequence), as transformers'
+    DataCollatorWithFlattening gives them (its cu_seq_lens_q / max_length_q names are accepted too);
+    position_ids default to restarting at each sequence. Packed inputs have static shapes (no host sync),
+    for torch.compile and torch.export; padded inputs with unpad=True have a data-dependent token count.
+    """
 
     def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
         super().__init__(config)
@@ -281,16 +336,22 @@ class BertModel(BertPreTrainedModel):
         self.pooler = BertPooler(config) if add_pooling_layer else None
         self.post_init()
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embeddings.word_embeddings
-
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, output_hidden_states=False, output_attentions=False, return_dict=True,
-                validate=True):
-        batch, seqlen = check_model_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids,
+                inputs_embeds=None, *, output_hidden_states=None, output_attentions=None, return_dict=None,
+                validate=True, **kwargs):
+        config = self.config
+        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        packed = packed_arguments(kwargs)
+        if packed:
+            result = self._forward_packed(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                                          output_hidden_states, validate, **packed)
+            return self._outputs(result, return_dict)
+        attention_mask = key_padding_mask(attention_mask, validate)
+        batch, seqlen = check_model_inputs(config, input_ids, attention_mask, token_type_ids, position_ids,
                                            inputs_embeds, validate)
         hidden = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # [B, S, H]
-        unpadded = self.config.unpad and attention_mask is not None and not output_attentions
+        unpadded = config.unpad and attention_mask is not None and not output_attentions
         if unpadded:
             hidden, indices, cu_seqlens, max_seqlen = ops.unpad(hidden, attention_mask)  # [T, H]
             layout = AttentionLayout(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
@@ -306,7 +367,30 @@ class BertModel(BertPreTrainedModel):
             pooler_output=self.pooler(hidden) if self.pooler is not None else None,
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
             attentions=tuple(all_probs) if all_probs is not None else None)
-        return result if return_dict else result.to_tuple()
+        return self._outputs(result, return_dict)
+
+    def _forward_packed(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                        output_hidden_states, validate, cu_seqlens, max_seqlen=None):
+        config = self.config
+        if max_seqlen is None:  # not given: read from cu_seqlens (a host sync; give it for static shapes)
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        check_packed_inputs(config, input_ids, attention_mask, inputs_embeds, cu_seqlens, max_seqlen, False,
+                            validate)
+        check_model_inputs(config, input_ids, None, token_type_ids, position_ids, inputs_embeds, validate,
+                           packed=True)
+        if position_ids is None:  # each token's offset in its own sequence
+            total = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+            tokens = torch.arange(total, device=cu_seqlens.device, dtype=torch.int32)
+            sequence = torch.searchsorted(cu_seqlens[1:], tokens, right=True)
+            position_ids = (tokens - cu_seqlens[sequence]).long()[None]
+        hidden = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)[0]  # [T, H]
+        layout = AttentionLayout(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        hidden, all_hidden, _ = self.encoder(hidden, layout, output_hidden_states, False)
+        first_tokens = hidden[cu_seqlens[:-1].long()][:, None]  # [B, 1, H]: each sequence's [CLS]
+        return outputs.BaseModelOutputWithPoolingAndCrossAttentions(
+            last_hidden_state=hidden[None],  # [1, T, H]
+            pooler_output=self.pooler(first_tokens) if self.pooler is not None else None,
+            hidden_states=tuple(h[None] for h in all_hidden) if all_hidden is not None else None)
 
 
 class BertPredictionHeadTransform(nn.Module):
@@ -318,10 +402,36 @@ class BertPredictionHeadTransform(nn.Module):
 
     def forward(self, hidden):
         c = self.config
-        hidden = ops.linear_bias_gelu(hidden, self.dense.weight, self.dense.bias, c.gelu_approximate,
-                                      backend=c.backend)
+        hidden = _gelu_linear(self.dense, hidden, c)
         return ops.layer_norm(hidden, self.LayerNorm.weight, self.LayerNorm.bias, c.layer_norm_eps,
                               backend=c.backend)
+
+
+def labelled_positions(labels, budget: int) -> torch.Tensor | None:
+    """Which positions the MLM loss reads: an index into the flattened [B*S] positions of labels [B, S]
+    (-100 = not labelled), or None for all of them.
+
+    budget 0: exactly the labelled positions (their number is data-dependent: one host sync). Under
+    torch.compile / export, budget 0 reads every position instead (static; unlabelled rows are ignored by
+    the loss, so the result is the same). budget K > 0: K positions per sequence, the labelled ones first in
+    order, then unlabelled ones that the loss ignores (B*K rows, static, no sync)."""
+    seqlen = labels.shape[-1]
+    if budget == 0 and torch.compiler.is_compiling():
+        budget = seqlen
+    if budget == 0:
+        return (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)  # [N]
+    if budget >= seqlen:
+        return None
+    # a stable sort on "unlabelled" puts each sequence's labelled positions first, in order
+    order = torch.sort((labels == IGNORE_INDEX).to(torch.uint8), dim=-1, stable=True).indices[..., :budget]
+    starts = torch.arange(0, labels.numel(), seqlen, device=labels.device)  # each sequence's first position
+    return (order + starts[:, None]).reshape(-1)  # [B*K]
+
+
+def _rows(tensor, index, positions: int):
+    """tensor [B, S, ...] flattened to its B*S positions, then the rows `index` picks (None: all)."""
+    flat = tensor.reshape(positions, *tensor.shape[2:])
+    return flat if index is None else flat.index_select(0, index)
 
 
 class BertLMPredictionHead(nn.Module):
@@ -334,38 +444,47 @@ class BertLMPredictionHead(nn.Module):
         self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
+    def _logits(self, transformed):
+        if is_plain_linear(self.decoder):
+            return F.linear(transformed, self.decoder.weight, self.bias)
+        return self.decoder(transformed) + self.bias
+
     def forward(self, sequence_output):
         """Logits for every position: [B, S, H] -> [B, S, V]."""
-        return F.linear(self.transform(sequence_output), self.decoder.weight, self.bias)
+        return self._logits(self.transform(sequence_output))
 
-    def masked_loss(self, sequence_output, labels, shown_masked=None):
-        """Cross entropy on the labelled positions only (labels != -100): the transform runs on those rows,
-        and the decoder + softmax never hold [rows, V] logits. Returns (loss, accuracy, masked_accuracy).
+    def masked_loss(self, sequence_output, labels, max_predictions: int = 0, shown_masked=None):
+        """Cross entropy over the labelled positions (labels != -100), averaged over them: the transform runs
+        on the rows `labelled_positions` picks (max_predictions as config.max_predictions_per_seq), and the
+        fused decoder + softmax never holds [rows, V] logits. Returns (loss, accuracy, masked_accuracy),
+        0-dim tensors; no host sync when max_predictions > 0.
 
-        shown_masked: bool [B, S] or None, the positions whose input is [MASK]. With it the labelled rows
-        go through the loss in two parts, [MASK] and the others (the same loss), and masked_accuracy is
-        the accuracy of the first part alone, which copying the input cannot raise; without it, None.
+        shown_masked: bool [B, S] or None, the positions whose input is [MASK]. With it, masked_accuracy is
+        the accuracy at those positions alone, which copying the input cannot raise (one more forward of
+        the decoder over the rows, without gradient); without it, None.
         """
-        flat_labels = labels.reshape(-1)
-        labelled = flat_labels != IGNORE_INDEX
+        index = labelled_positions(labels, max_predictions)
+        positions = labels.numel()
+        targets = _rows(labels, index, positions)
+        transformed = self.transform(_rows(sequence_output, index, positions))
+        loss, correct = self._cross_entropy(transformed, targets)
+        accuracy = correct / (targets != IGNORE_INDEX).sum().clamp(min=1)
         if shown_masked is None:
-            loss, correct, count = self._loss_sum(sequence_output, flat_labels, labelled, "mean")
-            return loss, correct / max(count, 1), None
-        masked = labelled & shown_masked.reshape(-1)
-        masked_loss, masked_correct, masked_count = self._loss_sum(sequence_output, flat_labels, masked, "sum")
-        other_loss, other_correct, other_count = self._loss_sum(sequence_output, flat_labels, labelled & ~masked, "sum")
-        count = max(masked_count + other_count, 1)
-        return ((masked_loss + other_loss) / count, (masked_correct + other_correct) / count,
-                masked_correct / max(masked_count, 1))
+            return loss, accuracy, None
+        shown = _rows(shown_masked, index, positions)
+        with torch.no_grad():
+            _, masked_correct = self._cross_entropy(transformed.detach(), targets.masked_fill(~shown, IGNORE_INDEX))
+        return loss, accuracy, masked_correct / ((targets != IGNORE_INDEX) & shown).sum().clamp(min=1)
 
-    def _loss_sum(self, sequence_output, flat_labels, which, reduction):
-        """(loss, correct, rows) of linear_cross_entropy over the rows where `which` (bool [B*S]) holds."""
-        rows = which.nonzero().squeeze(1)  # [N]
-        selected = sequence_output.reshape(-1, sequence_output.shape[-1]).index_select(0, rows)  # [N, H]
-        loss, correct = ops.linear_cross_entropy(self.transform(selected), self.decoder.weight, self.bias,
-                                                 flat_labels.index_select(0, rows), reduction=reduction,
-                                                 backend=self.config.backend)
-        return loss, correct, rows.numel()
+    def _cross_entropy(self, transformed, targets):
+        """(mean loss over the labelled rows, number right) of the decoder on transformed [N, H]."""
+        if is_plain_linear(self.decoder):
+            return ops.linear_cross_entropy(transformed, self.decoder.weight, self.bias, targets,
+                                            backend=self.config.backend)
+        logits = self._logits(transformed).float()  # a wrapped decoder is called: these rows' logits exist
+        labelled = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum") / labelled
+        return loss, ((logits.argmax(dim=-1) == targets) & (targets != IGNORE_INDEX)).sum()
 
 
 class BertPreTrainingHeads(nn.Module):
@@ -397,10 +516,25 @@ def _nsp_loss(logits, labels):
     return F.cross_entropy(logits, labels), (logits.argmax(dim=-1) == labels).float().mean()
 
 
-class BertForPreTraining(BertPreTrainedModel):
+class MLMHeadMixin:
+    """The tied MLM decoder as transformers' output embeddings."""
+
+    _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight"}
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.cls.predictions.decoder
+
+    def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
+        self.cls.predictions.decoder = new_embeddings
+        if getattr(new_embeddings, "bias", None) is not None:
+            self.cls.predictions.bias = new_embeddings.bias
+
+
+class BertForPreTraining(MLMHeadMixin, BertPreTrainedModel):
     """BERT's pretraining model: masked LM + next sentence prediction; loss = MLM + NSP.
 
-    With labels the MLM loss runs on the labelled positions only (fastbert.ops.linear_cross_entropy).
+    With labels the MLM loss runs on the labelled positions only (BertLMPredictionHead.masked_loss; set
+    config.max_predictions_per_seq for static shapes without host syncs).
     return_logits: None (default) returns prediction_logits when there are no labels or in eval mode;
     False never materialises them (the training path); True always does. mask_token_id (with labels):
     also report mlm_mask_accuracy, the accuracy at the positions whose input is that token.
@@ -413,21 +547,25 @@ class BertForPreTraining(BertPreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, next_sentence_label=None, output_hidden_states=False,
-                output_attentions=False, return_dict=True, return_logits=None, validate=True, mask_token_id=None):
+                inputs_embeds=None, labels=None, next_sentence_label=None, *, output_hidden_states=None,
+                output_attentions=None, return_dict=None, return_logits=None, validate=True, mask_token_id=None,
+                **kwargs):
         if mask_token_id is not None and input_ids is None:
             raise ValueError("mask_token_id needs input_ids (the [MASK] positions are read from them)")
         base = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                         output_hidden_states, output_attentions, validate=validate)
+                         output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                         return_dict=True, validate=validate, **kwargs)
         sequence_output = base.last_hidden_state
         check_labels("labels", labels, sequence_output.shape[:2], self.config.vocab_size, "vocab_size", validate)
-        check_labels("next_sentence_label", next_sentence_label, sequence_output.shape[:1], 2, "2 classes",
+        check_label_budget(labels, self.config.max_predictions_per_seq, validate)
+        check_labels("next_sentence_label", next_sentence_label, base.pooler_output.shape[:1], 2, "2 classes",
                      validate)
         head = self.cls.predictions
         mlm_loss = mlm_accuracy = mlm_mask_accuracy = nsp_loss = nsp_accuracy = None
         if labels is not None:
             shown_masked = None if mask_token_id is None else input_ids == mask_token_id
-            mlm_loss, mlm_accuracy, mlm_mask_accuracy = head.masked_loss(sequence_output, labels, shown_masked)
+            mlm_loss, mlm_accuracy, mlm_mask_accuracy = head.masked_loss(
+                sequence_output, labels, self.config.max_predictions_per_seq, shown_masked)
         nsp_logits = self.cls.seq_relationship(base.pooler_output)  # [B, 2]
         if next_sentence_label is not None:
             nsp_loss, nsp_accuracy = _nsp_loss(nsp_logits, next_sentence_label)
@@ -438,11 +576,11 @@ class BertForPreTraining(BertPreTrainedModel):
             seq_relationship_logits=nsp_logits, hidden_states=base.hidden_states, attentions=base.attentions,
             mlm_loss=mlm_loss, nsp_loss=nsp_loss, mlm_accuracy=mlm_accuracy,
             mlm_mask_accuracy=mlm_mask_accuracy, nsp_accuracy=nsp_accuracy)
-        return result if return_dict else result.to_tuple()
+        return self._outputs(result, return_dict)
 
 
-class BertForMaskedLM(BertPreTrainedModel):
-    """Masked LM head only (no pooler). return_logits as in BertForPreTraining."""
+class BertForMaskedLM(MLMHeadMixin, BertPreTrainedModel):
+    """Masked LM head only (no pooler). Loss and return_logits as in BertForPreTraining."""
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
@@ -451,20 +589,22 @@ class BertForMaskedLM(BertPreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, output_hidden_states=False, output_attentions=False,
-                return_dict=True, return_logits=None, validate=True):
+                inputs_embeds=None, labels=None, *, output_hidden_states=None, output_attentions=None,
+                return_dict=None, return_logits=None, validate=True, **kwargs):
         base = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                         output_hidden_states, output_attentions, validate=validate)
+                         output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                         return_dict=True, validate=validate, **kwargs)
         sequence_output = base.last_hidden_state
         check_labels("labels", labels, sequence_output.shape[:2], self.config.vocab_size, "vocab_size", validate)
+        check_label_budget(labels, self.config.max_predictions_per_seq, validate)
         head = self.cls.predictions
         loss = accuracy = None
         if labels is not None:
-            loss, accuracy, _ = head.masked_loss(sequence_output, labels)
+            loss, accuracy, _ = head.masked_loss(sequence_output, labels, self.config.max_predictions_per_seq)
         result = outputs.MaskedLMOutput(
             loss=loss, logits=head(sequence_output) if _wants_logits(self, labels, return_logits) else None,
             hidden_states=base.hidden_states, attentions=base.attentions, accuracy=accuracy)
-        return result if return_dict else result.to_tuple()
+        return self._outputs(result, return_dict)
 
 
 class BertForNextSentencePrediction(BertPreTrainedModel):
@@ -475,16 +615,17 @@ class BertForNextSentencePrediction(BertPreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, output_hidden_states=False, output_attentions=False,
-                return_dict=True, validate=True):
+                inputs_embeds=None, labels=None, *, output_hidden_states=None, output_attentions=None,
+                return_dict=None, validate=True, **kwargs):
         base = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                         output_hidden_states, output_attentions, validate=validate)
+                         output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                         return_dict=True, validate=validate, **kwargs)
         logits = self.cls.seq_relationship(base.pooler_output)  # [B, 2]
         check_labels("labels", labels, logits.shape[:1], 2, "2 classes", validate)
         loss = F.cross_entropy(logits, labels) if labels is not None else None
         result = outputs.NextSentencePredictorOutput(loss=loss, logits=logits, hidden_states=base.hidden_states,
                                                      attentions=base.attentions)
-        return result if return_dict else result.to_tuple()
+        return self._outputs(result, return_dict)
 
 
 def _classifier_dropout(config: BertConfig) -> nn.Dropout:
@@ -506,10 +647,11 @@ class BertForSequenceClassification(BertPreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, output_hidden_states=False, output_attentions=False,
-                return_dict=True, validate=True):
+                inputs_embeds=None, labels=None, *, output_hidden_states=None, output_attentions=None,
+                return_dict=None, validate=True, **kwargs):
         base = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                         output_hidden_states, output_attentions, validate=validate)
+                         output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                         return_dict=True, validate=validate, **kwargs)
         logits = self.classifier(self.dropout(base.pooler_output))  # [B, num_labels]
         loss = None
         if labels is not None:
@@ -533,10 +675,13 @@ class BertForSequenceClassification(BertPreTrainedModel):
                 loss = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
         result = outputs.SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=base.hidden_states,
                                                   attentions=base.attentions)
-        return result if return_dict else result.to_tuple()
+        return self._outputs(result, return_dict)
 
 
 class BertForTokenClassification(BertPreTrainedModel):
+    """Per-token classifier. Padding is never a token: labels at padded positions are ignored, whatever
+    their value (transformers counts them unless they are -100)."""
+
     def __init__(self, config: BertConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
@@ -546,24 +691,35 @@ class BertForTokenClassification(BertPreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, output_hidden_states=False, output_attentions=False,
-                return_dict=True, validate=True):
+                inputs_embeds=None, labels=None, *, output_hidden_states=None, output_attentions=None,
+                return_dict=None, validate=True, **kwargs):
         base = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                         output_hidden_states, output_attentions, validate=validate)
+                         output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                         return_dict=True, validate=validate, **kwargs)
         logits = self.classifier(self.dropout(base.last_hidden_state))  # [B, S, num_labels]
         check_labels("labels", labels, logits.shape[:2], self.num_labels, "num_labels", validate)
         loss = None
         if labels is not None:
+            mask = key_padding_mask(attention_mask, validate=False)
+            if mask is not None:
+                labels = labels.masked_fill(~mask.bool(), IGNORE_INDEX)
             loss = F.cross_entropy(logits.reshape(-1, self.num_labels), labels.reshape(-1),
                                    ignore_index=IGNORE_INDEX)
         result = outputs.TokenClassifierOutput(loss=loss, logits=logits, hidden_states=base.hidden_states,
                                                attentions=base.attentions)
-        return result if return_dict else result.to_tuple()
+        return self._outputs(result, return_dict)
+
+
+def _refuse_packed(name: str, kwargs: dict) -> None:
+    if any(k in kwargs for k in (*PACKED_ARGUMENTS, *HF_PACKED_ALIASES)):
+        raise ValueError(f"{name} needs padded inputs [batch, seq_len] with attention_mask, not packed inputs")
 
 
 class BertForQuestionAnswering(BertPreTrainedModel):
-    """Span extraction: start and end logits per token. Positions outside the sequence are clamped
-    to S and ignored, as in transformers."""
+    """Span extraction: start and end logits per token. Padding is never an answer: its logits are the
+    dtype's lowest value, so the loss's softmax runs over the real tokens only (transformers' includes the
+    padded positions, so its loss differs on padded batches), and a start or end position on padding is
+    an error. Positions outside the sequence are clamped to S and ignored, as in transformers."""
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
@@ -576,26 +732,38 @@ class BertForQuestionAnswering(BertPreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, start_positions=None, end_positions=None, output_hidden_states=False,
-                output_attentions=False, return_dict=True, validate=True):
+                inputs_embeds=None, start_positions=None, end_positions=None, *, output_hidden_states=None,
+                output_attentions=None, return_dict=None, validate=True, **kwargs):
+        _refuse_packed("BertForQuestionAnswering", kwargs)
         base = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                         output_hidden_states, output_attentions, validate=validate)
+                         output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                         return_dict=True, validate=validate, **kwargs)
         logits = self.qa_outputs(base.last_hidden_state)  # [B, S, 2]
+        mask = key_padding_mask(attention_mask, validate=False)
+        if mask is not None:
+            logits = logits.masked_fill(~mask.bool()[..., None], torch.finfo(logits.dtype).min)
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
         loss = None
         if start_positions is not None and end_positions is not None:
             seqlen = start_logits.shape[1]
+            clamped = []
             for name, positions in (("start_positions", start_positions), ("end_positions", end_positions)):
                 if positions.is_floating_point() or positions.reshape(-1).shape != start_logits.shape[:1]:
                     raise ValueError(f"{name} must be integer positions of shape {tuple(start_logits.shape[:1])}, "
                                      f"got {positions.dtype} {tuple(positions.shape)}")
-            start = start_positions.reshape(-1).clamp(0, seqlen)
-            end = end_positions.reshape(-1).clamp(0, seqlen)
+                positions = positions.reshape(-1).clamp(0, seqlen)
+                if mask is not None and validate and not torch.compiler.is_compiling():
+                    on_padding = (positions < seqlen) & ~mask.bool().gather(1, positions.clamp(max=seqlen - 1)[:, None])[:, 0]
+                    if bool(on_padding.any()):
+                        raise ValueError(f"{name} points at padding in example(s) "
+                                         f"{on_padding.nonzero().flatten().tolist()}: padding is never an answer")
+                clamped.append(positions)
+            start, end = clamped
             loss = (F.cross_entropy(start_logits, start, ignore_index=seqlen)
                     + F.cross_entropy(end_logits, end, ignore_index=seqlen)) / 2
         result = outputs.QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
                                                       hidden_states=base.hidden_states, attentions=base.attentions)
-        return result if return_dict else result.to_tuple()
+        return self._outputs(result, return_dict)
 
 
 class BertForMultipleChoice(BertPreTrainedModel):
@@ -609,8 +777,9 @@ class BertForMultipleChoice(BertPreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, output_hidden_states=False, output_attentions=False,
-                return_dict=True, validate=True):
+                inputs_embeds=None, labels=None, *, output_hidden_states=None, output_attentions=None,
+                return_dict=None, validate=True, **kwargs):
+        _refuse_packed("BertForMultipleChoice", kwargs)
         source = input_ids if input_ids is not None else inputs_embeds
         if source is None or source.dim() < 3:
             raise ValueError("input_ids must be [batch, num_choices, seq_len] (or inputs_embeds "
@@ -622,15 +791,20 @@ class BertForMultipleChoice(BertPreTrainedModel):
             return None if t is None else t.reshape(-1, *t.shape[2:])
 
         base = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
-                         flat(inputs_embeds), output_hidden_states, output_attentions, validate=validate)
+                         flat(inputs_embeds), output_hidden_states=output_hidden_states,
+                         output_attentions=output_attentions, return_dict=True, validate=validate, **kwargs)
         logits = self.classifier(self.dropout(base.pooler_output)).view(-1, num_choices)  # [B, C]
         check_labels("labels", labels, logits.shape[:1], num_choices, "num_choices", validate)
         loss = F.cross_entropy(logits, labels) if labels is not None else None
         result = outputs.MultipleChoiceModelOutput(loss=loss, logits=logits, hidden_states=base.hidden_states,
                                                    attentions=base.attentions)
-        return result if return_dict else result.to_tuple()
+        return self._outputs(result, return_dict)
 
 
 MODEL_CLASSES = {cls.__name__: cls for cls in (
     BertModel, BertForPreTraining, BertForMaskedLM, BertForNextSentencePrediction,
     BertForSequenceClassification, BertForTokenClassification, BertForQuestionAnswering, BertForMultipleChoice)}
+
+if HAVE_TRANSFORMERS:
+    from fastbert import auto  # noqa: E402  (needs the classes above)
+    auto.register()

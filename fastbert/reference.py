@@ -103,14 +103,15 @@ def unpad(hidden, attention_mask):
 
     Returns (packed [T, ...], indices int64 [T] into the flattened B*S positions,
     cu_seqlens int32 [B+1], max_seqlen int). Lengths come from the mask's row sums, so the
-    packed order follows the mask's 1s left to right.
+    packed order follows the mask's 1s left to right. max_seqlen is the padded width S, a bound
+    on every length that the varlen attention accepts: reading the true longest length back would
+    cost a host sync and make the size data-dependent for torch.compile / torch.export.
     """
     keep = attention_mask.to(torch.bool)
     lengths = keep.sum(dim=1, dtype=torch.int32)  # [B]
     indices = keep.flatten().nonzero().flatten()  # [T]
     cu_seqlens = F.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
-    max_seqlen = int(lengths.max()) if lengths.numel() else 0
-    return hidden.flatten(0, 1)[indices], indices, cu_seqlens, max_seqlen
+    return hidden.flatten(0, 1)[indices], indices, cu_seqlens, attention_mask.shape[1]
 
 
 def pad(packed, indices, batch, seqlen):

@@ -1,13 +1,24 @@
 """Input checks run before any kernel: each error names the argument, the bad value and the limit.
 
 Shape and dtype checks cost nothing and always run. Value checks (ids in range) read the tensor's
-min and max, a device sync on GPU; `validate=False` skips those for training loops that trust their data.
+min and max, a device sync on GPU; `validate=False` skips those for training loops that trust their data,
+and they are skipped while torch.compile traces. Also here: the transformers keyword arguments a forward
+accepts, and the conversion of transformers' 4-D attention masks to fastbert's key padding mask.
 """
 from __future__ import annotations
 
 import torch
 
 IGNORE_INDEX = -100
+# packed inputs (padding-free batches): fastbert's names, and transformers' flash-attention names for them
+PACKED_ARGUMENTS = ("cu_seqlens", "max_seqlen")
+HF_PACKED_ALIASES = {"cu_seq_lens_q": "cu_seqlens", "cu_seq_lens_k": "cu_seqlens", "max_length_q": "max_seqlen",
+                     "max_length_k": "max_seqlen"}
+# transformers' BERT forward arguments that do not change an encoder's result: accepted and ignored
+IGNORED_HF_ARGUMENTS = ("use_cache", "cache_position", "num_items_in_batch", "output_router_logits")
+# transformers' arguments for features fastbert does not implement (a decoder, cross-attention, head
+# masking): accepted only when they ask for nothing
+UNSET_HF_ARGUMENTS = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values", "head_mask", "seq_idx")
 
 
 def _check_integer(name: str, tensor: torch.Tensor) -> None:
@@ -38,8 +49,9 @@ def _check_range(name: str, tensor: torch.Tensor, limit: int, limit_name: str, i
 
 
 def check_model_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                       validate: bool) -> tuple[int, int]:
-    """Check BertModel's inputs; return (batch, seqlen)."""
+                       validate: bool, packed: bool = False) -> tuple[int, int]:
+    """Check BertModel's inputs; return (batch, seqlen). Packed inputs ([1, T], `packed`) may be longer
+    than max_position_embeddings: their positions restart with each sequence."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
     if input_ids is not None:
@@ -54,7 +66,7 @@ def check_model_inputs(config, input_ids, attention_mask, token_type_ids, positi
         shape = tuple(inputs_embeds.shape[:2])
     if shape[1] == 0:
         raise ValueError(f"sequences must hold at least one token, got input shape {shape}")
-    if shape[1] > config.max_position_embeddings:
+    if shape[1] > config.max_position_embeddings and not packed:
         raise ValueError(f"sequence length {shape[1]} is longer than max_position_embeddings "
                          f"({config.max_position_embeddings})")
     for name, tensor in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
@@ -89,3 +101,95 @@ def check_labels(name: str, labels: torch.Tensor | None, shape: tuple[int, ...],
         raise ValueError(f"{name} has shape {tuple(labels.shape)}, expected {tuple(shape)}")
     if validate:
         _check_range(name, labels, limit, limit_name, ignore=IGNORE_INDEX)
+
+
+def packed_arguments(kwargs: dict) -> dict:
+    """The packed-input arguments among a forward's extra keyword arguments (transformers' flash-attention
+    names mapped to fastbert's), after checking the rest: transformers' arguments that change nothing
+    for an encoder are dropped, those asking for what fastbert does not implement raise, unknown names
+    raise TypeError (a typo must not be ignored)."""
+    packed = {}
+    for name, value in kwargs.items():
+        target = HF_PACKED_ALIASES.get(name, name)
+        if target in PACKED_ARGUMENTS:
+            if value is not None:  # self-attention: transformers' query and key lengths are the same
+                packed.setdefault(target, value)
+        elif name in UNSET_HF_ARGUMENTS:
+            if value is not None:
+                raise ValueError(f"{name} is not supported: fastbert implements BERT's encoder (no decoder, "
+                                 "cross-attention, cache or head mask); pass None")
+        elif name == "is_causal":
+            if value:
+                raise ValueError("is_causal=True is not supported: BERT's attention is bidirectional")
+        elif name not in IGNORED_HF_ARGUMENTS:
+            raise TypeError(f"forward() got an unexpected keyword argument {name!r}")
+    return packed
+
+
+def key_padding_mask(attention_mask: torch.Tensor | None, validate: bool) -> torch.Tensor | None:
+    """transformers' attention masks as fastbert's key padding mask [B, S] (1 = token, 0 = padding).
+
+    A 2-D mask passes through. A 4-D mask [B, 1, 1, S] or [B, 1, S, S] is boolean (True = attend) or
+    additive (0 = attend, a large negative value = masked), as transformers builds them; fastbert's
+    attention masks keys only, so every query row must mask the same keys (checked when `validate`).
+    """
+    if attention_mask is None or attention_mask.dim() != 4:
+        return attention_mask
+    if attention_mask.shape[1] != 1:
+        raise ValueError(f"a 4-D attention_mask must be [batch, 1, 1 or seq_len, seq_len], got shape "
+                         f"{tuple(attention_mask.shape)}")
+    if attention_mask.dtype == torch.bool:
+        keep = attention_mask
+    else:
+        if validate and not torch.compiler.is_compiling():
+            soft = (attention_mask != 0) & (attention_mask > -1e4)
+            if bool(soft.any()):
+                raise ValueError("a 4-D float attention_mask must be additive: 0 to attend and a large negative "
+                                 "value (<= -1e4, e.g. torch.finfo(dtype).min) to mask; got other values")
+        keep = attention_mask == 0
+    keep = keep[:, 0]  # [B, 1 or S, S]
+    if validate and keep.shape[1] > 1 and not torch.compiler.is_compiling():
+        if not bool((keep == keep[:, :1]).all()):
+            raise ValueError("a 4-D attention_mask whose query rows mask different keys (e.g. block-diagonal "
+                             "packing) is not supported: fastbert masks padding keys only; pass packed inputs "
+                             "with cu_seqlens and max_seqlen instead")
+    return keep[:, 0]
+
+
+def check_packed_inputs(config, input_ids, attention_mask, inputs_embeds, cu_seqlens, max_seqlen,
+                        output_attentions: bool, validate: bool) -> None:
+    """Packed inputs: the tokens of B sequences one after another, input_ids [1, T] (or inputs_embeds
+    [1, T, H]), cu_seqlens int32 [B+1] (0, ..., T) and max_seqlen an int >= the longest sequence."""
+    source = input_ids if input_ids is not None else inputs_embeds
+    if source is None or source.shape[0] != 1:
+        raise ValueError("packed inputs (cu_seqlens) need input_ids [1, total_tokens] (or inputs_embeds "
+                         f"[1, total_tokens, hidden]), got {None if source is None else tuple(source.shape)}")
+    if attention_mask is not None:
+        raise ValueError("packed inputs (cu_seqlens) have no padding: pass attention_mask=None")
+    if output_attentions:
+        raise ValueError("output_attentions needs padded inputs; packed inputs (cu_seqlens) do not return them")
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be int32 [batch + 1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    if not isinstance(max_seqlen, (int, torch.SymInt)) or max_seqlen > config.max_position_embeddings:
+        raise ValueError(f"max_seqlen must be an int <= max_position_embeddings ({config.max_position_embeddings}),"
+                         f" got {max_seqlen!r}")
+    if validate and not torch.compiler.is_compiling():
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        first, total, shortest, longest = torch.stack(
+            [cu_seqlens[0], cu_seqlens[-1], lengths.min(), lengths.max()]).tolist()
+        if first != 0 or total != source.shape[1] or shortest < 1:
+            raise ValueError(f"cu_seqlens must rise from 0 to the number of tokens ({source.shape[1]}) in steps "
+                             f">= 1, got {cu_seqlens.tolist()}")
+        if longest > max_seqlen:
+            raise ValueError(f"max_seqlen ({max_seqlen}) is shorter than the longest sequence ({longest})")
+
+
+def check_label_budget(labels: torch.Tensor | None, budget: int, validate: bool) -> None:
+    """With max_predictions_per_seq = K > 0 the MLM loss reads K positions per sequence: a sequence with
+    more labels would silently lose some, so it is an error (checked when `validate`)."""
+    if labels is None or budget == 0 or not validate or torch.compiler.is_compiling():
+        return
+    most = int((labels != IGNORE_INDEX).sum(dim=-1).max()) if labels.numel() else 0
+    if most > budget:
+        raise ValueError(f"labels has a sequence with {most} labelled tokens, more than "
+                         f"max_predictions_per_seq ({budget}); raise it or label fewer tokens")

@@ -52,19 +52,6 @@ def make_batch(name, generator):
     return inputs
 
 
-def hf_named_grads(model):
-    """Gradients keyed by HF parameter names (fastbert's fused qkv split back into query/key/value)."""
-    grads = {}
-    for name, param in model.named_parameters():
-        if name.endswith(("qkv.weight", "qkv.bias")):
-            prefix, kind = name.rsplit(".qkv.", 1)
-            for part, value in zip(("query", "key", "value"), param.grad.chunk(3)):
-                grads[f"{prefix}.{part}.{kind}"] = value
-        else:
-            grads[name] = param.grad
-    return grads
-
-
 def compare_outputs(name, theirs, ours, mask):
     real = mask.bool()
     for key in ours.keys():
@@ -99,7 +86,7 @@ def test_outputs_and_gradients_match_transformers(name):
     torch.testing.assert_close(loss_ours, loss_theirs, atol=1e-5, rtol=1e-5)
     loss_theirs.backward()
     loss_ours.backward()
-    ours_grads = hf_named_grads(ours)
+    ours_grads = {name: param.grad for name, param in ours.named_parameters()}
     for key, param in hf_model.named_parameters():
         if param.grad is None:
             continue
