@@ -4,18 +4,26 @@ An HF directory is config.json + model.safetensors (or pytorch_model.bin, or sha
 index.json). Keys are normalised on load: legacy LayerNorm gamma/beta -> weight/bias, stray
 position_ids / token_type_ids buffers dropped, the decoder's tied copies folded, and the `bert.`
 prefix added or removed so that a BertModel loads from a BertForPreTraining checkpoint and back.
+Loading builds the model on the meta device and assigns the checkpoint's tensors: no random init runs
+but for the weights the checkpoint lacks. A checkpoint that does not match its config (missing encoder
+layers, other sizes) is a CheckpointError naming the file and what is wrong.
 transformers itself is needed only by `from_hf` / `to_hf`.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
-import warnings
+import re
 
 import torch
 
+from fastbert import hub
+from fastbert.bases import HAVE_TRANSFORMERS
 from fastbert.config import BertConfig
 from fastbert.files import file_mode
+
+logger = logging.getLogger("fastbert")
 
 SAFETENSORS_NAME = "model.safetensors"
 TORCH_NAME = "pytorch_model.bin"
@@ -23,30 +31,74 @@ BASE_PREFIX = "bert."
 # Tied to bert.embeddings.word_embeddings.weight (and cls.predictions.bias): never stored twice.
 TIED_KEYS = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 BUFFER_SUFFIXES = ("embeddings.position_ids", "embeddings.token_type_ids")
+BASE_MODULES = ("embeddings.", "encoder.", "pooler.")  # BertModel's children: what `bert.` prefixes
+# weights without which the encoder is not the checkpoint's: missing ones are an error, not a random init
+ENCODER_MODULES = ("embeddings.", "encoder.")
+# transformers' from_pretrained arguments that change nothing here (loading is always on the meta device,
+# the Auto classes' bookkeeping): accepted and ignored
+IGNORED_LOADER_ARGUMENTS = ("low_cpu_mem_usage", "_from_auto", "_from_pipeline", "trust_remote_code")
+# transformers' loader features fastbert does not implement, and why
+UNSUPPORTED_LOADER_ARGUMENTS = {
+    "attn_implementation": "fastbert runs its own attention kernels (config backend='auto'|'triton'|'torch')",
+    "quantization_config": "quantized loading is not implemented; quantize the loaded model with your tool",
+    "load_in_8bit": "quantized loading is not implemented", "load_in_4bit": "quantized loading is not implemented",
+    "variant": "weight file variants are not implemented", "from_tf": "TensorFlow checkpoints are not read",
+    "from_flax": "Flax checkpoints are not read", "gguf_file": "GGUF files are not read",
+    "tp_plan": "tensor parallelism is not implemented", "key_mapping": "key remapping is not implemented",
+    "max_memory": "device maps are one device only", "offload_folder": "offloading is not implemented",
+    "offload_state_dict": "offloading is not implemented", "adapter_name": "load adapters with peft",
+    "proxies": "pass proxies through huggingface_hub's environment variables (HTTPS_PROXY)",
+}
+UNSUPPORTED_SAVE_ARGUMENTS = {
+    "push_to_hub": "save, then upload with huggingface_hub", "variant": "weight file variants are not implemented",
+    "save_function": "custom save functions are not implemented", "save_peft_format": "save adapters with peft",
+}
 
 
-def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of an HF checkpoint directory (single file or sharded), on CPU."""
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as asked; the message names the file and what is wrong."""
+
+
+def _checkpoint_files(path: str, use_safetensors: bool | None) -> tuple[list[str], callable]:
+    """The weight files of an HF directory (one file, or the shards an index.json names) and their reader."""
     from safetensors.torch import load_file
 
-    for name, loader in ((SAFETENSORS_NAME, load_file),
-                         (TORCH_NAME, lambda f: torch.load(f, map_location="cpu", weights_only=True))):
+    formats = [(SAFETENSORS_NAME, load_file),
+               (TORCH_NAME, lambda f: torch.load(f, map_location="cpu", weights_only=True))]
+    if use_safetensors is not None:
+        formats = formats[:1] if use_safetensors else formats[1:]
+    for name, reader in formats:
         file = os.path.join(path, name)
         if os.path.exists(file):
-            return loader(file)
+            return [file], reader
         index = f"{file}.index.json"
         if os.path.exists(index):
-            with open(index, encoding="utf-8") as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-            state: dict[str, torch.Tensor] = {}
-            for shard in shards:
-                state.update(loader(os.path.join(path, shard)))
-            return state
-    raise FileNotFoundError(f"no {SAFETENSORS_NAME} or {TORCH_NAME} (or a sharded index of either) in {path}")
+            try:
+                with open(index, encoding="utf-8") as f:
+                    shards = sorted(set(json.load(f)["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+                raise CheckpointError(f"{index}: not a valid shard index ({type(exc).__name__}: {exc})") from exc
+            return [os.path.join(path, shard) for shard in shards], reader
+    names = " or ".join(name for name, _ in formats)
+    raise FileNotFoundError(f"no {names} (or a sharded index of either) in {path}")
 
 
-def normalize_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF-format keys, whatever the checkpoint's vintage (see the module docstring)."""
+def read_state_dict(path: str | os.PathLike, use_safetensors: bool | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of an HF checkpoint directory (single file or sharded), on CPU. A file that cannot be
+    read (truncated, not a checkpoint, a missing shard) is a CheckpointError naming it."""
+    files, reader = _checkpoint_files(os.fspath(path), use_safetensors)
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            state.update(reader(file))
+        except Exception as exc:  # safetensors, pickle and OS errors all mean: this file is unreadable
+            raise CheckpointError(f"{file}: cannot read the weights ({type(exc).__name__}: {exc})") from exc
+    return state
+
+
+def normalize_keys(state: dict[str, torch.Tensor], tied: bool = True) -> dict[str, torch.Tensor]:
+    """HF-format keys, whatever the checkpoint's vintage (see the module docstring). `tied`: the decoder
+    shares the word embeddings (config.tie_word_embeddings), so its stored copy is dropped."""
     out = {}
     for key, value in state.items():
         if key.endswith(BUFFER_SUFFIXES):
@@ -59,11 +111,9 @@ def normalize_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if "cls.predictions.decoder.bias" in out:
         bias = out.pop("cls.predictions.decoder.bias")
         out.setdefault("cls.predictions.bias", bias)
-    out.pop("cls.predictions.decoder.weight", None)  # tied to the word embeddings
+    if tied:
+        out.pop("cls.predictions.decoder.weight", None)
     return out
-
-
-BASE_MODULES = ("embeddings.", "encoder.", "pooler.")  # BertModel's children: what `bert.` prefixes
 
 
 def match_prefix(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -77,41 +127,186 @@ def match_prefix(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict
     return state
 
 
-def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, list[str]]:
-    """Load HF-format tensors into a fastbert model; return (and warn about) missing / unexpected keys."""
-    state = match_prefix(normalize_keys(state), model)
-    result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if k not in TIED_KEYS]
-    unexpected = list(result.unexpected_keys)
+def _check_against_model(model: torch.nn.Module, state: dict[str, torch.Tensor], missing: list[str],
+                         source: str) -> None:
+    """CheckpointError where the weights cannot be the model's config: encoder weights missing (e.g. more
+    layers in config.json than in the file), or tensors of other shapes."""
+    config = model.config
+    encoder_missing = [k for k in missing if k.removeprefix(BASE_PREFIX).startswith(ENCODER_MODULES)]
+    if encoder_missing:
+        layers = sorted({int(m.group(1)) for k in encoder_missing if (m := re.search(r"encoder\.layer\.(\d+)\.", k))})
+        present = sorted({int(m.group(1)) for k in state if (m := re.search(r"encoder\.layer\.(\d+)\.", k))})
+        if layers:
+            what = (f"config num_hidden_layers={config.num_hidden_layers} but the weights hold "
+                    f"{len(present)} layer(s) ({', '.join(map(str, present)) or 'none'}); missing "
+                    f"{', '.join(f'encoder.layer.{i}' for i in layers)}")
+        else:
+            what = f"the weights lack {', '.join(encoder_missing[:6])}{' ...' if len(encoder_missing) > 6 else ''}"
+        raise CheckpointError(f"{source}: {what}; the encoder would be left randomly initialised")
+    expected = model.state_dict()
+    wrong = [f"{k} {tuple(v.shape)} (the config needs {tuple(expected[k].shape)})"
+             for k, v in state.items() if k in expected and v.shape != expected[k].shape]
+    if wrong:
+        raise CheckpointError(f"{source}: tensor shapes do not match the config (hidden_size={config.hidden_size}, "
+                              f"vocab_size={config.vocab_size}, intermediate_size={config.intermediate_size}, ...): "
+                              f"{'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}")
+
+
+def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str = "the checkpoint",
+               dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> dict[str, list[str]]:
+    """Load HF-format tensors into a fastbert model; return (and warn about) missing / unexpected keys.
+
+    A model built on the meta device (`with torch.device("meta"): Model(config)`) gets the tensors assigned
+    (cast to `dtype` and moved to `device` where given): nothing is initialised twice. Weights the
+    checkpoint lacks outside the encoder (a new head, a pooler) are materialised and initialised as in
+    `__init__`; missing encoder weights or other shapes raise CheckpointError naming `source`.
+    """
+    state = match_prefix(normalize_keys(state, getattr(model.config, "tie_word_embeddings", True)), model)
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state and k not in TIED_KEYS]
+    unexpected = [k for k in state if k not in expected]
+    _check_against_model(model, state, missing, source)
+    on_meta = any(p.is_meta for p in model.parameters())
+    target = device if device is not None else ("cpu" if on_meta else None)
+    state = {k: v.to(device=target, dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
+             for k, v in state.items() if k in expected}
+    model.load_state_dict(state, strict=False, assign=on_meta)
+    if on_meta:
+        _initialise_missing(model, missing, dtype, target)
+    model.tie_weights()
     if missing or unexpected:
-        warnings.warn(f"{type(model).__name__}: missing keys (newly initialised) {missing}; "
-                      f"unexpected keys (ignored) {unexpected}", stacklevel=3)
+        logger.warning("%s from %s: missing keys (newly initialised) %s; unexpected keys (ignored) %s",
+                       type(model).__name__, source, missing, unexpected)
     return {"missing_keys": missing, "unexpected_keys": unexpected}
 
 
-def load_pretrained(cls, path, output_loading_info=False, **config_overrides):
-    """`Model.from_pretrained`: config.json (with overrides) + weights from an HF directory."""
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"from_pretrained expects a local HF checkpoint directory, got {path!r}")
-    config = BertConfig.from_json(path, **config_overrides)
-    model = cls(config)
-    state = read_state_dict(path)
-    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
-    info = load_state(model, state)
-    if len(dtypes) == 1:  # keep the checkpoint's precision, as transformers does with dtype="auto"
-        model.to(dtypes.pop())
+@torch.no_grad()
+def _initialise_missing(model: torch.nn.Module, missing: list[str], dtype, device) -> None:
+    """Weights still on the meta device after loading: allocate them and run the model's init on their
+    modules (other tensors of such a module keep their loaded values)."""
+    by_module: dict[str, list[str]] = {}
+    for key in missing:
+        owner, _, name = key.rpartition(".")
+        by_module.setdefault(owner, []).append(name)
+    for owner, names in by_module.items():
+        module = model.get_submodule(owner)
+        loaded = {n: t.clone() for n, t in module.named_parameters(recurse=False) if n not in names}
+        for name in names:
+            meta = getattr(module, name)
+            setattr(module, name, torch.nn.Parameter(torch.empty_like(meta, device=device, dtype=dtype or meta.dtype),
+                                                     requires_grad=meta.requires_grad))
+        model._init_weights(module)
+        for name, value in loaded.items():
+            getattr(module, name).copy_(value)
+
+
+def _resolve_dtype(kwargs: dict) -> torch.dtype | None:
+    """transformers' dtype= / torch_dtype=: None or "auto" keep the checkpoint's dtype."""
+    dtype, legacy = kwargs.pop("dtype", None), kwargs.pop("torch_dtype", None)
+    if dtype is not None and legacy is not None and dtype != legacy:
+        raise ValueError(f"dtype={dtype!r} and torch_dtype={legacy!r} disagree; pass one (torch_dtype is its old name)")
+    dtype = dtype if dtype is not None else legacy
+    if dtype is None or dtype == "auto":
+        return None
+    value = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"dtype must be 'auto' or a floating torch dtype (e.g. torch.bfloat16, 'float16'), "
+                         f"got {dtype!r}")
+    return value
+
+
+def _resolve_device(device_map) -> torch.device | None:
+    """transformers' device_map=, for the one-device forms fastbert implements."""
+    if isinstance(device_map, dict) and set(device_map) == {""}:
+        device_map = device_map[""]
+    if device_map is None or isinstance(device_map, (int, torch.device)):
+        return None if device_map is None else torch.device(device_map)
+    if isinstance(device_map, str) and device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
+        return torch.device(device_map)
+    raise ValueError(f"device_map={device_map!r} is not supported: fastbert loads onto one device "
+                     "(device_map='cuda', 'cpu', 0 or {'': device}); spread a model with your own tooling")
+
+
+def load_pretrained(cls, name_or_path, *model_args, config=None, output_loading_info=False, state_dict=None,
+                    use_safetensors=None, device_map=None, adapter_kwargs=None, **kwargs):
+    """`Model.from_pretrained` (see its docstring)."""
+    if model_args:
+        raise TypeError(f"{cls.__name__}.from_pretrained takes no positional arguments after the path, got "
+                        f"{len(model_args)}; pass config fields as keywords")
+    refused = [f"{k} ({UNSUPPORTED_LOADER_ARGUMENTS[k]})" for k in kwargs
+               if k in UNSUPPORTED_LOADER_ARGUMENTS and kwargs[k] not in (None, False)]
+    if (adapter_kwargs or {}).get("_adapter_model_path"):  # the Auto classes found a PEFT adapter there
+        refused.append("a PEFT adapter checkpoint (load the base model, then the adapter with peft)")
+    if refused:
+        raise ValueError(f"{cls.__name__}.from_pretrained does not implement {'; '.join(refused)}")
+    for key in (*IGNORED_LOADER_ARGUMENTS, *UNSUPPORTED_LOADER_ARGUMENTS):
+        kwargs.pop(key, None)
+    dtype = _resolve_dtype(kwargs)
+    device = _resolve_device(device_map)
+    path = hub.resolve(name_or_path, **{k: kwargs.pop(k) for k in hub.HUB_ARGUMENTS if k in kwargs})
+    if config is None:
+        config = BertConfig.from_json(path)
+    elif not isinstance(config, BertConfig):
+        raise TypeError(f"config must be a fastbert.BertConfig, got {type(config).__name__}")
+    else:
+        config = config.replace()
+    config.update_known(kwargs, f"{cls.__name__}.from_pretrained")
+    source = os.path.join(path, "config.json") + " and its weights"
+    if state_dict is None:
+        state_dict = read_state_dict(path, use_safetensors)
+    with torch.device("meta"):
+        model = cls(config)
+    info = load_state(model, state_dict, source, dtype, device)
+    model.config.name_or_path = model.name_or_path = os.fspath(name_or_path)
     model.eval()  # as transformers: a loaded model starts in eval mode (dropout off)
     return (model, info) if output_loading_info else model
 
 
-def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors under HF's names, tied copies left out, contiguous and on CPU."""
-    return {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items() if k not in TIED_KEYS}
+def hf_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The model's tensors (or `state`) under HF's names, each storage once (the tied decoder left out),
+    contiguous and on CPU."""
+    state = model.state_dict() if state is None else state
+    seen, out = set(), {}
+    for key, value in state.items():
+        value = value.detach()
+        if key in TIED_KEYS and getattr(model.config, "tie_word_embeddings", True):
+            continue
+        identity = (value.device, value.untyped_storage().data_ptr(), value.storage_offset(), value.shape)
+        if identity in seen:  # another name for a tensor already written (a tie)
+            continue
+        seen.add(identity)
+        out[key] = value.to("cpu").contiguous()
+    return out
 
 
-def save_pretrained(model: torch.nn.Module, path) -> None:
-    """config.json + model.safetensors, loadable by transformers' from_pretrained unchanged.
+def _shard_bytes(max_shard_size) -> int | None:
+    """transformers' max_shard_size: bytes, or a string such as "5GB" / "500MB"."""
+    if max_shard_size is None or isinstance(max_shard_size, int):
+        return max_shard_size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B)\s*", str(max_shard_size), flags=re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"max_shard_size must be bytes or a size like '5GB', got {max_shard_size!r}")
+    unit = match.group(2).upper()
+    base = 1024 if "I" in unit else 1000
+    return int(float(match.group(1)) * base ** ("KMG".index(unit[0]) + 1))
+
+
+def _shards(state: dict[str, torch.Tensor], limit: int | None) -> list[dict[str, torch.Tensor]]:
+    shards, size = [{}], 0
+    for key, value in state.items():
+        nbytes = value.numel() * value.element_size()
+        if limit is not None and shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][key] = value
+        size += nbytes
+    return shards
+
+
+def save_pretrained(model: torch.nn.Module, path, is_main_process: bool = True, state_dict=None,
+                    safe_serialization: bool = True, max_shard_size=None, **kwargs) -> None:
+    """config.json + weights, loadable by transformers' from_pretrained unchanged: model.safetensors
+    (pytorch_model.bin without safe_serialization), or shards and an index.json past max_shard_size.
 
     Files are written to temporary names and renamed, so an interrupted save never leaves a
     half-written checkpoint under the final names.
@@ -119,23 +314,52 @@ def save_pretrained(model: torch.nn.Module, path) -> None:
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    refused = [f"{k} ({UNSUPPORTED_SAVE_ARGUMENTS[k]})" for k, v in kwargs.items()
+               if k in UNSUPPORTED_SAVE_ARGUMENTS and v not in (None, False)]
+    unknown = [k for k in kwargs if k not in UNSUPPORTED_SAVE_ARGUMENTS and k != "token"]
+    if refused or unknown:
+        raise ValueError(f"save_pretrained does not implement {'; '.join(refused + unknown)}")
+    if not is_main_process:
+        return
     os.makedirs(path, exist_ok=True)
     values = model.config.to_dict()
     values["architectures"] = [type(model).__name__]
-    values["tie_word_embeddings"] = True
     values["dtype"] = str(model.dtype).removeprefix("torch.")
-    config_tmp = os.path.join(path, "config.json.tmp")
-    with open(config_tmp, "w", encoding="utf-8") as f:
+    values.pop("transformers_version", None)  # the writer's version, as transformers records it
+    if HAVE_TRANSFORMERS:
+        import transformers
+        values["transformers_version"] = transformers.__version__
+    tensors = hf_state_dict(model, state_dict)
+    base = SAFETENSORS_NAME if safe_serialization else TORCH_NAME
+    shards = _shards(tensors, _shard_bytes(max_shard_size))
+    names = [base] if len(shards) == 1 else [
+        base.replace(".", f"-{i + 1:05d}-of-{len(shards):05d}.", 1) for i in range(len(shards))]
+    written = []
+    for name, shard in zip(names, shards):
+        tmp = os.path.join(path, name + ".tmp")
+        if safe_serialization:
+            try:
+                save_file(shard, tmp, metadata={"format": "pt"})
+            except SafetensorError as exc:  # a failed write (a full disk) comes as safetensors' own error type
+                raise OSError(f"{exc} (writing {tmp})") from exc
+            os.chmod(tmp, file_mode())  # safetensors creates its file 0600; give it the umask's mode as config.json
+        else:
+            torch.save(shard, tmp)
+        written.append((tmp, os.path.join(path, name)))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {key: name for name, shard in zip(names, shards) for key in shard}}
+        written.append(_write_json(index, os.path.join(path, base + ".index.json")))
+    written.append(_write_json(values, os.path.join(path, "config.json")))
+    for tmp, final in written:
+        os.replace(tmp, final)
+
+
+def _write_json(values: dict, final: str) -> tuple[str, str]:
+    with open(final + ".tmp", "w", encoding="utf-8") as f:
         json.dump(values, f, indent=2, sort_keys=True)
         f.write("\n")
-    weights_tmp = os.path.join(path, SAFETENSORS_NAME + ".tmp")
-    try:
-        save_file(hf_state_dict(model), weights_tmp, metadata={"format": "pt"})
-    except SafetensorError as exc:  # a failed write (a full disk) comes as safetensors' own error type
-        raise OSError(f"{exc} (writing {weights_tmp})") from exc
-    os.chmod(weights_tmp, file_mode())  # safetensors creates its file 0600; give it the umask's mode as config.json
-    os.replace(weights_tmp, os.path.join(path, SAFETENSORS_NAME))
-    os.replace(config_tmp, os.path.join(path, "config.json"))
+    return final + ".tmp", final
 
 
 def _require_transformers():
@@ -147,19 +371,20 @@ def _require_transformers():
 
 
 def from_hf(hf_model, **config_overrides):
-    """A fastbert model of the same class with identical weights, from an in-memory transformers BERT."""
+    """A fastbert model of the same class with a copy of the weights, from an in-memory transformers BERT
+    (`fastbert.apply` accelerates one in place instead, sharing its weights)."""
     from fastbert.modeling import MODEL_CLASSES
 
     name = type(hf_model).__name__
     if name not in MODEL_CLASSES:
         raise ValueError(f"from_hf supports {sorted(MODEL_CLASSES)}, got {name}")
     config = BertConfig.from_dict(hf_model.config.to_dict(), **config_overrides)
-    model = MODEL_CLASSES[name](config)
+    with torch.device("meta"):
+        model = MODEL_CLASSES[name](config)
     reference = next(hf_model.parameters())
-    model.to(device=reference.device, dtype=reference.dtype)
-    load_state(model, hf_model.state_dict())
-    model.train(hf_model.training)
-    return model
+    state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
+    load_state(model, state, f"{name} (transformers)", reference.dtype, reference.device)
+    return model.train(hf_model.training)
 
 
 def to_hf(model):
