@@ -1,16 +1,19 @@
 """fastbert: BERT whose hot paths are Triton kernels, a drop-in for HuggingFace transformers' BERT.
 
-The model classes are imported on first use (PEP 562), so that `fastbert --version`, `fastbert
+The public names are imported on first use (PEP 562), so that `fastbert --version`, `fastbert
 prepare-data` and its worker processes do not load torch (about 250 MB of memory per process).
+Any of them imports fastbert.modeling first, which registers the models with transformers' Auto
+classes where transformers is installed (see fastbert.auto).
 """
 import importlib
 
 __version__ = "0.1.0"
-# public name -> module that defines it
+# public name -> (module that defines it, its name there)
 _EXPORTS = {
-    "BertConfig": "fastbert.config",
-    "from_hf": "fastbert.hf",
-    **{name: "fastbert.modeling" for name in (
+    "BertConfig": ("fastbert.config", "BertConfig"),
+    "from_hf": ("fastbert.hf", "from_hf"),
+    "apply": ("fastbert.in_place", "apply"),
+    **{name: ("fastbert.modeling", name) for name in (
         "BertModel", "BertForPreTraining", "BertForMaskedLM", "BertForNextSentencePrediction",
         "BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering",
         "BertForMultipleChoice")},
@@ -21,7 +24,9 @@ __all__ = [*_EXPORTS, "__version__"]
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'fastbert' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    module, attribute = _EXPORTS[name]
+    importlib.import_module("fastbert.modeling")  # the models and their Auto registration come first
+    value = getattr(importlib.import_module(module), attribute)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 

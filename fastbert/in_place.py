@@ -1,0 +1,74 @@
+"""`fastbert.apply(model)`: run an existing transformers BERT (any head) or a sentence-transformers model
+(SentenceTransformer, CrossEncoder) on fastbert's kernels, in place.
+
+Every transformers `BertModel` inside `model` keeps its class, its head and its parameters: its
+embeddings, encoder and pooler are replaced by fastbert's modules built around the very same leaf
+modules (the Embeddings, Linears and LayerNorms, or whatever wrapper a tool put in their place), and its
+forward becomes fastbert's. Parameters are shared, never copied, so an optimizer, a Trainer, a pipeline
+or a PEFT model built earlier keeps working; state_dict keys are unchanged. Heads and their losses stay
+transformers' code.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from fastbert.config import BertConfig
+
+ACCELERATED = "_fastbert_model"  # instance attribute of an accelerated transformers BertModel
+
+
+def apply(model: nn.Module, **config_overrides) -> nn.Module:
+    """Accelerate every transformers BertModel inside `model` in place and return `model` itself.
+
+    config_overrides set fastbert's switches (backend="triton", unpad=True) or other config fields.
+    Calling it again changes nothing. Raises TypeError when `model` holds no transformers BERT, and
+    ValueError for a BERT variant fastbert does not implement (a decoder, relative positions).
+    """
+    from transformers.models.bert.modeling_bert import BertModel as TransformersBertModel
+
+    from fastbert.modeling import BertPreTrainedModel
+
+    berts = [m for m in model.modules() if isinstance(m, TransformersBertModel)]
+    if not berts and not any(isinstance(m, BertPreTrainedModel) for m in model.modules()):
+        raise TypeError(f"fastbert.apply found no transformers BertModel in {type(model).__name__}; it takes a "
+                        "transformers BERT (any head), a SentenceTransformer or a CrossEncoder built on one")
+    for bert in berts:
+        if ACCELERATED not in vars(bert):
+            _accelerate(bert, config_overrides)
+    return model
+
+
+def _accelerate(bert: nn.Module, config_overrides: dict) -> None:
+    from fastbert.modeling import BertModel
+
+    config = BertConfig.from_dict(bert.config.to_dict(), **config_overrides)
+    with torch.device("meta"):
+        fast = BertModel(config, add_pooling_layer=bert.pooler is not None)
+    before = {id(p) for p in bert.parameters()}
+    for name, module in list(fast.named_modules()):
+        if module._parameters:  # a leaf that holds weights: take transformers' module at the same path
+            parent, _, attribute = name.rpartition(".")
+            setattr(fast.get_submodule(parent), attribute, bert.get_submodule(name))
+    if {id(p) for p in fast.parameters()} != before:
+        raise ValueError(f"fastbert.apply: the parameters of {type(bert).__name__} do not map one to one onto "
+                         "fastbert's BertModel; it is left unchanged")
+    fast.train(bert.training)
+    bert.embeddings, bert.encoder = fast.embeddings, fast.encoder
+    if fast.pooler is not None:
+        bert.pooler = fast.pooler
+    vars(bert)[ACCELERATED] = fast  # not a registered child: its modules already are bert's
+    bert.forward = functools.partial(_forward, fast, bert.config)
+
+
+def _forward(fast: nn.Module, hf_config, *args, output_hidden_states=None, output_attentions=None,
+             return_dict=None, **kwargs):
+    """fastbert's BertModel.forward, with the defaults read from transformers' config, which clients change
+    at run time (sentence-transformers sets output_hidden_states)."""
+    return fast.forward(
+        *args, **kwargs,
+        output_hidden_states=hf_config.output_hidden_states if output_hidden_states is None else output_hidden_states,
+        output_attentions=hf_config.output_attentions if output_attentions is None else output_attentions,
+        return_dict=hf_config.return_dict if return_dict is None else return_dict)
