@@ -15,9 +15,12 @@ setup(
     install_requires=["torch>=2.4", "numpy", "safetensors", "tqdm", "tokenizers", "filelock>=3.10"],
     extras_require={
         # triton ships with CUDA builds of torch; on a CPU machine it is needed for the interpreter tests
-        "test": ["pytest", "pytest-xdist", "triton", "transformers", "tokenizers"],
-        "bench": ["pytest-benchmark", "matplotlib", "transformers", "psutil"],
-        "hf": ["transformers", "tokenizers"],
+        # the client libraries the drop-in is tested with (Trainer needs accelerate)
+        "test": ["pytest", "pytest-xdist", "triton", "transformers>=5", "tokenizers", "sentence-transformers",
+                 "peft", "datasets", "accelerate"],
+        "bench": ["pytest-benchmark", "matplotlib", "transformers>=5", "psutil"],
+        # transformers-shaped models (5.x base classes) and hub ids through the HF cache
+        "hf": ["transformers>=5", "tokenizers", "huggingface_hub"],
     },
     entry_points={"console_scripts": ["fastbert = fastbert.cli:main"]},
 )

@@ -171,7 +171,7 @@ class BertConfig(ConfigBase):
             if key in overrides:
                 values[key] = overrides.pop(key)
         if "num_labels" in values and "id2label" in values and len(values["id2label"]) != values["num_labels"]:
-            del values["id2label"], values["label2id"]  # num_labels asked for other labels: default names
+            values.pop("id2label"), values.pop("label2id", None)  # num_labels asks for other labels: default names
         config = cls(**values)
         config.update_known(overrides, "BertConfig.from_dict")
         return config

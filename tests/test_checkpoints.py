@@ -1,5 +1,8 @@
 """HF checkpoint directories: the real MiniLM checkpoint, save/load round trips through transformers,
-legacy key names, the `bert.` prefix in both directions, and fastbert without transformers."""
+legacy key names, the `bert.` prefix in both directions, hub ids through the HF cache, transformers'
+loading and saving arguments, construction on the meta device, configs that do not match their weights,
+and fastbert without transformers."""
+import json
 import os
 import re
 import subprocess
@@ -10,6 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fastbert
+from fastbert.hf import CheckpointError
+from fastbert.modeling import BertPreTrainedModel
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -158,20 +163,176 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
         fastbert.BertModel.from_pretrained(tmp_path)
 
 
+WITHOUT_TRANSFORMERS = """
+import sys, tempfile
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] == 'transformers': raise ImportError('blocked')
+sys.meta_path.insert(0, Block())
+import torch, fastbert
+from fastbert.bases import StandInConfig, StandInOutput
+config = fastbert.BertConfig.tiny(num_labels=3, id2label={0: 'a', 1: 'b', 2: 'c'})
+assert isinstance(config, StandInConfig) and config.num_labels == 3 and config.get_text_config() is config
+m = fastbert.BertForSequenceClassification(config).train()
+m.gradient_checkpointing_enable()
+ids = torch.ones(2, 5, dtype=torch.long)
+out = m(input_ids=ids, labels=torch.tensor([0, 2]))
+out.loss.backward()
+assert isinstance(out, StandInOutput) and list(out.keys()) == ['loss', 'logits'] and 'logits' in out
+assert out[1] is out['logits'] is out.logits and len(out.to_tuple()) == 2
+out['extra'] = 1
+assert out.extra == 1
+with tempfile.TemporaryDirectory() as d:
+    m.save_pretrained(d)
+    again = fastbert.BertForSequenceClassification.from_pretrained(d, dtype=torch.float64)
+    assert again.config.id2label == {0: 'a', 1: 'b', 2: 'c'} and again.dtype == torch.float64
+exported = torch.export.export(fastbert.BertModel(config).eval(), (ids,))
+assert exported.module()(ids).last_hidden_state.shape == (2, 5, 128)
+assert 'transformers' not in sys.modules
+print('ok')
+"""
+
+
 def test_imports_and_runs_without_transformers():
-    """fastbert must not need transformers (or a GPU): block the import and run a tiny model."""
-    code = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] == 'transformers': raise ImportError('blocked')\n"
-        "sys.meta_path.insert(0, Block())\n"
-        "import torch, fastbert\n"
-        "m = fastbert.BertForPreTraining(fastbert.BertConfig.tiny()).eval()\n"
-        "out = m(input_ids=torch.ones(2, 5, dtype=torch.long))\n"
-        "assert out.prediction_logits.shape == (2, 5, 1024)\n"
-        "assert 'transformers' not in sys.modules\n"
-        "print('ok')\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    """fastbert must not need transformers (or a GPU): block the import; config, outputs, training with
+    gradient checkpointing, save / load and torch.export work with the stand-in base classes."""
+    result = subprocess.run([sys.executable, "-c", WITHOUT_TRANSFORMERS], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def hub_cache(tmp_path, repo="fastbert-test/tiny-bert"):
+    """An HF hub cache in tmp_path, laid out as huggingface_hub writes it, holding one saved model."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = tmp_path / "hub" / f"models--{repo.replace('/', '--')}"
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    model = tiny_hf("BertForMaskedLM")
+    model.save_pretrained(repo_dir / "snapshots" / commit)
+    return tmp_path / "hub", repo, commit, model
+
+
+def test_hub_id_resolves_through_the_cache_offline(tmp_path, monkeypatch):
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    cache, repo, commit, theirs = hub_cache(tmp_path)
+    ours = fastbert.BertForMaskedLM.from_pretrained(repo, cache_dir=cache)
+    assert_same_encoder(theirs, ours)
+    assert ours.name_or_path == repo and ours.config.name_or_path == repo
+    pinned = fastbert.BertForMaskedLM.from_pretrained(repo, cache_dir=cache, revision=commit)
+    assert_same_encoder(theirs, pinned)
+    config = fastbert.BertConfig.from_pretrained(repo, cache_dir=cache)
+    routed = transformers.AutoModelForMaskedLM.from_pretrained(repo, cache_dir=cache, config=config)
+    assert type(routed) is fastbert.BertForMaskedLM
+    with pytest.raises(FileNotFoundError, match=r"not found in the HF cache \(offline mode\)"):
+        fastbert.BertModel.from_pretrained("fastbert-test/absent", cache_dir=cache)
+    with pytest.raises(FileNotFoundError, match="not a directory and not a valid hub id"):
+        fastbert.BertModel.from_pretrained(str(tmp_path / "no" / "such" / "dir"))
+
+
+def test_dtype_device_map_and_refused_loader_arguments(tmp_path):
+    tiny_hf().save_pretrained(tmp_path / "src")
+    written = (tmp_path / "src" / "config.json").read_text()
+    assert fastbert.BertForPreTraining.from_pretrained(tmp_path / "src", dtype=torch.bfloat16).dtype == torch.bfloat16
+    half = fastbert.BertForPreTraining.from_pretrained(tmp_path / "src", torch_dtype="float16", device_map="cpu")
+    assert half.dtype == torch.float16 and all(p.dtype == torch.float16 for p in half.parameters())
+    assert half.cls.predictions.decoder.weight is half.bert.embeddings.word_embeddings.weight
+    assert fastbert.BertForPreTraining.from_pretrained(tmp_path / "src", dtype="auto").dtype == torch.float32
+    for kwargs, words in [(dict(attn_implementation="sdpa"), "attn_implementation"),
+                          (dict(device_map="auto"), "device_map='auto'"),
+                          (dict(load_in_8bit=True), "load_in_8bit"),
+                          (dict(dtype=torch.float16, torch_dtype=torch.bfloat16), "disagree"),
+                          (dict(dtype=torch.int8), "dtype")]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            fastbert.BertForPreTraining.from_pretrained(tmp_path / "src", **kwargs)
+    with pytest.raises(TypeError, match="some_typo"):
+        fastbert.BertForPreTraining.from_pretrained(tmp_path / "src", some_typo=1)
+    half.save_pretrained(tmp_path / "half")
+    saved = json.loads((tmp_path / "half" / "config.json").read_text())
+    assert saved["dtype"] == "float16" and "torch_dtype" not in saved and "device_map" not in saved
+    assert (tmp_path / "src" / "config.json").read_text() == written  # the source is never rewritten
+
+
+def test_from_pretrained_builds_on_the_meta_device(tmp_path, monkeypatch):
+    """Weights about to be loaded are never randomly initialised first; only what the file lacks is."""
+    tiny_hf().save_pretrained(tmp_path / "src")
+    initialised = []
+    original = BertPreTrainedModel._init_weights
+    monkeypatch.setattr(BertPreTrainedModel, "_init_weights",
+                        lambda self, module: initialised.append(type(module).__name__) or original(self, module))
+    model = fastbert.BertForPreTraining.from_pretrained(tmp_path / "src")
+    assert initialised == [] and not any(p.is_meta for p in model.parameters())
+    head = fastbert.BertForSequenceClassification.from_pretrained(tmp_path / "src", num_labels=3)
+    assert initialised == ["Linear"]  # the new classifier alone
+    assert head.classifier.weight.std().item() == pytest.approx(0.02, rel=0.3) and not head.classifier.bias.any()
+    fastbert.BertModel(fastbert.BertConfig.tiny())  # an ordinary construction does initialise
+    assert len(initialised) > 1
+
+
+def test_non_bert_and_inconsistent_configs_name_the_file(tmp_path):
+    model = tiny_hf()
+    model.save_pretrained(tmp_path / "src")
+    config_file = tmp_path / "src" / "config.json"
+    values = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**values, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match=re.escape(f"{config_file}: model_type 'gpt2' is not BERT")):
+        fastbert.BertModel.from_pretrained(tmp_path / "src")
+    config_file.write_text(json.dumps({**values, "num_hidden_layers": 4}))
+    with pytest.raises(CheckpointError) as info:
+        fastbert.BertModel.from_pretrained(tmp_path / "src")
+    message = str(info.value)
+    assert str(config_file) in message and "num_hidden_layers=4" in message
+    assert "missing encoder.layer.2, encoder.layer.3" in message
+    config_file.write_text(json.dumps({**values, "intermediate_size": 48}))
+    with pytest.raises(CheckpointError, match=r"intermediate.dense.weight \(64, 32\) \(the config needs \(48, 32\)\)"):
+        fastbert.BertModel.from_pretrained(tmp_path / "src")
+    config_file.write_text(json.dumps(values))
+    weights = tmp_path / "src" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=re.escape(f"{weights}: cannot read the weights")):
+        fastbert.BertModel.from_pretrained(tmp_path / "src")
+    config_file.write_text("{not json")
+    with pytest.raises(ValueError, match=re.escape(f"{config_file}: not valid JSON")):
+        fastbert.BertConfig.from_json(tmp_path / "src")
+
+
+def test_save_pretrained_takes_transformers_arguments(tmp_path):
+    ours = fastbert.from_hf(tiny_hf()).eval()
+    ours.save_pretrained(tmp_path / "shards", max_shard_size="20KB")
+    files = sorted(os.listdir(tmp_path / "shards"))
+    assert "model.safetensors.index.json" in files and len([f for f in files if f.startswith("model-")]) > 2
+    ours.save_pretrained(tmp_path / "bin", safe_serialization=False)
+    assert sorted(os.listdir(tmp_path / "bin")) == ["config.json", "pytorch_model.bin"]
+    for name in ("shards", "bin"):
+        assert_same_encoder(ours, transformers.BertForPreTraining.from_pretrained(tmp_path / name).eval())
+        assert_same_encoder(ours, fastbert.BertForPreTraining.from_pretrained(tmp_path / name))
+    state = {k: v * 0 for k, v in ours.state_dict().items()}  # an explicit state_dict is what gets written
+    ours.save_pretrained(tmp_path / "zeros", state_dict=state)
+    assert not any(t.any() for t in load_file(tmp_path / "zeros" / "model.safetensors").values())
+    ours.save_pretrained(tmp_path / "other rank", is_main_process=False)
+    assert not (tmp_path / "other rank").exists()
+    with pytest.raises(ValueError, match="push_to_hub"):
+        ours.save_pretrained(tmp_path / "x", push_to_hub=True)
+
+
+def test_transformers_model_methods():
+    torch.manual_seed(0)
+    theirs = tiny_hf("BertForMaskedLM")
+    ours = fastbert.from_hf(theirs).eval()
+    assert isinstance(ours, transformers.PreTrainedModel) and isinstance(ours.config, transformers.PreTrainedConfig)
+    assert ours.num_parameters() == theirs.num_parameters()
+    assert ours.num_parameters(exclude_embeddings=True) == theirs.num_parameters(exclude_embeddings=True)
+    assert ours.get_input_embeddings() is ours.bert.embeddings.word_embeddings
+    assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
+    ids, mask = batch()
+    before = ours(input_ids=ids, attention_mask=mask).logits
+    new = ours.resize_token_embeddings(130, pad_to_multiple_of=8)
+    assert new.num_embeddings == 136 == ours.config.vocab_size == ours.cls.predictions.bias.numel()
+    assert ours.get_output_embeddings().weight is new.weight
+    after = ours(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(after[..., :120][real], before[real])  # the old vocabulary is unchanged
+    torch.testing.assert_close(new.weight[120:], theirs.bert.embeddings.word_embeddings.weight.mean(0).expand(16, -1))
+    ours.set_input_embeddings(torch.nn.Embedding(136, 32))
+    assert ours.bert.embeddings.word_embeddings is ours.get_input_embeddings()

@@ -82,3 +82,36 @@ def test_architecture_changing_keys_are_refused(tmp_path, key, value):
     path.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, "position_embedding_type": "absolute",
                                 "is_decoder": False, "add_cross_attention": False}))
     assert BertConfig.from_json(path).position_embedding_type == "absolute"
+
+
+def test_transformers_reads_it_as_its_own_config():
+    config = BertConfig.tiny()
+    assert isinstance(config, transformers.PreTrainedConfig) and config.model_type == "bert"
+    assert config.get_text_config() is config and config.return_dict and not config.output_hidden_states
+    assert config.num_labels == 2 and config.id2label == {0: "LABEL_0", 1: "LABEL_1"}
+    config.num_labels = 3
+    assert config.id2label == {0: "LABEL_0", 1: "LABEL_1", 2: "LABEL_2"} and config.label2id["LABEL_2"] == 2
+    theirs = transformers.BertConfig.from_dict(config.to_dict())
+    for name in ("hidden_size", "num_hidden_layers", "vocab_size", "num_labels", "id2label", "tie_word_embeddings"):
+        assert getattr(theirs, name) == getattr(config, name), name
+    assert "BertConfig(" in repr(config) and "hidden_size=128" in repr(config)
+    assert config.replace(unpad=True).unpad and not config.unpad
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "roberta", "distilbert"])
+def test_other_model_types_are_refused(model_type):
+    with pytest.raises(ValueError, match=f"model_type '{model_type}' is not BERT"):
+        BertConfig.from_dict({"model_type": model_type, "hidden_size": 64, "num_attention_heads": 4})
+
+
+def test_overrides_follow_transformers(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, "id2label": {"0": "neg", "1": "pos"}}))
+    assert BertConfig.from_json(path).id2label == {0: "neg", 1: "pos"}
+    assert BertConfig.from_json(path, num_labels=3).id2label == {0: "LABEL_0", 1: "LABEL_1", 2: "LABEL_2"}
+    with pytest.raises(TypeError, match="unknown argument.*'device_map'"):
+        BertConfig.from_json(path, device_map="auto")  # a loader argument is not a config key
+    with pytest.raises(ValueError, match="max_predictions_per_seq"):
+        BertConfig(max_predictions_per_seq=-1)
+    written = BertConfig.from_json(path, backend="torch", unpad=True, max_predictions_per_seq=20).to_dict()
+    assert not {"backend", "unpad", "max_predictions_per_seq"} & set(written)

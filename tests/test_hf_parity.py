@@ -166,3 +166,80 @@ def test_weight_init_follows_transformers():
             assert abs(std - 0.05) < 0.005, (name, std)
     assert torch.equal(model.bert.embeddings.word_embeddings.weight[config.pad_token_id], torch.zeros(256))
     assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+
+
+def test_question_answering_on_padded_batches():
+    """Padding is never an answer: start/end logits there are the dtype's lowest value, so the loss is
+    transformers' loss with the padded positions left out of the softmax; real positions equal theirs."""
+    torch.manual_seed(0)
+    hf_model = transformers.BertForQuestionAnswering(hf_config(num_labels=2)).eval()
+    ours = fastbert.from_hf(hf_model).eval()
+    inputs = {k: v for k, v in make_batch("BertModel", torch.Generator().manual_seed(6)).items()}
+    positions = dict(start_positions=torch.tensor([1, 4, 0]), end_positions=torch.tensor([3, 5, 11]))  # 11 = S
+    theirs, got = hf_model(**inputs, **positions), ours(**inputs, **positions)
+    real = inputs["attention_mask"].bool()
+    lowest = torch.finfo(torch.float32).min
+    for key in ("start_logits", "end_logits"):
+        torch.testing.assert_close(got[key][real], theirs[key][real], atol=1e-5, rtol=1e-5)
+        assert (got[key][~real] == lowest).all()
+    masked = [theirs[key].masked_fill(~real, float("-inf")) for key in ("start_logits", "end_logits")]
+    expected = sum(torch.nn.functional.cross_entropy(logits, target, ignore_index=11)
+                   for logits, target in zip(masked, positions.values())) / 2
+    torch.testing.assert_close(got.loss, expected, atol=1e-5, rtol=1e-5)
+    full = {**inputs, "attention_mask": torch.ones_like(inputs["attention_mask"])}  # no padding: transformers' loss
+    torch.testing.assert_close(ours(**full, **positions).loss, hf_model(**full, **positions).loss, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"end_positions points at padding in example\(s\) \[1\]"):
+        ours(**inputs, start_positions=torch.tensor([1, 4, 0]), end_positions=torch.tensor([3, 8, 0]))
+
+
+def test_token_classification_ignores_labels_on_padding():
+    torch.manual_seed(0)
+    hf_model = transformers.BertForTokenClassification(hf_config()).eval()
+    ours = fastbert.from_hf(hf_model).eval()
+    inputs = make_batch("BertModel", torch.Generator().manual_seed(7))
+    real = inputs["attention_mask"].bool()
+    labels = torch.randint(0, 3, real.shape, generator=torch.Generator().manual_seed(8))  # padding labelled too
+    expected = hf_model(**inputs, labels=labels.masked_fill(~real, -100)).loss
+    torch.testing.assert_close(ours(**inputs, labels=labels).loss, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_four_dimensional_masks_and_transformers_keyword_arguments():
+    torch.manual_seed(0)
+    hf_model = transformers.BertModel(hf_config()).eval()
+    ours = fastbert.from_hf(hf_model).eval()
+    inputs = make_batch("BertModel", torch.Generator().manual_seed(9))
+    mask = inputs["attention_mask"]
+    expected = ours(**inputs).last_hidden_state
+    lowest = torch.finfo(torch.float32).min
+    additive = ((1 - mask[:, None, None, :].float()) * lowest)  # [B, 1, 1, S], as transformers builds it
+    for four_d in (additive, additive.expand(-1, 1, SEQ, -1), mask[:, None, None, :].bool()):
+        got = ours(**{**inputs, "attention_mask": four_d}).last_hidden_state
+        torch.testing.assert_close(got[mask.bool()], expected[mask.bool()])
+    block = additive.expand(-1, 1, SEQ, -1).clone()
+    block[0, 0, 0, 1] = lowest  # one query row masks another key: not a padding mask
+    with pytest.raises(ValueError, match="query rows mask different keys"):
+        ours(**{**inputs, "attention_mask": block})
+    accepted = ours(**inputs, use_cache=False, encoder_hidden_states=None, past_key_values=None,
+                    num_items_in_batch=torch.tensor(3), cache_position=None)
+    torch.testing.assert_close(accepted.last_hidden_state, expected)
+    with pytest.raises(ValueError, match="encoder_hidden_states is not supported"):
+        ours(**inputs, encoder_hidden_states=torch.zeros(3, SEQ, 64))
+    with pytest.raises(TypeError, match="attention_maks"):
+        ours(input_ids=inputs["input_ids"], attention_maks=mask)
+
+
+def test_outputs_behave_as_transformers_model_outputs():
+    torch.manual_seed(0)
+    model = fastbert.BertForSequenceClassification(fastbert.BertConfig.tiny(num_labels=3)).eval()
+    out = model(input_ids=torch.ones(2, 5, dtype=torch.long), labels=torch.tensor([0, 2]))
+    assert isinstance(out, transformers.utils.ModelOutput)
+    assert list(out) == list(out.keys()) == ["loss", "logits"] and "logits" in out and "hidden_states" not in out
+    assert out["logits"] is out.logits is out[1] and out.to_tuple()[0] is out.loss
+    flat, spec = torch.utils._pytree.tree_flatten(out)
+    assert torch.utils._pytree.tree_unflatten(flat, spec).keys() == out.keys()
+    out["input_ids"] = 7  # pipelines add their inputs to the outputs
+    assert out.input_ids == 7
+    hidden = model(input_ids=torch.ones(2, 5, dtype=torch.long), output_hidden_states=True, return_dict=False)
+    assert isinstance(hidden, tuple) and len(hidden) == 2 and len(hidden[1]) == 3
+    model.config.output_hidden_states = True  # transformers' config defaults are read at forward time
+    assert len(model(input_ids=torch.ones(2, 5, dtype=torch.long)).hidden_states) == 3

@@ -94,7 +94,8 @@ def phase_dataset(data: str, seq_length: int) -> ShardedDataset:
 
 def model_config(cfg: PretrainConfig, overrides: dict):
     from fastbert import BertConfig
-    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(BertConfig)})
+    from fastbert.config import OWN_FIELDS
+    unknown = sorted(set(overrides) - set(OWN_FIELDS))
     if unknown:
         raise ValueError(f"--model.{unknown[0]}: BertConfig has no field {unknown[0]!r}")
     if cfg.model in PRESETS:

@@ -1,0 +1,119 @@
+"""Tools that replace or hook the encoder's Linears: PEFT LoRA (train, save, load, on fastbert models and on
+models accelerated by fastbert.apply), forward hooks and module-swapping quantizers. A wrapped or hooked
+Linear is called, never bypassed by a fused op that reads its weight."""
+import pytest
+import torch
+from torch import nn
+
+import fastbert
+from fastbert.modeling import is_plain_linear
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+
+def hf_config():
+    return transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                   attention_probs_dropout_prob=0.0, num_labels=3)
+
+
+def batch():
+    ids = torch.randint(1, 99, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    return dict(input_ids=ids * mask, attention_mask=mask, labels=torch.tensor([0, 2, 1]))
+
+
+def lora(model):
+    torch.manual_seed(1)  # init_lora_weights=False draws both LoRA matrices: the output changes at once
+    config = peft.LoraConfig(target_modules=["query", "value"], r=4, lora_alpha=8, init_lora_weights=False,
+                             modules_to_save=["classifier"])
+    return peft.get_peft_model(model, config)
+
+
+def train(model, steps=2):
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        model(**batch()).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize("kind", ["fastbert", "apply"])
+def test_lora_on_query_and_value_trains_saves_and_loads(tmp_path, kind):
+    torch.manual_seed(0)
+    theirs = transformers.BertForSequenceClassification(hf_config())
+    base = fastbert.from_hf(theirs) if kind == "fastbert" else fastbert.apply(
+        transformers.BertForSequenceClassification(hf_config()).requires_grad_(True))
+    if kind == "apply":
+        base.load_state_dict(theirs.state_dict())
+    plain = base(**batch()).logits.detach()
+    ours, theirs = lora(base), lora(theirs)
+    targeted = [name for name, _ in ours.named_modules() if name.endswith(("query", "value"))]
+    assert len(targeted) == 4 and all(not is_plain_linear(ours.get_submodule(n)) for n in targeted)
+    out = ours(**batch()).logits
+    assert (out - plain).abs().max() > 1e-4  # the adapters are called (logits are ~0.02: a 2% change)
+    torch.testing.assert_close(out, theirs(**batch()).logits, atol=1e-5, rtol=1e-5)
+    train(ours), train(theirs)
+    trained = ours(**batch()).logits.detach()
+    torch.testing.assert_close(trained, theirs(**batch()).logits, atol=1e-5, rtol=1e-4)
+    frozen = dict(ours.named_parameters())["base_model.model.bert.encoder.layer.0.attention.self.query.base_layer.weight"]
+    assert not frozen.requires_grad
+
+    ours.save_pretrained(tmp_path / "adapter")
+    torch.manual_seed(0)
+    fresh = fastbert.from_hf(transformers.BertForSequenceClassification(hf_config()))
+    loaded = peft.PeftModel.from_pretrained(fresh, tmp_path / "adapter")
+    torch.testing.assert_close(loaded(**batch()).logits, trained, atol=1e-6, rtol=1e-6)
+    torch.manual_seed(0)  # and the adapter fastbert saved loads onto transformers' own model
+    hf_loaded = peft.PeftModel.from_pretrained(transformers.BertForSequenceClassification(hf_config()),
+                                               tmp_path / "adapter")
+    torch.testing.assert_close(hf_loaded(**batch()).logits, trained, atol=1e-5, rtol=1e-4)
+
+
+def test_forward_hooks_and_module_swaps_are_honoured():
+    torch.manual_seed(0)
+    model = fastbert.from_hf(transformers.BertForSequenceClassification(hf_config())).eval()
+    inputs = {k: v for k, v in batch().items() if k != "labels"}
+    reference = model.bert(**inputs).last_hidden_state
+    layer = model.bert.encoder.layer[0]
+    calls = []
+
+    def double(module, inputs, output):
+        calls.append(module)
+        return output * 2.0
+
+    for linear in (layer.attention.self.value, layer.intermediate.dense):
+        handle = linear.register_forward_hook(double)
+        hooked = model.bert(**inputs).last_hidden_state
+        handle.remove()
+        assert calls[-1] is linear and (hooked - reference).abs().max() > 1e-2
+    torch.testing.assert_close(model.bert(**inputs).last_hidden_state, reference)  # hooks gone: fused again
+
+    class RoundedLinear(nn.Linear):  # what a weight-quantizing tool swaps in: another module, same interface
+        def forward(self, x):
+            calls.append(self)
+            return nn.functional.linear(x, torch.round(self.weight * 8) / 8, self.bias)
+
+    swapped = RoundedLinear(32, 64)
+    swapped.load_state_dict(layer.intermediate.dense.state_dict())
+    layer.intermediate.dense = swapped
+    out = model(**batch()).logits
+    assert calls[-1] is swapped
+    theirs = model.to_hf().eval()  # transformers runs the same swapped module: the results agree
+    theirs.bert.encoder.layer[0].intermediate.dense = swapped
+    torch.testing.assert_close(out, theirs(**batch()).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_plain_linear_check():
+    linear = nn.Linear(4, 4)
+    assert is_plain_linear(linear)
+    handle = linear.register_forward_pre_hook(lambda module, args: None)
+    assert not is_plain_linear(linear)
+    handle.remove()
+    handle = nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    assert not is_plain_linear(linear)  # a global hook must see every Linear's call too
+    handle.remove()
+    assert is_plain_linear(linear) and not is_plain_linear(type("Sub", (nn.Linear,), {})(4, 4))

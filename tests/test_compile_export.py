@@ -1,0 +1,121 @@
+"""torch.compile(fullgraph=True) and torch.export of BertModel (padded, unpad=True, packed inputs) and of
+the MLM heads with labels, with their default outputs; the static MLM loss (max_predictions_per_seq)
+equals the exact one and its graph reads nothing back to the host."""
+import re
+
+import pytest
+import torch
+
+import fastbert
+
+LENGTHS = (9, 5, 2)
+HOST_READS = re.compile(r"aten\.(nonzero|item|_local_scalar_dense)\.")  # ops the host must read the result of
+
+
+def config(**overrides):
+    values = dict(backend="torch", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, vocab_size=97,
+                  max_position_embeddings=16)
+    return fastbert.BertConfig.tiny(**{**values, **overrides})
+
+
+def padded_batch(lengths=LENGTHS, labelled_per_row=2):
+    generator = torch.Generator().manual_seed(sum(lengths))
+    seqlen = max(lengths)
+    mask = (torch.arange(seqlen)[None, :] < torch.tensor(lengths)[:, None]).long()
+    ids = torch.randint(1, 97, (len(lengths), seqlen), generator=generator) * mask
+    labels = torch.full_like(ids, -100)
+    for row, length in enumerate(lengths):
+        positions = torch.randperm(length, generator=generator)[:labelled_per_row]
+        labels[row, positions] = ids[row, positions]
+    return dict(input_ids=ids, attention_mask=mask), labels
+
+
+def packed_batch():
+    inputs, _ = padded_batch()
+    real = inputs["attention_mask"].bool()
+    cu_seqlens = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    return dict(input_ids=inputs["input_ids"][real][None], cu_seqlens=cu_seqlens, max_seqlen=max(LENGTHS)), real
+
+
+def host_reads(exported):
+    return [str(node.target) for node in exported.graph.nodes if HOST_READS.match(str(node.target))]
+
+
+@pytest.mark.parametrize("layout", ["padded", "unpad", "packed"])
+def test_bert_model_compiles_fullgraph_and_exports(layout):
+    torch.manual_seed(0)
+    model = fastbert.BertModel(config(unpad=layout == "unpad")).eval()
+    inputs = packed_batch()[0] if layout == "packed" else padded_batch()[0]
+    expected = model(**inputs)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(**inputs)
+    exported = torch.export.export(model, (), inputs).module()(**inputs)
+    for got in (compiled, exported):
+        assert type(got) is type(expected) and got.keys() == expected.keys()
+        torch.testing.assert_close(got.last_hidden_state, expected.last_hidden_state, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.pooler_output, expected.pooler_output, atol=1e-5, rtol=1e-5)
+
+
+def test_exported_unpad_model_takes_other_padding():
+    """unpad=True has a data-dependent token count: the export keeps it symbolic, not the traced value."""
+    torch.manual_seed(0)
+    model = fastbert.BertModel(config(unpad=True)).eval()
+    exported = torch.export.export(model, (), padded_batch()[0]).module()
+    other, _ = padded_batch((9, 9, 1))
+    torch.testing.assert_close(exported(**other).last_hidden_state, model(**other).last_hidden_state,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_packed_inputs_equal_padded_ones():
+    torch.manual_seed(0)
+    model = fastbert.BertForPreTraining(config()).eval()
+    inputs, _ = padded_batch()
+    packed, real = packed_batch()
+    padded_out, packed_out = model(**inputs), model(**packed)
+    torch.testing.assert_close(packed_out.prediction_logits[0], padded_out.prediction_logits[real])
+    torch.testing.assert_close(packed_out.seq_relationship_logits, padded_out.seq_relationship_logits)
+    hf = {"cu_seq_lens_q": packed["cu_seqlens"], "cu_seq_lens_k": packed["cu_seqlens"], "max_length_q": 9,
+          "max_length_k": 9}  # transformers' DataCollatorWithFlattening names
+    torch.testing.assert_close(model(input_ids=packed["input_ids"], **hf).prediction_logits, packed_out.prediction_logits)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        model(**{**packed, "max_seqlen": 4})
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        model(**{**packed, "cu_seqlens": packed["cu_seqlens"].flip(0)})
+
+
+@pytest.mark.parametrize("name", ["BertForMaskedLM", "BertForPreTraining"])
+@pytest.mark.parametrize("budget", [0, 3])
+def test_mlm_heads_with_labels_compile_and_export(name, budget):
+    torch.manual_seed(0)
+    model = getattr(fastbert, name)(config(max_predictions_per_seq=budget)).train()
+    inputs, labels = padded_batch()
+    expected = model(**inputs, labels=labels)
+    expected.loss.backward()
+    grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    got = torch.compile(model, backend="aot_eager", fullgraph=True)(**inputs, labels=labels)
+    got.loss.backward()
+    torch.testing.assert_close(got.loss, expected.loss, atol=1e-6, rtol=1e-5)
+    for n, p in model.named_parameters():  # unused weights (no NSP label): no gradient, or zeros when compiled
+        grad = torch.zeros_like(p) if p.grad is None else p.grad
+        torch.testing.assert_close(grad, grads[n], atol=1e-6, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+    exported = torch.export.export(model, (), {**inputs, "labels": labels})
+    assert host_reads(exported) == []  # under tracing budget 0 reads every position: static too
+    torch.testing.assert_close(exported.module()(**inputs, labels=labels).loss, expected.loss, atol=1e-6, rtol=1e-5)
+
+
+def test_static_label_budget_equals_the_exact_loss():
+    torch.manual_seed(0)
+    exact = fastbert.BertForPreTraining(config()).train()
+    static = fastbert.BertForPreTraining(config(max_predictions_per_seq=2)).train()
+    static.load_state_dict(exact.state_dict())
+    inputs, labels = padded_batch(labelled_per_row=2)
+    nsp = torch.tensor([0, 1, 1])
+    a, b = exact(**inputs, labels=labels, next_sentence_label=nsp), static(**inputs, labels=labels, next_sentence_label=nsp)
+    for key in ("loss", "mlm_loss", "mlm_accuracy"):
+        torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=1e-6)
+    labels[0, :4] = inputs["input_ids"][0, :4]  # 4 labels in a row: more than the budget of 2
+    with pytest.raises(ValueError, match="max_predictions_per_seq"):
+        static(**inputs, labels=labels)
+    unlabelled = torch.full_like(labels, -100)  # no label at all: loss and accuracy 0, never NaN
+    out = static(**inputs, labels=unlabelled)
+    assert out.mlm_loss.item() == 0 and out.mlm_accuracy.item() == 0
