@@ -14,8 +14,8 @@ setup(
     package_dir={"fastbert.kernels": "kernels"},
     install_requires=["torch>=2.4", "numpy", "safetensors", "tqdm", "tokenizers", "filelock>=3.10"],
     extras_require={
-        # triton ships with CUDA builds of torch; on a CPU machine it is needed for the interpreter tests
-        # the client libraries the drop-in is tested with (Trainer needs accelerate)
+        # triton ships with CUDA builds of torch; on a CPU machine it is needed for the interpreter tests.
+        # sentence-transformers, peft, datasets, accelerate (for Trainer): the clients the drop-in is tested with
         "test": ["pytest", "pytest-xdist", "triton", "transformers>=5", "tokenizers", "sentence-transformers",
                  "peft", "datasets", "accelerate"],
         "bench": ["pytest-benchmark", "matplotlib", "transformers>=5", "psutil"],
