@@ -61,11 +61,14 @@ BAD_SOURCES = {
     "no config": (lambda src: (src / "config.json").unlink(), "has no config.json"),
     "garbage config": (lambda src: (src / "config.json").write_text("{nope"), "config.json: not a JSON config"),
     "no weights": (lambda src: (src / "model.safetensors").unlink(), "no model.safetensors or pytorch_model.bin"),
-    "garbage weights": (lambda src: (src / "model.safetensors").write_bytes(b"\x00" * 64), "weights cannot be loaded"),
-    "truncated weights": (lambda src: truncate(src / "model.safetensors", -100), "weights cannot be loaded"),
-    "shape mismatch": (lambda src: edit_config(src, intermediate_size=64), "weights cannot be loaded"),
+    "garbage weights": (lambda src: (src / "model.safetensors").write_bytes(b"\x00" * 64),
+                        "model.safetensors: cannot read the weights"),
+    "truncated weights": (lambda src: truncate(src / "model.safetensors", -100),
+                          "model.safetensors: cannot read the weights"),
+    "shape mismatch": (lambda src: edit_config(src, intermediate_size=64), "tensor shapes do not match the config"),
     "more layers than weights": (lambda src: edit_config(src, num_hidden_layers=3),
-                                 "has no weights for 24 tensors of BertModel"),
+                                 "num_hidden_layers=3 but the weights hold 1 layer(s) (0); missing encoder.layer.1, "
+                                 "encoder.layer.2"),
 }
 
 
