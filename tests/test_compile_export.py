@@ -110,8 +110,10 @@ def test_static_label_budget_equals_the_exact_loss():
     static.load_state_dict(exact.state_dict())
     inputs, labels = padded_batch(labelled_per_row=2)
     nsp = torch.tensor([0, 1, 1])
-    a, b = exact(**inputs, labels=labels, next_sentence_label=nsp), static(**inputs, labels=labels, next_sentence_label=nsp)
-    for key in ("loss", "mlm_loss", "mlm_accuracy"):
+    mask_token = int(inputs["input_ids"][labels != -100][0])  # some labelled inputs show this token
+    a, b = (model(**inputs, labels=labels, next_sentence_label=nsp, mask_token_id=mask_token) for model in (exact, static))
+    assert a.mlm_mask_accuracy is not None
+    for key in ("loss", "mlm_loss", "mlm_accuracy", "mlm_mask_accuracy"):
         torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=1e-6)
     labels[0, :4] = inputs["input_ids"][0, :4]  # 4 labels in a row: more than the budget of 2
     with pytest.raises(ValueError, match="max_predictions_per_seq"):
