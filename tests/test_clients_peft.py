@@ -41,16 +41,22 @@ def train(model, steps=2):
     return model
 
 
-@pytest.mark.parametrize("kind", ["fastbert", "apply"])
+@pytest.mark.parametrize("kind", ["fastbert", "apply before peft", "apply after peft"])
 def test_lora_on_query_and_value_trains_saves_and_loads(tmp_path, kind):
     torch.manual_seed(0)
     theirs = transformers.BertForSequenceClassification(hf_config())
-    base = fastbert.from_hf(theirs) if kind == "fastbert" else fastbert.apply(
-        transformers.BertForSequenceClassification(hf_config()).requires_grad_(True))
-    if kind == "apply":
+    if kind == "fastbert":
+        base = fastbert.from_hf(theirs)
+    else:
+        base = transformers.BertForSequenceClassification(hf_config())
         base.load_state_dict(theirs.state_dict())
+    if kind == "apply before peft":
+        fastbert.apply(base)
     plain = base(**batch()).logits.detach()
     ours, theirs = lora(base), lora(theirs)
+    if kind == "apply after peft":  # the adapters already in place are kept and called
+        assert fastbert.apply(ours) is ours
+    assert type(ours.base_model.model.bert.encoder) is fastbert.modeling.BertEncoder
     targeted = [name for name, _ in ours.named_modules() if name.endswith(("query", "value"))]
     assert len(targeted) == 4 and all(not is_plain_linear(ours.get_submodule(n)) for n in targeted)
     out = ours(**batch()).logits
