@@ -47,7 +47,11 @@ def tokenize_chunk(segments: list[Segment], tokenizer, encoding_errors: str) -> 
     pending_sentences = 0
 
     def encode() -> None:
-        encoded = iter(tokenizer.encode_batch([s for d in pending for s in d], add_special_tokens=False))
+        # at most ENCODE_BATCH sentences' Encoding objects (ids, tokens, offsets: ~2 KB each) at a time,
+        # even when one document (a book) holds many more
+        sentences = [s for d in pending for s in d]
+        encoded = (e for start in range(0, len(sentences), ENCODE_BATCH)
+                   for e in tokenizer.encode_batch(sentences[start:start + ENCODE_BATCH], add_special_tokens=False))
         for document in pending:
             for _ in document:
                 ids = next(encoded).ids
