@@ -26,11 +26,12 @@
 #
 # Limits. Head dim 32, 64 or 128; fp32, fp16 or bf16 (q, k, v of one dtype; fp32 dots run in TF32 on tensor
 # cores when PyTorch allows TF32 matmuls, else in exact IEEE fp32, PyTorch's default and the tests':
-# several times slower, without tensor cores and with large register spills); any sequence length (blocks are masked, not padded);
-# heads and batch up to 65535 (grid axes); q, k, v and the output gradient with any strides (offsets
-# across sequences and heads are int64; offsets inside one sequence must fit int32, checked). Block sizes
-# are autotuned on the GPU per (sequence length bucket, head dim, dtype, flags); the autotuned choice is
-# fixed within a process, so results are bitwise reproducible there.
+# several times slower, without tensor cores and with large register spills); any sequence length
+# (blocks are masked, not padded); heads and batch up to 65535 (grid axes); q, k, v and the output
+# gradient with any strides (offsets across sequences and heads are int64; offsets inside one sequence,
+# of the inputs and of the outputs, must fit int32, checked). Block sizes are autotuned on the GPU per
+# (sequence length bucket, head dim, dtype, dropout, precision), the same for the padded and the packed
+# layout; the autotuned choice is fixed within a process, so results are bitwise reproducible there.
 #
 # Sources: Dao, "FlashAttention-2" (2023), algorithms 1 and 2; the Triton tutorial "Fused Attention"
 # (06-fused-attention.py: base-2 softmax, the dk/dv-then-dq backward program, delta preprocess);
