@@ -8,8 +8,8 @@ Per parameter w with gradient g (Algorithm 2 of the paper, with Adam's bias corr
     m = b1 m + (1 - b1) g,  v = b2 v + (1 - b2) g^2,  m^ = m / (1 - b1^t),  v^ = v / (1 - b2^t)
     r = m^ / (sqrt(v^) + eps) + weight_decay * w
     w = w - lr * (||w|| / ||r||) * r          (trust ratio 1 when either norm is 0)
-The norms are whole-tensor norms; on FSDP2's sharded DTensor parameters they are reduced across
-ranks by DTensor, so the result does not depend on the sharding.
+The norms are whole-tensor norms; on FSDP2's sharded DTensor parameters each rank's shard norms are
+combined over the mesh (one all-reduce per group), so the result does not depend on the sharding.
 NVIDIA apex's FusedLAMB (same update, one fused kernel for all tensors) is used instead when apex
 imports and the parameters are plain CUDA tensors; apex is never a dependency. It runs with
 use_nvlamb=True (apex otherwise skips the trust ratio of parameters without weight decay) and
@@ -25,7 +25,9 @@ import torch
 
 class Lamb(torch.optim.Optimizer):
     """LAMB as above, multi-tensor: each parameter group's update is a fixed number of torch._foreach_*
-    calls (about 35), whatever its number of tensors, and nothing is read back to the host.
+    calls (about 35), whatever its number of tensors, and nothing is read back to the host (with
+    found_inf, one masked_fill per gradient more: 239 operations per step for BERT-base, against 3,058
+    for the update written one tensor at a time).
 
     To skip an update without a host sync, set `optimizer.found_inf` to a 0-d float tensor on the
     parameters' device (1 = skip) before step(), as torch's fused optimizers take it: weights, moments
