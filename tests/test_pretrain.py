@@ -267,30 +267,25 @@ def _cli_args(data, out, steps):
 
 def test_runs_exit_cleanly_when_finished_or_sigtermed(data, tmp_path):
     """Status 0 every time: never 134, the abort of a prefetch thread still in torch code at exit."""
-    for round in range(2):
-        finished = [_run_cli(_cli_args(data, tmp_path / f"done{round}{i}", 3)) for i in range(2)]
-        signalled = {tmp_path / f"term{round}{i}": None for i in range(2)}
-        for out in signalled:
-            signalled[out] = _run_cli(_cli_args(data, out, 100000))
-        deadline = time.time() + 120
-        for out, process in signalled.items():
-            metrics = out / "metrics.jsonl"
-            while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
-                time.sleep(0.2)
-            process.send_signal(signal.SIGTERM)
-        for process in finished:
-            output, _ = process.communicate(timeout=120)
-            assert process.returncode == 0 and "done: 3 steps" in output, output
-        for out, process in signalled.items():
-            output, _ = process.communicate(timeout=120)
-            assert process.returncode == 0, output
-            assert "stopped at step" in output and "(signal)" in output and "Traceback" not in output
-            step = int(output.split("stopped at step ")[1].split()[0])
-            assert step >= 2 and losses(out)[-1]["step"] == step
-            saved = out / "checkpoints" / f"step_{step:08d}"
-            assert (saved / "trainer.pt").exists() and (saved / "model" / "model.safetensors").exists()
-            assert not [n for n in os.listdir(out / "checkpoints") if n.startswith(".tmp")]
-            assert torch.load(saved / "trainer.pt", weights_only=False)["step"] == step
+    for round in range(2):  # each round: a run to its end and a SIGTERMed one, side by side
+        finished = _run_cli(_cli_args(data, tmp_path / f"done{round}", 3))
+        out = tmp_path / f"term{round}"
+        signalled = _run_cli(_cli_args(data, out, 100000))
+        metrics, deadline = out / "metrics.jsonl", time.time() + 120
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+            time.sleep(0.2)
+        signalled.send_signal(signal.SIGTERM)
+        output, _ = finished.communicate(timeout=120)
+        assert finished.returncode == 0 and "done: 3 steps" in output, output
+        output, _ = signalled.communicate(timeout=120)
+        assert signalled.returncode == 0, output
+        assert "stopped at step" in output and "(signal)" in output and "Traceback" not in output
+        step = int(output.split("stopped at step ")[1].split()[0])
+        assert step >= 2 and losses(out)[-1]["step"] == step
+        saved = out / "checkpoints" / f"step_{step:08d}"
+        assert (saved / "trainer.pt").exists() and (saved / "model" / "model.safetensors").exists()
+        assert not [n for n in os.listdir(out / "checkpoints") if n.startswith(".tmp")]
+        assert torch.load(saved / "trainer.pt", weights_only=False)["step"] == step
 
 
 def test_prefetch_thread_is_joined_on_every_exit(data, tmp_path, monkeypatch):
