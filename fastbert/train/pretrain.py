@@ -92,7 +92,11 @@ class PhaseBatches:
             steps = ((batches, host_stats(batches, run.config, phase.collator.mask_id))
                      for batches in loader.steps(progress.position))
             self.stream = prefetch(steps, run.cfg.prefetch, run.env.device.type == "cuda")
-        return next(self.stream)
+        micro_batches, host = next(self.stream)
+        # a static number of MLM rows per sequence (no host sync); more for a batch whose whole-word masking
+        # took a long first word
+        run.model.config.max_predictions_per_seq = max(run.phases[index].label_budget, host.most_labelled)
+        return micro_batches, host
 
     def close(self) -> None:
         if self.stream is not None:

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ class Phase:
     micro_batch_size: int
     dataset: ShardedDataset | None = None
     collator: MaskingCollator | None = None
+    label_budget: int = 1  # labelled tokens per sequence the MLM loss reads (BertConfig.max_predictions_per_seq)
 
 
 def plan_phases(cfg: PretrainConfig, max_positions: int, world_size: int) -> list[Phase]:
@@ -173,6 +175,8 @@ def _find_data(cfg: PretrainConfig, config, phases: list[Phase], env: distribute
     for phase in phases:
         phase.dataset = phase_dataset(data, phase.seq_length)
         phase.collator = MaskingCollator(phase.dataset.vocabulary(), cfg.mask_prob, cfg.whole_word_masking)
+        # the collator labels about mask_prob of a sequence's tokens (Google's max_predictions_per_seq: 20 at 128)
+        phase.label_budget = math.ceil(phase.seq_length * cfg.mask_prob)
     return phases[0].dataset
 
 

@@ -30,14 +30,17 @@ class HostStats:
     sequences: list[int]  # rows of each micro-batch
     tokens: int  # real (not padding) tokens, all micro-batches
     flops: float  # training FLOPs (metrics.training_flops), all micro-batches
+    most_labelled: int  # the most labelled tokens of one sequence
 
 
 def host_stats(micro_batches: list[dict], config, mask_id: int) -> HostStats:
     masked = [int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches]
     shown_masked = [int(((mb["labels"] != IGNORE_INDEX) & (mb["input_ids"] == mask_id)).sum()) for mb in micro_batches]
     lengths = [mb["attention_mask"].sum(1) for mb in micro_batches]
+    most = max(int((mb["labels"] != IGNORE_INDEX).sum(1).max()) for mb in micro_batches)
     return HostStats(masked, shown_masked, [mb["input_ids"].shape[0] for mb in micro_batches],
-                     int(sum(n.sum() for n in lengths)), sum(training_flops(config, n, m) for n, m in zip(lengths, masked)))
+                     int(sum(n.sum() for n in lengths)), sum(training_flops(config, n, m) for n, m in zip(lengths, masked)),
+                     most)
 
 
 @dataclass
