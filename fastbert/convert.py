@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 
@@ -17,10 +18,11 @@ from fastbert.cli import run_command
 from fastbert.config import BertConfig
 from fastbert.files import output_lock, replaced_directory
 from fastbert.finetune.loading import checkpoint_directory, load_checkpoint
+from fastbert.hub import TOKENIZER_FILES
 from fastbert.modeling import MODEL_CLASSES
 
-TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 CHECK_TOLERANCE = 1e-4  # fp32, absolute, on real (non-padding) tokens
+logger = logging.getLogger("fastbert.convert")
 
 
 def model_class_name(path: str) -> str:
@@ -52,7 +54,7 @@ def check_against_transformers(src: str, dst: str, name: str) -> float:
 def convert(src: str, dst: str, model_class: str | None = None, check: bool = False) -> int:
     """Write SRC back to DST as a clean HF directory; with check, compare with transformers (exit 1 on a mismatch).
     Raises ValueError (exit code 2) for anything that would make DST a wrong or partial copy of SRC."""
-    checkpoint_directory(src, "SRC")
+    src = checkpoint_directory(src, "SRC")
     if os.path.exists(dst) and os.path.samefile(src, dst):
         raise ValueError(f"DST {dst} is SRC: convert writes a new directory beside the one it reads; "
                          "choose another DST")
@@ -73,9 +75,9 @@ def convert(src: str, dst: str, model_class: str | None = None, check: bool = Fa
         for file in copied:
             shutil.copyfile(os.path.join(src, file), os.path.join(partial, file))
     params = sum(p.numel() for p in model.parameters())
-    print(f"{name}: {params / 1e6:.1f}M parameters, {model.config.num_hidden_layers} layers, "
-          f"hidden {model.config.hidden_size}; unexpected keys (not part of {name}) {info['unexpected_keys']}")
-    print(f"wrote {dst} (model.safetensors, config.json{''.join(', ' + f for f in copied)})")
+    logger.info(f"{name}: {params / 1e6:.1f}M parameters, {model.config.num_hidden_layers} layers, "
+                f"hidden {model.config.hidden_size}")
+    logger.info(f"wrote {dst} (model.safetensors, config.json{''.join(', ' + f for f in copied)})")
     if not check:
         return 0
     diff = check_against_transformers(src, dst, name)

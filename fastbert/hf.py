@@ -174,9 +174,10 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: s
     if on_meta:
         _initialise_missing(model, missing, dtype, target)
     model.tie_weights()
-    if missing or unexpected:
-        logger.warning("%s from %s: missing keys (newly initialised) %s; unexpected keys (ignored) %s",
-                       type(model).__name__, source, missing, unexpected)
+    reported = [f"{what} {keys}" for what, keys in (("missing keys (newly initialised)", missing),
+                                                     ("unexpected keys (ignored)", unexpected)) if keys]
+    if reported:
+        logger.warning("%s from %s: %s", type(model).__name__, source, "; ".join(reported))
     return {"missing_keys": missing, "unexpected_keys": unexpected}
 
 

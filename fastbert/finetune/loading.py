@@ -5,22 +5,27 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import warnings
 
 import torch
 
-ACCEPTED = ("it takes a local BERT checkpoint directory: config.json with model.safetensors or pytorch_model.bin "
-            "(sharded or not), as transformers' save_pretrained, `fastbert finetune` and `fastbert pretrain` "
-            "(runs/NAME/checkpoints/step_N/model) write it; a hub id must be downloaded first "
-            "(huggingface-cli download ID --local-dir DIR)")
+ACCEPTED = ("it takes a BERT checkpoint directory (config.json with model.safetensors or pytorch_model.bin, "
+            "sharded or not, as transformers' save_pretrained, `fastbert finetune` and `fastbert pretrain` "
+            "(runs/NAME/checkpoints/step_N/model) write it) or a hub id")
 
 
 def checkpoint_directory(path: str, flag: str = "--model") -> str:
-    """`path` when it is a directory with a readable config.json; ValueError saying what is accepted otherwise."""
+    """The local checkpoint directory `path` names: `path` itself, or a hub id resolved through the HF cache
+    (config, weights and tokenizer files). ValueError saying what is accepted when it is neither, or when
+    the directory has no readable config.json."""
+    from fastbert import hub
+
     if os.path.isfile(path):
         raise ValueError(f"{flag} {path} is a file; {ACCEPTED}")
     if not os.path.isdir(path):
-        raise ValueError(f"{flag} {path}: no such directory; {ACCEPTED}")
+        try:
+            path = hub.resolve(path, tokenizer=True)
+        except FileNotFoundError as exc:  # its message says what is accepted
+            raise ValueError(f"{flag} {exc}") from None
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         raise ValueError(f"{flag} {path} has no config.json; {ACCEPTED}")
@@ -37,17 +42,15 @@ def checkpoint_directory(path: str, flag: str = "--model") -> str:
 def load_checkpoint(cls, path: str, flag: str = "--model", **overrides):
     """(model, loading info) of `cls` from the checkpoint directory `path`. Unreadable weights (truncated
     or not safetensors, a damaged .bin or index, tensors whose shapes disagree with config.json) are a
-    ValueError naming the directory; missing and unexpected keys are left to the caller to report."""
+    ValueError naming the directory; missing and unexpected keys are logged (fastbert.hf) and returned."""
     from safetensors import SafetensorError
 
-    checkpoint_directory(path, flag)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            return cls.from_pretrained(path, output_loading_info=True, **overrides)
-        except (SafetensorError, RuntimeError, pickle.UnpicklingError, EOFError, KeyError) as exc:
-            raise ValueError(f"{flag} {path}: the weights cannot be loaded ({type(exc).__name__}: "
-                             f"{str(exc).strip()[:500]}); the files are damaged or do not match config.json") from None
+    path = checkpoint_directory(path, flag)
+    try:
+        return cls.from_pretrained(path, output_loading_info=True, **overrides)
+    except (SafetensorError, RuntimeError, pickle.UnpicklingError, EOFError, KeyError) as exc:
+        raise ValueError(f"{flag} {path}: the weights cannot be loaded ({type(exc).__name__}: "
+                         f"{str(exc).strip()[:500]}); the files are damaged or do not match config.json") from None
 
 
 def resolve_device(name: str | None) -> torch.device:

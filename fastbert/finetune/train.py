@@ -127,16 +127,6 @@ def build_task(cfg: FinetuneConfig, packer: Packer) -> Task:
     return SequenceTask(packer, columns, regression=cfg.task == "regression")
 
 
-def load_model(task: Task, path: str, **overrides) -> torch.nn.Module:
-    """The task's model class from an HF directory, the newly initialised head reported in one line."""
-    model, info = load_checkpoint(task.model_class, path, **overrides)
-    if info["missing_keys"]:
-        logger.info(f"newly initialised: {', '.join(info['missing_keys'])}")
-    if info["unexpected_keys"]:
-        logger.info(f"not used by {task.model_class.__name__}: {', '.join(info['unexpected_keys'])}")
-    return model
-
-
 def check_output_directory(out: str, model: str) -> None:
     """--out is replaced as a whole when the run ends: refuse one that holds the model or other files."""
     out_path, model_path = os.path.realpath(out), os.path.realpath(model)
@@ -186,14 +176,14 @@ def finetune(cfg: FinetuneConfig) -> dict:
     cfg.validate()
     device = resolve_device(cfg.device)
     uses_bf16_autocast(cfg.precision, device)  # raises now for "bf16" off CUDA
-    checkpoint_directory(cfg.model)
-    check_output_directory(cfg.out, cfg.model)
+    model_dir = checkpoint_directory(cfg.model)  # a hub id becomes its directory in the HF cache
+    check_output_directory(cfg.out, model_dir)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
-    config = BertConfig.from_json(cfg.model)
-    tokenizer = tokenizer_for(cfg.model, cfg.tokenizer, cfg.lowercase)
+    config = BertConfig.from_json(model_dir)
+    tokenizer = tokenizer_for(model_dir, cfg.tokenizer, cfg.lowercase)
     if tokenizer.get_vocab_size() > config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, more than the model's "
                          f"vocab_size ({config.vocab_size}): they do not belong together")
@@ -222,11 +212,11 @@ def finetune(cfg: FinetuneConfig) -> dict:
                      attention_probs_dropout_prob=cfg.dropout, classifier_dropout=None)
     if cfg.backend:
         overrides["backend"] = cfg.backend
-    model = load_model(task, cfg.model, **overrides).float().to(device).train()
+    model = load_checkpoint(task.model_class, model_dir, **overrides)[0].float().to(device).train()
 
     def save(directory: str, predictions) -> None:
         model.save_pretrained(directory)
-        save_tokenizer_files(tokenizer, cfg.model, directory)
+        save_tokenizer_files(tokenizer, model_dir, directory)
         with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=2)
         if predictions is not None:
