@@ -60,13 +60,18 @@ def test_sentence_transformer_encode_save_reload_train(tmp_path, one_thread):
                                    reference.encode(SENTENCES, convert_to_tensor=True), atol=1e-5, rtol=1e-4)
 
 
-def test_cross_encoder_predict_save_reload_train(tmp_path, one_thread):
+@pytest.mark.parametrize("kind", ["fastbert model", "fastbert.apply"])
+def test_cross_encoder_predict_save_reload_train(tmp_path, one_thread, kind):
     torch.manual_seed(0)  # MiniLM has no classifier: CrossEncoder initialises one from the seed
     reference = st.CrossEncoder(MINILM, num_labels=1, device="cpu")
     applied = st.CrossEncoder(MINILM, num_labels=1, device="cpu")
     applied.model.load_state_dict(reference.model.state_dict())
     expected = reference.predict(PAIRS, convert_to_tensor=True)
-    assert fastbert.apply(applied) is applied
+    if kind == "fastbert model":
+        applied[0].model = fastbert.from_hf(applied[0].model)
+        assert type(applied.model) is fastbert.BertForSequenceClassification
+    else:
+        assert fastbert.apply(applied) is applied
     torch.testing.assert_close(applied.predict(PAIRS, convert_to_tensor=True), expected, atol=1e-5, rtol=1e-5)
 
     data = datasets.Dataset.from_dict({"sentence1": [a for a, _ in PAIRS], "sentence2": [b for _, b in PAIRS],

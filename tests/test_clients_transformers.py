@@ -1,6 +1,7 @@
 """fastbert inside transformers' own machinery, offline on CPU: Trainer (train, evaluate, save, reload with
-AutoModel*, resume, gradient checkpointing), the four pipelines, the Auto classes, and `fastbert.apply` on
-transformers' BERT classes. Results equal transformers' within DESIGN.md's tolerance."""
+AutoModel*, resume, gradient checkpointing; a fastbert model and a model accelerated by `fastbert.apply`),
+the four pipelines, the Auto classes, and `fastbert.apply` on transformers' BERT classes. Results equal
+transformers' within DESIGN.md's tolerance."""
 import copy
 
 import pytest
@@ -54,14 +55,21 @@ def assert_same_parameters(ours, theirs, atol=1e-5):
         torch.testing.assert_close(param, theirs[name], atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
-def test_trainer_train_evaluate_save_reload_resume(tmp_path, tokenizer, one_thread):
+def fastbert_version(model, kind):
+    """fastbert's model converted from transformers' `model`, or a copy of `model` accelerated in place."""
+    return fastbert.from_hf(model) if kind == "fastbert model" else fastbert.apply(copy.deepcopy(model))
+
+
+@pytest.mark.parametrize("kind", ["fastbert model", "fastbert.apply"])
+def test_trainer_train_evaluate_save_reload_resume(tmp_path, tokenizer, one_thread, kind):
     torch.manual_seed(0)
     theirs = transformers.BertForSequenceClassification(tiny_config())
-    ours = fastbert.from_hf(theirs)
+    ours = fastbert_version(theirs, kind)
     their_trainer = trainer_for(theirs, tokenizer, tmp_path / "theirs")
     trainer = trainer_for(ours, tokenizer, tmp_path / "ours")
     their_trainer.train()
     trainer.train()
+    assert type(ours.bert.encoder) is fastbert.modeling.BertEncoder
     assert ours.bert.encoder.gradient_checkpointing  # the Trainer's gradient_checkpointing reached fastbert
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     their_losses = [row["loss"] for row in their_trainer.state.log_history if "loss" in row]
@@ -82,7 +90,7 @@ def test_trainer_train_evaluate_save_reload_resume(tmp_path, tokenizer, one_thre
     torch.testing.assert_close(routed(**batch).logits, expected, atol=1e-5, rtol=1e-5)
 
     torch.manual_seed(1)  # another initialisation: resuming must restore the checkpoint's weights
-    resumed = fastbert.from_hf(transformers.BertForSequenceClassification(tiny_config()))
+    resumed = fastbert_version(transformers.BertForSequenceClassification(tiny_config()), kind)
     trainer_for(resumed, tokenizer, tmp_path / "ours").train(resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-2"))
     assert_same_parameters(resumed, ours)
 
