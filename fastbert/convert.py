@@ -88,7 +88,7 @@ def convert(src: str, dst: str, model_class: str | None = None, check: bool = Fa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fastbert convert", description=__doc__)
-    parser.add_argument("src", help="HF BERT checkpoint directory to read")
+    parser.add_argument("src", help="HF BERT checkpoint directory (or hub id) to read")
     parser.add_argument("dst", help="directory to write (config.json, model.safetensors, tokenizer files)")
     parser.add_argument("--model-class", choices=sorted(MODEL_CLASSES),
                         help="class to load as (default: config.json's architectures, else BertModel)")

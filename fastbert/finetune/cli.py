@@ -20,7 +20,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastbert finetune", description=__doc__.split("\n")[0].split(": ", 1)[1],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--task", required=True, choices=TASKS)
-    p.add_argument("--model", required=True, help="HF BERT directory (transformers' or a fastbert pretraining run's)")
+    p.add_argument("--model", required=True, help="HF BERT directory (transformers' or a fastbert pretraining run's) "
+                                                        "or a hub id (read from the HF cache)")
     p.add_argument("--train", required=True, help="training file (CSV/TSV/JSONL, CoNLL, or SQuAD JSON by task)")
     p.add_argument("--eval", help="evaluation file in the same format; the best epoch on it is saved")
     p.add_argument("--out", default=defaults.out, help="output directory (HF format)")

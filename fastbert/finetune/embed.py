@@ -133,7 +133,7 @@ def embed(model, packer: Packer, texts: list[tuple[str, str | None]], layers=(-4
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastbert embed", description=__doc__.split("\n")[0].split(": ", 1)[1],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True, help="HF BERT directory (any fastbert loads)")
+    p.add_argument("--model", required=True, help="HF BERT directory or hub id (any fastbert loads)")
     p.add_argument("--input", required=True, help="text file, one sequence per line (' ||| ' for pairs), or a table")
     p.add_argument("--out", required=True, help="output .npy file")
     p.add_argument("--tokenizer", help="tokenizer.json or vocab.txt (default: the model directory's)")

@@ -1,5 +1,5 @@
-"""What `fastbert finetune`, `embed` and `convert` are pointed at: the checkpoint directory, its weights
-and the device, each checked so that a wrong one is a message naming the argument, never a traceback."""
+"""What `fastbert finetune`, `embed` and `convert` are pointed at: the checkpoint directory (or hub id), its
+weights and the device, each checked so that a wrong one is a message naming the argument, never a traceback."""
 from __future__ import annotations
 
 import json
