@@ -15,7 +15,8 @@ import torch
 from fastbert import BertConfig, BertForPreTraining
 from fastbert.data import prepare
 from fastbert.hf import read_state_dict
-from fastbert.train import pretrain
+from fastbert.modeling import BertPreTrainedModel
+from fastbert.train import checkpoint, pretrain
 from fastbert.train.optim import Lamb, build_optimizer, linear_warmup_decay
 from tests.test_data import write_corpus
 
@@ -104,6 +105,49 @@ def test_resume_is_exact_and_checkpoints_are_pruned(data, tmp_path):
     assert info == {"missing_keys": [], "unexpected_keys": []}
     again = pretrain.train(config(data, parts), SMALL)  # a finished run is not run again
     assert again["step"] == 6 and losses(parts) == losses(whole)
+
+
+def test_a_checkpoint_is_written_while_the_loop_goes_on(data, tmp_path, monkeypatch):
+    """A save costs the loop the copy of the state to host memory, nothing more: the files of step s's
+    checkpoint are written only once step s + 2 has begun (a save that wrote in the loop would wait for
+    it forever), and they hold step s's weights, not the ones the loop has moved on to."""
+    weights_before_step = []  # [i]: the weights when step i + 1 begins
+    step, save = pretrain.train_step, checkpoint.save_checkpoint
+
+    def recording_step(run, *args, **kwargs):
+        weights_before_step.append({n: p.detach().clone() for n, p in run.model.named_parameters()})
+        return step(run, *args, **kwargs)
+
+    def save_once_the_loop_is_two_steps_on(root, saved_step, *args, **kwargs):
+        deadline = time.monotonic() + 30
+        while saved_step < 6 and len(weights_before_step) < saved_step + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        written_at.append((saved_step, len(weights_before_step)))
+        return save(root, saved_step, *args, **kwargs)
+
+    written_at = []
+    monkeypatch.setattr(pretrain, "train_step", recording_step)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_once_the_loop_is_two_steps_on)
+    pretrain.train(config(data, tmp_path, save_every=2, keep_checkpoints=3), SMALL)
+    assert written_at == [(2, 4), (4, 6), (6, 6)]
+    for saved_step in (2, 4):
+        saved = read_state_dict(os.path.join(tmp_path, "checkpoints", f"step_{saved_step:08d}", "model"))
+        expected = weights_before_step[saved_step]
+        assert not torch.equal(expected["bert.pooler.dense.weight"],
+                               weights_before_step[saved_step + 1]["bert.pooler.dense.weight"])
+        assert all(torch.equal(saved[name], expected[name]) for name in expected)
+
+
+def test_a_resume_builds_the_model_on_the_meta_device(data, tmp_path, monkeypatch):
+    """The weights a checkpoint is about to replace are never randomly initialised first."""
+    pretrain.train(config(data, tmp_path, stop_at=2), SMALL)
+    initialised, init = [], BertPreTrainedModel._init_weights
+    monkeypatch.setattr(BertPreTrainedModel, "_init_weights",
+                        lambda self, module: initialised.append(type(module).__name__) or init(self, module))
+    assert pretrain.train(config(data, tmp_path, steps=3), SMALL)["step"] == 3  # resumed at step 2
+    assert initialised == []
+    pretrain.train(config(data, tmp_path / "fresh", steps=1), SMALL)
+    assert "Linear" in initialised  # a fresh run does initialise
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(data, tmp_path, monkeypatch):

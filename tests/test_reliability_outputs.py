@@ -2,9 +2,11 @@
 prepare-data, the built-in corpus cache), locked against a second writer, with the umask's permissions;
 every bad input a message naming the file or argument, exit code 2, nothing destroyed.
 docs/reliability.md lists each case with its test here."""
+import ast
 import hashlib
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -359,3 +361,19 @@ def test_two_runs_preparing_the_builtin_corpus_at_once_share_one_cache(tmp_path)
     out, err, rc = builtin(tmp_path)
     assert rc == 0 and "rebuilding the built-in corpus's cache" in err, err
     assert ShardedDataset(os.path.join(root, "seq32")).metadata["fingerprint"] == datasets[0].metadata["fingerprint"]
+
+
+def test_every_row_of_the_reliability_table_names_a_test_that_exists():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "reliability.md"), encoding="utf-8") as f:
+        rows = [line.rstrip() for line in f if line.startswith("| ") and not line.startswith(("| fault", "| ---"))]
+    tests = {}
+    for row in rows:
+        match = re.fullmatch(r"`(tests/\w+\.py)::(\w+)`", row.rstrip("|").rsplit("|", 1)[1].strip())
+        assert match, f"the last cell of this row is not one test: {row}"
+        file, name = match.groups()
+        if file not in tests:
+            with open(os.path.join(root, file), encoding="utf-8") as f:
+                tests[file] = {node.name for node in ast.parse(f.read()).body if isinstance(node, ast.FunctionDef)}
+        assert name in tests[file], f"{file} has no {name}: {row}"
+    assert len(rows) >= 40
