@@ -14,6 +14,7 @@ import torch
 
 from fastbert import BertForPreTraining
 from fastbert.data import prepare
+from fastbert.data.shards import ShardedDataset
 from fastbert.files import output_lock
 from fastbert.train import pretrain
 from tests.test_data import write_corpus
@@ -125,7 +126,10 @@ def test_a_resume_that_would_not_continue_the_run_is_refused_naming_the_option(d
     assert checkpoint_steps(resumable) == [2] and not (resumable / "previous").exists()  # nothing touched
 
 
-def test_a_resume_on_other_data_is_refused(other_data, resumable, capsys):
+def test_a_resume_on_other_data_is_refused(data, other_data, resumable, capsys):
+    lengths = (16, 32)
+    assert [ShardedDataset(f"{other_data}/seq{n}").vocab_size for n in lengths] == \
+        [ShardedDataset(f"{data}/seq{n}").vocab_size for n in lengths]  # the model fits either
     assert pretrain.main(cli(other_data, resumable)) == 2
     assert "--data: the length-16 dataset is not the one the checkpoint's run read" in capsys.readouterr().err
 
