@@ -2,6 +2,7 @@
 options are clear errors, and 2-process torchrun runs (DDP and FSDP2, gloo on CPU) match 1 process."""
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -175,6 +176,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(data, tmp_path, monkeypa
 @pytest.mark.parametrize("argv,message", [
     (["--data", "/nonexistent/data"], "is not a directory"),
     (["--keep-checkpoints", "1"], "--keep-checkpoints must be >= 2"),
+    (["--threads", "-1"], "--threads must be >= 0"),
     (["--model.hidden_sise", "8"], "no field 'hidden_sise'"),
     (["--seq-lengths", "128,512"], "max_position_embeddings=128"),
     (["--batch-size", "8", "--micro-batch-size", "3"], "must divide"),
@@ -467,3 +469,79 @@ def test_fp16_loss_scaling_runs_and_is_checkpointed(data, tmp_path):
     state = torch.load(os.path.join(result["checkpoint"], "trainer.pt"), weights_only=False)
     assert state["scaler"]["scale"] > 0 and state["bad_steps_in_row"] == 0
     assert all(r["loss"] is not None and r["loss"] > 0 for r in losses(tmp_path))
+
+
+def test_demo_options_apply_to_the_demo_only(tmp_path):
+    from fastbert.train.options import DEMO_MODEL, DEMO_OPTIONS, PretrainConfig, parse_args
+    cfg, overrides = parse_args([], "")
+    assert {k: getattr(cfg, k) for k in DEMO_OPTIONS} == DEMO_OPTIONS and overrides == DEMO_MODEL
+    cfg, overrides = parse_args(["--lr", "5e-4", "--model.hidden_dropout_prob", "0.1"], "")  # flags win
+    assert cfg.lr == 5e-4 and cfg.steps == DEMO_OPTIONS["steps"] and overrides["hidden_dropout_prob"] == 0.1
+    # a corpus or a model of the user's (even the tiny preset named): the paper's recipe
+    assert parse_args(["--data", str(tmp_path)], "") == (PretrainConfig(data=str(tmp_path)), {})
+    for model in ("base", "tiny"):
+        assert parse_args(["--model", model], "") == (PretrainConfig(model=model), {})
+
+
+def test_threads_hold_for_the_run_only(data, tmp_path, monkeypatch):
+    seen, step = [], pretrain.train_step
+    monkeypatch.setattr(pretrain, "train_step", lambda *args: seen.append(torch.get_num_threads()) or step(*args))
+    before = torch.get_num_threads()
+    pretrain.train(config(data, tmp_path, steps=2, threads=before + 1, seq_lengths="16", phase_fractions="1"), SMALL)
+    assert seen == [before + 1] * 2 and torch.get_num_threads() == before
+
+
+def chance_levels(dataset) -> tuple[float, float, float]:
+    """What a model that learned nothing from the inputs scores on this data: the NSP accuracy of always
+    answering the more common label, the MLM accuracy of always answering the most common token; and the
+    mean number of tokens per example that masking may pick (all but [CLS] and [SEP]s)."""
+    import numpy as np
+    counts, labels, maskable = np.zeros(dataset.vocab_size, dtype=np.int64), [], []
+    specials = [dataset.special_ids[name] for name in ("cls", "sep")]
+    for i in range(len(dataset)):
+        tokens, _, label = dataset[i]
+        tokens = tokens[~np.isin(tokens, specials)]
+        counts += np.bincount(tokens, minlength=dataset.vocab_size)
+        labels.append(label)
+        maskable.append(len(tokens))
+    return max(np.mean(labels), 1 - np.mean(labels)), counts.max() / counts.sum(), float(np.mean(maskable))
+
+
+DEMO_TEST_STEPS = 300  # the demo shortened (its warm-up and decay scaled along): about 35 CPU-seconds of training
+
+
+def test_the_demo_learns(tmp_path, monkeypatch, caplog):
+    """The demo, run as the README says but shorter, scores above what a model that does not learn
+    scores, by 4 standard errors of the predictions the compared rows hold; its last line names the model
+    and the tokenizer, and its fine-tuning command takes them."""
+    from fastbert.data.shards import ShardedDataset
+    from fastbert.finetune import cli as finetune_cli
+    from fastbert.train.options import parse_args
+    monkeypatch.setenv("FASTBERT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level("INFO", logger="fastbert")
+    assert pretrain.main(["--steps", str(DEMO_TEST_STEPS), "--no-progress", "--peak-tflops", "1"]) == 0
+    with open(tmp_path / "runs" / "tiny-stdlib" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    last = rows[-len(rows) // 10:]
+    mean = {k: sum(r[k] for r in last) / len(last) for k in ("mlm_accuracy", "mlm_mask_accuracy", "nsp_accuracy")}
+    cfg = parse_args([], "")[0]  # the demo's
+    dataset = os.path.join(prepare.builtin_dir(BertConfig.tiny().vocab_size), f"seq{cfg.seq_lengths}")
+    nsp_chance, unigram, maskable = chance_levels(ShardedDataset(dataset))
+    sequences = len(last) * cfg.log_every * cfg.batch_size
+    labelled = sequences * maskable * cfg.mask_prob
+    nsp_floor = nsp_chance + 4 * (nsp_chance * (1 - nsp_chance) / sequences) ** 0.5
+    mlm_floor = unigram + 4 * (unigram * (1 - unigram) / labelled) ** 0.5
+    assert mean["nsp_accuracy"] > nsp_floor and mean["mlm_accuracy"] > mlm_floor, (mean, nsp_floor, mlm_floor)
+    assert 0 < mean["mlm_mask_accuracy"] < mean["mlm_accuracy"], mean  # the latter counts tokens shown as they are
+    hint = caplog.records[-1].getMessage()  # the last line: where the model is and how to fine-tune it
+    command = shlex.split(hint.split("fine-tune it with: ")[1].split(" (")[0])
+    assert command[:2] == ["fastbert", "finetune"], hint
+    model = command[command.index("--model") + 1]
+    assert model == os.path.join("runs", "tiny-stdlib", "checkpoints", f"step_{DEMO_TEST_STEPS:08d}", "model")
+    with open("train.tsv", "w") as f:
+        f.write("sentence\tlabel\n" + "".join(f"{w} of the module\t{w[0]}\n" for w in ("abs", "bool", "all", "bin")))
+    with open("dev.tsv", "w") as f:
+        f.write("sentence\tlabel\nany of the module\ta\n")
+    assert finetune_cli.main(command[2:] + ["--max-steps", "1", "--no-progress"]) == 0
+    assert os.path.isfile(os.path.join("finetuned", "config.json"))

@@ -20,7 +20,7 @@ EXACT_OPTIONS = ("optimizer", "beta1", "beta2", "eps", "weight_decay", "batch_si
 # these may change on resume: the new value is used from the resume step on
 CHANGEABLE_OPTIONS = ("steps", "lr", "warmup", "max_grad_norm", "phase_fractions", "micro_batch_size", "log_every",
                       "save_every", "keep_checkpoints", "max_bad_steps", "stop_at", "activation_checkpointing",
-                      "distributed", "device", "prefetch", "progress", "peak_tflops")
+                      "distributed", "device", "prefetch", "threads", "progress", "peak_tflops")
 # BertConfig fields that shape the weights: a checkpoint with others cannot be loaded at all
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings",
                 "type_vocab_size")

@@ -1,15 +1,17 @@
 """`fastbert pretrain`: BERT pretraining (masked LM + next sentence prediction), one process or many.
 
-    fastbert pretrain                                   # built-in demo: tiny model, stdlib docstrings, CPU
+    fastbert pretrain                                   # the demo: a small model learns on a CPU
     fastbert pretrain --data data/ --model base --steps 1000000 --batch-size 256
     torchrun --nproc_per_node=8 -m fastbert.cli pretrain --data data/ --model large --distributed fsdp
     fastbert pretrain --config run.json --lr 2e-4 --model.hidden_dropout_prob 0.0
 
 Options are the fields of PretrainConfig (--config FILE reads them from JSON; later flags win);
---model.<field> VALUE overrides a BertConfig field. Outputs go to ./runs/<run name>/ (or --out):
-metrics.jsonl (one JSON object per logged step), config.json (the run's options) and
-checkpoints/step_N/ (see fastbert.train.checkpoint). Running the same command again resumes from
-the newest complete checkpoint, exactly: the losses are those of the uninterrupted run.
+--model.<field> VALUE overrides a BertConfig field. Without --data and --model, the demo's options
+(fastbert.train.options.DEMO_OPTIONS, DEMO_MODEL) replace some of the defaults below. Outputs go to
+./runs/<run name>/ (or --out): metrics.jsonl (one JSON object per logged step), config.json (the
+run's options) and checkpoints/step_N/ (see fastbert.train.checkpoint). Running the same command
+again resumes from the newest complete checkpoint, exactly: the losses are those of the uninterrupted
+run.
 
 Loss normalisation: the MLM loss is the mean over all masked tokens of the global batch and the NSP
 loss the mean over its sequences, whatever the number of ranks and micro-batches: each micro-batch
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -32,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from fastbert.data.loader import PretrainingLoader, prefetch
+from fastbert.data.shards import VOCAB_FILE
 from fastbert.train import checkpoint, distributed, state
 from fastbert.train.metrics import MetricsLog, Window, measure_peak_flops
 from fastbert.train.options import PretrainConfig, parse_args
@@ -161,10 +165,21 @@ def train(cfg: PretrainConfig, model_overrides: dict | None = None) -> dict:
             run.info(f"the run in {run.out} is already complete at step {progress.step}; use --run-name or --out "
                      "to start a new one")
             return _result(run, progress, run.resume, stopped=None)
-        with contextlib.closing(state.Saver(run)) as saver:
+        with contextlib.closing(state.Saver(run)) as saver, torch_threads(cfg.threads):
             return _train(run, progress, saver)
     finally:
         run.close()
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """torch's intra-op threads set to `count` (0: left as they are) while the block runs, then restored."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count or previous)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _train(run: Run, progress: state.Progress, saver: state.Saver) -> dict:
@@ -176,6 +191,7 @@ def _train(run: Run, progress: state.Progress, saver: state.Saver) -> dict:
     bar = tqdm(total=cfg.steps, initial=progress.step, disable=not (run.env.is_main and cfg.progress),
                dynamic_ncols=True)
     last_saved, stopped, batches = progress.step if run.resume else -1, None, PhaseBatches(run, progress)
+    record = None
     with stop_signals(), contextlib.closing(bar), contextlib.closing(batches):
         while progress.step < cfg.steps:
             micro_batches, host = batches.next()
@@ -204,8 +220,24 @@ def _train(run: Run, progress: state.Progress, saver: state.Saver) -> dict:
         run.info(f"stopped at step {progress.step} ({stopped}); checkpoint {path}; run the same command again to "
                  "resume")
     else:
-        run.info(f"done: {progress.step} steps; model and checkpoint in {path}; metrics in {run.metrics_file}")
+        last = f" (last logged: {_summary(record)})" if record else ""
+        run.info(f"done: {progress.step} steps{last}; checkpoint {path}; metrics in {run.metrics_file}")
+        if path:
+            run.info(_finetune_hint(run, os.path.join(path, state.MODEL_DIR)))
     return _result(run, progress, path, stopped)
+
+
+def _finetune_hint(run: Run, model: str) -> str:
+    """A finished run's last line: where the model is and the command that fine-tunes it, with the data's
+    tokenizer (a checkpoint holds none)."""
+    dataset = run.phases[0].dataset.directory
+    tokenizer = os.path.join(os.path.dirname(dataset), "tokenizer.json")
+    if not os.path.isfile(tokenizer):
+        tokenizer = os.path.join(dataset, VOCAB_FILE)
+    command = shlex.join(["fastbert", "finetune", "--task", "classification", "--model", model,
+                          "--tokenizer", tokenizer, "--train", "train.tsv", "--eval", "dev.tsv"])
+    return (f"the model (HF format) is {model}; fine-tune it with: {command} (train.tsv, dev.tsv: tables with "
+            "the columns sentence and label; other tasks: docs/finetuning.md)")
 
 
 def _metrics_line(run: Run, progress: state.Progress, window: Window, reading, peak: float) -> dict:
