@@ -38,6 +38,7 @@
 # flash-attention's flash_attn_triton.py and its varlen interface (cu_seqlens, max_seqlen).
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -71,10 +72,29 @@ AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "DROPOUT", "DOT_PRECISION"]
 FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3),
                         (64, 32, 4, 2)], (128, 64, 4, 1))
 # Backward (BLOCK_MAJOR, BLOCK_MINOR): a program holds a major block (k, v, dk, dv, then q, dO, dq) and
-# streams small minor blocks through it.
-BWD_CONFIGS = _configs([(128, 32, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3),
-                        (64, 16, 4, 2)], (128, 64, 4, 1), names=("BLOCK_MAJOR", "BLOCK_MINOR"))
+# streams small minor blocks through it. A major block of 128 takes 8 warps: on 4, the fp32 dk and dv
+# alone fill half the registers and the rest spilled (48 to 472 bytes on sm_90a); 64 x 64 on 4 warps
+# spilled 4 bytes with Triton 3.6.
+BWD_CONFIGS = _configs([(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 16, 4, 2)],
+                       (128, 64, 4, 1), names=("BLOCK_MAJOR", "BLOCK_MINOR"))
 PREPROCESS_BLOCK_M = 64
+# With dropout each probability draws its own Philox number, whose state takes registers: the blocks keep
+# at most this many probabilities per thread (more spilled 20 to 88 bytes in the forward, 24 in the
+# backward, on sm_90a).
+FWD_DROPOUT_PROBABILITIES_PER_THREAD = 32
+BWD_DROPOUT_PROBABILITIES_PER_THREAD = 16
+
+
+def _prune_for_dropout(probabilities_per_thread: int):
+    """An autotuner's early_config_prune: with DROPOUT, the configs whose score block spreads at most
+    `probabilities_per_thread` over its threads."""
+    def prune(configs, named_args, **kwargs):
+        if not kwargs["DROPOUT"]:
+            return configs
+        fitting = [c for c in configs
+                   if math.prod(c.kwargs.values()) // (32 * c.num_warps) <= probabilities_per_thread]
+        return fitting or configs[-1:]
+    return prune
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -120,7 +140,8 @@ def _dropout_keep(seed, b, h, rows, cols, dropout_p):
     return tl.uint_to_uniform_float(r) >= dropout_p
 
 
-@triton.autotune(configs=FWD_CONFIGS, key=AUTOTUNE_KEY)
+@triton.autotune(configs=FWD_CONFIGS, key=AUTOTUNE_KEY,
+                 prune_configs_by={"early_config_prune": _prune_for_dropout(FWD_DROPOUT_PROBABILITIES_PER_THREAD)})
 @triton.jit
 def _attention_fwd_kernel(
     Q,  # [B, heads, S, d] (VARLEN: [T, heads, d]), strides (stride_qb, stride_qh, stride_qs, stride_qd)
@@ -242,7 +263,8 @@ def _attention_bwd_preprocess_kernel(
 #     dQ = scale * dS K,      dK = scale * dS^T Q
 # Masked keys have P = 0 (so dS = 0); padded query rows have lse = +inf (so P = 0).
 
-@triton.autotune(configs=BWD_CONFIGS, key=AUTOTUNE_KEY)
+@triton.autotune(configs=BWD_CONFIGS, key=AUTOTUNE_KEY,
+                 prune_configs_by={"early_config_prune": _prune_for_dropout(BWD_DROPOUT_PROBABILITIES_PER_THREAD)})
 @triton.jit
 def _attention_bwd_kernel(
     Q, K, V,  # [B, heads, S, d] (VARLEN: [T, heads, d]), any strides
