@@ -401,6 +401,8 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.mm(a, b)
     if a.is_cuda and _MM_HAS_OUT_DTYPE:
         return torch.mm(a, b, out_dtype=torch.float32)
+    if not torch.amp.is_autocast_available(a.device.type):  # meta tensors (shape checks, the compile audit)
+        return torch.mm(a.float(), b.float())
     with torch.autocast(a.device.type, enabled=False):  # a backward run under autocast would cast them back
         return torch.mm(a.float(), b.float())
 

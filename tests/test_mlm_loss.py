@@ -138,6 +138,14 @@ def test_bf16_dx_accumulates_chunks_in_fp32(device, monkeypatch):
                             target.to(device), reduction="sum")
 
 
+def test_chunk_product_in_fp32_on_meta_tensors():
+    """The backward's fp32 dz W also runs on meta tensors (shape-only runs such as the compile audit):
+    autocast, which it switches off elsewhere, does not exist there."""
+    dz, weight = (torch.empty(shape, dtype=torch.bfloat16, device="meta") for shape in ((40, 64), (64, 768)))
+    product = mlm_loss._mm_fp32(dz, weight)
+    assert (product.shape, product.dtype) == ((40, 768), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_gpu_tiles_odd_sizes_strided_inputs(dtype, device, monkeypatch):
     """GPU tile sizes (vocabulary splits, partial K and V tiles), odd H and V, non-contiguous x and
