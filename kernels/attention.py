@@ -68,32 +68,48 @@ def _configs(gpu_shapes, interpreter_shape, names=("BLOCK_M", "BLOCK_N")):
 # bitwise results. Triton adds every tensor argument's dtype to the key: q's (and so out's), and those
 # of the mask, bounds, cu_seqlens and seed pointers, which are fixed (`_placeholder` when unused).
 AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "DROPOUT", "DOT_PRECISION"]
-# Forward: large query blocks amortise the K/V loads; 8 warps for 128 x 128 tiles.
-FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3),
-                        (64, 32, 4, 2)], (128, 64, 4, 1))
+# Candidates per GPU architecture, (block, block, num_warps, num_stages), each checked by the compile audit
+# (`fastbert bench --suite compile`) to spill no register with Triton 3.6 and 3.9: Hopper (sm_90, warpgroup
+# MMA) and Ampere (sm_80, MMA, whose fragments need more registers for the same tile).
+# Forward: large query blocks amortise the K/V loads; 8 warps for 128 x 128 tiles. On sm_80, 128 x 64 on
+# 4 warps and 128 x 128 on 8 spilled (4 to 16 bytes).
+FWD_SHAPES = {90: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3),
+                   (64, 32, 4, 2)],
+              80: [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 2)]}
 # Backward (BLOCK_MAJOR, BLOCK_MINOR): a program holds a major block (k, v, dk, dv, then q, dO, dq) and
 # streams small minor blocks through it. A major block of 128 takes 8 warps: on 4, the fp32 dk and dv
 # alone fill half the registers and the rest spilled (48 to 472 bytes on sm_90a); 64 x 64 on 4 warps
-# spilled 4 bytes with Triton 3.6.
-BWD_CONFIGS = _configs([(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 16, 4, 2)],
-                       (128, 64, 4, 1), names=("BLOCK_MAJOR", "BLOCK_MINOR"))
+# spilled 4 bytes with Triton 3.6. On sm_80 a major block of 64 takes 8 warps too (4 to 64 bytes spilled
+# on 4), and 128 x 64 spilled 44 to 220 bytes.
+BWD_SHAPES = {90: [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 16, 4, 2)],
+              80: [(128, 32, 8, 3), (64, 16, 8, 2)]}
+FWD_CONFIGS = _configs(list(dict.fromkeys(FWD_SHAPES[90] + FWD_SHAPES[80])), (128, 64, 4, 1))
+BWD_CONFIGS = _configs(list(dict.fromkeys(BWD_SHAPES[90] + BWD_SHAPES[80])), (128, 64, 4, 1),
+                       names=("BLOCK_MAJOR", "BLOCK_MINOR"))
 PREPROCESS_BLOCK_M = 64
 # With dropout each probability draws its own Philox number, whose state takes registers: the blocks keep
 # at most this many probabilities per thread (more spilled 20 to 88 bytes in the forward, 24 in the
-# backward, on sm_90a).
-FWD_DROPOUT_PROBABILITIES_PER_THREAD = 32
-BWD_DROPOUT_PROBABILITIES_PER_THREAD = 16
+# backward, on sm_90a; on sm_80, where the limits are lower, 4 to 16 bytes).
+FWD_DROPOUT_PROBABILITIES_PER_THREAD = {90: 32, 80: 16}
+BWD_DROPOUT_PROBABILITIES_PER_THREAD = {90: 16, 80: 4}
 
 
-def _prune_for_dropout(probabilities_per_thread: int):
-    """An autotuner's early_config_prune: with DROPOUT, the configs whose score block spreads at most
-    `probabilities_per_thread` over its threads."""
+def _architecture() -> int:
+    """90 on Hopper and later GPUs (warpgroup MMA), 80 on Ampere and Ada: the key of the lists above."""
+    return 90 if triton.runtime.driver.active.get_current_target().arch >= 90 else 80
+
+
+def _prune(shapes: dict, probabilities_per_thread: dict):
+    """An autotuner's early_config_prune: the configs of the GPU's architecture, and with DROPOUT those whose
+    score block spreads at most its `probabilities_per_thread` over the threads."""
     def prune(configs, named_args, **kwargs):
-        if not kwargs["DROPOUT"]:
-            return configs
-        fitting = [c for c in configs
-                   if math.prod(c.kwargs.values()) // (32 * c.num_warps) <= probabilities_per_thread]
-        return fitting or configs[-1:]
+        architecture = _architecture()
+        fitting = [c for c in configs if (*c.kwargs.values(), c.num_warps, c.num_stages) in shapes[architecture]]
+        if kwargs["DROPOUT"]:
+            fitting = [c for c in fitting if math.prod(c.kwargs.values()) // (32 * c.num_warps)
+                       <= probabilities_per_thread[architecture]]
+        return fitting or [c for c in configs if (*c.kwargs.values(), c.num_warps, c.num_stages)
+                           == shapes[architecture][-1]]
     return prune
 
 
@@ -141,7 +157,7 @@ def _dropout_keep(seed, b, h, rows, cols, dropout_p):
 
 
 @triton.autotune(configs=FWD_CONFIGS, key=AUTOTUNE_KEY,
-                 prune_configs_by={"early_config_prune": _prune_for_dropout(FWD_DROPOUT_PROBABILITIES_PER_THREAD)})
+                 prune_configs_by={"early_config_prune": _prune(FWD_SHAPES, FWD_DROPOUT_PROBABILITIES_PER_THREAD)})
 @triton.jit
 def _attention_fwd_kernel(
     Q,  # [B, heads, S, d] (VARLEN: [T, heads, d]), strides (stride_qb, stride_qh, stride_qs, stride_qd)
@@ -264,7 +280,7 @@ def _attention_bwd_preprocess_kernel(
 # Masked keys have P = 0 (so dS = 0); padded query rows have lse = +inf (so P = 0).
 
 @triton.autotune(configs=BWD_CONFIGS, key=AUTOTUNE_KEY,
-                 prune_configs_by={"early_config_prune": _prune_for_dropout(BWD_DROPOUT_PROBABILITIES_PER_THREAD)})
+                 prune_configs_by={"early_config_prune": _prune(BWD_SHAPES, BWD_DROPOUT_PROBABILITIES_PER_THREAD)})
 @triton.jit
 def _attention_bwd_kernel(
     Q, K, V,  # [B, heads, S, d] (VARLEN: [T, heads, d]), any strides
