@@ -20,12 +20,19 @@ def parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, reference and torch providers "
                       "(a few seconds; what CI runs)")
-    mode.add_argument("--suite", choices=("gpu", "cpu-memory", "data", "smoke"),
+    mode.add_argument("--suite", choices=("gpu", "cpu-memory", "data", "smoke", "compile"),
                       help="gpu: the whole suite on one CUDA GPU (H100/H200, under 10 minutes); cpu-memory: the "
                            "MLM head's peak memory and time at full size on the CPU; data: pretraining batches "
-                           "built per CPU-second by the input pipeline (about a minute)")
+                           "built per CPU-second by the input pipeline (about a minute); compile: every kernel "
+                           "compiled for H100 (sm_90a) and A100 (sm_80) without a GPU, in every config its launcher "
+                           "can pick: registers, spills, shared memory, HGMMA/HMMA, occupancy (CPU-heavy)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"directory for the JSON file (default {DEFAULT_OUT})")
-    p.add_argument("--only", metavar="REGEX", help="run only the items whose 'case provider' matches")
+    p.add_argument("--only", metavar="REGEX", help="run only the items whose 'case provider' matches "
+                   "(compile suite: whose 'target case' matches, e.g. 'sm_90a .*attention.*bfloat16')")
+    p.add_argument("--triton", metavar="DIR", action="append",
+                   help="compile suite: also audit the Triton installed in DIR (pip install --target DIR "
+                        "triton==X); default: this Python's Triton and the GPU environment's Triton 3.6 where "
+                        "the README's set-up installs it")
     p.add_argument("--budget", type=float, metavar="SECONDS",
                    help="stop starting new items after this long (gpu default 480); the rest are recorded as skipped")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -41,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, command: list[str]) -> int:
     suite = "smoke" if args.smoke or args.suite is None else args.suite
+    if suite == "compile":
+        return _compile(args, command)
     from fastbert.bench.runner import GPUUnavailable, run_suite, summary
 
     try:
@@ -52,3 +61,18 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     failed = [r for r in rows if r["status"] in ("error", "oom")]
     logger.info(f"{len(rows)} rows ({len(failed)} failed) written to {path}")
     return 1 if any(r["status"] == "error" for r in rows) else 0
+
+
+def _compile(args, command: list[str]) -> int:
+    from fastbert.bench import compile_audit
+
+    triton_dirs = None if args.triton is None else [None, *args.triton]
+    path, rows = compile_audit.run_compile_suite(args.out, args.only, triton_dirs, progress=not args.no_progress,
+                                                 command=command)
+    if not args.quiet:
+        print(compile_audit.summary(rows))
+    failures = compile_audit.gate_failures(rows)
+    for gate, failure in failures:
+        logger.error(f"gate {gate!r} fails: {failure}")
+    logger.info(f"{len(rows)} compiled kernels ({len(failures)} gate failures) written to {path}")
+    return 1 if failures else 0

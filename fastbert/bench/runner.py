@@ -176,13 +176,12 @@ def run_suite(suite: str, out_dir: str, only: str | None = None, budget_s: float
     common = {**provenance(device, command), "suite": suite, "timer": timer_name(device),
               "memory_meter": memory_meter_name(device)}
     os.makedirs(out_dir, exist_ok=True)
-    stamp = common["date"].replace(":", "").replace("-", "").replace("+0000", "Z")
-    path = os.path.join(out_dir, f"{suite}-{re.sub(r'[^A-Za-z0-9]+', '-', common['device']).strip('-')}-{stamp}.json")
+    path = result_path(out_dir, suite, common)
     if suite == "data":
         from fastbert.bench import data_suite
         rows = [{**common, "timer": data_suite.CPU_CLOCK, "memory_meter": None, **row}
                 for row in data_suite.measure(progress)]
-        _write(path, rows)
+        write_rows(path, rows)
         return path, rows
     items = work_items(suite)
     if only:
@@ -194,7 +193,7 @@ def run_suite(suite: str, out_dir: str, only: str | None = None, budget_s: float
     peaks = peak_figures(rows)
     directions = ("fwd+bwd",) if suite == "cpu-memory" else op_cases.DIRECTIONS
     timing = SUITE_TIMING[suite]
-    _write(path, rows)
+    write_rows(path, rows)
 
     from tqdm import tqdm
     bar = tqdm(items, desc=f"fastbert bench {suite}", unit="item", file=sys.stderr, disable=not progress,
@@ -218,15 +217,21 @@ def run_suite(suite: str, out_dir: str, only: str | None = None, budget_s: float
             rows.append({**base, "status": "error", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
                          if str(exc) else type(exc).__name__})
         release(device, item.provider in (op_cases.COMPILE, model_cases.HF_COMPILE))
-        _write(path, rows)
+        write_rows(path, rows)
     rows_total = time.monotonic() - start
     for row in rows:
         row["suite_seconds"] = round(rows_total, 1)
-    _write(path, rows)
+    write_rows(path, rows)
     return path, rows
 
 
-def _write(path: str, rows: list[dict]) -> None:
+def result_path(out_dir: str, suite: str, common: dict) -> str:
+    """The JSON file of one run: suite, device and the run's start, e.g. gpu-NVIDIA-H100-20260101T000000Z.json."""
+    stamp = common["date"].replace(":", "").replace("-", "").replace("+0000", "Z")
+    return os.path.join(out_dir, f"{suite}-{re.sub(r'[^A-Za-z0-9]+', '-', common['device']).strip('-')}-{stamp}.json")
+
+
+def write_rows(path: str, rows: list[dict]) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(rows, f, indent=1, default=str)

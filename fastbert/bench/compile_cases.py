@@ -1,0 +1,280 @@
+"""What the compile audit calls: every host launcher of kernels/*.py, the way the model calls it, at BERT-base
+and BERT-large shapes (padded batches and packed tokens, S = 128 and 512) in fp32, fp16 and bf16, with the
+variants the model runs (dropout on and off, exact and tanh GELU, LayerNorm with and without residual).
+
+Inputs are meta tensors: shapes, strides and alignments without storage. The launchers run as they do on a
+GPU (their checks, their tile choices, the torch ops around the kernels, all free on meta), and the kernels
+are compiled but never run (see stand_in_gpu). Integer arguments are what Triton specialises on (equal to 1,
+divisible by 16), so the shapes are real ones: 16,384 token slots per batch as the GPU suite's op cases
+(B = 128 at S = 128, 32 at S = 512), lengths uniform in [S/4, S], 15% of the tokens labelled for the MLM
+loss, and a few small label counts of a fine-tuning batch.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from fastbert.bench.op_cases import LAYER_NORM_EPS, random_lengths
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    hidden: int
+    heads: int
+    intermediate: int
+    vocab: int
+
+
+MODELS = (Model("bert-base", 768, 12, 3072, 30522), Model("bert-large", 1024, 16, 4096, 30522))
+TOKEN_SLOTS = 16384  # B x S of every padded batch
+SEQLENS = (128, 512)
+LAYOUTS = ("padded", "varlen")
+# "float32+tf32": fp32 tensors with TF32 dots allowed (torch.set_float32_matmul_precision("high")); plain
+# "float32" is PyTorch's default, exact fp32 ("highest"), which the launchers read when they run
+DTYPES = ("float32", "float32+tf32", "float16", "bfloat16")
+MLM_LABELLED = 0.15
+FEW_LABELLED_ROWS = (1, 20, 40)  # a fine-tuning batch's MLM rows: the launchers' smallest row tiles
+DROPOUT_P = 0.1
+GELU_APPROXIMATIONS = ("none", "tanh")
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class CompileCase:
+    launcher: str  # "<kernels file>.<host function>", e.g. "attention.attention_bwd"
+    variant: str  # what the call varies beyond the shape, e.g. "dropout_p=0.1"
+    shape: dict
+    dtype: str  # one of DTYPES
+    call: Callable[[], None] = field(compare=False, repr=False)
+
+    @property
+    def name(self) -> str:
+        shape = ",".join(f"{k}={v}" for k, v in self.shape.items())
+        return f"{self.launcher}[{self.variant}]/{shape}/{self.dtype}"
+
+    def run(self) -> None:
+        """Call the launcher, with TF32 allowed for fp32 dots exactly when the dtype says so."""
+        precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high" if self.dtype.endswith("+tf32") else "highest")
+        try:
+            self.call()
+        finally:
+            torch.set_float32_matmul_precision(precision)
+
+
+def _kernels(module: str):
+    return importlib.import_module(f"fastbert.kernels.{module}")
+
+
+def _implementation(op):
+    """The Python body of a torch.library custom op: called directly, because a custom op called on meta
+    tensors runs its fake (shape-only) registration instead."""
+    return getattr(op, "_init_fn", op)
+
+
+def _meta(*shape: int, dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+@dataclass(frozen=True)
+class Batch:
+    model: Model
+    layout: str
+    seqlen: int
+    dtype: torch.dtype
+
+    @property
+    def batch(self) -> int:
+        return TOKEN_SLOTS // self.seqlen
+
+    @functools.cached_property
+    def lengths(self) -> list[int]:
+        return random_lengths(self.batch, self.seqlen, torch.Generator().manual_seed(1)).tolist()
+
+    @property
+    def rows(self) -> int:
+        """Rows of the token-wise launchers: every slot of a padded batch, the real tokens of a packed one."""
+        return self.batch * self.seqlen if self.layout == "padded" else sum(self.lengths)
+
+    @property
+    def labelled(self) -> int:
+        """Labelled tokens (the MLM loss's rows): a share of the real tokens, in either layout."""
+        return round(MLM_LABELLED * sum(self.lengths))
+
+    def shape(self) -> dict:
+        return {"model": self.model.name, "layout": self.layout, "seqlen": self.seqlen, "batch": self.batch,
+                "rows": self.rows}
+
+    def hidden_states(self, features: int) -> torch.Tensor:
+        """[B, S, features] padded, [T, features] packed."""
+        lead = (self.batch, self.seqlen) if self.layout == "padded" else (self.rows,)
+        return _meta(*lead, features, dtype=self.dtype)
+
+    def heads_layout(self) -> torch.Tensor:
+        """One of q, k, v as the QKV projection and the attention hand them over: [B, heads, S, d] views of a
+        [B, S, heads, d] buffer, or packed [T, heads, d]."""
+        m = self.model
+        head_dim = m.hidden // m.heads
+        if self.layout == "varlen":
+            return _meta(self.rows, m.heads, head_dim, dtype=self.dtype)
+        return _meta(self.batch, self.seqlen, m.heads, head_dim, dtype=self.dtype).transpose(1, 2)
+
+    def attention_inputs(self):
+        """q, k, v (slices of the QKV projection's buffer), mask, cu_seqlens, max_seqlen."""
+        m = self.model
+        head_dim = m.hidden // m.heads
+        if self.layout == "varlen":
+            qkv = _meta(3, self.rows, m.heads, head_dim, dtype=self.dtype)
+            cu_seqlens = _meta(self.batch + 1, dtype=torch.int32)
+            return (*qkv.unbind(0), None, cu_seqlens, max(self.lengths))
+        qkv = _meta(3, self.batch, m.heads, self.seqlen, head_dim, dtype=self.dtype)
+        return (*qkv.unbind(0), _meta(self.batch, self.seqlen, dtype=torch.int64), None, self.seqlen)
+
+
+def _seed(dropout_p: float):
+    return _meta(1, dtype=torch.int64) if dropout_p > 0 else None
+
+
+def _qkv_cases(b: Batch) -> list[tuple[str, str, Callable]]:
+    qkv = _kernels("qkv")
+    m = b.model
+
+    def forward():
+        qkv.qkv_projection_fwd(b.hidden_states(m.hidden), _meta(3 * m.hidden, m.hidden, dtype=b.dtype),
+                               _meta(3 * m.hidden, dtype=b.dtype), m.heads)
+
+    def backward():
+        grads = [b.heads_layout() for _ in range(3)]
+        qkv.qkv_projection_bwd(*grads, b.hidden_states(m.hidden), _meta(3 * m.hidden, m.hidden, dtype=b.dtype))
+
+    return [("qkv.qkv_projection_fwd", "-", forward), ("qkv.qkv_projection_bwd", "-", backward)]
+
+
+def _attention_cases(b: Batch) -> list[tuple[str, str, Callable]]:
+    attention = _kernels("attention")
+    scale = (b.model.hidden // b.model.heads) ** -0.5
+    cases = []
+    for p in (0.0, DROPOUT_P):
+        def forward(p=p):
+            q, k, v, mask, cu_seqlens, max_seqlen = b.attention_inputs()
+            _implementation(attention.attention_fwd)(q, k, v, mask, cu_seqlens, max_seqlen, _seed(p), p, scale)
+
+        def backward(p=p):
+            q, k, v, mask, cu_seqlens, max_seqlen = b.attention_inputs()
+            lse = (_meta(b.model.heads, b.rows, dtype=torch.float32) if b.layout == "varlen"
+                   else _meta(b.batch, b.model.heads, b.seqlen, dtype=torch.float32))
+            _implementation(attention.attention_bwd)(b.heads_layout(), q, k, v, b.heads_layout(), lse, mask,
+                                                     cu_seqlens, max_seqlen, _seed(p), p, scale)
+
+        cases += [("attention.attention_fwd", f"dropout_p={p}", forward),
+                  ("attention.attention_bwd", f"dropout_p={p}", backward)]
+    return cases
+
+
+def _layer_norm_cases(b: Batch) -> list[tuple[str, str, Callable]]:
+    layer_norm = _kernels("layer_norm")
+    hidden = b.model.hidden
+    cases = []
+    # the sublayer outputs in training, the same at inference, the embeddings and the MLM transform
+    for residual, p in ((True, DROPOUT_P), (True, 0.0), (False, 0.0)):
+        def tensors(residual=residual):
+            x = _meta(b.rows, hidden, dtype=b.dtype)
+            return x, _meta(hidden, dtype=b.dtype), _meta(b.rows, hidden, dtype=b.dtype) if residual else None
+
+        def forward(p=p, tensors=tensors):
+            x, weight, residual = tensors()
+            _implementation(layer_norm.layer_norm_fwd)(x, weight, weight, residual, _seed(p), LAYER_NORM_EPS, p)
+
+        def backward(p=p, tensors=tensors):
+            x, weight, residual = tensors()
+            stats = _meta(b.rows, dtype=torch.float32)
+            _implementation(layer_norm.layer_norm_bwd)(torch.empty_like(x), x, weight, residual, _seed(p), stats,
+                                                       stats, p)
+
+        variant = f"residual={residual},dropout_p={p}"
+        cases += [("layer_norm.layer_norm_fwd", variant, forward), ("layer_norm.layer_norm_bwd", variant, backward)]
+    return cases
+
+
+def _linear_bias_gelu(rows: int, features: int, dtype, model: Model, approximate: str) -> None:
+    bias_gelu = _kernels("bias_gelu")
+    _implementation(bias_gelu._linear_bias_gelu_op)(
+        _meta(rows, model.hidden, dtype=dtype), _meta(features, model.hidden, dtype=dtype),
+        _meta(features, dtype=dtype), approximate)
+
+
+def _ffn_cases(b: Batch) -> list[tuple[str, str, Callable]]:
+    bias_gelu = _kernels("bias_gelu")
+    m = b.model
+    cases = []
+    for approximate in GELU_APPROXIMATIONS:
+        def tensor():
+            return _meta(b.rows, m.intermediate, dtype=b.dtype)
+
+        def epilogue(approximate=approximate):
+            _linear_bias_gelu(b.rows, m.intermediate, b.dtype, m, approximate)
+
+        def epilogue_backward(approximate=approximate):
+            bias_gelu.bias_gelu_bwd(tensor(), tensor(), None, approximate)
+
+        def split(approximate=approximate):
+            bias_gelu.bias_gelu_fwd(tensor(), _meta(m.intermediate, dtype=b.dtype), approximate)
+
+        def split_backward(approximate=approximate):
+            bias_gelu.bias_gelu_bwd(tensor(), tensor(), _meta(m.intermediate, dtype=b.dtype), approximate)
+
+        variant = f"approximate={approximate}"
+        cases += [("bias_gelu.linear_bias_gelu", f"ffn,{variant}", epilogue),
+                  ("bias_gelu.bias_gelu_bwd", f"epilogue's,{variant}", epilogue_backward),
+                  ("bias_gelu.bias_gelu_fwd", variant, split),
+                  ("bias_gelu.bias_gelu_bwd", variant, split_backward)]
+    return cases
+
+
+def _mlm_cases(model: Model, rows: int, dtype) -> list[tuple[str, str, Callable]]:
+    """The MLM head on its labelled rows: the transform's matmul + GELU, then the decoder's loss."""
+    mlm_loss = _kernels("mlm_loss")
+
+    def inputs():
+        return (_meta(rows, model.hidden, dtype=dtype), _meta(model.vocab, model.hidden, dtype=dtype),
+                _meta(model.vocab, dtype=dtype), _meta(rows, dtype=torch.int64))
+
+    def forward():
+        _implementation(mlm_loss.mlm_loss_fwd)(*inputs(), IGNORE_INDEX, "mean", 0.0)
+
+    def backward():
+        softmax_stats = _meta(2, rows, dtype=torch.float32)
+        _implementation(mlm_loss.mlm_loss_bwd)(_meta(dtype=torch.float32), *inputs(), softmax_stats, IGNORE_INDEX,
+                                               "mean", 0.0)
+
+    cases = [("bias_gelu.linear_bias_gelu", f"mlm transform,approximate={approximate}",
+              lambda approximate=approximate: _linear_bias_gelu(rows, model.hidden, dtype, model, approximate))
+             for approximate in GELU_APPROXIMATIONS]
+    return cases + [("mlm_loss.mlm_loss_fwd", "-", forward), ("mlm_loss.mlm_loss_bwd", "-", backward)]
+
+
+def cases(dtypes=DTYPES, models=MODELS) -> list[CompileCase]:
+    """Every launcher call of the audit, for the given dtype names and models."""
+    out = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name.removesuffix("+tf32"))
+        for model in models:
+            for seqlen in SEQLENS:
+                for layout in LAYOUTS:
+                    b = Batch(model, layout, seqlen, dtype)
+                    for launcher, variant, call in (*_qkv_cases(b), *_attention_cases(b), *_layer_norm_cases(b),
+                                                    *_ffn_cases(b)):
+                        out.append(CompileCase(launcher, variant, b.shape(), dtype_name, call))
+                b = Batch(model, "padded", seqlen, dtype)
+                shape = {"model": model.name, "seqlen": seqlen, "batch": b.batch, "rows": b.labelled}
+                out += [CompileCase(launcher, variant, shape, dtype_name, call)
+                        for launcher, variant, call in _mlm_cases(model, b.labelled, dtype)]
+            for rows in FEW_LABELLED_ROWS:
+                out += [CompileCase(launcher, variant, {"model": model.name, "rows": rows}, dtype_name, call)
+                        for launcher, variant, call in _mlm_cases(model, rows, dtype)]
+    return out
