@@ -1,9 +1,13 @@
 """The compile audit's own arithmetic and reporting (the audit itself runs in tests/test_compile_gates.py):
-the occupancy calculator, the gates' verdicts, the cases it compiles, and PERF.md's section."""
+the occupancy calculator, the gates' verdicts, the cases it compiles, PERF.md's section, and the command on
+one small case."""
+import json
+
 import pytest
+import triton
 
 from fastbert.bench import compile_cases, compile_report
-from fastbert.bench.compile_audit import gate_failures
+from fastbert.bench.compile_audit import GPU_ENVIRONMENT_TRITON, GPU_ENVIRONMENT_TRITON_DIR, gate_failures
 from fastbert.bench.stand_in_gpu import A100, H100, occupancy
 
 
@@ -83,13 +87,34 @@ def test_perf_section_says_what_is_proven_and_what_waits(tmp_path):
     rows = [_row(**provenance), _row(**provenance, config={"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4,
                                                            "num_stages": 4}, registers=92), default,
             _row(**provenance, target="sm_80", spill_store_bytes=24, spill_load_bytes=24)]
-    text = "\n".join(compile_report.compile_section(compile_report.newest_run(rows)))
+    text = "\n".join(compile_report.compile_section(compile_report.newest_run(rows), gpu_measured=False))
     assert compile_report.TITLE in text and "Proven here, without a GPU" in text
+    assert "No GPU has run these kernels yet" in text
+    assert "No GPU has run" not in "\n".join(compile_report.compile_section(rows, gpu_measured=True))
     assert "bert-base and bert-large shapes (padded, varlen; S = 128, 512) in bfloat16" in text
     assert "Still waiting for a GPU" in text and "autotuner picks" in text
     assert "| layer_norm.layer_norm_fwd | _layer_norm_fwd_kernel | 1x1024, 4 warps, 3 stages | 168 | 0 |" in text
-    assert "| bias_gelu.linear_bias_gelu [ffn,approximate=none] | _matmul_fwd_kernel | autotuned over 2 configs " \
-           "(ranges) | 92-168 | 0 |" in text
+    assert "| bias_gelu.linear_bias_gelu [ffn,approximate=none] | _matmul_fwd_kernel | autotuned, 2 candidates: " \
+           "128x128, 8 warps, 3 stages; 64x64, 4 warps, 4 stages | 92-168 | 0 |" in text
     assert "1 failures" in text and "no spill" in text and "24 bytes spilled" in text
     assert "0123456789ab" in text and "fastbert bench --suite compile" in text
-    assert "Not yet run" in "\n".join(compile_report.compile_section([]))
+    assert "Not yet run" in "\n".join(compile_report.compile_section([], gpu_measured=False))
+
+
+def test_cli_writes_one_row_per_compiled_kernel(tmp_path, capsys):
+    """`fastbert bench --suite compile` end to end on one small case: a JSON file of rows with provenance,
+    the resources of the compiled kernel, and the table on stdout."""
+    from fastbert.cli import main
+
+    only = r"sm_80 layer_norm.layer_norm_fwd\[residual=False.*model=bert-base,layout=padded,seqlen=128,.*/bfloat16"
+    assert main(["bench", "--suite", "compile", "--only", only, "--triton", GPU_ENVIRONMENT_TRITON_DIR,
+                 "--out", str(tmp_path), "--no-progress"]) == 0
+    [path] = tmp_path.iterdir()
+    rows = json.loads(path.read_text())
+    assert {r["triton"] for r in rows} == {triton.__version__, GPU_ENVIRONMENT_TRITON}
+    for row in rows:
+        assert (row["suite"], row["kernel"], row["target"], row["status"]) == \
+            ("compile", "_layer_norm_fwd_kernel", "sm_80", "ok")
+        assert row["registers"] > 0 and row["shared_bytes"] >= 0 and row["commit"] and row["ptxas"]
+        assert [u["chosen_by"] for u in row["uses"]] == ["launcher"]
+    assert "_layer_norm_fwd_kernel" in capsys.readouterr().out

@@ -66,8 +66,8 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
 def _compile(args, command: list[str]) -> int:
     from fastbert.bench import compile_audit
 
-    triton_dirs = None if args.triton is None else [None, *args.triton]
-    path, rows = compile_audit.run_compile_suite(args.out, args.only, triton_dirs, progress=not args.no_progress,
+    jobs = compile_audit.every_job(None if args.triton is None else [None, *args.triton])
+    path, rows = compile_audit.run_compile_suite(args.out, jobs, args.only, progress=not args.no_progress,
                                                  command=command)
     if not args.quiet:
         print(compile_audit.summary(rows))

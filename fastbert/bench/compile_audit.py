@@ -205,20 +205,25 @@ def _run_job(job: Job, only: str | None, events: queue.Queue) -> None:
         events.put(("finished", job, rows or [], error))
 
 
-def run_compile_suite(out_dir: str, only: str | None = None, triton_dirs: list[str | None] | None = None,
-                      targets=TARGETS, dtypes=None, progress: bool = True, command: list[str] | None = None,
-                      parallel: int | None = None) -> tuple[str | None, list[dict]]:
-    """Compile every selected case for every target, dtype and Triton install; write the rows to a JSON file
-    under out_dir (None: write nothing) and return (path, rows)."""
+def every_job(triton_dirs: list[str | None] | None = None) -> list[Job]:
+    """The whole audit: every Triton install (default: default_triton_dirs) x target x dtype."""
+    from fastbert.bench.compile_cases import DTYPES
+
+    return [Job(d, target, dtype) for d in (default_triton_dirs() if triton_dirs is None else triton_dirs)
+            for target in TARGETS for dtype in DTYPES]
+
+
+def run_compile_suite(out_dir: str | None, jobs: list[Job], only: str | None = None, progress: bool = True,
+                      command: list[str] | None = None, parallel: int | None = None) -> tuple[str | None, list[dict]]:
+    """Compile every selected case of every job (Triton install, target, dtype), `parallel` workers at a time
+    (default: one per core); write the rows to a JSON file under out_dir (None: write nothing) and return
+    (path, rows)."""
     import torch
     from tqdm import tqdm
 
-    from fastbert.bench.compile_cases import DTYPES
     from fastbert.bench.provenance import provenance
     from fastbert.bench.runner import result_path, write_rows
 
-    triton_dirs = default_triton_dirs() if triton_dirs is None else triton_dirs
-    jobs = [Job(d, t, dt) for d in triton_dirs for t in targets for dt in (dtypes or DTYPES)]
     counts = {job: len(selected_cases(job.target, job.dtype, only)) for job in jobs}
     jobs = [job for job in jobs if counts[job]]
     common = {**provenance(torch.device("cpu"), command), "suite": "compile"}

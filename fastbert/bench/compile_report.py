@@ -55,7 +55,9 @@ def _launcher_table(rows: list[dict], target: str, triton: str) -> list[str]:
              "occupancy |", "|---|---|---|---|---|---|---|---|"]
     for (launcher, variant, kernel, config), group in sorted(groups.items()):
         if config == CHOSEN_BY_AUTOTUNER:
-            config = f"autotuned over {len({_config_text(r['config']) for r in group})} configs (ranges)"
+            configs = sorted(group, key=lambda r: tuple(r["config"].values()), reverse=True)  # largest tiles first
+            candidates = list(dict.fromkeys(_config_text(r["config"]) for r in configs))
+            config = f"autotuned, {len(candidates)} candidates: " + "; ".join(candidates)
         call = launcher if variant == "-" else f"{launcher} [{variant}]"
         lines.append(f"| {call} | {kernel} | {config} | " + " | ".join(_figures(group)) + " |")
     return lines
@@ -100,9 +102,13 @@ def _fp32_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def compile_section(rows: list[dict]) -> list[str]:
-    """The whole section; rows are the newest compile run's (empty: says how to produce them)."""
+def compile_section(rows: list[dict], gpu_measured: bool) -> list[str]:
+    """The whole section; rows are the newest compile run's (empty: says how to produce them); gpu_measured:
+    whether any GPU suite run is among the results."""
     out = [f"## {TITLE}", ""]
+    if not gpu_measured:
+        out += ["**No GPU has run these kernels yet.** What is known of them on a GPU is what compiling them "
+                "for one shows, below.", ""]
     if not rows:
         return out + [f"Not yet run: `{COMMAND}` (no GPU needed; CPU-heavy), then `python benchmarks/make_perf.py`.",
                       ""]

@@ -378,7 +378,7 @@ def render(rows: list[dict], plots_dir: str | None = None, suites=DEFAULT_SUITES
         out += [f"The CPU memory measurement of the MLM head is not yet measured: `{CPU_MEMORY_COMMAND}`.", ""]
     if not any(k[0] == "data" for k in runs):
         out += [f"The input pipeline's rate (issue 13) is not yet measured: `{DATA_COMMAND}`.", ""]
-    out += compile_section(newest_run(rows))
+    out += compile_section(newest_run(rows), gpu_measured=bool(gpu_runs))
     out += ["## Peak references", ""]
     peak_lines = peaks_table(runs)
     out += (peak_lines if len(peak_lines) > 2 else ["No peaks measured yet."]) + [""]
