@@ -206,11 +206,12 @@ def _run_job(job: Job, only: str | None, events: queue.Queue) -> None:
 
 
 def every_job(triton_dirs: list[str | None] | None = None) -> list[Job]:
-    """The whole audit: every Triton install (default: default_triton_dirs) x target x dtype."""
+    """The whole audit: every Triton install (default: default_triton_dirs) x target x dtype, the gated
+    16-bit dtypes first (exact fp32, whose attention spills kilobytes, takes ptxas longest)."""
     from fastbert.bench.compile_cases import DTYPES
 
-    return [Job(d, target, dtype) for d in (default_triton_dirs() if triton_dirs is None else triton_dirs)
-            for target in TARGETS for dtype in DTYPES]
+    return [Job(d, target, dtype) for dtype in reversed(DTYPES)
+            for d in (default_triton_dirs() if triton_dirs is None else triton_dirs) for target in TARGETS]
 
 
 def run_compile_suite(out_dir: str | None, jobs: list[Job], only: str | None = None, progress: bool = True,
@@ -235,6 +236,10 @@ def run_compile_suite(out_dir: str | None, jobs: list[Job], only: str | None = N
     start = time.monotonic()
     bar = tqdm(total=sum(counts.values()), desc="fastbert bench compile", unit="case", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)
+    path = None
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        path = result_path(out_dir, "compile", common)
     while pending or running:
         while pending and running < parallel:
             threading.Thread(target=_run_job, args=(pending.pop(0), only, events), daemon=True).start()
@@ -250,13 +255,12 @@ def run_compile_suite(out_dir: str | None, jobs: list[Job], only: str | None = N
         if error:
             rows.append({**common, "target": job.target, "dtype": job.dtype, "triton_dir": job.triton_dir,
                          "kernel": None, "status": "error", "error": error, "uses": []})
+        if path:
+            write_rows(path, rows)  # after every job: an interrupted run keeps what it compiled
     bar.close()
     for row in rows:
         row["suite_seconds"] = round(time.monotonic() - start, 1)
-    path = None
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        path = result_path(out_dir, "compile", common)
+    if path:
         write_rows(path, rows)
     return path, rows
 
