@@ -15,7 +15,7 @@ _TARGET_GPU = {"sm_90a": "H100", "sm_80": "A100"}
 
 
 def _config_text(config: dict) -> str:
-    tiles = "x".join(str(v) for k, v in config.items() if k not in ("num_warps", "num_stages"))
+    tiles = "x".join(str(v) for k, v in config.items() if k.startswith("BLOCK"))  # GROUP_M orders, not tiles
     return f"{tiles}, {config['num_warps']} warps, {config['num_stages']} stages"
 
 
