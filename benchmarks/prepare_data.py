@@ -21,6 +21,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     runs += [(name, max(args.workers), "32M") for name in corpora if name != smallest]
     for corpus, workers, chunk in runs:
         out = os.path.join(args.workdir, f"out-{corpus}-{workers}-{chunk}")
+        shutil.rmtree(out, ignore_errors=True)  # prepare-data leaves a finished same-option dataset alone
         result = measure(prepare_argv(corpora[corpus]["path"], out, workers, chunk, tokenizer_file))
         record("sharding", corpus, workers, chunk, result)
     os.makedirs(args.out, exist_ok=True)
