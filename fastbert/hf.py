@@ -171,8 +171,9 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: s
     state = {k: v.to(device=target, dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
              for k, v in state.items() if k in expected}
     model.load_state_dict(state, strict=False, assign=on_meta)
-    if on_meta:
-        _initialise_missing(model, missing, dtype, target)
+    if on_meta:  # new weights (a head, a pooler) take the checkpoint's dtype where it has one, as transformers'
+        floating = {v.dtype for v in state.values() if v.is_floating_point()}
+        _initialise_missing(model, missing, dtype or (floating.pop() if len(floating) == 1 else None), target)
     model.tie_weights()
     reported = [f"{what} {keys}" for what, keys in (("missing keys (newly initialised)", missing),
                                                      ("unexpected keys (ignored)", unexpected)) if keys]

@@ -345,7 +345,7 @@ class BertModel(BertPreTrainedModel):
         packed = packed_arguments(kwargs)
         if packed:
             result = self._forward_packed(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                                          output_hidden_states, validate, **packed)
+                                          output_hidden_states, output_attentions, validate, **packed)
             return self._outputs(result, return_dict)
         attention_mask = key_padding_mask(attention_mask, validate)
         batch, seqlen = check_model_inputs(config, input_ids, attention_mask, token_type_ids, position_ids,
@@ -370,12 +370,12 @@ class BertModel(BertPreTrainedModel):
         return self._outputs(result, return_dict)
 
     def _forward_packed(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                        output_hidden_states, validate, cu_seqlens, max_seqlen=None):
+                        output_hidden_states, output_attentions, validate, cu_seqlens, max_seqlen=None):
         config = self.config
         if max_seqlen is None:  # not given: read from cu_seqlens (a host sync; give it for static shapes)
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        check_packed_inputs(config, input_ids, attention_mask, inputs_embeds, cu_seqlens, max_seqlen, False,
-                            validate)
+        check_packed_inputs(config, input_ids, attention_mask, inputs_embeds, cu_seqlens, max_seqlen,
+                            output_attentions, validate)
         check_model_inputs(config, input_ids, None, token_type_ids, position_ids, inputs_embeds, validate,
                            packed=True)
         if position_ids is None:  # each token's offset in its own sequence

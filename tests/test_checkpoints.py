@@ -251,6 +251,9 @@ def test_dtype_device_map_and_refused_loader_arguments(tmp_path):
     half.save_pretrained(tmp_path / "half")
     saved = json.loads((tmp_path / "half" / "config.json").read_text())
     assert saved["dtype"] == "float16" and "torch_dtype" not in saved and "device_map" not in saved
+    # a new head on a half-precision checkpoint takes the checkpoint's dtype (the default dtype is "auto")
+    classifier = fastbert.BertForSequenceClassification.from_pretrained(tmp_path / "half", num_labels=3)
+    assert {p.dtype for p in classifier.parameters()} == {torch.float16}
     assert (tmp_path / "src" / "config.json").read_text() == written  # the source is never rewritten
 
 

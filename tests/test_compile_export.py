@@ -80,6 +80,8 @@ def test_packed_inputs_equal_padded_ones():
         model(**{**packed, "max_seqlen": 4})
     with pytest.raises(ValueError, match="cu_seqlens"):
         model(**{**packed, "cu_seqlens": packed["cu_seqlens"].flip(0)})
+    with pytest.raises(ValueError, match="output_attentions needs padded inputs"):
+        model(**packed, output_attentions=True)  # never silently None
 
 
 @pytest.mark.parametrize("name", ["BertForMaskedLM", "BertForPreTraining"])
