@@ -275,11 +275,13 @@ class BertPreTrainedModel(ModelBase):
             bias = head.bias.new_zeros(size)
             bias[:kept] = head.bias.detach()[:kept]
             head.bias = nn.Parameter(bias, requires_grad=head.bias.requires_grad)
-            if not self.config.tie_word_embeddings:
+            if not self.config.tie_word_embeddings:  # the trained decoder's rows stay; new rows as the embeddings'
+                old_decoder = head.decoder
                 head.decoder = nn.Linear(old.embedding_dim, size, bias=False, device=old.weight.device,
                                          dtype=old.weight.dtype)
                 with torch.no_grad():
                     head.decoder.weight.copy_(new.weight)
+                    head.decoder.weight[:kept] = old_decoder.weight[:kept]
         self.config.vocab_size = size
         self.tie_weights()
         return new

@@ -39,14 +39,13 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.numerics import cast, dot, dot_precision
+from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_precision
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -58,7 +57,7 @@ INT32_MAX = 2**31 - 1
 def _configs(gpu_shapes, interpreter_shape, names=("BLOCK_M", "BLOCK_N")):
     """Autotuning candidates (block sizes named `names`, num_warps, num_stages); under Triton's
     interpreter (CPU) one fixed shape, whose two block sizes differ so the tests exercise both."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if INTERPRETER:
         gpu_shapes = [interpreter_shape]
     return [triton.Config(dict(zip(names, (m, n))), num_warps=w, num_stages=s) for m, n, w, s in gpu_shapes]
 
@@ -103,7 +102,7 @@ def _prune(shapes: dict, probabilities_per_thread: dict):
     """An autotuner's early_config_prune: the configs of the GPU's architecture, and with DROPOUT those whose
     score block spreads at most its `probabilities_per_thread` over the threads."""
     def prune(configs, named_args, **kwargs):
-        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        if INTERPRETER:
             return configs  # no GPU, no architecture: the interpreter's own configs (tests may give it two)
         architecture = _architecture()
         fitting = [c for c in configs if (*c.kwargs.values(), c.num_warps, c.num_stages) in shapes[architecture]]

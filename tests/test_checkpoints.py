@@ -337,5 +337,10 @@ def test_transformers_model_methods():
     real = mask.bool()
     torch.testing.assert_close(after[..., :120][real], before[real])  # the old vocabulary is unchanged
     torch.testing.assert_close(new.weight[120:], theirs.bert.embeddings.word_embeddings.weight.mean(0).expand(16, -1))
+    untied = fastbert.BertForMaskedLM(fastbert.BertConfig(**{**ours.config.to_dict(), "tie_word_embeddings": False}))
+    trained = untied.cls.predictions.decoder.weight.detach().clone()
+    assert not torch.equal(trained, untied.bert.embeddings.word_embeddings.weight)
+    untied.resize_token_embeddings(140)
+    torch.testing.assert_close(untied.cls.predictions.decoder.weight[:136], trained)  # an untied decoder keeps its rows
     ours.set_input_embeddings(torch.nn.Embedding(136, 32))
     assert ours.bert.embeddings.word_embeddings is ours.get_input_embeddings()

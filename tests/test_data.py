@@ -424,13 +424,15 @@ def test_prefetch_runs_torch_at_the_given_thread_count():
         while True:
             yield torch.get_num_threads()
 
-    stream = prefetch(thread_counts(), threads=1)
-    assert next(stream) == 1
-    stream.close()
-    if torch.get_num_threads() > 1:  # the setting stays in the loader's thread
-        stream = prefetch(thread_counts(), threads=torch.get_num_threads())
-        assert next(stream) == torch.get_num_threads()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # so that the loader's 1 differs from the caller's on any machine
+    try:
+        stream = prefetch(thread_counts(), threads=1)
+        assert next(stream) == 1
         stream.close()
+        assert torch.get_num_threads() == 2  # the setting stays in the loader's thread
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_prepare_data_perf_section_projects_from_the_measured_rate():

@@ -94,6 +94,7 @@ def test_resume_is_exact_and_checkpoints_are_pruned(data, tmp_path):
     assert first["stopped"] and first["step"] == 3 and first["checkpoint"].endswith("step_00000003")
     second = pretrain.train(config(data, parts), SMALL)
     assert second["step"] == 6 and not second["stopped"]
+    assert second["model"].config.max_predictions_per_seq == 0  # the loop's per-batch label budget is not left behind
     # fp32 on CPU: the resumed run's losses and weights are bitwise those of the uninterrupted one
     assert losses(parts) == losses(whole)
     final_whole = read_state_dict(os.path.join(whole, "checkpoints", "step_00000006", "model"))

@@ -159,6 +159,7 @@ def train(cfg: PretrainConfig, model_overrides: dict | None = None) -> dict:
     """
     STOP.clear()
     run = build_run(cfg, dict(model_overrides or {}))
+    budget = run.model.config.max_predictions_per_seq  # the loop sets it per batch; the returned model keeps this
     try:
         progress = state.restore(run) if run.resume else state.start(run)
         if progress.step >= cfg.steps:
@@ -168,6 +169,7 @@ def train(cfg: PretrainConfig, model_overrides: dict | None = None) -> dict:
         with contextlib.closing(state.Saver(run)) as saver, torch_threads(cfg.threads):
             return _train(run, progress, saver)
     finally:
+        run.model.config.max_predictions_per_seq = budget
         run.close()
 
 
