@@ -161,9 +161,10 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: s
     checkpoint lacks outside the encoder (a new head, a pooler) are materialised and initialised as in
     `__init__`; missing encoder weights or other shapes raise CheckpointError naming `source`.
     """
-    state = match_prefix(normalize_keys(state, getattr(model.config, "tie_word_embeddings", True)), model)
+    tied = getattr(model.config, "tie_word_embeddings", True)
+    state = match_prefix(normalize_keys(state, tied), model)
     expected = model.state_dict()
-    missing = [k for k in expected if k not in state and k not in TIED_KEYS]
+    missing = [k for k in expected if k not in state and not (tied and k in TIED_KEYS)]
     unexpected = [k for k in state if k not in expected]
     _check_against_model(model, state, missing, source)
     on_meta = any(p.is_meta for p in model.parameters())

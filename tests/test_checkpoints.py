@@ -257,6 +257,20 @@ def test_dtype_device_map_and_refused_loader_arguments(tmp_path):
     assert (tmp_path / "src" / "config.json").read_text() == written  # the source is never rewritten
 
 
+def test_untied_checkpoint_without_its_decoder_reports_it_missing(tmp_path):
+    config = fastbert.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=32, max_position_embeddings=16, tie_word_embeddings=False)
+    fastbert.BertForMaskedLM(config).save_pretrained(tmp_path / "untied")
+    weights = tmp_path / "untied" / "model.safetensors"
+    state = load_file(weights)
+    del state["cls.predictions.decoder.weight"]
+    save_file(state, weights)
+    model, info = fastbert.BertForMaskedLM.from_pretrained(tmp_path / "untied", output_loading_info=True)
+    assert info["missing_keys"] == ["cls.predictions.decoder.weight"]
+    assert not any(p.is_meta for p in model.parameters())  # initialised, not left on the meta device
+    assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
 def test_from_pretrained_builds_on_the_meta_device(tmp_path, monkeypatch):
     """Weights about to be loaded are never randomly initialised first; only what the file lacks is."""
     tiny_hf().save_pretrained(tmp_path / "src")
