@@ -2,16 +2,19 @@
 
 An output (a file or a directory) is written under a hidden partial name beside it,
 `.NAME.partial-PID`, and renamed to NAME only when complete, so NAME holds the previous good output
-or the new one, never a mix. A lock file beside it, `.NAME.lock` (the filelock package: an OS lock
-that dies with its process), keeps two fastbert processes from writing the same output; partial
+or the new one, never a mix. A lock keeps two fastbert processes from writing the same output (the
+filelock package: an OS lock that dies with its process); its file lives in the user's cache
+(lock_path), not beside the output, so that a command leaves nothing but what was asked for. Partial
 names left by a killed process are removed by the next run that takes the lock. Files get the
 permissions the umask gives (0644 under the usual 022), as a plain open() would.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+import re
 import shutil
 from collections.abc import Iterator
 
@@ -35,14 +38,32 @@ def partial_path(path: str) -> str:
     return _sibling(path, f"partial-{os.getpid()}")
 
 
+def cache_dir() -> str:
+    """$FASTBERT_CACHE, else $XDG_CACHE_HOME/fastbert, else ~/.cache/fastbert."""
+    return os.environ.get("FASTBERT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fastbert")
+
+
+def lock_path(path: str) -> str:
+    """The lock file of the output `path`: in the cache's locks/, named by the output's real path (its
+    name, then a hash of the whole path), so that every process writing `path` (through any symlink)
+    meets the same lock, and the output's directory gets no file of ours. A lock file is never removed:
+    a process waiting on a removed file would hold a lock nobody else sees."""
+    real = os.path.realpath(path)
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(real))[:64]
+    digest = hashlib.sha256(real.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return os.path.join(cache_dir(), "locks", f"{name}-{digest}.lock")
+
+
 @contextlib.contextmanager
 def output_lock(path: str, wait: bool = False) -> Iterator[None]:
-    """Hold `.NAME.lock` beside `path` for the block. wait=False: another holder is an error (OSError)
+    """Hold `path`'s lock (lock_path) for the block. wait=False: another holder is an error (OSError)
     saying so; wait=True: wait for it (logged), as for a shared cache that the other process is filling."""
     import filelock
 
-    lock_file = _sibling(path, "lock")
+    lock_file = lock_path(path)
     os.makedirs(os.path.dirname(lock_file), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # the caller writes beside `path`
     lock = filelock.FileLock(lock_file, mode=file_mode())
     try:
         lock.acquire(timeout=0)

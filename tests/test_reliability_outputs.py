@@ -42,8 +42,8 @@ def digest(directory):
 
 
 def leftovers(folder):
-    """Hidden partial or old outputs a run left behind (lock files are expected to stay)."""
-    return [n for n in os.listdir(folder) if n.startswith(".") and not n.endswith(".lock")]
+    """Hidden files a run left behind: partial or old outputs, lock files (those live in the cache)."""
+    return [n for n in os.listdir(folder) if n.startswith(".")]
 
 
 def finetune_config(tmp_path, model, **changes):
@@ -98,6 +98,21 @@ def test_finetune_interrupted_or_concurrent_leaves_the_previous_output(tmp_path,
         with pytest.raises(OSError, match="being written by another fastbert process"):
             finetune(finetune_config(tmp_path, tiny_model, seed=7))
     assert digest(tmp_path / "out") == before
+
+
+def test_an_output_lock_lives_in_the_cache_and_is_shared_through_symlinks(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTBERT_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "outputs").mkdir()
+    os.symlink(tmp_path / "outputs", tmp_path / "link")
+    with output_lock(str(tmp_path / "outputs" / "model")):
+        assert os.listdir(tmp_path / "outputs") == []  # nothing beside the output
+        assert len(os.listdir(tmp_path / "cache" / "locks")) == 1
+        with pytest.raises(OSError, match="being written by another fastbert process"):
+            with output_lock(str(tmp_path / "link" / "model")):
+                pass
+    with output_lock(str(tmp_path / "link" / "model")):  # released: the next writer takes it
+        pass
+    assert os.listdir(tmp_path / "outputs") == []
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o002])
@@ -243,13 +258,12 @@ def test_model_refuses_empty_sequences_and_narrow_ids(shape, dtype, message):
 
 # prepare-data and the built-in corpus cache ----------------------------------------------------------------
 def prepare_files(out):
-    """{relative path: sha256} of every file of a prepare-data output, hidden lock files aside."""
+    """{relative path: sha256} of every file of a prepare-data output."""
     files = {}
     for folder, _, names in os.walk(out):
         for name in names:
-            if not name.endswith(".lock"):
-                path = os.path.join(folder, name)
-                files[os.path.relpath(path, out)] = digest(path)
+            path = os.path.join(folder, name)
+            files[os.path.relpath(path, out)] = digest(path)
     return files
 
 

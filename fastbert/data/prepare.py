@@ -20,8 +20,8 @@ Re-running: a directory has one tokenizer, which later runs reuse (another seque
 run). Shards are built in data/.partial-seqN/, each finished one recorded there, so a run that was
 interrupted or killed continues where it stopped when started again with the same options; the
 directory becomes data/seqN/ when complete. A dataset already made with the same options is left as it
-is; one made with other options needs --overwrite. A lock (data/.prepare.lock) makes a second process
-wait for the first: two `fastbert pretrain` runs share the built-in corpus's cache that way.
+is; one made with other options needs --overwrite. A lock (on data/prepare, kept in the user's cache:
+fastbert.files.lock_path) makes a second process wait for the first: two `fastbert pretrain` runs share the built-in corpus's cache that way.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from fastbert.data.sharding import ShardParams, build_shards, marker_path
 from fastbert.data.shards import VOCAB_FILE, read_index, write_index
 from fastbert.data.tokenizer import (SPECIAL_TOKENS, load_tokenizer, save_tokenizer, train_wordpiece, vocabulary,
                                      write_vocab)
-from fastbert.files import move_into_place, output_lock, remove_leftovers, write_text, writing_error
+from fastbert.files import cache_dir, move_into_place, output_lock, remove_leftovers, write_text, writing_error
 
 logger = logging.getLogger("fastbert.data")
 DEFAULT_VOCAB_SIZE = 30522
@@ -306,12 +306,6 @@ def _finish(directory: str, final: str, chunks: int, metadata: dict, vocab: list
 
 
 # the built-in corpus ------------------------------------------------------------------------------------
-def cache_dir() -> str:
-    """$FASTBERT_CACHE, else $XDG_CACHE_HOME/fastbert, else ~/.cache/fastbert."""
-    return os.environ.get("FASTBERT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fastbert")
-
-
 def builtin_dir(vocab_size: int) -> str:
     """Where the built-in corpus with this vocabulary size is cached (per Python version: its docstrings)."""
     return os.path.join(cache_dir(), f"stdlib-py{sys.version_info[0]}.{sys.version_info[1]}-vocab{vocab_size}")
@@ -337,7 +331,7 @@ def builtin_dataset(vocab_size: int, max_seq_lengths: Sequence[int]) -> str:
                 path = os.path.join(root, name)
                 if os.path.isdir(path):
                     shutil.rmtree(path)
-                elif not name.endswith(".lock"):
+                else:
                     os.remove(path)
             _build(options, plan)
     return root
