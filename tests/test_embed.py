@@ -112,6 +112,15 @@ def test_bad_input(tmp_path, capsys):
     path.write_text("\n\n")
     with pytest.raises(DataError, match=r"input.txt: no sequences"):
         read_texts(str(path))
+    for empty in (os.devnull, str(tmp_path / "empty.txt")):  # /dev/null exists but is not a regular file
+        open(empty, "w").close()
+        argv = ["embed", "--model", MINILM, "--input", empty, "--out", str(tmp_path / "o.npy")]
+        assert fastbert.cli.main(argv) == 2
+        assert f"{empty}: no sequences (the file is empty)" in capsys.readouterr().err
+    with pytest.raises(DataError, match=r"missing.txt: no such file"):
+        read_texts(str(tmp_path / "missing.txt"))
+    with pytest.raises(DataError, match=r"a directory, not a file"):
+        read_texts(str(tmp_path))
     path.write_text("one\n")
     for options, message in ((["--layers", "-8"], "layer -8 is outside the model's hidden states: 0 (embeddings) "
                                                   "to 6, or -1 to -7"),

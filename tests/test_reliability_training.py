@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -52,8 +53,22 @@ def test_non_finite_stop_names_the_checkpoint_before_the_bad_steps_and_saves_non
     with pytest.raises(pretrain.TrainingError) as error:
         pretrain.train(config(data, tmp_path, save_every=1, keep_checkpoints=10, max_bad_steps=3), SMALL)
     assert "steps 3 to 5" in str(error.value)
-    assert f"{os.path.join(tmp_path, 'checkpoints', 'step_00000002')};" in str(error.value)
+    assert f"{os.path.join(tmp_path, 'checkpoints', 'step_00000002')}. Lower --lr" in str(error.value)
     assert checkpoint_steps(tmp_path) == [1, 2]
+
+
+def test_a_run_that_ends_inside_non_finite_steps_fails_naming_the_learning_rate(data, tmp_path, capsys):
+    """--lr 1e30: every step after the first is non-finite; fewer than --max-bad-steps, so the run reaches its
+    end, where no checkpoint can be written: exit 1 and one message naming --lr, never 'done'."""
+    argv = ["--data", data, "--out", str(tmp_path), "--steps", "5", "--batch-size", "8", "--seq-lengths", "16",
+            "--no-progress", "--peak-tflops", "1", "--device", "cpu", "--lr", "1e30"]
+    assert pretrain.main(argv + [x for k, v in SMALL.items() for x in (f"--model.{k}", str(v))]) == 1
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if ": error: " in line]
+    assert errors == ["fastbert pretrain: error: 4 consecutive steps had a non-finite loss or gradient (steps 2 to 5); "
+                      "the run ended inside them, unsaved; no checkpoint was saved before them. Lower --lr (it is "
+                      "1e+30), use --precision bf16 or fp32, or check the data"]
+    assert "done" not in captured.out + captured.err and not os.path.exists(tmp_path / "checkpoints")
 
 
 def test_a_fresh_start_moves_the_previous_run_aside_and_keeps_its_own_checkpoints(data, tmp_path):
@@ -189,6 +204,43 @@ def test_a_truncated_last_metrics_line_is_dropped_with_a_warning(data, resumable
     assert pretrain.main(cli(data, resumable)) == 0
     assert "dropped its last line, cut short" in caplog.text
     assert [r["step"] for r in losses(resumable)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_after_a_kill_and_a_resume_each_step_has_one_metrics_row_the_resumed_runs(data, tmp_path):
+    """kill -9 while rows past the newest checkpoint are written; the resumed run replaces those rows."""
+    out, args = tmp_path / "run", ["--steps", "100000", "--save-every", "3", "--seq-lengths", "16", "--phase-fractions",
+                                   "1"]
+    killed = subprocess.Popen([sys.executable, "-m", "fastbert.cli", "pretrain", *cli(data, out, *args)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        # wait for a checkpoint and rows past a multiple of --save-every
+        while time.time() < deadline and not (saved_steps(out) and len(metrics_rows(out)) >= 8
+                                               and len(metrics_rows(out)) % 3):
+            time.sleep(0.05)
+    finally:
+        killed.kill()
+        killed.wait()
+    before = losses(out)
+    saved = max(checkpoint_steps(out))
+    assert before[-1]["step"] > saved, "the kill came too late to leave rows past the checkpoint"
+    last = before[-1]["step"] + 2
+    assert pretrain.main(cli(data, out, *args, "--stop-at", str(last))) == 0
+    after = losses(out)
+    assert [r["step"] for r in after] == list(range(1, last + 1))  # one row per step
+    assert after[:saved] == before[:saved]
+
+
+def saved_steps(out):
+    return checkpoint_steps(out) if os.path.isdir(os.path.join(out, "checkpoints")) else []
+
+
+def metrics_rows(out):
+    """The complete lines of a running run's metrics.jsonl."""
+    try:
+        return [line for line in open(os.path.join(out, "metrics.jsonl")) if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
 
 
 def test_a_corrupt_metrics_line_is_an_error_naming_the_file_and_line(data, resumable, capsys):

@@ -31,7 +31,9 @@ class DataError(ValueError):
 
 def read_text(path: str) -> str:
     """The file's text: UTF-8, a byte-order mark (as in GLUE's MRPC files) dropped."""
-    if not os.path.isfile(path):
+    if os.path.isdir(path):
+        raise DataError(path, None, "a directory, not a file")
+    if not os.path.exists(path):  # not isfile(): a pipe or /dev/null is read like a file
         raise DataError(path, None, "no such file")
     with open(path, "rb") as f:
         data = f.read()

@@ -126,18 +126,24 @@ def _take_reading(run: Run, progress: state.Progress, window: Window, saver: sta
     for step, bad in reading.bad:
         progress.bad_in_row = progress.bad_in_row + 1 if bad else 0
         if progress.bad_in_row >= run.cfg.max_bad_steps:
-            first = step - progress.bad_in_row + 1
             saver.wait()
-            raise TrainingError(
-                f"{progress.bad_in_row} consecutive steps had a non-finite loss or gradient (steps {first} to "
-                f"{step}); stopping. The last checkpoint saved before them is "
-                f"{checkpoint.latest_checkpoint(run.checkpoints, before=first)}; lower --lr, use --precision "
-                "bf16/fp32, or check the data")
+            raise _non_finite_error(run, progress.bad_in_row, step, "stopping")
     bad_steps = [step for step, bad in reading.bad if bad]
     if bad_steps:
         run.warning(f"step{'s' if len(bad_steps) > 1 else ''} {', '.join(map(str, bad_steps))}: non-finite loss or "
                     f"gradient; update skipped ({progress.bad_in_row} in a row now, {progress.skipped} skipped in all)")
     return reading
+
+
+def _non_finite_error(run: Run, bad_in_row: int, step: int, what_now: str) -> TrainingError:
+    """The error of a run that cannot go on past `bad_in_row` non-finite steps ending at `step`: where the
+    last good checkpoint is, and what to change."""
+    first = step - bad_in_row + 1
+    before = checkpoint.latest_checkpoint(run.checkpoints, before=first)
+    saved = f"the last checkpoint saved before them is {before}" if before else "no checkpoint was saved before them"
+    return TrainingError(f"{bad_in_row} consecutive steps had a non-finite loss or gradient (steps {first} to "
+                         f"{step}); {what_now}; {saved}. Lower --lr (it is {run.cfg.lr:g}), use --precision "
+                         "bf16 or fp32, or check the data")
 
 
 def _save(run: Run, saver: state.Saver, progress: state.Progress, reading, last: bool = False) -> bool:
@@ -217,6 +223,8 @@ def _train(run: Run, progress: state.Progress, saver: state.Saver) -> dict:
     if last_saved != progress.step:
         _save(run, saver, progress, _take_reading(run, progress, window, saver), last=progress.step == cfg.steps)
     saver.wait()
+    if progress.bad_in_row and not stopped:  # the weights it ended with are not a result: no checkpoint of them
+        raise _non_finite_error(run, progress.bad_in_row, progress.step, "the run ended inside them, unsaved")
     path = checkpoint.latest_checkpoint(run.checkpoints)
     if stopped:
         run.info(f"stopped at step {progress.step} ({stopped}); checkpoint {path}; run the same command again to "
