@@ -21,6 +21,7 @@ import importlib
 import os
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from fastbert import reference
 
@@ -37,7 +38,7 @@ try:
     TRITON_IMPORT_ERROR = None  # None when Triton imports, else why not
 except Exception as exc:  # ImportError, or a broken install raising anything else
     TRITON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
-KERNEL_FILES = ("layer_norm", "bias_gelu", "qkv", "attention", "mlm_loss")
+KERNEL_FILES = ("layer_norm", "bias_gelu", "ffn", "qkv", "attention", "mlm_loss")
 KERNELS = {} if TRITON_IMPORT_ERROR else {
     name: importlib.import_module(f"fastbert.kernels.{name}") for name in KERNEL_FILES}
 
@@ -52,6 +53,10 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor | None) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     on_cuda = all(t.is_cuda for t in tensors if t is not None)
+    # meta tensors stand for CUDA tensors in a memory plan (fastbert.bench.meta_gpu): the launchers run their
+    # host code on them and the stand-in driver launches nothing (outside a plan, the custom ops run their
+    # shape-only fake registrations on meta); "auto" still means the reference there
+    on_meta = all(t.is_meta for t in tensors if t is not None)
     if backend == "auto":
         env = os.environ.get("FASTBERT_BACKEND", "")
         if env not in ("", "auto", "triton", "torch"):
@@ -63,7 +68,7 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor | None) -> str:
     if backend == "triton":
         if TRITON_IMPORT_ERROR is not None:
             raise RuntimeError(f"backend='triton' was requested but Triton does not import ({TRITON_IMPORT_ERROR})")
-        if not on_cuda and not interpreter_enabled():
+        if not on_cuda and not on_meta and not interpreter_enabled():
             devices = sorted({str(t.device) for t in tensors if t is not None})
             raise RuntimeError(
                 f"backend='triton' needs CUDA tensors, got tensors on {devices}; set TRITON_INTERPRET=1 "
@@ -79,7 +84,9 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor | None) -> str:
 # differentiable, so fp32 master weights still receive their gradients.
 def autocast_dtype(op: str, device_type: str) -> torch.dtype | None:
     """The dtype autocast runs `op` ("matmul" or "layer_norm") in on `device_type` now; None when autocast
-    is off or leaves the op alone."""
+    is off or leaves the op alone. Meta tensors answer as CUDA ones: in a memory plan they stand for CUDA
+    tensors, under CUDA autocast switched on by fastbert.bench.meta_gpu (autocast has no "meta" state)."""
+    device_type = "cuda" if device_type == "meta" else device_type
     if not torch.is_autocast_enabled(device_type):
         return None
     if op == "layer_norm":
@@ -264,3 +271,26 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
         return KERNELS["mlm_loss"].linear_cross_entropy(x, weight, bias, target, ignore_index, reduction,
                                                         label_smoothing)
     return reference.linear_cross_entropy(x, weight, bias, target, ignore_index, reduction, label_smoothing)
+
+
+def feed_forward(x, w1, b1, w2, b2, approximate="none", recompute_pre=False, backend=None):
+    """gelu(x @ w1.T + b1) @ w2.T + b2, BERT's FFN, whose backward keeps the pre-activation
+    x @ w1.T + b1 but not the GELU output (recomputed from it): kernels/ffn.py.
+
+    x [..., K]; w1 [N, K]; b1 [N]; w2 [K2, N]; b2 [K2]. Returns [..., K2] in the matmul dtype (the autocast
+    dtype under autocast). recompute_pre (`--activation-checkpointing ffn`) keeps only x: the Triton path
+    reruns the up-projection in the backward, the reference (no fused op to ask) reruns the whole FFN
+    under torch.utils.checkpoint. Raises ValueError naming a mismatched argument or the approximation.
+    """
+    _check_last_dim("w1", w1, x.shape[-1], "x's last dimension")
+    _check_last_dim("b1", b1, w1.shape[0], "w1's output size")
+    _check_last_dim("w2", w2, w1.shape[0], "w1's output size")
+    _check_last_dim("b2", b2, w2.shape[0], "w2's output size")
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
+    if resolve_backend(backend, x, w1, b1, w2, b2) == "triton":
+        x, w1, b1, w2, b2 = _matmul_inputs(x, w1, b1, w2, b2)
+        return KERNELS["ffn"].feed_forward(x, w1, b1, w2, b2, approximate, recompute_pre)
+    if recompute_pre and torch.is_grad_enabled():
+        return checkpoint(reference.feed_forward, x, w1, b1, w2, b2, approximate, use_reentrant=False)
+    return reference.feed_forward(x, w1, b1, w2, b2, approximate)

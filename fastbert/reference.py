@@ -25,6 +25,11 @@ def linear_bias_gelu(x, weight, bias, approximate="none"):
     return F.gelu(F.linear(x, weight, bias), approximate=approximate)
 
 
+def feed_forward(x, w1, b1, w2, b2, approximate="none"):
+    """gelu(x @ w1.T + b1) @ w2.T + b2: BERT's FFN. w1 [N, K], w2 [K2, N]."""
+    return F.linear(linear_bias_gelu(x, w1, b1, approximate), w2, b2)
+
+
 def qkv_projection(x, weight, bias, num_heads):
     """One matmul for query, key and value.
 

@@ -46,19 +46,22 @@ _BWD_WARPS = 8
 @triton.jit
 def _bias_gelu_fwd_kernel(
     x_ptr,  # [M, N]
-    bias_ptr,  # [N]
+    bias_ptr,  # [N] (read when HAS_BIAS)
     y_ptr,  # [M, N] contiguous
     M, N,
     stride_xm, stride_xn,
+    HAS_BIAS: tl.constexpr,  # False: y = gelu(x), the FFN's backward recomputing gelu(pre) (kernels/ffn.py)
     APPROXIMATE: tl.constexpr,  # "none" or "tanh"
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # times a column stride: past 2**31
     mask = (rows[:, None] < M) & (cols[None, :] < N)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
-    b = tl.load(bias_ptr + cols, mask=cols < N, other=0.0)
-    y = gelu(cast(x, tl.float32) + cast(b, tl.float32)[None, :], APPROXIMATE)
+    x = cast(tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0),
+             tl.float32)
+    if HAS_BIAS:
+        x += cast(tl.load(bias_ptr + cols, mask=cols < N, other=0.0), tl.float32)[None, :]
+    y = gelu(x, APPROXIMATE)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], cast(y, y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -122,8 +125,9 @@ def _check(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> None
             raise ValueError(f"bias is {bias.dtype} on {bias.device}, expected x's {x.dtype} on {x.device}")
 
 
-def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """gelu(x + bias). x [..., N] (any strides), bias [N], one dtype. Returns contiguous [..., N]."""
+def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:
+    """gelu(x + bias) (bias None: gelu(x)). x [..., N] (any strides), bias [N] or None, one dtype.
+    Returns contiguous [..., N]. Raises ValueError on a mismatched bias, a dtype or an approximation."""
     _check(x, bias, approximate)
     x2 = _as_rows(x)
     rows, cols = x2.shape
@@ -133,7 +137,8 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none"
     block_m, block_n = _blocks(cols)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
     # the kernels index the bias as contiguous: a strided one (a slice) is copied, N elements
-    _bias_gelu_fwd_kernel[grid](x2, bias.contiguous(), y, rows, cols, x2.stride(0), x2.stride(1),
+    _bias_gelu_fwd_kernel[grid](x2, x2 if bias is None else bias.contiguous(), y, rows, cols,
+                                x2.stride(0), x2.stride(1), HAS_BIAS=bias is not None,
                                 APPROXIMATE=approximate, BLOCK_M=block_m, BLOCK_N=block_n)
     return y
 
@@ -203,15 +208,22 @@ def _bias_gelu_backward(ctx, dy):
 _bias_gelu_op.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_setup)
 
 
-@torch.library.custom_op("fastbert::linear_bias_gelu", mutates_args=())
-def _linear_bias_gelu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+def linear_bias_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                          approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (gelu(h), h) with h = x @ weight.T + bias; x [M, K]. h is kept for the backward."""
+    """(gelu(h), h) with h = x @ weight.T + bias, both contiguous [M, N], from one epilogue matmul.
+    x [M, K], weight [N, K], bias [N], one dtype. Raises ValueError on mismatched shapes or dtypes."""
     check_operands(x, weight, bias)
     y = x.new_empty((x.shape[0], weight.shape[0]))
     pre = torch.empty_like(y)
     matmul_fwd(x, weight, bias, y, "gelu_tanh" if approximate == "tanh" else "gelu", pre)
     return y, pre
+
+
+@torch.library.custom_op("fastbert::linear_bias_gelu", mutates_args=())
+def _linear_bias_gelu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                         approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (gelu(h), h) with h = x @ weight.T + bias; x [M, K]. h is kept for the backward."""
+    return linear_bias_gelu_fwd(x, weight, bias, approximate)
 
 
 @_linear_bias_gelu_op.register_fake
