@@ -255,8 +255,14 @@ class StandInDriver(DriverBase):
         return compile_candidate
 
 
-def install(gpu: GPU, log: LaunchLog, registers_of) -> StandInDriver:
-    """Make a stand-in for `gpu` Triton's active driver, and announce each compile to `log`."""
+def install(gpu: GPU, log: LaunchLog, registers_of=None, compile_kernels: bool = True) -> StandInDriver:
+    """Make a stand-in for `gpu` Triton's active driver, and announce each compile to `log`.
+
+    compile_kernels=False (a memory plan, which needs the host code and not the kernels): Triton binds and
+    specialises every launch's arguments as usual, then skips the compile and the launch (`JITFunction.run`
+    returns None), so no cubin is made, registers_of is never called and nothing reaches `log`; the
+    autotuners' benchmark calls are skipped the same way and every candidate gets the same time.
+    """
     from triton import knobs
 
     driver = StandInDriver(gpu, log, registers_of)
@@ -269,5 +275,8 @@ def install(gpu: GPU, log: LaunchLog, registers_of) -> StandInDriver:
                          "cpu_seconds": cpu_seconds()}
         return False  # go on and compile
 
-    knobs.runtime.jit_cache_hook = announce
+    def skip(**_):
+        return True  # a true answer makes Triton skip the compile and the launch
+
+    knobs.runtime.jit_cache_hook = announce if compile_kernels else skip
     return driver
