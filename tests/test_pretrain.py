@@ -472,16 +472,51 @@ def test_fp16_loss_scaling_runs_and_is_checkpointed(data, tmp_path):
     assert all(r["loss"] is not None and r["loss"] > 0 for r in losses(tmp_path))
 
 
-def test_demo_options_apply_to_the_demo_only(tmp_path):
+def test_the_demo_is_a_preset_that_naming_a_default_keeps(tmp_path):
     from fastbert.train.options import DEMO_MODEL, DEMO_OPTIONS, PretrainConfig, parse_args
     cfg, overrides = parse_args([], "")
     assert {k: getattr(cfg, k) for k in DEMO_OPTIONS} == DEMO_OPTIONS and overrides == DEMO_MODEL
+    for named_defaults in (["--data", "stdlib"], ["--model", "tiny"], ["--preset", "demo"], ["--preset", "auto"]):
+        assert parse_args(named_defaults, "") == (cfg, overrides), named_defaults
     cfg, overrides = parse_args(["--lr", "5e-4", "--model.hidden_dropout_prob", "0.1"], "")  # flags win
     assert cfg.lr == 5e-4 and cfg.steps == DEMO_OPTIONS["steps"] and overrides["hidden_dropout_prob"] == 0.1
-    # a corpus or a model of the user's (even the tiny preset named): the paper's recipe
+    # the user's corpus, or --preset paper: the paper's recipe, the defaults --help shows
     assert parse_args(["--data", str(tmp_path)], "") == (PretrainConfig(data=str(tmp_path)), {})
-    for model in ("base", "tiny"):
-        assert parse_args(["--model", model], "") == (PretrainConfig(model=model), {})
+    assert parse_args(["--preset", "paper"], "") == (PretrainConfig(), {})
+    # the demo's model changes are the tiny model's: a model of the user's keeps its own sizes
+    cfg, overrides = parse_args(["--model", "base"], "")
+    assert cfg.steps == DEMO_OPTIONS["steps"] and overrides == {}
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"preset": "paper", "steps": 7}))
+    assert parse_args(["--config", str(config)], "") == (PretrainConfig(steps=7), {})
+
+
+def test_preparing_a_directory_again_names_only_the_options_it_ignores(data, caplog):
+    from fastbert.data.shards import ShardedDataset
+    caplog.set_level("INFO", logger="fastbert")
+    corpus = os.path.join(os.path.dirname(data), "corpus.txt")
+    size = ShardedDataset(os.path.join(data, "seq16")).vocab_size
+    for options, ignored in (({}, None), ({"vocab_size": size}, None),
+                             ({"vocab_size": size + 1}, f"--vocab-size {size + 1}"), ({"lowercase": False}, "--cased")):
+        caplog.clear()
+        prepare.prepare_dataset([corpus], data, max_seq_lengths=(16,), **options)
+        line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenizer: "))
+        expected = "other datasets" if ignored is None else f"(ignored here, for a new --out: {ignored})"
+        assert line.endswith(expected), line
+
+
+def test_help_shows_the_real_defaults_the_demos_values_and_the_choices(capsys):
+    with pytest.raises(SystemExit) as exit_code:
+        pretrain.main(["--help"])
+    assert exit_code.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    from fastbert.train.options import DEMO_OPTIONS, PretrainConfig
+    for name, demo in DEMO_OPTIONS.items():
+        assert f"(default: {getattr(PretrainConfig, name)!r}; demo: {demo!r})" in text, name
+    for flag in ("--optimizer {adamw,lamb}", "--precision {auto,fp32,bf16,fp16}", "--device {auto,cpu,cuda}",
+                 "--distributed {ddp,fsdp}", "--preset {auto,demo,paper}"):
+        assert flag in text
+    assert "options.py" not in text and "run.py" not in text  # no notes for developers
 
 
 def test_threads_hold_for_the_run_only(data, tmp_path, monkeypatch):
@@ -511,7 +546,7 @@ def chance_levels(dataset) -> tuple[float, float, float]:
 DEMO_TEST_STEPS = 300  # the demo shortened (its warm-up and decay scaled along): about 35 CPU-seconds of training
 
 
-def test_the_demo_learns(tmp_path, monkeypatch, caplog):
+def test_the_demo_learns(tmp_path, monkeypatch, capsys):
     """The demo, run as the README says but shorter, scores above what a model that does not learn
     scores, by 4 standard errors of the predictions the compared rows hold; its last line names the model
     and the tokenizer, and its fine-tuning command takes them."""
@@ -520,8 +555,12 @@ def test_the_demo_learns(tmp_path, monkeypatch, caplog):
     from fastbert.train.options import parse_args
     monkeypatch.setenv("FASTBERT_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
-    caplog.set_level("INFO", logger="fastbert")
     assert pretrain.main(["--steps", str(DEMO_TEST_STEPS), "--no-progress", "--peak-tflops", "1"]) == 0
+    output = capsys.readouterr()
+    # the results on stdout, the progress on stderr; no MFU against a CPU
+    results = output.out.splitlines()
+    assert len(results) == 2 and results[0].startswith(f"done: {DEMO_TEST_STEPS} steps (last logged: loss "), results
+    assert "done: " not in output.err and "pretraining BERT" in output.err and "MFU" not in output.out + output.err
     with open(tmp_path / "runs" / "tiny-stdlib" / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     last = rows[-len(rows) // 10:]
@@ -535,7 +574,7 @@ def test_the_demo_learns(tmp_path, monkeypatch, caplog):
     mlm_floor = unigram + 4 * (unigram * (1 - unigram) / labelled) ** 0.5
     assert mean["nsp_accuracy"] > nsp_floor and mean["mlm_accuracy"] > mlm_floor, (mean, nsp_floor, mlm_floor)
     assert 0 < mean["mlm_mask_accuracy"] < mean["mlm_accuracy"], mean  # the latter counts tokens shown as they are
-    hint = caplog.records[-1].getMessage()  # the last line: where the model is and how to fine-tune it
+    hint = output.out.splitlines()[-1]  # the last line: where the model is and how to fine-tune it
     command = shlex.split(hint.split("fine-tune it with: ")[1].split(" (")[0])
     assert command[:2] == ["fastbert", "finetune"], hint
     model = command[command.index("--model") + 1]

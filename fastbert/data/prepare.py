@@ -20,8 +20,9 @@ Re-running: a directory has one tokenizer, which later runs reuse (another seque
 run). Shards are built in data/.partial-seqN/, each finished one recorded there, so a run that was
 interrupted or killed continues where it stopped when started again with the same options; the
 directory becomes data/seqN/ when complete. A dataset already made with the same options is left as it
-is; one made with other options needs --overwrite. A lock (on data/prepare, kept in the user's cache:
-fastbert.files.lock_path) makes a second process wait for the first: two `fastbert pretrain` runs share the built-in corpus's cache that way.
+is; one made with other options needs --overwrite. A lock (fastbert.files.lock_path of data/prepare, in
+the user's cache) makes a second process wait for the first: two `fastbert pretrain` runs share the
+built-in corpus's cache that way.
 """
 from __future__ import annotations
 
@@ -111,8 +112,13 @@ def directory_tokenizer(out: str, tokenizer_path: str | None, vocab_size: int | 
         if tokenizer_path and load_tokenizer(tokenizer_path, lowercase).to_str() != tokenizer.to_str():
             raise ValueError(f"--tokenizer {tokenizer_path} differs from {existing}, which the datasets in {out} "
                              "use; one directory holds the datasets of one tokenizer: choose a new --out")
-        logger.info(f"tokenizer: {existing} ({len(vocabulary(tokenizer))} tokens), as for this directory's other "
-                    "datasets (--vocab-size and --cased apply to a new --out)")
+        size = len(vocabulary(tokenizer))
+        # only what the caller asked for and does not get: a rerun with the same options hears nothing of them
+        lowercased = (json.loads(tokenizer.to_str()).get("normalizer") or {}).get("lowercase", True)
+        ignored = [f"--vocab-size {vocab_size}"] * (vocab_size not in (None, size)) + \
+            ["--cased"] * (lowercased and not lowercase)
+        note = f" (ignored here, for a new --out: {', '.join(ignored)})" if ignored else ""
+        logger.info(f"tokenizer: {existing} ({size} tokens), as for this directory's other datasets{note}")
         return tokenizer
     if tokenizer_path:
         logger.info(f"tokenizer: {tokenizer_path}")

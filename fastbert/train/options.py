@@ -1,7 +1,7 @@
 """The options of `fastbert pretrain`: PretrainConfig, its checks, and the command line that fills it.
 
-Options are the fields of PretrainConfig (--config FILE reads them from JSON; later flags win);
---model.<field> VALUE overrides a BertConfig field.
+Options are the fields of PretrainConfig, filled from a preset (--preset), then --config FILE (JSON),
+then flags; --model.<field> VALUE overrides a BertConfig field.
 """
 from __future__ import annotations
 
@@ -15,17 +15,23 @@ from fastbert.train import distributed
 
 PRESETS = ("tiny", "base", "large")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "lamb")
+DEVICES = ("auto", "cpu", "cuda")
 
 
-# The demo: `fastbert pretrain` given neither --data nor --model (flags or --config) starts from these
-# options instead of the defaults, so that a tiny model visibly learns on the built-in corpus (Python's
-# docstrings) in under 3 minutes on 2 CPU cores (MLM accuracy >= 0.15, NSP >= 0.70). Any other run
-# starts from the paper's recipe (the defaults below).
+# --preset: where the options start before --config and flags. "paper" is PretrainConfig's defaults (the
+# paper's recipe); "demo" replaces some of them so that a tiny model visibly learns on the built-in corpus
+# (Python's docstrings) in under 3 minutes on 2 CPU cores (MLM accuracy >= 0.15, NSP >= 0.70); "auto" is
+# the demo on the built-in corpus and the paper on the user's --data, decided by the value, so that naming a
+# default (--data stdlib, --model tiny) changes nothing.
+PRESET_CHOICES = ("auto", "demo", "paper")
 # One torch thread: torch's default, one per core, spins when other work holds the cores.
 DEMO_OPTIONS = {"steps": 1400, "lr": 1.5e-3, "warmup": 0.02, "beta2": 0.98, "seq_lengths": "64", "threads": 1}
-# the tiny preset with a narrower feed-forward layer and 4 heads; no dropout for a small model on little data
+# applied to the tiny model only (a narrower feed-forward layer, 4 heads; no dropout for a small model on
+# little data): the demo's changes to the model the user did not choose
 DEMO_MODEL = {"intermediate_size": 256, "num_attention_heads": 4, "hidden_dropout_prob": 0.0,
               "attention_probs_dropout_prob": 0.0}
+DEMO_MODEL_HELP = "the tiny model with 4 heads, FFN 256, no dropout"
 
 
 @dataclass
@@ -33,7 +39,7 @@ class PretrainConfig:
     run_name: str = ""  # directory name under ./runs/; "" = "<model>-<data>"
     out: str = ""  # output directory; "" = ./runs/<run_name>
     data: str = STDLIB  # `fastbert prepare-data` output (holding seq128/, seq512/, ...) or "stdlib" (built in)
-    model: str = "tiny"  # preset tiny | base | large, or an HF config.json (file or directory)
+    model: str = "tiny"  # tiny | base | large (BertConfig's sizes), or an HF config.json (file or directory)
     steps: int = 400  # optimizer steps in all (the paper: 1,000,000)
     batch_size: int = 32  # global batch: sequences per optimizer step, all ranks together (the paper: 256)
     micro_batch_size: str = ""  # sequences per rank per forward, one value or one per phase; "" = no accumulation
@@ -77,7 +83,8 @@ class PretrainConfig:
                   ("max_bad_steps", self.max_bad_steps >= 1, ">= 1"), ("stop_at", self.stop_at >= 0, ">= 0"),
                   ("peak_tflops", self.peak_tflops >= 0, ">= 0"), ("prefetch", self.prefetch >= 1, ">= 1"),
                   ("threads", self.threads >= 0, ">= 0"),
-                  ("optimizer", self.optimizer in ("adamw", "lamb"), "adamw or lamb"),
+                  ("optimizer", self.optimizer in OPTIMIZERS, f"one of {OPTIMIZERS}"),
+                  ("device", self.device in DEVICES, f"one of {DEVICES}"),
                   ("precision", self.precision in PRECISIONS, f"one of {PRECISIONS}"),
                   ("distributed", self.distributed in distributed.STRATEGIES, f"one of {distributed.STRATEGIES}")]
         for name, ok, limit in checks:
@@ -105,21 +112,27 @@ def _parse_value(text: str):
 
 
 def parse_args(argv: list[str], description: str) -> tuple[PretrainConfig, dict]:
-    """PretrainConfig from defaults < the demo's (no --data, no --model) < --config JSON < flags; and the
-    --model.<field> overrides."""
+    """PretrainConfig from the preset < --config JSON < flags; and the --model.<field> overrides."""
     parser = argparse.ArgumentParser(prog="fastbert pretrain", description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      argument_default=argparse.SUPPRESS)
+    parser.add_argument("--preset", choices=PRESET_CHOICES,
+                        help="where the options start: paper = the defaults shown below (the paper's recipe); demo "
+                             "= those with the 'demo:' values shown, and " + DEMO_MODEL_HELP + "; auto = demo on "
+                             "the built-in corpus (--data stdlib), paper on your --data (default: auto)")
     parser.add_argument("--config", help="JSON file of options (the keys below, and model.<field> keys)")
     comments = _field_comments()
+    choices = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "device": DEVICES,
+               "distributed": distributed.STRATEGIES}
     for field in dataclasses.fields(PretrainConfig):
         flag = "--" + field.name.replace("_", "-")
-        help_text = f"{comments.get(field.name, '')} (default: {field.default!r})".replace("%", "%%")
+        demo = f"; demo: {DEMO_OPTIONS[field.name]!r}" if field.name in DEMO_OPTIONS else ""
+        help_text = f"{comments.get(field.name, '')} (default: {field.default!r}{demo})".replace("%", "%%")
         if field.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         else:
             kind = {"int": int, "float": float}.get(field.type, str)
-            parser.add_argument(flag, type=kind, help=help_text)
+            parser.add_argument(flag, type=kind, choices=choices.get(field.name), help=help_text)
     args, rest = parser.parse_known_args(argv)
     overrides: dict = {}
     values: dict = {}
@@ -129,7 +142,7 @@ def parse_args(argv: list[str], description: str) -> tuple[PretrainConfig, dict]
                 from_file = json.load(f)
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"--config {args.config!r}: {exc}") from None
-        names = {f.name for f in dataclasses.fields(PretrainConfig)}
+        names = {f.name for f in dataclasses.fields(PretrainConfig)} | {"preset"}
         for key, value in from_file.items():
             if key.startswith("model."):
                 overrides[key[len("model."):]] = value
@@ -143,9 +156,21 @@ def parse_args(argv: list[str], description: str) -> tuple[PretrainConfig, dict]
         if not flag.startswith("--model.") or not rest:
             parser.error(f"unrecognized argument {flag!r} (model fields are set with --model.<field> VALUE)")
         overrides[flag[len("--model."):]] = _parse_value(rest.pop(0))
-    if not {"data", "model"} & values.keys():
-        values, overrides = {**DEMO_OPTIONS, **values}, {**DEMO_MODEL, **overrides}
+    values, overrides = apply_preset(values.pop("preset", "auto"), values, overrides)
     return PretrainConfig(**values), overrides
+
+
+def apply_preset(preset: str, values: dict, overrides: dict) -> tuple[dict, dict]:
+    """The options and model overrides given (from --config and flags) over the preset's. Raises ValueError
+    for a preset that is not one of PRESET_CHOICES."""
+    if preset not in PRESET_CHOICES:
+        raise ValueError(f"--preset must be one of {PRESET_CHOICES}, got {preset!r}")
+    if preset == "auto":
+        preset = "demo" if values.get("data", STDLIB) == STDLIB else "paper"
+    if preset == "paper":
+        return values, overrides
+    model = {**DEMO_MODEL, **overrides} if values.get("model", "tiny") == "tiny" else overrides
+    return {**DEMO_OPTIONS, **values}, model
 
 
 def _field_comments() -> dict[str, str]:

@@ -1,17 +1,5 @@
 """`fastbert pretrain`: BERT pretraining (masked LM + next sentence prediction), one process or many.
-
-    fastbert pretrain                                   # the demo: a small model learns on a CPU
-    fastbert pretrain --data data/ --model base --steps 1000000 --batch-size 256
-    torchrun --nproc_per_node=8 -m fastbert.cli pretrain --data data/ --model large --distributed fsdp
-    fastbert pretrain --config run.json --lr 2e-4 --model.hidden_dropout_prob 0.0
-
-Options are the fields of PretrainConfig (--config FILE reads them from JSON; later flags win);
---model.<field> VALUE overrides a BertConfig field. Without --data and --model, the demo's options
-(fastbert.train.options.DEMO_OPTIONS, DEMO_MODEL) replace some of the defaults below. Outputs go to
-./runs/<run name>/ (or --out): metrics.jsonl (one JSON object per logged step), config.json (the
-run's options) and checkpoints/step_N/ (see fastbert.train.checkpoint). Running the same command
-again resumes from the newest complete checkpoint, exactly: the losses are those of the uninterrupted
-run.
+DESCRIPTION below is the command's help; options.py holds the options and the presets.
 
 Loss normalisation: the MLM loss is the mean over all masked tokens of the global batch and the NSP
 loss the mean over its sequences, whatever the number of ranks and micro-batches: each micro-batch
@@ -44,6 +32,20 @@ from fastbert.train.step import HostStats, host_stats, train_step
 
 __all__ = ["PretrainConfig", "TrainingError", "train", "main"]
 logger = logging.getLogger("fastbert.train")
+
+DESCRIPTION = """BERT pretraining (masked LM + next sentence prediction), one process or many.
+
+    fastbert pretrain                                   # the demo: a small model learns on a CPU
+    fastbert pretrain --data data/ --model base --steps 1000000 --batch-size 256
+    torchrun --nproc_per_node=8 -m fastbert.cli pretrain --data data/ --model large --distributed fsdp
+    fastbert pretrain --config run.json --lr 2e-4 --model.hidden_dropout_prob 0.0
+
+Options start from a preset (--preset: the demo on the built-in corpus, the paper's recipe on your --data),
+then --config FILE (JSON of the options below), then flags; --model.<field> VALUE sets a field of the
+model's config.json. Outputs go to ./runs/<model>-<data>/ (or --run-name, --out): metrics.jsonl (one JSON
+object per logged step), config.json (the run's options) and checkpoints/step_N/model/ (HF format).
+Running the same command again resumes from the newest checkpoint, exactly. The results (the last metrics,
+the checkpoint, the command that fine-tunes it) go to stdout, progress and messages to stderr."""
 
 
 class TrainingError(RuntimeError):
@@ -157,8 +159,9 @@ def _save(run: Run, saver: state.Saver, progress: state.Progress, reading, last:
 
 
 def train(cfg: PretrainConfig, model_overrides: dict | None = None) -> dict:
-    """Run (or resume) pretraining; returns {"step", "out", "checkpoint", "stopped", "skipped_steps", "model"}
-    (model: the trained BertForPreTraining, its parameters sharded under FSDP2).
+    """Run (or resume) pretraining; returns {"step", "out", "checkpoint", "stopped", "skipped_steps", "model",
+    "report"} (model: the trained BertForPreTraining, its parameters sharded under FSDP2; report: the lines
+    the command prints as its result on rank 0, none elsewhere).
 
     Raises ValueError for bad options or data (OSError for files that cannot be written), TrainingError
     when the run cannot go on.
@@ -216,7 +219,7 @@ def _train(run: Run, progress: state.Progress, saver: state.Saver) -> dict:
                 if log_due:
                     record = _metrics_line(run, progress, window, reading, peak)
                     metrics.write(record)
-                    bar.set_postfix_str(_summary(record), refresh=False)
+                    bar.set_postfix_str(_summary(record, run), refresh=False)
                 if progress.step % cfg.save_every == 0 and progress.step < cfg.steps and \
                         _save(run, saver, progress, reading):
                     last_saved = progress.step
@@ -227,14 +230,14 @@ def _train(run: Run, progress: state.Progress, saver: state.Saver) -> dict:
         raise _non_finite_error(run, progress.bad_in_row, progress.step, "the run ended inside them, unsaved")
     path = checkpoint.latest_checkpoint(run.checkpoints)
     if stopped:
-        run.info(f"stopped at step {progress.step} ({stopped}); checkpoint {path}; run the same command again to "
-                 "resume")
+        report = [f"stopped at step {progress.step} ({stopped}); checkpoint {path}; run the same command again to "
+                  "resume"]
     else:
-        last = f" (last logged: {_summary(record)})" if record else ""
-        run.info(f"done: {progress.step} steps{last}; checkpoint {path}; metrics in {run.metrics_file}")
+        last = f" (last logged: {_summary(record, run)})" if record else ""
+        report = [f"done: {progress.step} steps{last}; checkpoint {path}; metrics in {run.metrics_file}"]
         if path:
-            run.info(_finetune_hint(run, os.path.join(path, state.MODEL_DIR)))
-    return _result(run, progress, path, stopped)
+            report.append(_finetune_hint(run, os.path.join(path, state.MODEL_DIR)))
+    return {**_result(run, progress, path, stopped), "report": report if run.env.is_main else []}
 
 
 def _finetune_hint(run: Run, model: str) -> str:
@@ -258,7 +261,7 @@ def _metrics_line(run: Run, progress: state.Progress, window: Window, reading, p
 
 def _result(run: Run, progress: state.Progress, path: str | None, stopped: str | None) -> dict:
     return {"step": progress.step, "out": run.out, "checkpoint": path, "stopped": bool(stopped),
-            "skipped_steps": progress.skipped, "model": run.model}
+            "skipped_steps": progress.skipped, "model": run.model, "report": []}
 
 
 def _log_start(run: Run) -> None:
@@ -269,13 +272,15 @@ def _log_start(run: Run) -> None:
     run.info(f"output: {os.path.abspath(run.out)} (metrics.jsonl, checkpoints/)")
 
 
-def _summary(record: dict) -> str:
-    """The progress bar's text for a metrics line."""
+def _summary(record: dict, run: Run) -> str:
+    """The progress bar's text for a metrics line; MFU on a GPU only (against a CPU's matmul rate it
+    means nothing)."""
     if record["loss"] is None:
         return "every step skipped"
+    mfu = f" MFU {record['mfu']:.1%}" if run.env.device.type == "cuda" else ""
     return (f"loss {record['loss']:.3f} mlm_acc {record['mlm_accuracy']:.3f} "
             f"[MASK]_acc {record['mlm_mask_accuracy']:.3f} nsp_acc {record['nsp_accuracy']:.3f} "
-            f"tok/s {record['tokens_per_s']:.0f} MFU {record['mfu']:.1%}")
+            f"tok/s {record['tokens_per_s']:.0f}{mfu}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         try:
-            train(*parse_args(sys.argv[1:] if argv is None else argv, __doc__))
+            result = train(*parse_args(sys.argv[1:] if argv is None else argv, DESCRIPTION))
+            if result["report"]:  # the command's result: stdout (progress and messages go to stderr)
+                print("\n".join(result["report"]), flush=True)
         except TrainingError as exc:  # the run went wrong, not the user's input
             logger.error("%s", exc)
             return 1
