@@ -1,7 +1,9 @@
 """The benchmark suite's smoke run (what CI runs of `fastbert bench`), its JSON rows, the
 CPU memory meter, the FLOP formulas, the GPU suite's refusal without a GPU, and PERF.md's generator."""
+import glob
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -118,6 +120,35 @@ def test_gpu_suite_refuses_without_gpu(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "CUDA GPU" in err and "--smoke" in err
     assert not list(tmp_path.iterdir())
+
+
+def test_bench_writes_to_the_users_cache_and_says_smoke_times_are_noise(tmp_path, monkeypatch, capsys):
+    from fastbert.cli import main
+    monkeypatch.setenv("FASTBERT_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "checkout").mkdir()
+    monkeypatch.chdir(tmp_path / "checkout")  # as from a clone's root: nothing is written where it runs
+    assert main(["bench", "--smoke", "--only", "^layer_norm/.* torch$", "--no-progress"]) == 0
+    assert os.listdir(tmp_path / "checkout") == []
+    written = os.listdir(tmp_path / "cache" / "bench")
+    assert len(written) == 1 and written[0].startswith("smoke-") and written[0].endswith(".json")
+    assert capsys.readouterr().out.splitlines()[0] == runner.SMOKE_CAVEAT
+
+
+def test_compile_summary_is_the_gates_verdict_and_each_kernels_worst_case():
+    from fastbert.bench import compile_audit
+    with open(glob.glob(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "compile-*.json"))[0],
+              encoding="utf-8") as f:
+        rows = json.load(f)
+    kernels = {r["kernel"] for r in rows}
+    lines = compile_audit.summary(rows).splitlines()
+    assert lines[0] == f"gates over {len(rows)} compiled kernels: compiles: pass, warpgroup MMA: pass, no spill: " \
+                       "pass, shared memory: pass"
+    assert len(lines) == 2 + len(kernels)  # the verdict, the header, one line per kernel
+    spilling = next(r for r in rows if r["dtype"] == "bfloat16" and r["kernel"] == "_layer_norm_fwd_kernel")
+    spilling["spill_store_bytes"] = 12345
+    lines = compile_audit.summary(rows).splitlines()
+    assert "no spill: FAILS (1)" in lines[0]
+    assert " 12345 " in next(line for line in lines if line.startswith("_layer_norm_fwd_kernel "))
 
 
 def test_report_says_what_is_not_measured(smoke, tmp_path):

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from fastbert.cli import run_command
+from fastbert.files import cache_dir
 
-DEFAULT_OUT = "benchmarks/results"
 logger = logging.getLogger("fastbert.bench")
 
 
@@ -15,6 +16,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fastbert bench",
         description="Measure fastbert's kernels and models against eager PyTorch, torch.compile and transformers. "
+                    "The default, the CPU smoke run, compares fastbert's PyTorch reference with torch and "
+                    "transformers at tiny shapes; torch.compile and fastbert's Triton kernels run in --suite gpu. "
                     "Writes one JSON file of rows to --out; `python benchmarks/make_perf.py` turns the committed "
                     "rows into PERF.md.")
     mode = p.add_mutually_exclusive_group()
@@ -26,7 +29,10 @@ def parser() -> argparse.ArgumentParser:
                            "built per CPU-second by the input pipeline (about a minute); compile: every kernel "
                            "compiled for H100 (sm_90a) and A100 (sm_80) without a GPU, in every config its launcher "
                            "can pick: registers, spills, shared memory, HGMMA/HMMA, occupancy (CPU-heavy)")
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"directory for the JSON file (default {DEFAULT_OUT})")
+    # a user's results go to their cache, wherever the command runs: never into a checkout's committed results
+    p.add_argument("--out", default=os.path.join(cache_dir(), "bench"),
+                   help="directory for the JSON file (default: %(default)s, under FASTBERT_CACHE or XDG_CACHE_HOME "
+                        "when set); benchmarks/results holds the repository's committed runs")
     p.add_argument("--only", metavar="REGEX", help="run only the items whose 'case provider' matches "
                    "(compile suite: whose 'target case' matches, e.g. 'sm_90a .*attention.*bfloat16')")
     p.add_argument("--triton", metavar="DIR", action="append",

@@ -239,9 +239,16 @@ def write_rows(path: str, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+# what the smoke suite's figures are: one warm-up call and three timed, at shapes of a few kilobytes, on a
+# CPU that other work shares: a time there is overhead and noise, not an op's cost
+SMOKE_CAVEAT = ("smoke run: tiny shapes, 3 timed calls on the CPU; it checks that every provider runs and reports, "
+                "its times are noise, not costs (compare providers with --suite gpu on a GPU)")
+
+
 def summary(rows: list[dict]) -> str:
-    """A plain-text table of the rows, for the terminal."""
-    lines = [f"{'case':<58} {'provider':<16} {'dir':<10} {'status':<7} {'ms':>9} {'TFLOP/s':>8} "
+    """A plain-text table of the rows, for the terminal; a smoke run's says first that its times are noise."""
+    lines = [SMOKE_CAVEAT] if any(r.get("suite") == "smoke" for r in rows) else []
+    lines += [f"{'case':<58} {'provider':<16} {'dir':<10} {'status':<7} {'ms':>9} {'TFLOP/s':>8} "
              f"{'GB/s':>8} {'peak MB':>9}"]
     for r in rows:
         mem = r.get("peak_mem_extra_bytes") if r.get("peak_mem_bytes") is None else r.get("peak_mem_bytes")
