@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks, on one H100 or H200 in the environment DESIGN.md names:
-#   benchmarks/gpu_check.sh OUTDIR [tests|bench|all]   (default all)
+#   benchmarks/gpu_check.sh OUTDIR [tests|bench|memory|all]   (default all)
 # tests: every kernel test on the GPU (the full-size `gpu` cases too: the interpreter runs smaller ones) and
 #        the whole model on the Triton path, as JUnit XML + log in OUTDIR. A few minutes, mostly Triton autotuning.
 # bench: benchmarks/run_gpu.sh OUTDIR (under 10 minutes), then PERF.md regenerated from OUTDIR.
+# memory: the memory plan's steps that fit this GPU run on it (benchmarks/memory_gpu_check.py):
+#         torch.cuda.max_memory_allocated beside the planned peak, then PERF.md regenerated from OUTDIR.
 # On a machine that limits one command to 10 minutes, run `tests` and `bench` as two commands.
 set -uo pipefail
 if [ $# -lt 1 ]; then
-    echo "usage: $0 OUTDIR [tests|bench|all]" >&2
+    echo "usage: $0 OUTDIR [tests|bench|memory|all]" >&2
     exit 2
 fi
 out=$1
@@ -25,5 +27,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     benchmarks/run_gpu.sh "$out" && python benchmarks/make_perf.py --results "$out" || status=1
+fi
+if [ "$what" = memory ] || [ "$what" = all ]; then
+    python benchmarks/memory_gpu_check.py "$out" && python benchmarks/make_perf.py --results "$out" || status=1
 fi
 exit $status

@@ -23,12 +23,14 @@ def parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, reference and torch providers "
                       "(a few seconds; what CI runs)")
-    mode.add_argument("--suite", choices=("gpu", "cpu-memory", "data", "smoke", "compile"),
+    mode.add_argument("--suite", choices=("gpu", "cpu-memory", "data", "smoke", "compile", "memory"),
                       help="gpu: the whole suite on one CUDA GPU (H100/H200, under 10 minutes); cpu-memory: the "
                            "MLM head's peak memory and time at full size on the CPU; data: pretraining batches "
                            "built per CPU-second by the input pipeline (about a minute); compile: every kernel "
                            "compiled for H100 (sm_90a) and A100 (sm_80) without a GPU, in every config its launcher "
-                           "can pick: registers, spills, shared memory, HGMMA/HMMA, occupancy (CPU-heavy)")
+                           "can pick: registers, spills, shared memory, HGMMA/HMMA, occupancy (CPU-heavy); "
+                           "memory: the planned memory of BERT-base and -large training and inference steps on an "
+                           "80 GB GPU, fastbert against transformers, on meta tensors (no GPU, a few minutes)")
     # a user's results go to their cache, wherever the command runs: never into a checkout's committed results
     p.add_argument("--out", default=os.path.join(cache_dir(), "bench"),
                    help="directory for the JSON file (default: %(default)s, under FASTBERT_CACHE or XDG_CACHE_HOME "
@@ -41,6 +43,11 @@ def parser() -> argparse.ArgumentParser:
                         "the README's set-up installs it")
     p.add_argument("--budget", type=float, metavar="SECONDS",
                    help="stop starting new items after this long (gpu default 480); the rest are recorded as skipped")
+    p.add_argument("--model", metavar="CONFIG", help="memory suite: plan only a pretraining step of this model "
+                   "(a preset tiny/base/large or an HF config.json) and print the plan as a table; needs "
+                   "--seq-length and --batch")
+    p.add_argument("--seq-length", type=int, metavar="S", help="memory suite with --model: tokens per sequence")
+    p.add_argument("--batch", type=int, metavar="B", help="memory suite with --model: sequences per step")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--quiet", action="store_true", help="no summary table at the end")
     return p
@@ -56,6 +63,10 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     suite = "smoke" if args.smoke or args.suite is None else args.suite
     if suite == "compile":
         return _compile(args, command)
+    if suite == "memory":
+        return _memory(args, command)
+    if args.model is not None or args.seq_length is not None or args.batch is not None:
+        raise ValueError("--model, --seq-length and --batch belong to --suite memory")
     from fastbert.bench.runner import GPUUnavailable, run_suite, summary
 
     try:
@@ -82,3 +93,21 @@ def _compile(args, command: list[str]) -> int:
         logger.error(f"gate {gate!r} fails: {failure}")
     logger.info(f"{len(rows)} compiled kernels ({len(failures)} gate failures) written to {path}")
     return 1 if failures else 0
+
+
+def _memory(args, command: list[str]) -> int:
+    from fastbert.bench import memory_cases
+
+    user = (args.model, args.seq_length, args.batch)
+    if any(v is not None for v in user):
+        if any(v is None for v in user):
+            raise ValueError("--suite memory --model CONFIG needs --seq-length S and --batch B as well")
+        case = memory_cases.user_case(*user)
+        print(memory_cases.plan_table(case, memory_cases.row_figures(case, memory_cases.FASTBERT)))
+        return 0
+    path, rows = memory_cases.run_memory_suite(args.out, args.only, progress=not args.no_progress, command=command)
+    if not args.quiet:
+        print(memory_cases.summary(rows))
+    failed = [r for r in rows if r["status"] != "ok"]
+    logger.info(f"{len(rows)} planned steps ({len(failed)} failed) written to {path}")
+    return 1 if failed else 0

@@ -13,6 +13,7 @@ import logging
 import os
 
 from fastbert.bench.compile_report import compile_section, newest_run
+from fastbert.bench.memory_report import memory_section
 from fastbert.bench.prepare_report import prepare_data_section
 from fastbert.cli import configure_logging
 
@@ -379,6 +380,7 @@ def render(rows: list[dict], plots_dir: str | None = None, suites=DEFAULT_SUITES
     if not any(k[0] == "data" for k in runs):
         out += [f"The input pipeline's rate (issue 13) is not yet measured: `{DATA_COMMAND}`.", ""]
     out += compile_section(newest_run(rows), gpu_measured=bool(gpu_runs))
+    out += memory_section(rows)
     out += ["## Peak references", ""]
     peak_lines = peaks_table(runs)
     out += (peak_lines if len(peak_lines) > 2 else ["No peaks measured yet."]) + [""]

@@ -17,6 +17,7 @@ PRESETS = ("tiny", "base", "large")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "lamb")
 DEVICES = ("auto", "cpu", "cuda")
+AUTO_MICRO_BATCH = "auto"  # --micro-batch-size auto (fastbert.train.run.auto_micro_batches)
 
 
 # --preset: where the options start before --config and flags. "paper" is PretrainConfig's defaults (the
@@ -42,7 +43,7 @@ class PretrainConfig:
     model: str = "tiny"  # tiny | base | large (BertConfig's sizes), or an HF config.json (file or directory)
     steps: int = 400  # optimizer steps in all (the paper: 1,000,000)
     batch_size: int = 32  # global batch: sequences per optimizer step, all ranks together (the paper: 256)
-    micro_batch_size: str = ""  # sequences per rank per forward, one value or one per phase; "" = no accumulation
+    micro_batch_size: str = ""  # sequences per rank per forward, one or one per phase; "" = the batch; auto: planned
     seq_lengths: str = ""  # sequence length of each phase; "" = 128,512 (max_position_embeddings/2 and /1 if less)
     phase_fractions: str = ""  # share of the steps of each phase; "" = the paper's 0.9,0.1 for two phases, 1 for one
     optimizer: str = "adamw"  # adamw (the paper's Adam with weight decay) | lamb (large batches)

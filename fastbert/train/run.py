@@ -18,7 +18,7 @@ from fastbert.data.masking import MaskingCollator
 from fastbert.data.shards import INDEX_FILE, ShardedDataset
 from fastbert.train import checkpoint, distributed
 from fastbert.train.optim import build_optimizer, linear_warmup_decay
-from fastbert.train.options import PRESETS, PretrainConfig, parse_list
+from fastbert.train.options import AUTO_MICRO_BATCH, PRESETS, PretrainConfig, parse_list
 
 logger = logging.getLogger("fastbert.train")
 METRICS_FILE = "metrics.jsonl"
@@ -55,8 +55,9 @@ def plan_phases(cfg: PretrainConfig, max_positions: int, world_size: int) -> lis
             raise ValueError(f"sequence length {length} must be in [5, max_position_embeddings={max_positions}]")
     if cfg.batch_size % world_size:
         raise ValueError(f"--batch-size {cfg.batch_size} must be a multiple of the world size {world_size}")
-    micro = (parse_list("micro_batch_size", cfg.micro_batch_size, int) if cfg.micro_batch_size
-             else [cfg.batch_size // world_size])
+    # "auto": the whole per-rank batch until auto_micro_batches plans each phase's on the GPU
+    micro = (parse_list("micro_batch_size", cfg.micro_batch_size, int)
+             if cfg.micro_batch_size not in ("", AUTO_MICRO_BATCH) else [cfg.batch_size // world_size])
     if len(micro) == 1:
         micro *= len(lengths)
     if len(micro) != len(lengths):
@@ -69,6 +70,58 @@ def plan_phases(cfg: PretrainConfig, max_positions: int, world_size: int) -> lis
     ends[-1] = cfg.steps
     starts = [0] + ends[:-1]
     return [Phase(n, s, e, m) for n, s, e, m in zip(lengths, starts, ends, micro) if e > s]
+
+
+def auto_micro_batches(cfg: PretrainConfig, config, phases: list[Phase], env: distributed.Dist, dtype: torch.dtype,
+                       resume: str | None, free_bytes: int | None = None) -> None:
+    """--micro-batch-size auto: set each phase's micro-batch to the largest divisor of the per-rank batch whose
+    step the memory plan (fastbert.bench.memory_cases.choose_micro_batch) fits into the GPU's free memory
+    (free_bytes, default torch.cuda.mem_get_info's) with the plan's reserve kept; gradient accumulation makes
+    up the rest of the batch. The ranks take the smallest of their choices. A resume keeps the micro-batches
+    its checkpoint's run used where they still fit: another split draws other dropout masks and sums the
+    gradient in another order, so the resumed run would not be the checkpoint's run continued exactly.
+    Raises ValueError when one sequence does not fit (build_run refuses the option off a GPU)."""
+    from fastbert.bench.memory_cases import RESERVE, GiB, choose_micro_batch
+
+    if free_bytes is None:
+        free_bytes = torch.cuda.mem_get_info(env.device)[0]
+    kept = _recorded_micro_batches(resume)
+    rank_batch = cfg.batch_size // env.world_size
+    fsdp_world = env.world_size if env.distributed and cfg.distributed == "fsdp" else 1
+    model = config.replace(activation_checkpointing=cfg.activation_checkpointing)
+    choices = [choose_micro_batch(model, phase.seq_length, rank_batch, cfg.optimizer,
+                                  "fp32" if dtype == torch.float32 else "bf16", free_bytes, fsdp_world)
+               for phase in phases]
+    sizes = [kept[p.seq_length] if p.seq_length in kept and kept[p.seq_length] <= c.largest_batch
+             and rank_batch % kept[p.seq_length] == 0 else c.micro_batch_size for p, c in zip(phases, choices)]
+    if env.distributed:
+        agreed = torch.tensor(sizes, dtype=torch.float64)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=env.host_group)
+        sizes = [int(v) for v in agreed.tolist()]
+    for phase, choice, size in zip(phases, choices, sizes):
+        phase.micro_batch_size = size
+        reason = "as the checkpoint's run" if kept.get(phase.seq_length) == size != choice.micro_batch_size else \
+            f"the largest divisor of {rank_batch} up to {choice.largest_batch}, the largest batch that fits"
+        if env.is_main:
+            logger.info(f"--micro-batch-size auto, length {phase.seq_length}: {size} sequences x "
+                        f"{rank_batch // size} accumulation steps per rank ({reason}); the plan of a step at "
+                        f"{choice.micro_batch_size}: peak {choice.peak_bytes / GiB:.2f} GiB, "
+                        f"{choice.saved_for_backward_bytes / GiB:.2f} GiB saved for the backward; the GPU has "
+                        f"{free_bytes / GiB:.2f} GiB free, {RESERVE.text()} kept")
+
+
+def _recorded_micro_batches(resume: str | None) -> dict[int, int]:
+    """{sequence length: micro-batch size} of the checkpoint's run, where its fingerprint records sizes."""
+    from fastbert.train.state import read_run_file
+
+    saved = read_run_file(resume) if resume else None
+    options = saved["fingerprint"]["options"] if saved and "fingerprint" in saved else {}
+    text = options.get("micro_batch_size") or ""
+    if not text.replace(",", "").isdigit():  # "" (no accumulation) or "auto" (an unresolved record)
+        return {}
+    sizes = parse_list("micro_batch_size", text, int)
+    lengths = options["seq_lengths"]
+    return dict(zip(lengths, sizes * len(lengths) if len(sizes) == 1 else sizes))
 
 
 def stdlib_data(vocab_size: int, seq_lengths: list[int], env: distributed.Dist) -> str:
@@ -236,6 +289,10 @@ def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
 
     cfg.validate()
     env = distributed.init(cfg.device)
+    if cfg.micro_batch_size == AUTO_MICRO_BATCH and env.device.type != "cuda":
+        raise ValueError(f"--micro-batch-size auto plans the step's memory on a GPU and needs one; the device here is "
+                         f"{env.device.type!r}: give a number (--micro-batch-size 8), or leave it out for no "
+                         "accumulation")
     config = model_config(cfg, dict(model_overrides))
     phases = plan_phases(cfg, config.max_position_embeddings, env.world_size)
     sharded = env.distributed and cfg.distributed == "fsdp"
@@ -253,7 +310,12 @@ def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
 
     out = cfg.out or os.path.join("runs", cfg.run_name or default_run_name(cfg))
     resume = _resume_point(cfg, os.path.join(out, checkpoint.CHECKPOINT_DIR))
-    current = fingerprint(cfg, config, phases, dtype)
+    recorded = cfg
+    if cfg.micro_batch_size == AUTO_MICRO_BATCH:
+        auto_micro_batches(cfg, config, phases, env, dtype, resume)
+        # the fingerprint records the sizes chosen, which a resume keeps (auto_micro_batches)
+        recorded = dataclasses.replace(cfg, micro_batch_size=",".join(str(p.micro_batch_size) for p in phases))
+    current = fingerprint(recorded, config, phases, dtype)
     lock = _lock(out, env)
     try:
         _prepare_directory(cfg, model_overrides, out, resume, current, env)
