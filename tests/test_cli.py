@@ -120,6 +120,19 @@ def test_learning_rate_is_any_positive_number(rate, ok):
             config.validate()
 
 
+def test_finetune_help_says_each_default_once_and_every_option_has_help():
+    parser = finetune_cli.parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.option_strings == ["-h", "--help"]:
+            continue
+        text = formatter._expand_help(action)
+        assert action.help and text.count("default") <= 1, (action.option_strings, text)
+        assert "(default: None)" not in text and "(default: True)" not in text, (action.option_strings, text)
+    no_progress = next(a for a in parser._actions if "--no-progress" in a.option_strings)
+    assert formatter._expand_help(no_progress) == "hide the progress bar"
+
+
 def test_warnings_attributed_to_fastbert_fail_the_tests():
     """conftest turns a warning that points at fastbert's own lines into an error, so that every test checks
     that fastbert's messages go through its logger (and a library's warning points at the user's code)."""
