@@ -15,7 +15,7 @@ What a live storage is, at any point (first match):
 - gradients: the .grad of a parameter (seen when autograd accumulates it, and counted from its allocation);
 - optimizer: a state tensor of the given optimizer (seen after each step, counted from its allocation);
 - activations: a storage autograd keeps for the backward (a `saved_tensors_hooks` pack that is still held),
-  attributed to the innermost module whose forward was running when it was first saved;
+  attributed to the innermost of the given modules whose forward was running when it was first saved;
 - transients: everything else live.
 Storages live when the tracker starts count in their category and in the totals, but are not allocations of
 the tracked code; storages it never sees (other tensors of the process) are not counted at all.
@@ -26,6 +26,7 @@ mark, the peak) is rebuilt exactly by replaying the log up to it: linear in the 
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -86,7 +87,7 @@ class MemoryTracker(TorchDispatchMode):
         self._module_of: dict[int, str] = {}  # serial -> module active when first saved
         self._events: list[tuple[int, int]] = []
         self._marks: dict[str, int] = {}  # name -> number of events before it
-        self._module_stack: list[str] = []
+        self._module_names: dict[int, str] = {}  # id(module) -> qualified name
         self._handles: list = []
         self._saved_hooks = None
         self._tracking = False
@@ -107,9 +108,7 @@ class MemoryTracker(TorchDispatchMode):
                 if param.grad is not None:
                     self._adopt(param.grad, "gradients")
                 self._handles.append(param.register_post_accumulate_grad_hook(self._gradient_accumulated))
-            for name, sub in module.named_modules():
-                self._handles.append(sub.register_forward_pre_hook(self._entering(name)))
-                self._handles.append(sub.register_forward_hook(self._leaving, always_call=True))
+            self._module_names.update((id(sub), name) for name, sub in module.named_modules())
         if self._optimizer is not None:
             self._optimizer_stepped(self._optimizer)
             self._handles.append(self._optimizer.register_step_post_hook(self._optimizer_stepped))
@@ -205,7 +204,7 @@ class MemoryTracker(TorchDispatchMode):
         serial = self._serial.get(tensor.untyped_storage())
         if serial is not None and serial != _UNTRACKED:
             if serial not in self._module_of:
-                self._module_of[serial] = self._module_stack[-1] if self._module_stack else ""
+                self._module_of[serial] = self._running_module()
             self._events.append((_SAVE, serial))
             weakref.finalize(saved, self._released, serial)
         return saved
@@ -229,13 +228,18 @@ class MemoryTracker(TorchDispatchMode):
                 if isinstance(value, torch.Tensor):
                     self._adopt(value, "optimizer")
 
-    def _entering(self, name: str):
-        def hook(module, args):
-            self._module_stack.append(name)
-        return hook
-
-    def _leaving(self, module, args, output):
-        self._module_stack.pop()
+    def _running_module(self) -> str:
+        """The qualified name of the innermost module whose forward is on the Python stack ("" for none).
+        Read from the stack rather than from forward hooks: a hooked module may take another path (fastbert
+        calls a hooked nn.Linear instead of fusing it), and the plan must see the model's own."""
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_name == "forward":
+                name = self._module_names.get(id(frame.f_locals.get("self")))
+                if name is not None:
+                    return name
+            frame = frame.f_back
+        return ""
 
     # --- results --------------------------------------------------------------------------------------
 
