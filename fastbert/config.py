@@ -24,7 +24,10 @@ BACKENDS = ("auto", "triton", "torch")
 # HF keys that change the architecture: a checkpoint that sets them otherwise must not load silently
 UNSUPPORTED_IF_NOT = {"position_embedding_type": "absolute", "is_decoder": False, "add_cross_attention": False}
 # fastbert's own switches: never written to HF's config.json
-FASTBERT_FIELDS = ("backend", "unpad", "max_predictions_per_seq")
+FASTBERT_FIELDS = ("backend", "unpad", "max_predictions_per_seq", "activation_checkpointing")
+# what each encoder layer recomputes in the backward instead of keeping (fastbert.train.metrics
+# recompute_flops_per_token gives each option's extra forward FLOPs)
+ACTIVATION_CHECKPOINTING = ("none", "attention", "ffn", "full")
 BERT_MODEL_TYPE = "bert"
 
 
@@ -60,6 +63,11 @@ class BertConfig(ConfigBase):
     # K > 0 = a fixed budget of K positions per sequence (Google BERT's max_predictions_per_seq): static
     # shapes, no host sync, torch.compile / export friendly; more labels than K in a sequence is an error
     max_predictions_per_seq: int = 0
+    # recomputed in the backward while training, read at forward time: "none"; "attention" (the QKV
+    # projection, attention, output projection and its LayerNorm keep only their input); "ffn" (the FFN
+    # keeps only its input, its up-projection rerun); "full" (each layer keeps only its input; what
+    # gradient_checkpointing_enable() also selects)
+    activation_checkpointing: str = "none"
 
     def __init__(self, **kwargs: Any):
         for key, supported in UNSUPPORTED_IF_NOT.items():
@@ -99,6 +107,9 @@ class BertConfig(ConfigBase):
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(
                 f"BertConfig.pad_token_id ({self.pad_token_id}) must be in [0, vocab_size={self.vocab_size})")
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(f"BertConfig.activation_checkpointing must be one of {ACTIVATION_CHECKPOINTING}, "
+                             f"got {self.activation_checkpointing!r}")
         budget = self.max_predictions_per_seq
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise ValueError(f"BertConfig.max_predictions_per_seq must be an integer >= 0 (0 = every labelled "

@@ -13,7 +13,6 @@ budget per sequence (config.max_predictions_per_seq).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -40,14 +39,20 @@ class AttentionLayout:
         return self.cu_seqlens is not None
 
 
-def is_plain_linear(module: nn.Module) -> bool:
-    """True for an nn.Linear itself (not a subclass or a wrapper) with no hooks, module or global: only
-    then may a fused op read its weight instead of calling it."""
+def is_unhooked(module: nn.Module, cls: type) -> bool:
+    """True for an instance of `cls` itself (not a subclass or a wrapper) with no hooks, module or global:
+    only then may a fused op bypass its forward."""
     hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
              module._backward_pre_hooks, nn.modules.module._global_forward_hooks,
              nn.modules.module._global_forward_pre_hooks, nn.modules.module._global_backward_hooks,
              nn.modules.module._global_backward_pre_hooks)
-    return type(module) is nn.Linear and not any(hooks)
+    return type(module) is cls and not any(hooks)
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """True for an nn.Linear itself with no hooks: only then may a fused op read its weight instead of
+    calling it."""
+    return is_unhooked(module, nn.Linear)
 
 
 def _gelu_linear(dense: nn.Module, hidden: torch.Tensor, config: BertConfig) -> torch.Tensor:
@@ -129,8 +134,12 @@ class BertSelfOutput(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, hidden, residual):
+        return self.add_and_norm(self.dense(hidden), residual)
+
+    def add_and_norm(self, projected, residual):
+        """LayerNorm(dropout(projected) + residual): the sublayer's output after its projection."""
         c = self.config
-        return ops.layer_norm(self.dense(hidden), self.LayerNorm.weight, self.LayerNorm.bias, c.layer_norm_eps,
+        return ops.layer_norm(projected, self.LayerNorm.weight, self.LayerNorm.bias, c.layer_norm_eps,
                               residual=residual, dropout_p=c.hidden_dropout_prob, training=self.training,
                               backend=c.backend)
 
@@ -162,23 +171,54 @@ class BertOutput(BertSelfOutput):
         self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
 
 
+def _recompute(function, *args):
+    """function(*args) keeping only its inputs for the backward, rerun there (non-reentrant checkpoint).
+    Dropout masks come from seeds drawn from torch's RNG, which checkpoint restores, so the rerun
+    draws the same masks and the gradients are those of the stored run."""
+    return checkpoint(function, *args, use_reentrant=False)
+
+
 class BertLayer(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
+        self.config = config
         self.attention = BertAttention(config)
         self.intermediate = BertIntermediate(config)
         self.output = BertOutput(config)
 
-    def forward(self, hidden, layout: AttentionLayout, output_attentions: bool = False):
-        attended, probs = self.attention(hidden, layout, output_attentions)
-        return self.output(self.intermediate(attended), attended), probs
+    def forward(self, hidden, layout: AttentionLayout, output_attentions: bool = False,
+                checkpointing: str = "none"):
+        """checkpointing "attention" or "ffn" recomputes that block in the backward (BertEncoder passes
+        config.activation_checkpointing while training; "full" checkpoints the whole layer there)."""
+        if checkpointing == "attention":
+            attended, probs = _recompute(self.attention, hidden, layout, output_attentions)
+        else:
+            attended, probs = self.attention(hidden, layout, output_attentions)
+        return self.feed_forward(attended, recompute=checkpointing == "ffn"), probs
+
+    def feed_forward(self, attended, recompute: bool = False):
+        """BertOutput(BertIntermediate(attended), attended). With plain Linears and no hooks on either
+        module, one fused op that keeps the pre-activation but not the GELU output for the backward (with
+        recompute, only `attended`: it reruns the up-projection); otherwise the modules are called."""
+        intermediate, output, c = self.intermediate, self.output, self.config
+        if (is_unhooked(intermediate, BertIntermediate) and is_unhooked(output, BertOutput)
+                and all(is_plain_linear(m) and m.bias is not None for m in (intermediate.dense, output.dense))):
+            projected = ops.feed_forward(attended, intermediate.dense.weight, intermediate.dense.bias,
+                                         output.dense.weight, output.dense.bias, c.gelu_approximate,
+                                         recompute_pre=recompute, backend=c.backend)
+            return output.add_and_norm(projected, attended)
+        if recompute:
+            return _recompute(lambda a: output(intermediate(a), a), attended)
+        return output(intermediate(attended), attended)
 
 
 class BertEncoder(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
+        self.config = config
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
-        # set by gradient_checkpointing_enable (transformers' or fastbert.bases'), with the checkpoint
+        # "full" activation checkpointing, whatever config.activation_checkpointing says, when set by
+        # gradient_checkpointing_enable (transformers' or fastbert.bases'), with the checkpoint
         # function it was given; non-reentrant torch.utils.checkpoint when none was
         self.gradient_checkpointing = False
         self._gradient_checkpointing_func = None
@@ -186,14 +226,16 @@ class BertEncoder(nn.Module):
     def forward(self, hidden, layout: AttentionLayout, output_hidden_states=False, output_attentions=False):
         all_hidden = [hidden] if output_hidden_states else None
         all_probs = [] if output_attentions else None
-        recompute = self._gradient_checkpointing_func or functools.partial(checkpoint, use_reentrant=False)
+        recompute = self._gradient_checkpointing_func or _recompute
+        checkpointing = "full" if self.gradient_checkpointing else self.config.activation_checkpointing
+        if not (self.training and torch.is_grad_enabled()):
+            checkpointing = "none"  # no backward: nothing to keep
         for layer in self.layer:
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                # Layer inputs are kept, activations recomputed in the backward. Dropout masks come from
-                # seeds drawn from torch's RNG, which checkpoint restores, so the recomputation matches.
+            if checkpointing == "full":
+                # Layer inputs are kept, activations recomputed in the backward (see _recompute on dropout).
                 hidden, probs = recompute(layer, hidden, layout, output_attentions)
             else:
-                hidden, probs = layer(hidden, layout, output_attentions)
+                hidden, probs = layer(hidden, layout, output_attentions, checkpointing)
             if output_hidden_states:
                 all_hidden.append(hidden)
             if output_attentions:

@@ -35,6 +35,26 @@ def training_flops(config, lengths: torch.Tensor, masked_tokens: int) -> float:
     return 3.0 * (encoder_flops(config, lengths) + heads)
 
 
+def recompute_flops_per_token(config, activation_checkpointing: str, seq_length: int) -> float:
+    """Extra forward FLOPs per token that an --activation-checkpointing option costs, over all layers of
+    the encoder (what the backward reruns; model FLOPs and MFU leave them out, as recomputation is not
+    model work). Per layer and token, with S the sequence length the attention runs over:
+        "none"       0
+        "attention"  2 (3H) H [QKV] + 4 S H [QK^T and PV] + 2 H H [output projection] = 8 H^2 + 4 S H
+        "ffn"        2 H I [the up-projection only: kernels/ffn.py keeps x and reruns x W1^T; the torch
+                     backend reruns the whole FFN, 4 H I]
+        "full"       the whole layer: 2 (4 H^2 + 2 H I) + 4 S H
+    LayerNorms, GELUs and dropout are elementwise and not counted, as in encoder_flops. Raises ValueError
+    for an unknown option."""
+    h, i, s = config.hidden_size, config.intermediate_size, seq_length
+    per_layer = {"none": 0, "attention": 8 * h * h + 4 * s * h, "ffn": 2 * h * i,
+                 "full": 2 * (4 * h * h + 2 * h * i) + 4 * s * h}
+    if activation_checkpointing not in per_layer:
+        raise ValueError(f"activation_checkpointing must be one of {tuple(per_layer)}, "
+                         f"got {activation_checkpointing!r}")
+    return float(config.num_hidden_layers * per_layer[activation_checkpointing])
+
+
 def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     """FLOP/s of a large square matmul in dtype on device: the fastest of several timed runs, since a
     peak is the best the device shows (on a shared CPU a median taken under load would understate it

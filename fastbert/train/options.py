@@ -10,6 +10,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from fastbert.config import ACTIVATION_CHECKPOINTING
 from fastbert.data.corpus import STDLIB
 from fastbert.train import distributed
 
@@ -55,7 +56,7 @@ class PretrainConfig:
     eps: float = 1e-6
     max_grad_norm: float = 1.0  # clip the global gradient norm to this; 0 = no clipping
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16 (with loss scaling)
-    activation_checkpointing: bool = False  # recompute each encoder layer in the backward to save memory
+    activation_checkpointing: str = "none"  # none | attention | ffn | full: recomputed in the backward, not kept
     distributed: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2 fully_shard, per layer)
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 12345
@@ -87,6 +88,8 @@ class PretrainConfig:
                   ("optimizer", self.optimizer in OPTIMIZERS, f"one of {OPTIMIZERS}"),
                   ("device", self.device in DEVICES, f"one of {DEVICES}"),
                   ("precision", self.precision in PRECISIONS, f"one of {PRECISIONS}"),
+                  ("activation_checkpointing", self.activation_checkpointing in ACTIVATION_CHECKPOINTING,
+                   f"one of {ACTIVATION_CHECKPOINTING}"),
                   ("distributed", self.distributed in distributed.STRATEGIES, f"one of {distributed.STRATEGIES}")]
         for name, ok, limit in checks:
             if not ok:

@@ -327,8 +327,9 @@ def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
             model.tie_weights()
         else:
             model = BertForPreTraining(config).to(env.device)
-        if cfg.activation_checkpointing:
-            model.gradient_checkpointing_enable()
+        # not a math change (the recomputation reruns the same kernels with the same dropout seeds), so a
+        # resume may change it (fingerprint.CHANGEABLE_OPTIONS)
+        model.config.activation_checkpointing = cfg.activation_checkpointing
         wrapped = distributed.wrap(model, cfg.distributed, env, dtype if dtype != torch.float32 else None)
         optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay,
                                     sharded)

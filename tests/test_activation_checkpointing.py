@@ -1,0 +1,169 @@
+"""Selective activation checkpointing (BertConfig.activation_checkpointing, `fastbert pretrain
+--activation-checkpointing`): each option's gradients are bitwise those of "none" (dropout included: the
+recomputation draws the same seeds), each keeps for the backward what its formula says, each costs the
+forward FLOPs fastbert.train.metrics.recompute_flops_per_token states, and a resume may change it."""
+import os
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from fastbert import BertConfig, BertModel
+from fastbert.config import ACTIVATION_CHECKPOINTING
+from fastbert.hf import read_state_dict
+from fastbert.modeling import AttentionLayout
+from fastbert.train import pretrain
+from fastbert.train.metrics import recompute_flops_per_token
+from fastbert.train.options import parse_args
+from tests.test_ffn import saved_bytes
+from tests.test_pretrain import SMALL, config, data, losses  # noqa: F401 (data: the fixture)
+
+BATCH, SEQ = 2, 16
+# transformers 5 renames it activation_checkpointing_enable; the old name must keep meaning "full"
+OLD_NAME_WARNING = "ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning"
+# head_dim 32: the Triton attention's smallest
+TINY = dict(hidden_size=64, num_attention_heads=2, intermediate_size=256, vocab_size=99)
+
+
+def _model(backend, layers=2, dropout=0.1, **changes):
+    torch.manual_seed(0)
+    config = BertConfig.tiny(**TINY, num_hidden_layers=layers, backend=backend, hidden_dropout_prob=dropout,
+                             attention_probs_dropout_prob=dropout, **changes)
+    return BertModel(config).train()
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=generator)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, 11:] = 0
+    return ids, mask, torch.randn(BATCH, SEQ, TINY["hidden_size"], generator=generator)
+
+
+def _step(model):
+    """The output and every parameter's gradient of one forward + backward, from the same RNG state."""
+    ids, mask, weights = _batch()
+    torch.manual_seed(2)  # the dropout seeds
+    out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    (out.float() * weights).sum().backward()
+    return out.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.filterwarnings(OLD_NAME_WARNING)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_every_option_gives_the_gradients_of_none_bitwise(backend, device):
+    """With dropout in the attention and after every sublayer: the recomputation redraws the same
+    masks, so outputs and gradients equal the stored run's bit for bit; gradient_checkpointing_enable()
+    is "full"."""
+    expected_out, expected = _step(_model(backend))
+    runs = {option: _model(backend, activation_checkpointing=option) for option in ACTIVATION_CHECKPOINTING[1:]}
+    runs["gradient_checkpointing_enable"] = _model(backend, activation_checkpointing="ffn")
+    runs["gradient_checkpointing_enable"].gradient_checkpointing_enable()
+    for option, model in runs.items():
+        out, grads = _step(model)
+        assert torch.equal(out, expected_out), option
+        assert grads.keys() == expected.keys(), option
+        different = [name for name in expected if not torch.equal(grads[name], expected[name])]
+        assert not different, f"{option}: gradients differ from 'none' in {different}"
+
+
+def _kept_by_one_layer(option, gradient_checkpointing=False):
+    """Bytes one bf16 BertLayer (Triton path, dropout on) keeps for the backward under `option`,
+    parameters left out (each storage once), and the model."""
+    model = _model("triton", layers=1, activation_checkpointing=option).to(torch.bfloat16)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    _, mask, hidden = _batch()
+    hidden = hidden.to(torch.bfloat16).requires_grad_()
+    return _activations(model, lambda: model.encoder(hidden, AttentionLayout(attention_mask=mask))), model
+
+
+def _activations(model, fn):
+    """What fn() saves for the backward, the model's parameters left out."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, _ = saved_bytes(fn)
+    return {ptr: kept for ptr, kept in saved.items() if ptr not in parameters}
+
+
+def _total(saved):
+    return sum(size for size, _ in saved.values())
+
+
+@pytest.mark.filterwarnings(OLD_NAME_WARNING)
+def test_bytes_each_option_keeps_per_layer(device):
+    """Against each option's formula, T tokens, H hidden, I inner, 2-byte elements:
+    none: one [T, I] tensor (the FFN pre-activation), never the GELU output;
+    ffn: none's bytes less that pre-activation, 2 T I;
+    attention: the layer input (2 T H) and what the FFN block (FFN + its LayerNorm) keeps by itself;
+    full (and gradient_checkpointing_enable()): the layer input alone, 2 T H."""
+    tokens, hidden, inner = BATCH * SEQ, TINY["hidden_size"], TINY["intermediate_size"]
+    layer_input = 2 * tokens * hidden
+    none, model = _kept_by_one_layer("none")
+    assert sum(shape[-1] == inner for _, shape in none.values()) == 1
+    assert _total(_kept_by_one_layer("ffn")[0]) == _total(none) - 2 * tokens * inner
+    attended = torch.randn(BATCH, SEQ, hidden, dtype=torch.bfloat16, requires_grad=True)
+    ffn_block = _activations(model, lambda: model.encoder.layer[0].feed_forward(attended))
+    assert _total(_kept_by_one_layer("attention")[0]) == layer_input + _total(ffn_block)
+    assert _total(_kept_by_one_layer("full")[0]) == layer_input
+    assert _total(_kept_by_one_layer("none", gradient_checkpointing=True)[0]) == layer_input
+
+
+@pytest.mark.parametrize("option", ACTIVATION_CHECKPOINTING[1:])
+def test_extra_flops_are_the_stated_ones(option, device):
+    """FLOPs counted by torch's FlopCounterMode in a forward + backward (reference path, no padding, no
+    dropout) exceed those of "none" by recompute_flops_per_token x tokens; for "ffn" by twice that, as
+    the reference has no fused op to rerun the up-projection alone and reruns the whole FFN.
+    output_attentions puts the attention on matmuls, which the counter sees (CPU SDPA it does not)."""
+    ids = _batch()[0]
+
+    def counted(option):
+        model = _model("torch", layers=2, dropout=0.0, activation_checkpointing=option)
+        with FlopCounterMode(display=False) as counter:
+            model(input_ids=ids, output_attentions=True).last_hidden_state.sum().backward()
+        return counter.get_total_flops()
+
+    stated = recompute_flops_per_token(_model("torch").config, option, SEQ) * BATCH * SEQ
+    assert counted(option) - counted("none") == (2 if option == "ffn" else 1) * stated
+
+
+def test_recompute_flops_per_token_bert_base():
+    """BERT-base at S = 512, per token over its 12 layers: the up-projection (2 H I) is the cheapest."""
+    base = BertConfig.base()
+    flops = {option: recompute_flops_per_token(base, option, 512) for option in ACTIVATION_CHECKPOINTING}
+    assert flops["none"] == 0 < flops["ffn"] < flops["attention"] < flops["full"]
+    assert flops["full"] == pytest.approx(flops["attention"] + 2 * flops["ffn"])
+    with pytest.raises(ValueError, match="activation_checkpointing must be one of"):
+        recompute_flops_per_token(base, "layers", 512)
+
+
+def test_bad_values_are_clear_errors():
+    with pytest.raises(ValueError, match=r"BertConfig.activation_checkpointing must be one of .*got 'layer'"):
+        BertConfig.tiny(activation_checkpointing="layer")
+    cfg, _ = parse_args(["--activation-checkpointing", "ffn", "--model", "tiny"], "")
+    assert cfg.activation_checkpointing == "ffn"
+    cfg.activation_checkpointing = "true"
+    with pytest.raises(ValueError, match=r"--activation-checkpointing must be one of .*got 'true'"):
+        cfg.validate()
+
+
+def test_option_is_not_saved_in_config_json(tmp_path):
+    model = _model("torch", activation_checkpointing="attention")
+    model.save_pretrained(tmp_path)
+    assert "activation_checkpointing" not in (tmp_path / "config.json").read_text()
+
+
+def test_a_resume_may_change_the_option_and_stays_exact(data, tmp_path):  # noqa: F811
+    """Not a math change (fingerprint.CHANGEABLE_OPTIONS): a run stopped under "full" and "ffn" and
+    resumed under "attention" has the losses and weights of one uninterrupted run under "none" (fp32 on
+    CPU, dropout on)."""
+    whole = tmp_path / "whole"
+    pretrain.train(config(data, whole), SMALL)
+    parts = tmp_path / "parts"
+    for option, stop_at in (("full", 2), ("ffn", 4), ("attention", 0)):
+        result = pretrain.train(config(data, parts, stop_at=stop_at, activation_checkpointing=option), SMALL)
+        assert result["model"].config.activation_checkpointing == option
+    assert losses(parts) == losses(whole)
+    final_whole, final_parts = (read_state_dict(os.path.join(out, "checkpoints", "step_00000006", "model"))
+                                for out in (whole, parts))
+    assert final_whole.keys() == final_parts.keys()
+    assert all(torch.equal(final_whole[k], final_parts[k]) for k in final_whole)
