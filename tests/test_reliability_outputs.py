@@ -116,7 +116,8 @@ def test_an_output_lock_lives_in_the_cache_and_is_shared_through_symlinks(tmp_pa
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o002])
-def test_outputs_get_the_umask_permissions(tmp_path, tiny_model, umask):
+def test_outputs_get_the_umask_permissions(tmp_path, tiny_model, umask, monkeypatch):
+    monkeypatch.setenv("FASTBERT_CACHE", str(tmp_path / "cache"))  # the lock files are counted too
     corpus = write_corpus(tmp_path / "corpus.txt", documents=6)
     previous = os.umask(umask)
     try:
