@@ -60,8 +60,8 @@ def test_a_step_counted_by_hand(keep_product):
         # held by `out`), the loss and its seed are live
         assert tracker.peak_bytes == weight + batch + weight + 2 * activation + 2 * scalar
         assert tracker.peak_snapshot().categories == {
-            "weights": weight, "inputs": batch, "gradients": weight, "optimizer": 0, "activations": 0,
-            "transients": 2 * activation + 2 * scalar}
+            "weights": weight, "inputs": batch, "gradients": weight, "optimizer": 0, "weight copies": 0,
+            "activations": 0, "transients": 2 * activation + 2 * scalar}
     assert tracker.phase_at_peak(["forward end", "backward end"]) == "backward end"
     assert tracker.snapshot("backward end").categories["gradients"] == weight
 
@@ -116,3 +116,19 @@ def test_marks_are_checked():
             tracker.mark("forward end")
     with pytest.raises(KeyError, match="no mark 'backward end'; marks: \\['forward end'\\]"):
         tracker.snapshot("backward end")
+
+
+def test_a_weight_cast_is_a_weight_copy_not_an_activation():
+    """Under autocast a Linear saves 16-bit copies of its input (an activation) and of its weight (made from
+    the weight alone: a weight copy, which no activation count should hold)."""
+    rows, inputs, outputs = 64, 16, 32
+    linear = nn.Linear(inputs, outputs, bias=False)
+    x = torch.randn(rows, inputs)
+    with MemoryTracker([linear], inputs=[x]) as tracker:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = linear(x)
+        tracker.mark("forward end")
+    categories = tracker.snapshot("forward end").categories
+    assert categories["weight copies"] == inputs * outputs * 2
+    assert categories["activations"] == rows * inputs * 2
+    assert categories["transients"] == out.nbytes

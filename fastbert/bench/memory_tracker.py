@@ -14,6 +14,9 @@ What a live storage is, at any point (first match):
 - inputs: a tensor given as an input (the batch);
 - gradients: the .grad of a parameter (seen when autograd accumulates it, and counted from its allocation);
 - optimizer: a state tensor of the given optimizer (seen after each step, counted from its allocation);
+- weight copies: made from weights alone (every tensor input of the op that made it is a weight or a weight
+  copy): autocast's 16-bit casts of the weights, fastbert's concatenated Q, K, V weights; what autograd
+  saves of them is the weights' business, not an activation's;
 - activations: a storage autograd keeps for the backward (a `saved_tensors_hooks` pack that is still held),
   attributed to the innermost of the given modules whose forward was running when it was first saved;
 - transients: everything else live.
@@ -36,7 +39,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-CATEGORIES = ("weights", "inputs", "gradients", "optimizer", "activations", "transients")
+CATEGORIES = ("weights", "inputs", "gradients", "optimizer", "weight copies", "activations", "transients")
+_FROM_WEIGHTS = ("weights", "weight copies")
 _ALLOC, _FREE, _SAVE, _RELEASE = range(4)
 _UNTRACKED = -1  # the serial of a storage first seen as an input: made outside the tracked code
 
@@ -83,7 +87,7 @@ class MemoryTracker(TorchDispatchMode):
         self._serial = WeakIdKeyDictionary()  # storage -> serial (or _UNTRACKED)
         self._refs: dict[int, weakref.ref] = {}
         self._nbytes: list[int] = []  # by serial
-        self._role: dict[int, str] = {}  # serial -> weights, inputs, gradients or optimizer
+        self._role: dict[int, str] = {}  # serial -> weights, inputs, gradients, optimizer or weight copies
         self._module_of: dict[int, str] = {}  # serial -> module active when first saved
         self._events: list[tuple[int, int]] = []
         self._marks: dict[str, int] = {}  # name -> number of events before it
@@ -141,18 +145,23 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        from_weights = None  # whether every tensor input is a weight or a weight copy (None: no tensor input)
         for tensor in pytree.tree_leaves((args, kwargs)):
             if isinstance(tensor, torch.Tensor):
                 storage = tensor.untyped_storage()
-                if storage not in self._serial:
+                serial = self._serial.get(storage)
+                if serial is None:
                     self._serial[storage] = _UNTRACKED
+                from_weights = (from_weights is not False) and self._role.get(serial) in _FROM_WEIGHTS
         if func.namespace == "fastbert":
             out = self._run_implementation(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
         for tensor in pytree.tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
-                self._allocated(tensor.untyped_storage())
+                serial = self._allocated(tensor.untyped_storage())
+                if from_weights and serial is not None:
+                    self._role.setdefault(serial, "weight copies")
         return out
 
     def _run_implementation(self, func, args, kwargs):
