@@ -123,7 +123,7 @@ def test_a_weight_cast_is_a_weight_copy_not_an_activation():
     the weight alone: a weight copy, which no activation count should hold)."""
     rows, inputs, outputs = 64, 16, 32
     linear = nn.Linear(inputs, outputs, bias=False)
-    x = torch.randn(rows, inputs)
+    x = torch.randn(rows, inputs, requires_grad=True)  # else the weight is not needed by the backward
     with MemoryTracker([linear], inputs=[x]) as tracker:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = linear(x)
