@@ -87,3 +87,77 @@ def test_the_triton_path_is_not_planned_in_the_interpreter():
         model = BertForPreTraining(config)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1 made the kernels interpreted ones"):
         plan_step(model, _pretraining_batch(config, 2, 16, device="meta"))
+
+
+# A plan in a process of its own: without TRITON_INTERPRET, so that the kernels are compiled-kernel ones and
+# their launchers run on meta tensors through the stand-in driver. It reports which kernels Triton was asked
+# for and whether any was compiled.
+_PLAN_THROUGH_THE_LAUNCHERS = """
+import json, sys
+import torch
+from triton.runtime.jit import JITFunction
+from fastbert import BertConfig
+from fastbert.bench.memory_plan import plan_step
+from fastbert.modeling import BertForPreTraining
+
+asked, compiled = set(), []
+do_compile = JITFunction._do_compile
+def counting(self, *args, **kwargs):
+    kernel = do_compile(self, *args, **kwargs)
+    asked.add(self.__name__)
+    compiled.append(kernel is not None)
+    return kernel
+JITFunction._do_compile = counting
+
+config = BertConfig.tiny(**json.loads(sys.argv[1]))
+rows, seqlen = json.loads(sys.argv[2])
+with torch.device("meta"):
+    model = BertForPreTraining(config)
+batch = {"input_ids": torch.zeros(rows, seqlen, dtype=torch.long),
+         "attention_mask": torch.ones(rows, seqlen, dtype=torch.long),
+         "token_type_ids": torch.zeros(rows, seqlen, dtype=torch.long),
+         "labels": torch.zeros(rows, seqlen, dtype=torch.long),
+         "next_sentence_label": torch.zeros(rows, dtype=torch.long)}
+plan = plan_step(model, {k: v.to("meta") for k, v in batch.items()}, optimizer="adamw", precision="bf16")
+print(json.dumps({"saved": plan.saved_for_backward_bytes, "asked": sorted(asked), "compiled": any(compiled),
+                  "phase_of_peak": plan.phase_of_peak}))
+"""
+
+
+def test_a_plan_through_the_launchers_saves_what_each_op_saves():
+    """A tiny BertForPreTraining on the Triton path, bf16 autocast, dropout 0.1: the launchers run on meta
+    tensors (the stand-in driver compiles nothing), and the bytes saved for the backward are the sum of
+    what each op saves, counted here from the ops' documented saves."""
+    rows, seqlen, layers, budget = 2, 32, 2, 5
+    options = {"backend": "triton", "num_hidden_layers": layers, "max_predictions_per_seq": budget,
+               "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _PLAN_THROUGH_THE_LAUNCHERS, json.dumps(options),
+                             json.dumps([rows, seqlen])], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads(result.stdout.splitlines()[-1])
+    assert not plan["compiled"]
+    for kernel in ("_attention_fwd_kernel", "_attention_bwd_kernel", "_layer_norm_fwd_kernel",
+                   "_layer_norm_bwd_kernel", "_mlm_loss_fwd_kernel", "_mlm_loss_bwd_kernel"):
+        assert kernel in plan["asked"]
+    config = BertConfig.tiny()
+    hidden, intermediate, heads = config.hidden_size, config.intermediate_size, config.num_attention_heads
+    tokens, labelled = rows * seqlen, rows * budget
+    bf16, fp32, int64, seed = 2, 4, 8, 8  # a dropout seed: one int64
+    layer_norm = bf16 * tokens * hidden + fp32 * tokens  # its output and 1/std per row
+    embeddings = (int64 * seqlen  # the position ids, for the embedding's backward
+                  + layer_norm + seed  # the LayerNorm, then a dropout that keeps its seed
+                  + bf16 * tokens * hidden)  # the dropout's output, the QKV projection's input in layer 0
+    layer = (3 * bf16 * tokens * hidden  # q, k, v (the projection's output, the attention's input)
+             + bf16 * tokens * hidden + fp32 * rows * heads * seqlen + seed  # attention output, log-sum-exp
+             + layer_norm + seed  # LayerNorm(dropout(dense(attention output)) + hidden)
+             + bf16 * tokens * intermediate  # the FFN's pre-activation (not its GELU output)
+             + layer_norm + seed)  # LayerNorm(dropout(FFN) + attended): the layer's output
+    pooler = bf16 * rows * hidden  # tanh's output (the NSP Linear's input too)
+    mlm = (2 * int64 * labelled  # the labelled positions and their targets
+           + 3 * bf16 * labelled * hidden  # the gathered rows, the transform's pre-activation, its LayerNorm
+           + fp32 * labelled  # that LayerNorm's 1/std
+           + 2 * fp32 * labelled)  # the loss's per-row statistics
+    nsp = bf16 * rows * 2 + fp32 * rows * 2 + fp32  # log_softmax (bf16), nll_loss's fp32 copy, total weight
+    assert plan["saved"] == embeddings + layers * layer + pooler + mlm + nsp
+    assert plan["phase_of_peak"] == "backward"
