@@ -56,7 +56,7 @@ class PretrainConfig:
     eps: float = 1e-6
     max_grad_norm: float = 1.0  # clip the global gradient norm to this; 0 = no clipping
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16 (with loss scaling)
-    activation_checkpointing: str = "none"  # none | attention | ffn | full: recomputed in the backward, not kept
+    activation_checkpointing: str = "none"  # what each layer recomputes in the backward instead of keeping
     distributed: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2 fully_shard, per layer)
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 12345
@@ -127,7 +127,7 @@ def parse_args(argv: list[str], description: str) -> tuple[PretrainConfig, dict]
     parser.add_argument("--config", help="JSON file of options (the keys below, and model.<field> keys)")
     comments = _field_comments()
     choices = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "device": DEVICES,
-               "distributed": distributed.STRATEGIES}
+               "distributed": distributed.STRATEGIES, "activation_checkpointing": ACTIVATION_CHECKPOINTING}
     for field in dataclasses.fields(PretrainConfig):
         flag = "--" + field.name.replace("_", "-")
         demo = f"; demo: {DEMO_OPTIONS[field.name]!r}" if field.name in DEMO_OPTIONS else ""
