@@ -91,7 +91,7 @@ def test_the_triton_path_is_not_planned_in_the_interpreter():
 
 # A plan in a process of its own: without TRITON_INTERPRET, so that the kernels are compiled-kernel ones and
 # their launchers run on meta tensors through the stand-in driver. It reports which kernels Triton was asked
-# for and whether any was compiled.
+# for, whether any was compiled, and the choices the attention's autotuners kept after the plan.
 _PLAN_THROUGH_THE_LAUNCHERS = """
 import json, sys
 import torch
@@ -119,8 +119,11 @@ batch = {"input_ids": torch.zeros(rows, seqlen, dtype=torch.long),
          "labels": torch.zeros(rows, seqlen, dtype=torch.long),
          "next_sentence_label": torch.zeros(rows, dtype=torch.long)}
 plan = plan_step(model, {k: v.to("meta") for k, v in batch.items()}, optimizer="adamw", precision="bf16")
+from triton.runtime.autotuner import Autotuner
+from fastbert.kernels import attention
+tuned = sum(len(tuner.cache) for tuner in vars(attention).values() if isinstance(tuner, Autotuner))
 print(json.dumps({"saved": plan.saved_for_backward_bytes, "asked": sorted(asked), "compiled": any(compiled),
-                  "phase_of_peak": plan.phase_of_peak}))
+                  "phase_of_peak": plan.phase_of_peak, "tuned": tuned}))
 """
 
 
@@ -137,6 +140,7 @@ def test_a_plan_through_the_launchers_saves_what_each_op_saves():
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads(result.stdout.splitlines()[-1])
     assert not plan["compiled"]
+    assert plan["tuned"] == 0  # a plan's choices (every config timed alike) are not left to a GPU run
     for kernel in ("_attention_fwd_kernel", "_attention_bwd_kernel", "_layer_norm_fwd_kernel",
                    "_layer_norm_bwd_kernel", "_mlm_loss_fwd_kernel", "_mlm_loss_bwd_kernel"):
         assert kernel in plan["asked"]
@@ -144,7 +148,8 @@ def test_a_plan_through_the_launchers_saves_what_each_op_saves():
     hidden, intermediate, heads = config.hidden_size, config.intermediate_size, config.num_attention_heads
     tokens, labelled = rows * seqlen, rows * budget
     bf16, fp32, int64, seed = 2, 4, 8, 8  # a dropout seed: one int64
-    layer_norm = bf16 * tokens * hidden + fp32 * tokens  # its output and 1/std per row
+    # kernels/layer_norm.py: the output, 1/std and the side buffer (xhat of 8 small-weight columns) per row
+    layer_norm = bf16 * tokens * hidden + fp32 * tokens + fp32 * tokens * 8
     embeddings = (int64 * seqlen  # the position ids, for the embedding's backward
                   + layer_norm + seed  # the LayerNorm, then a dropout that keeps its seed
                   + bf16 * tokens * hidden)  # the dropout's output, the QKV projection's input in layer 0
@@ -156,7 +161,7 @@ def test_a_plan_through_the_launchers_saves_what_each_op_saves():
     pooler = bf16 * rows * hidden  # tanh's output (the NSP Linear's input too)
     mlm = (2 * int64 * labelled  # the labelled positions and their targets
            + 3 * bf16 * labelled * hidden  # the gathered rows, the transform's pre-activation, its LayerNorm
-           + fp32 * labelled  # that LayerNorm's 1/std
+           + fp32 * labelled * (1 + 8)  # that LayerNorm's 1/std and side buffer
            + 2 * fp32 * labelled)  # the loss's per-row statistics
     nsp = bf16 * rows * 2 + fp32 * rows * 2 + fp32  # log_softmax (bf16), nll_loss's fp32 copy, total weight
     assert plan["saved"] == embeddings + layers * layer + pooler + mlm + nsp

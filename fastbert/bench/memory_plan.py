@@ -35,7 +35,8 @@ class StepMemory:
     """Bytes of one step; every figure is exact for the code that ran (see MemoryTracker)."""
     peak_bytes: int  # the most bytes live at once, weights and inputs included
     forward_end_bytes: int  # live at the end of the forward (before backward)
-    saved_for_backward_bytes: int  # of which autograd keeps for the backward (activations)
+    saved_for_backward_bytes: int  # of which autograd keeps for the backward: activations (the 16-bit
+    # copies of the weights it keeps under autocast are in peak_breakdown's "weight copies")
     weights_bytes: int
     gradients_bytes: int  # at the end of the backward
     optimizer_bytes: int  # the optimizer's state
@@ -75,8 +76,8 @@ def plan_step(model: nn.Module, batch: dict[str, torch.Tensor], *, mode: str = "
     _check_arguments(model, batch, mode, optimizer, precision)
     autocast_dtype = torch.bfloat16 if precision == "bf16" else None
     loss_fn = loss_fn or default_loss
-    was_training = model.training
-    with planned_gpu(), _weights_in(model, torch.bfloat16 if precision == "bf16-weights" else None):
+    with planned_gpu(), _weights_in(model, torch.bfloat16 if precision == "bf16-weights" else None), \
+            _training_mode_kept(model):
         region = autocast(autocast_dtype) if autocast_dtype else contextlib.nullcontext()
         if mode == "inference":
             model.eval()
@@ -97,7 +98,6 @@ def plan_step(model: nn.Module, batch: dict[str, torch.Tensor], *, mode: str = "
                 if opt is not None:
                     _optimizer_step(model, opt, settings)
                 tracker.mark("optimizer")
-    model.train(was_training)
     forward_end = tracker.snapshot("forward")
     after_backward = tracker.snapshot("backward") if mode == "train" else forward_end
     return StepMemory(
@@ -152,6 +152,15 @@ def _weights_in(model: nn.Module, dtype: torch.dtype | None):
     finally:
         for t, was in zip(tensors, original):
             t.data = t.data.to(was)
+
+
+@contextlib.contextmanager
+def _training_mode_kept(model: nn.Module):
+    was_training = model.training
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def _steady_optimizer(model: nn.Module, name: str, settings: OptimizerSettings) -> torch.optim.Optimizer:

@@ -39,6 +39,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fastbert.ops import interpreter_enabled
+
 CATEGORIES = ("weights", "inputs", "gradients", "optimizer", "weight copies", "activations", "transients")
 _FROM_WEIGHTS = ("weights", "weight copies")
 _ALLOC, _FREE, _SAVE, _RELEASE = range(4)
@@ -173,7 +175,6 @@ class MemoryTracker(TorchDispatchMode):
         if name not in OPDEFS:
             raise RuntimeError(f"{name} is not a torch.library.custom_op: its allocations cannot be tracked")
         on_meta = any(t.is_meta for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-        from fastbert.ops import interpreter_enabled
         if on_meta and interpreter_enabled():
             raise RuntimeError(
                 f"{name} on meta tensors runs the compiled kernels' launchers, but TRITON_INTERPRET=1 made the "

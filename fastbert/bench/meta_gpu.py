@@ -27,6 +27,7 @@ on CPU tensors against the real `torch.autocast("cpu")`.
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from unittest import mock
 
@@ -243,6 +244,7 @@ def planned_gpu(dtype: torch.dtype | None = None, sdpa: str = "flash"):
         raise ValueError(f"sdpa must be one of {SDPA_BACKENDS}, got {sdpa!r}")
     # Triton's driver config keeps the active driver in _active (None: the default, which needs a GPU)
     previous_driver, previous_hook = triton.runtime.driver._active, knobs.runtime.jit_cache_hook
+    tuned = _autotuner_choices()
     install(H100, LaunchLog(), compile_kernels=False)
     try:
         supported = optimizer_module._get_fused_kernels_supported_devices()
@@ -253,3 +255,16 @@ def planned_gpu(dtype: torch.dtype | None = None, sdpa: str = "flash"):
     finally:
         triton.runtime.driver.set_active(previous_driver)
         knobs.runtime.jit_cache_hook = previous_hook
+        for tuner, choices in tuned.items():
+            tuner.cache.clear()
+            tuner.cache.update(choices)
+
+
+def _autotuner_choices() -> dict:
+    """{autotuner: its cache of chosen configs} of fastbert's kernels. A plan's autotuners time every config
+    alike and keep the first; on a GPU, the training that follows a plan must not inherit that choice."""
+    from triton.runtime.autotuner import Autotuner
+
+    modules = [module for name, module in sys.modules.items() if name.startswith("fastbert.kernels.")]
+    return {tuner: dict(tuner.cache) for module in modules for tuner in vars(module).values()
+            if isinstance(tuner, Autotuner)}
