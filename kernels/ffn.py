@@ -28,7 +28,7 @@
 # activation recomputation).
 import torch
 
-from fastbert.kernels.bias_gelu import APPROXIMATIONS, _as_rows, bias_gelu_bwd, bias_gelu_fwd, linear_bias_gelu_fwd
+from fastbert.kernels.bias_gelu import APPROXIMATIONS, bias_gelu_bwd, bias_gelu_fwd, linear_bias_gelu_fwd
 from fastbert.kernels.matmul import DTYPES
 
 
@@ -120,7 +120,7 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.
     Returns [..., K2]. The backward keeps x and the weights, plus h [M, N] unless recompute_pre (then it
     reruns the up-projection). Raises ValueError on mismatched shapes, dtypes or an unknown approximation.
     """
-    x2 = _as_rows(x)
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]: a view whenever the leading dims merge
     _check(x2, w1, b1, w2, b2, approximate)
     out, _ = _feed_forward_op(x2, w1, b1, w2, b2, approximate, recompute_pre)
     return out.view(*x.shape[:-1], w2.shape[0])
