@@ -1,5 +1,6 @@
 """The memory plan (fastbert.bench.memory_plan, meta_gpu): the autocast emulation against the real autocast,
 a plan through the real launchers against the bytes each op saves, and the plan's argument checks."""
+import contextlib
 import json
 import os
 import subprocess
@@ -7,11 +8,12 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fastbert import BertConfig
 from fastbert.bench.memory_plan import plan_step
 from fastbert.bench.memory_tracker import MemoryTracker
-from fastbert.bench.meta_gpu import CPU_AUTOCAST, AutocastEmulation
+from fastbert.bench.meta_gpu import CPU_AUTOCAST, AutocastEmulation, planned_gpu
 from fastbert.modeling import BertForPreTraining
 
 transformers = pytest.importorskip("transformers")
@@ -62,6 +64,29 @@ def test_autocast_emulation_saves_what_autocast_saves(provider, one_thread):
     fp32 = _forward(model, batch, torch.autocast("cpu", enabled=False))
     assert emulated == autocast
     assert fp32[0] != autocast[0]
+
+
+def test_sdpa_on_the_planned_gpu_saves_what_its_gpu_backends_save():
+    """F.scaled_dot_product_attention on meta takes the math path, which keeps the [B, heads, S, S]
+    probabilities; on the planned GPU it is the flash op (no mask: its output, log-sum-exp and Philox state,
+    a [2] and a [] uint64) or, with a mask, the memory-efficient op, which also keeps the additive mask."""
+    rows, heads, seqlen, head_dim = 2, 4, 64, 32
+    q, k, v = (torch.empty(rows, heads, seqlen, head_dim, device="meta", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    mask = torch.ones(rows, 1, seqlen, seqlen, dtype=torch.bool, device="meta")
+
+    def saved(attn_mask, planned: bool) -> int:
+        with planned_gpu() if planned else contextlib.nullcontext():
+            with MemoryTracker(inputs=[q, k, v, mask]) as tracker:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+                tracker.mark("forward end")
+        assert out.shape == q.shape and out.dtype == torch.bfloat16
+        return tracker.snapshot("forward end").categories["activations"]
+
+    out, lse, philox = 2 * rows * heads * seqlen * head_dim, 4 * rows * heads * seqlen, 8 * 3
+    assert saved(None, planned=True) == out + lse + philox
+    assert saved(mask, planned=True) == out + lse + 2 * rows * seqlen * seqlen + 2 * 8  # bias, seed and offset
+    assert saved(None, planned=False) >= 2 * rows * heads * seqlen * seqlen
 
 
 def test_plan_step_checks_its_arguments():
