@@ -116,6 +116,9 @@ def test_marks_are_checked():
             tracker.mark("forward end")
     with pytest.raises(KeyError, match="no mark 'backward end'; marks: \\['forward end'\\]"):
         tracker.snapshot("backward end")
+    with pytest.raises(RuntimeError, match="counts one run"):
+        with tracker:
+            pass
 
 
 def test_a_weight_cast_is_a_weight_copy_not_an_activation():

@@ -96,7 +96,8 @@ class MemoryTracker(TorchDispatchMode):
         self._module_names: dict[int, str] = {}  # id(module) -> qualified name
         self._handles: list = []
         self._saved_hooks = None
-        self._tracking = False
+        self._entered = False
+        self._tracking = False  # between the set-up of __enter__ and __exit__
         self.current_bytes = 0
         self.start_bytes = 0
         self.peak_bytes = 0
@@ -105,8 +106,9 @@ class MemoryTracker(TorchDispatchMode):
     # --- entering and leaving -------------------------------------------------------------------------
 
     def __enter__(self):
-        if self._tracking:
+        if self._entered:
             raise RuntimeError("a MemoryTracker counts one run: make a new one for another")
+        self._entered = True
         for module in self._modules:
             for tensor in itertools.chain(module.parameters(), module.buffers()):
                 self._adopt(tensor, "weights")
