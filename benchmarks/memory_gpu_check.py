@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             gc.collect()
             torch.cuda.empty_cache()
-            base = {**common, **case_fields(case), "op": "memory", "dtype": case.precision, "provider": provider}
+            base = {**common, **case_fields(case), "dtype": case.precision, "provider": provider}
             batch = batch_that_fits(case, provider, torch.cuda.mem_get_info(device)[0])
             if batch == 0:
                 rows.append({**base, "status": "skipped", "error": "the plan of one sequence does not fit this GPU"})

@@ -41,6 +41,14 @@ def test_largest_batch_is_exact_in_few_plans(fixed, per_sequence, wobble):
     assert got == _brute_force(peak_of, 5000)
 
 
+def test_largest_batch_past_the_optimizer_steps_floor_takes_three_plans():
+    def peak_of(b):  # small batches peak in the optimizer step (state alone), larger ones in the backward
+        return max(GiB, 100_000_000 * b - GiB)
+
+    got, plans = largest_batch(peak_of, DEVICE, RESERVE, known={64: peak_of(64)}, limit=1 << 16)
+    assert (got, plans) == (_brute_force(peak_of, 2000), 3)  # batch 32, the line's crossing and the next batch
+
+
 def test_largest_batch_off_the_line_is_still_exact():
     def peak_of(b):  # a jump the line from two plans cannot see
         return 5 * GiB + 100_000_000 * b + (50 * GiB if b > 300 else 0)

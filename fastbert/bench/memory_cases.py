@@ -33,6 +33,7 @@ PLANNED_DEVICE = "planned H100 80 GB (meta tensors, no GPU)"
 FSDP2_WORLD_SIZES = (2, 4, 8)
 MEGATRON_SBH = 34  # bytes per layer / (s·b·h) of a 16-bit layer with flash attention (Korthikanti et al., 2022)
 LARGEST_BATCH_LIMIT = 65535  # the most sequences fastbert's attention takes (a grid dimension); the search stops there
+SECANT_STEPS = 4  # refits of the line before the search falls back to galloping and bisecting
 STATE_CATEGORIES = ("weights", "gradients", "optimizer")  # plan_step's breakdown keys that FSDP2 shards
 PAPER_SBH = 20  # issue 18's exact-backward floor: input 2, Q K V 6, attention output + LSE 2, FFN pre-act 8, LN 2
 
@@ -71,6 +72,10 @@ class MemoryCase:
     checkpointing: str = "none"  # fastbert's --activation-checkpointing option
     providers: tuple[str, ...] = PROVIDERS
     config: fastbert.BertConfig | None = field(default=None, repr=False)  # None: the preset `size`
+
+    @property
+    def op(self) -> str:
+        return "memory"
 
     @property
     def name(self) -> str:
@@ -197,13 +202,14 @@ def largest_batch(peak_of, device_bytes: int, reserve: Reserve = RESERVE, known:
                   limit: int = 1 << 20) -> tuple[int, int]:
     """(the largest batch whose planned peak fits device_bytes with the reserve, the plans it took).
 
-    peak_of(batch) -> peak bytes. A step's peak is affine in the batch (weights, gradients and optimizer state
-    plus per-sequence activations) up to the rounding of a few buffers, so batch 1 and the largest batch already
-    planned give a line whose crossing with the budget is the guess; the guess and its neighbour are planned,
-    and where the line was off the search gallops away from the guess and bisects, so the answer is exact:
-    the batch fits and the next does not. known: {batch: peak bytes} already planned. The search goes no
-    further than `limit`, returned when it fits; (0, plans) when not even batch 1 fits."""
+    peak_of(batch) -> peak bytes. Past small batches (whose peak is the optimizer step's: weights, gradients and
+    state) a step's peak is affine in the batch, so a line through two planned batches near the budget crosses
+    it at the answer: the search plans a second batch (half the one known), then the line's crossing, refitted
+    (secant steps) until the batch fits and the next does not; where the line is off it gallops and bisects, so
+    the answer is exact either way. known: {batch: peak bytes} already planned. The search goes no further than
+    `limit`, returned when it fits; (0, plans) when not even batch 1 fits."""
     peaks = dict(known or {})
+    budget = (device_bytes - reserve.fixed_bytes) / (1 + reserve.fraction)  # the largest peak that fits
 
     def ok(b: int) -> bool:
         if b not in peaks:
@@ -213,29 +219,42 @@ def largest_batch(peak_of, device_bytes: int, reserve: Reserve = RESERVE, known:
     def plans() -> int:
         return len(peaks) - len(known or {})
 
-    if not ok(1):
+    def bracket() -> tuple[int, int | None]:
+        fitting = [b for b in peaks if ok(b)]
+        return max(fitting, default=0), min((b for b in peaks if not ok(b)), default=None)
+
+    def crossing() -> int:
+        """The line's crossing with the budget, through the planned batch nearest it and one far enough from
+        it that rounding does not tilt the line."""
+        near = sorted(peaks, key=lambda b: abs(peaks[b] - budget))
+        a = near[0]
+        b = next((b for b in near[1:] if abs(b - a) >= max(2, a // 8)), near[1])
+        slope = (peaks[b] - peaks[a]) / (b - a)
+        return limit if slope <= 0 else round(a + (budget - peaks[a]) / slope)
+
+    if not any(ok(b) for b in list(peaks)) and not ok(1):
         return 0, plans()
-    far = max([*peaks, 2])
-    ok(far)
-    slope = (peaks[far] - peaks[1]) / (far - 1)
-    budget = (device_bytes - reserve.fixed_bytes) / (1 + reserve.fraction)
-    guess = limit if slope <= 0 else max(1, min(limit, int((budget - peaks[1]) / slope) + 1))
+    if len(peaks) < 2:
+        only = next(iter(peaks))
+        ok(only // 2 if only > 1 else 2)
+    low, high = bracket()
+    for _ in range(SECANT_STEPS):
+        if high is not None and high - low <= 1:
+            return low, plans()
+        guess = min(max(crossing(), low + 1), limit if high is None else high - 1)
+        if guess in peaks:
+            break
+        ok(guess)
+        low, high = bracket()
     step = 1
-    if ok(guess):
-        low = guess
-        while True:
-            following = min(limit, low + step)
-            if following == low:
-                return low, plans()
-            if not ok(following):
-                high = following
-                break
+    while high is None:  # gallop upwards from the largest batch that fits
+        following = min(limit, low + step)
+        if following == low:
+            return low, plans()
+        if ok(following):
             low, step = following, 2 * step
-    else:
-        high = guess
-        while not ok(max(1, high - step)):
-            high, step = high - step, 2 * step
-        low = max(1, high - step)
+        else:
+            high = following
     while high - low > 1:
         middle = (low + high) // 2
         if ok(middle):
@@ -360,7 +379,7 @@ def run_memory_suite(out_dir: str, only: str | None = None, progress: bool = Tru
     start, rows = time.monotonic(), []
     for case, provider in tqdm(items, desc="fastbert bench memory", unit="plan", file=sys.stderr,
                                disable=not progress, dynamic_ncols=True):
-        base = {**common, **case_fields(case), "op": "memory", "dtype": case.precision, "provider": provider}
+        base = {**common, **case_fields(case), "dtype": case.precision, "provider": provider}
         try:
             rows.append({**base, "status": "ok", **row_figures(case, provider)})
         except Exception as exc:  # one provider failing must not lose the rest of the run

@@ -81,36 +81,31 @@ def _checkpointing_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _markdown(head: list[str], body: list[list[str]]) -> list[str]:
+    """A Markdown table's lines."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in body]
+
+
 def _breakdown_table(rows: list[dict]) -> list[str]:
     categories = list(dict.fromkeys(k for r in rows for k in r["peak_breakdown"]))
-    head = "| case | provider | " + " | ".join(f"{c} GiB" for c in categories) + " | peak GiB |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        lines.append(f"| {r['case']} | {r['provider']} | " +
-                     " | ".join(_gib(r["peak_breakdown"].get(c, 0)) for c in categories) +
-                     f" | {_gib(r['peak_bytes'])} |")
-    return lines
+    return _markdown(["case", "provider", *(f"{c} GiB" for c in categories), "peak GiB"],
+                     [[r["case"], r["provider"], *(_gib(r["peak_breakdown"].get(c, 0)) for c in categories),
+                       _gib(r["peak_bytes"])] for r in rows])
 
 
 def _saved_table(rows: list[dict]) -> list[str]:
     """Bytes saved for the backward per module kind, per token of the stated batch."""
     kinds = list(dict.fromkeys(k for r in rows for k in r["saved_by_module_kind"]))
-    head = "| module kind | " + " | ".join(f"{r['case']} {r['provider']}" for r in rows) + " |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for kind in kinds:
-        lines.append(f"| {kind} | " + " | ".join(f"{r['saved_by_module_kind'].get(kind, 0) / r['tokens']:,.0f}"
-                                                  for r in rows) + " |")
-    return lines
+    return _markdown(["module kind", *(f"{r['case']} {r['provider']}" for r in rows)],
+                     [[kind, *(f"{r['saved_by_module_kind'].get(kind, 0) / r['tokens']:,.0f}" for r in rows)]
+                      for kind in kinds])
 
 
 def _fsdp2_table(rows: list[dict]) -> list[str]:
     worlds = list(rows[0]["fsdp2_peak_bytes"]) if rows else []
-    head = "| case | provider | 1 GPU | " + " | ".join(f"{w} GPUs" for w in worlds) + " |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        lines.append(f"| {r['case']} | {r['provider']} | {_gib(r['peak_bytes'])} | " +
-                     " | ".join(_gib(r["fsdp2_peak_bytes"][w]) for w in worlds) + " |")
-    return lines
+    return _markdown(["case", "provider", "1 GPU", *(f"{w} GPUs" for w in worlds)],
+                     [[r["case"], r["provider"], _gib(r["peak_bytes"]),
+                       *(_gib(r["fsdp2_peak_bytes"][w]) for w in worlds)] for r in rows])
 
 
 def goals(by: dict) -> list[str]:
