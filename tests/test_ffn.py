@@ -130,19 +130,30 @@ def test_autocast_casts_as_linear_does(device):
     assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in inputs)
 
 
-def test_torch_compile_fullgraph(device):
+@pytest.mark.parametrize("recompute_pre", [False, True], ids=["keep_pre", "recompute_pre"])
+def test_torch_compile_and_export(recompute_pre, device):
+    """aot_eager traces the forward and the backward through the fake registrations; the compiled and
+    the exported programs give the eager results bitwise."""
     inputs = [t.requires_grad_() for t in _inputs(7, 64, 256, torch.float32, seed=12)]
 
     def block(*t):
-        return kernel.feed_forward(*t, "tanh", True).square().sum()
+        return kernel.feed_forward(*t, "tanh", recompute_pre).square().sum()
 
     torch._dynamo.reset()
-    torch.compile(block, backend="eager", fullgraph=True)(*inputs).backward()
+    torch.compile(block, backend="aot_eager", fullgraph=True)(*inputs).backward()
     compiled_grads = [t.grad.clone() for t in inputs]
     for t in inputs:
         t.grad = None
-    block(*inputs).backward()
+    eager = block(*inputs)
+    eager.backward()
     assert all(torch.equal(c, t.grad) for c, t in zip(compiled_grads, inputs))
+
+    class Block(torch.nn.Module):
+        def forward(self, *t):
+            return block(*t)
+
+    exported = torch.export.export(Block(), tuple(t.detach() for t in inputs))
+    assert torch.equal(exported.module()(*[t.detach() for t in inputs]), eager.detach())
 
 
 def test_ops_dispatch_and_bad_inputs(device):
