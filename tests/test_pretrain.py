@@ -107,6 +107,9 @@ def test_resume_is_exact_and_checkpoints_are_pruned(data, tmp_path):
     assert info == {"missing_keys": [], "unexpected_keys": []}
     again = pretrain.train(config(data, parts), SMALL)  # a finished run is not run again
     assert again["step"] == 6 and losses(parts) == losses(whole)
+    # its result is the finished run's: the model it wrote and the command that fine-tunes it
+    assert "already complete at step 6" in again["report"][0]
+    assert f"--model {os.path.join(parts, 'checkpoints', 'step_00000006', 'model')} " in again["report"][1]
 
 
 def test_a_checkpoint_is_written_while_the_loop_goes_on(data, tmp_path, monkeypatch):

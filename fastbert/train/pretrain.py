@@ -171,10 +171,10 @@ def train(cfg: PretrainConfig, model_overrides: dict | None = None) -> dict:
     budget = run.model.config.max_predictions_per_seq  # the loop sets it per batch; the returned model keeps this
     try:
         progress = state.restore(run) if run.resume else state.start(run)
-        if progress.step >= cfg.steps:
-            run.info(f"the run in {run.out} is already complete at step {progress.step}; use --run-name or --out "
-                     "to start a new one")
-            return _result(run, progress, run.resume, stopped=None)
+        if progress.step >= cfg.steps:  # the result is the finished run's: its model and how to fine-tune it
+            report = [f"the run in {run.out} is already complete at step {progress.step}; use --run-name or --out "
+                      "to start a new one", _finetune_hint(run, os.path.join(run.resume, state.MODEL_DIR))]
+            return {**_result(run, progress, run.resume, stopped=None), "report": report if run.env.is_main else []}
         with contextlib.closing(state.Saver(run)) as saver, torch_threads(cfg.threads):
             return _train(run, progress, saver)
     finally:
