@@ -247,10 +247,15 @@ def planned_gpu(dtype: torch.dtype | None = None, sdpa: str = "flash"):
     tuned = _autotuner_choices()
     install(H100, LaunchLog(), compile_kernels=False)
     try:
-        supported = optimizer_module._get_fused_kernels_supported_devices()
-        with mock.patch.object(optimizer_module, "_get_fused_kernels_supported_devices", lambda: [*supported, "meta"]), \
-                fx_config.patch(meta_nonzero_assume_all_nonzero=True), _MetaAsCuda(), \
-                (autocast(dtype) if dtype is not None else contextlib.nullcontext()):
+        with contextlib.ExitStack() as stack:
+            # torch's fused optimizers accept the devices of this list
+            fused_devices = [*optimizer_module._get_fused_kernels_supported_devices(), "meta"]
+            stack.enter_context(mock.patch.object(optimizer_module, "_get_fused_kernels_supported_devices",
+                                                  lambda: fused_devices))
+            stack.enter_context(fx_config.patch(meta_nonzero_assume_all_nonzero=True))
+            stack.enter_context(_MetaAsCuda())
+            if dtype is not None:
+                stack.enter_context(autocast(dtype))
             yield
     finally:
         triton.runtime.driver.set_active(previous_driver)
