@@ -3,8 +3,10 @@ a plan through the real launchers against the bytes each op saves, and the plan'
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from fastbert import BertConfig
 from fastbert.bench.memory_plan import plan_step
 from fastbert.bench.memory_tracker import MemoryTracker
-from fastbert.bench.meta_gpu import CPU_AUTOCAST, AutocastEmulation, planned_gpu
+from fastbert.bench.meta_gpu import CPU_AUTOCAST, CUDA_AUTOCAST, AutocastEmulation, planned_gpu
 from fastbert.modeling import BertForPreTraining
 
 transformers = pytest.importorskip("transformers")
@@ -64,6 +66,25 @@ def test_autocast_emulation_saves_what_autocast_saves(provider, one_thread):
     fp32 = _forward(model, batch, torch.autocast("cpu", enabled=False))
     assert emulated == autocast
     assert fp32[0] != autocast[0]
+
+
+def _autocast_header_list(macro: str) -> set[str]:
+    """The op names of one AT_FORALL_* list in the autocast header that ships with this torch."""
+    header = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
+    text = header.read_text()
+    body = text[text.index(f"#define {macro}(_)"):]
+    body = body[:body.index("\n\n")]
+    return set(re.findall(r"_\((\w+)", body))
+
+
+def test_the_cuda_table_is_the_installed_torchs():
+    """CUDA_AUTOCAST holds the lists of the autocast header of the torch that runs (plus the cuDNN
+    convolutions that autocast_mode.cpp registers beside them), so a torch that changes them fails here."""
+    assert CUDA_AUTOCAST.lower_precision_fp == _autocast_header_list("AT_FORALL_LOWER_PRECISION_FP") | {
+        "cudnn_convolution", "cudnn_convolution_transpose"}
+    assert CUDA_AUTOCAST.fp32 == _autocast_header_list("AT_FORALL_FP32")
+    assert CUDA_AUTOCAST.fp32_set_opt_dtype == _autocast_header_list("AT_FORALL_FP32_SET_OPT_DTYPE")
+    assert CUDA_AUTOCAST.promote == _autocast_header_list("AT_FORALL_PROMOTE")
 
 
 def test_sdpa_on_the_planned_gpu_saves_what_its_gpu_backends_save():
