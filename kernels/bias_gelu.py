@@ -144,18 +144,22 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str =
 
 
 def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
-                  approximate: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
+                  approximate: str = "none", in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of y = gelu(x + bias) (bias None: y = gelu(x)).
 
     dy, x [..., N] (any strides), bias [N] or None. Returns (dx [..., N] contiguous in x's dtype,
-    dbias [N] in x's dtype, the column sums of dx).
+    dbias [N] in x's dtype, the column sums of dx). in_place writes dx over dy, which must then be
+    contiguous (the FFN's backward: one [M, N] buffer less at its peak); each element is read before it is
+    written. Raises ValueError on mismatched shapes or dtypes, or a strided dy to overwrite.
     """
     _check(x, bias, approximate)
     if dy.shape != x.shape or dy.dtype != x.dtype:
         raise ValueError(f"dy is {dy.dtype} {tuple(dy.shape)}, expected x's {x.dtype} {tuple(x.shape)}")
+    if in_place and not dy.is_contiguous():
+        raise ValueError(f"in_place needs a contiguous dy, got strides {dy.stride()}")
     x2, dy2 = _as_rows(x), _as_rows(dy)
     rows, cols = x2.shape
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = dy if in_place else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows == 0:
         return dx, torch.zeros(cols, dtype=x.dtype, device=x.device)
     block_m, block_n = _blocks(cols)

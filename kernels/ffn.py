@@ -13,7 +13,7 @@
 # Backward: [recompute_pre: h = the same epilogue matmul, bitwise the forward's h]
 #           g    = gelu(h)                 dw2 = dout^T g;  db2 = sum_rows dout;  g freed
 #           dg   = dout w2
-#           dh   = dg * gelu'(h), db1 = sum_rows dh    (kernels/bias_gelu.py's backward kernel)
+#           dh   = dg * gelu'(h), db1 = sum_rows dh    (kernels/bias_gelu.py's backward kernel, dh over dg)
 #           dx   = dh w1;  dw1 = dh^T x
 # Saved for the backward: x, w1, w2 and h ([M, 4H]); with recompute_pre x, w1, w2 and b1.
 #
@@ -64,7 +64,7 @@ def feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate):
     dw2 = dout.t() @ g
     del g
     db2 = dout.sum(dim=0)
-    dpre, db1 = bias_gelu_bwd(dout @ w2, pre, None, approximate)  # [M, N], [N]
+    dpre, db1 = bias_gelu_bwd(dout @ w2, pre, None, approximate, in_place=True)  # [M, N] over dg, [N]
     return dpre @ w1, dpre.t() @ x, db1, dw2, db2
 
 

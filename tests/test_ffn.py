@@ -197,3 +197,19 @@ def test_model_fuses_plain_modules_and_calls_hooked_ones(monkeypatch, device):
         handle.remove()
         assert seen == [1] and calls == [1], type(module).__name__
         torch.testing.assert_close(hooked, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_gelu_backward_in_place_over_dy(device):
+    """The FFN backward's dh = dg * gelu'(h) written over dg (one [M, N] buffer less at its peak): the
+    out-of-place bits, in dg's storage; a strided dg is refused."""
+    from fastbert.kernels import bias_gelu
+
+    generator = torch.Generator().manual_seed(16)
+    dg, pre = (torch.randn(37, 300, generator=generator).to(torch.bfloat16) for _ in range(2))
+    expected = bias_gelu.bias_gelu_bwd(dg, pre, None, "tanh")
+    overwritten = dg.clone()
+    dh, dbias = bias_gelu.bias_gelu_bwd(overwritten, pre, None, "tanh", in_place=True)
+    assert dh.data_ptr() == overwritten.data_ptr()
+    assert torch.equal(dh, expected[0]) and torch.equal(dbias, expected[1])
+    with pytest.raises(ValueError, match="in_place needs a contiguous dy"):
+        bias_gelu.bias_gelu_bwd(dg.t().contiguous().t(), pre, None, "tanh", in_place=True)
