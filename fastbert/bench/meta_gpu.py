@@ -10,7 +10,8 @@ A fake CUDA tensor cannot be made with a CPU build of torch, so meta tensors (si
   takes a mask and fp32 (the next backend PyTorch tries). On meta, SDPA itself would take the math path and
   materialise the [B, heads, S, S] scores, which no GPU backend does.
 - Optimizers: torch's fused ones (AdamW(fused=True), what `fastbert pretrain` builds on a GPU) accept meta
-  parameters; their fused step allocates nothing beyond the state, as on the GPU.
+  parameters; their fused step allocates nothing beyond the state, as on the GPU. Gradient clipping takes
+  its multi-tensor path, as on the GPU.
 - Data: meta tensors have none, so `nonzero` counts every element as nonzero and a meta tensor's truth
   (`bool(mask.all())`) is True: exact for an all-ones attention mask (fastbert's unpadding; transformers drops
   such a mask after checking it); the MLM head's labelled rows come from the model's static budget
@@ -235,6 +236,7 @@ def planned_gpu(dtype: torch.dtype | None = None, sdpa: str = "flash"):
     part of it). sdpa: "flash", what SDPA runs (see _gpu_sdpa). Raises ValueError for another sdpa."""
     import triton
     import torch.optim.optimizer as optimizer_module
+    import torch.utils._foreach_utils as foreach_utils
     from torch.fx.experimental import _config as fx_config
     from triton import knobs
 
@@ -248,10 +250,14 @@ def planned_gpu(dtype: torch.dtype | None = None, sdpa: str = "flash"):
     install(H100, LaunchLog(), compile_kernels=False)
     try:
         with contextlib.ExitStack() as stack:
-            # torch's fused optimizers accept the devices of this list
+            # torch's fused optimizers, and the multi-tensor (foreach) path of clip_grad_norm_, accept the
+            # devices of these lists
             fused_devices = [*optimizer_module._get_fused_kernels_supported_devices(), "meta"]
             stack.enter_context(mock.patch.object(optimizer_module, "_get_fused_kernels_supported_devices",
                                                   lambda: fused_devices))
+            foreach_devices = [*foreach_utils._get_foreach_kernels_supported_devices(), "meta"]
+            stack.enter_context(mock.patch.object(foreach_utils, "_get_foreach_kernels_supported_devices",
+                                                  lambda: foreach_devices))
             stack.enter_context(fx_config.patch(meta_nonzero_assume_all_nonzero=True))
             stack.enter_context(_MetaAsCuda())
             if dtype is not None:
