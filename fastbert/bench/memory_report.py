@@ -44,41 +44,42 @@ def _ratio_text(value: float | None) -> str:
 
 
 def _step_table(rows: list[dict], by: dict, training: bool) -> list[str]:
-    head = ("| case | provider | batch | peak GiB | forward-end GiB | saved for backward GiB | per layer | "
-            "largest batch in 80 GB | peak: fastbert / hf-sdpa | peak: fastbert / hf-eager | "
-            "largest batch: fastbert / hf-sdpa |") if training else \
-        ("| case | provider | batch | peak GiB | largest batch in 80 GB | peak: fastbert / hf-sdpa | "
-         "peak: fastbert / hf-eager |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    head = ["case", "provider", "batch", "peak GiB"]
+    head += ["forward-end GiB", "saved for backward GiB", "per layer"] if training else []
+    head += ["largest batch in 80 GB", "peak: fastbert / hf-sdpa", "peak: fastbert / hf-eager"]
+    head += ["largest batch: fastbert / hf-sdpa"] if training else []
+    body = []
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['case']} | {r['provider']} | {r['status']}: {r.get('error', '')} |")
+            body.append([r["case"], r["provider"], f"{r['status']}: {r.get('error', '')}"] + [""] * (len(head) - 3))
             continue
         sdpa, eager = by.get((r["case"], HF_SDPA)), by.get((r["case"], HF_EAGER))
         own = r["provider"] == FASTBERT
-        ratios = [_ratio_text(_ratio(r, sdpa, "peak_bytes")) if own else "",
-                  _ratio_text(_ratio(r, eager, "peak_bytes")) if own else ""]
         cells = [r["case"], r["provider"], str(r["batch"]), _gib(r["peak_bytes"])]
         if training:
             cells += [_gib(r["forward_end_bytes"]), _gib(r["saved_for_backward_bytes"]),
-                      f"{r['sbh_per_layer']:.2f}·s·b·h", str(r["largest_batch"])] + ratios + \
-                [_ratio_text(_ratio(r, sdpa, "largest_batch")) if own else ""]
-        else:
-            cells += [str(r["largest_batch"])] + ratios
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+                      f"{r['sbh_per_layer']:.2f}·s·b·h"]
+        cells += [str(r["largest_batch"]), _ratio_text(_ratio(r, sdpa, "peak_bytes")) if own else "",
+                  _ratio_text(_ratio(r, eager, "peak_bytes")) if own else ""]
+        if training:
+            cells.append(_ratio_text(_ratio(r, sdpa, "largest_batch")) if own else "")
+        body.append(cells)
+    return _markdown(head, body)
 
 
 def _checkpointing_table(rows: list[dict]) -> list[str]:
-    lines = ["| case | option | peak GiB | saved for backward GiB | per layer | largest batch in 80 GB | "
-             "extra FLOPs per step |", "|---|---|---|---|---|---|---|"]
+    body = []
     for r in rows:
+        cells = [r["case"].split(",checkpointing=")[0], r["shape"]["checkpointing"]]
+        if r["status"] != "ok":
+            body.append(cells + [f"not planned: {r.get('error', r['status'])[:160]}", "", "", "", ""])
+            continue
         flops = r.get("checkpointing_extra_flops")
-        flops_text = "-" if flops is None else f"{flops:.3g} ({100 * r['checkpointing_extra_flops_fraction']:.1f}%)"
-        lines.append(f"| {r['case'].split(',checkpointing=')[0]} | {r['shape']['checkpointing']} | "
-                     f"{_gib(r['peak_bytes'])} | {_gib(r['saved_for_backward_bytes'])} | "
-                     f"{r['sbh_per_layer']:.2f}·s·b·h | {r['largest_batch']} | {flops_text} |")
-    return lines
+        body.append(cells + [_gib(r["peak_bytes"]), _gib(r["saved_for_backward_bytes"]),
+                             f"{r['sbh_per_layer']:.2f}·s·b·h", str(r["largest_batch"]), "-" if flops is None else
+                             f"{flops:.3g} ({100 * r['checkpointing_extra_flops_fraction']:.1f}%)"])
+    return _markdown(["case", "option", "peak GiB", "saved for backward GiB", "per layer", "largest batch in 80 GB",
+                      "extra FLOPs per step"], body)
 
 
 def _markdown(head: list[str], body: list[list[str]]) -> list[str]:
@@ -195,7 +196,7 @@ def memory_section(rows: list[dict]) -> list[str]:
     if others:
         out += ["### Fine-tuning (BertForSequenceClassification, AdamW) and inference (BertModel forward, bf16)", ""]
         out += _step_table(others, by, False) + [""]
-    options = [r for r in run if r["status"] == "ok" and r["provider"] == FASTBERT and r["shape"]["mode"] == "pretrain"
+    options = [r for r in run if r["provider"] == FASTBERT and r["shape"]["mode"] == "pretrain"
                and r["shape"]["optimizer"] == "adamw"]
     if any(r["shape"]["checkpointing"] != "none" for r in options):
         out += ["### fastbert's `--activation-checkpointing` options (AdamW)", "",

@@ -44,7 +44,7 @@ class PretrainConfig:
     model: str = "tiny"  # tiny | base | large (BertConfig's sizes), or an HF config.json (file or directory)
     steps: int = 400  # optimizer steps in all (the paper: 1,000,000)
     batch_size: int = 32  # global batch: sequences per optimizer step, all ranks together (the paper: 256)
-    micro_batch_size: str = ""  # sequences per rank per forward, one or one per phase; "" = the batch; auto: planned
+    micro_batch_size: str = ""  # per rank per forward, one or one per phase; "" = all; auto = the most the GPU fits
     seq_lengths: str = ""  # sequence length of each phase; "" = 128,512 (max_position_embeddings/2 and /1 if less)
     phase_fractions: str = ""  # share of the steps of each phase; "" = the paper's 0.9,0.1 for two phases, 1 for one
     optimizer: str = "adamw"  # adamw (the paper's Adam with weight decay) | lamb (large batches)
