@@ -197,7 +197,8 @@ class BertLayer(nn.Module):
         return self.feed_forward(attended, recompute=checkpointing == "ffn"), probs
 
     def feed_forward(self, attended, recompute: bool = False):
-        """BertOutput(BertIntermediate(attended), attended). With plain Linears and no hooks on either
+        """BertOutput(BertIntermediate(attended), attended): [B, S, H] (packed: [T, H]) to the same shape.
+        With plain Linears and no hooks on either
         module, one fused op that keeps the pre-activation but not the GELU output for the backward (with
         recompute, only `attended`: it reruns the up-projection); otherwise the modules are called."""
         intermediate, output, c = self.intermediate, self.output, self.config
