@@ -340,7 +340,7 @@ def saved_by_kind(saved_by_module: dict[str, int]) -> dict[str, int]:
     and encoder.layer.7.attention are both encoder.layer.*.attention)."""
     kinds: dict[str, int] = {}
     for name, value in saved_by_module.items():
-        kind = ".".join("*" if part.isdigit() else part for part in name.split(".")) or "(the model's own code)"
+        kind = ".".join("*" if part.isdigit() else part for part in name.split(".")) or "(the model's top-level forward: its loss)"
         kinds[kind] = kinds.get(kind, 0) + value
     return kinds
 
