@@ -33,6 +33,7 @@ PLANNED_DEVICE = "planned H100 80 GB (meta tensors, no GPU)"
 FSDP2_WORLD_SIZES = (2, 4, 8)
 MEGATRON_SBH = 34  # bytes per layer / (s·b·h) of a 16-bit layer with flash attention (Korthikanti et al., 2022)
 LARGEST_BATCH_LIMIT = 65535  # the most sequences fastbert's attention takes (a grid dimension); the search stops there
+ROOT_KIND = "(the model's top-level forward: its loss)"  # what the root module ("") saves itself
 SECANT_STEPS = 4  # refits of the line before the search falls back to galloping and bisecting
 STATE_CATEGORIES = ("weights", "gradients", "optimizer")  # plan_step's breakdown keys that FSDP2 shards
 PAPER_SBH = 20  # issue 18's exact-backward floor: input 2, Q K V 6, attention output + LSE 2, FFN pre-act 8, LN 2
@@ -340,7 +341,7 @@ def saved_by_kind(saved_by_module: dict[str, int]) -> dict[str, int]:
     and encoder.layer.7.attention are both encoder.layer.*.attention)."""
     kinds: dict[str, int] = {}
     for name, value in saved_by_module.items():
-        kind = ".".join("*" if part.isdigit() else part for part in name.split(".")) or "(the model's top-level forward: its loss)"
+        kind = ".".join("*" if part.isdigit() else part for part in name.split(".")) or ROOT_KIND
         kinds[kind] = kinds.get(kind, 0) + value
     return kinds
 
