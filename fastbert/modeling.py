@@ -81,7 +81,7 @@ class BertEmbeddings(nn.Module):
         embeds = embeds + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)
         hidden = ops.layer_norm(embeds, self.LayerNorm.weight, self.LayerNorm.bias, self.config.layer_norm_eps,
                                 backend=self.config.backend)
-        return F.dropout(hidden, self.config.hidden_dropout_prob, self.training)
+        return ops.dropout(hidden, self.config.hidden_dropout_prob, self.training, backend=self.config.backend)
 
 
 class BertSelfAttention(nn.Module):
@@ -673,9 +673,21 @@ class BertForNextSentencePrediction(BertPreTrainedModel):
         return self._outputs(result, return_dict)
 
 
-def _classifier_dropout(config: BertConfig) -> nn.Dropout:
+class HeadDropout(nn.Dropout):
+    """nn.Dropout (same p, state and repr as transformers' heads) that runs `ops.dropout` on the model's
+    backend, read at forward time: on the Triton path no mask is kept for the backward."""
+
+    def __init__(self, p: float, config: BertConfig):
+        super().__init__(p)
+        self.config = config
+
+    def forward(self, hidden):
+        return ops.dropout(hidden, self.p, self.training, backend=self.config.backend)
+
+
+def _classifier_dropout(config: BertConfig) -> HeadDropout:
     p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-    return nn.Dropout(p)
+    return HeadDropout(p, config)
 
 
 class BertForSequenceClassification(BertPreTrainedModel):

@@ -28,6 +28,7 @@ from fastbert import reference
 BACKENDS = ("auto", "triton", "torch")
 GELU_APPROXIMATIONS = ("none", "tanh")
 REDUCTIONS = ("mean", "sum")
+LAYER_NORM_SAVES = ("output", "input")  # what the Triton LayerNorm's backward works from
 
 
 # Resolved once, at import: torch.compile cannot trace an import, and dispatch runs inside traced code.
@@ -38,7 +39,7 @@ try:
     TRITON_IMPORT_ERROR = None  # None when Triton imports, else why not
 except Exception as exc:  # ImportError, or a broken install raising anything else
     TRITON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
-KERNEL_FILES = ("layer_norm", "bias_gelu", "ffn", "qkv", "attention", "mlm_loss")
+KERNEL_FILES = ("layer_norm", "bias_gelu", "ffn", "qkv", "attention", "mlm_loss", "dropout")
 KERNELS = {} if TRITON_IMPORT_ERROR else {
     name: importlib.import_module(f"fastbert.kernels.{name}") for name in KERNEL_FILES}
 
@@ -79,18 +80,24 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor | None) -> str:
 
 # Custom ops are invisible to autocast, so the Triton path casts each kernel's inputs as autocast would
 # cast the PyTorch op the kernel replaces (PyTorch's autocast op lists): matmuls (linear, the projections,
-# the MLM decoder) and scaled_dot_product_attention run in the autocast dtype on every device; layer_norm
-# in fp32 on CUDA, and untouched by CPU autocast; x + bias and gelu are never autocast. The casts are
-# differentiable, so fp32 master weights still receive their gradients.
+# the MLM decoder) and scaled_dot_product_attention run in the autocast dtype on every device; x + bias,
+# gelu and dropout are never autocast. One deliberate deviation: under CUDA autocast PyTorch runs
+# layer_norm in fp32 and returns fp32, which makes the whole residual stream fp32 (an fp32 copy of every
+# 16-bit sublayer output, and a 16-bit copy of the stream saved by each matmul besides); the Triton
+# LayerNorm instead reads its inputs as they come, computes in fp32, and returns the autocast dtype: a
+# 16-bit residual stream, as Megatron-LM's bf16 training and apex's mixed-precision LayerNorm keep it.
+# CPU autocast leaves layer_norm alone on both paths. The casts are differentiable, so fp32 master
+# weights still receive their gradients.
 def autocast_dtype(op: str, device_type: str) -> torch.dtype | None:
-    """The dtype autocast runs `op` ("matmul" or "layer_norm") in on `device_type` now; None when autocast
-    is off or leaves the op alone. Meta tensors answer as CUDA ones: in a memory plan they stand for CUDA
+    """The dtype autocast runs `op` ("matmul" or "layer_norm") in on `device_type` now, for layer_norm the
+    dtype it returns (the autocast dtype on CUDA: the deviation above); None when autocast is off or
+    leaves the op alone. Meta tensors answer as CUDA ones: in a memory plan they stand for CUDA
     tensors, under CUDA autocast switched on by fastbert.bench.meta_gpu (autocast has no "meta" state)."""
     device_type = "cuda" if device_type == "meta" else device_type
     if not torch.is_autocast_enabled(device_type):
         return None
-    if op == "layer_norm":
-        return torch.float32 if device_type == "cuda" else None
+    if op == "layer_norm" and device_type != "cuda":
+        return None
     return torch.get_autocast_dtype(device_type)
 
 
@@ -110,13 +117,12 @@ def _matmul_inputs(*tensors):
 
 
 def _layer_norm_inputs(x, weight, bias, residual):
-    """All in fp32 under CUDA autocast; otherwise x and residual in their promoted dtype (the kernel takes
-    them in one) and weight and bias as they are (it reads them in their own dtype, as F.layer_norm does)."""
-    dtype = autocast_dtype("layer_norm", x.device.type)
-    if dtype is not None:
-        return _cast((x, weight, bias, residual), dtype)
+    """(x, weight, bias, residual, output dtype): x and residual in their promoted dtype (the kernel takes
+    them in one; it upcasts each element itself, so no fp32 copy of a 16-bit activation is made), weight
+    and bias as they are (it reads them in their own dtype, as F.layer_norm does); the output in the
+    autocast dtype under CUDA autocast, else in x's."""
     x, residual = _cast((x, residual), _promoted_dtype(x, residual))
-    return x, weight, bias, residual
+    return x, weight, bias, residual, autocast_dtype("layer_norm", x.device.type) or x.dtype
 
 
 def _check_last_dim(name: str, tensor: torch.Tensor, size: int, what: str) -> None:
@@ -124,16 +130,21 @@ def _check_last_dim(name: str, tensor: torch.Tensor, size: int, what: str) -> No
         raise ValueError(f"{name} has last dimension {tensor.shape[-1]}, expected {size} ({what})")
 
 
-def _check_dropout(dropout_p: float) -> None:
+def _check_dropout(dropout_p: float, name: str = "dropout_p") -> None:
     if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+        raise ValueError(f"{name} must be in [0, 1), got {dropout_p!r}")
 
 
-def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, training=True, backend=None):
+def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, training=True, backend=None,
+               save="output"):
     """LayerNorm(dropout(x) + residual) over the last dim (residual=None: LayerNorm(dropout(x))).
 
-    x, residual [..., H]; weight, bias [H]. Returns [..., H] in x's dtype promoted with residual's, or in
-    fp32 under CUDA autocast (as F.layer_norm under autocast).
+    x, residual [..., H]; weight, bias [H]. Returns [..., H] in x's dtype promoted with residual's; under
+    CUDA autocast in fp32 on the torch path (as F.layer_norm) and in the autocast dtype on the Triton path
+    (see the autocast note above). save (Triton path): "output" keeps the output and rstd for the backward
+    (exact unless more than 8 weights are below 1/8 in magnitude: then NaN gradients, see
+    kernels/layer_norm.py); "input" keeps x and the residual, exact for any weight. Raises ValueError
+    naming a bad argument.
     """
     hidden = x.shape[-1]
     _check_last_dim("weight", weight, hidden, "x's hidden size")
@@ -143,9 +154,12 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
     _check_dropout(dropout_p)
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps!r}")
+    if save not in LAYER_NORM_SAVES:
+        raise ValueError(f"save must be one of {LAYER_NORM_SAVES}, got {save!r}")
     if resolve_backend(backend, x, weight, bias, residual) == "triton":
-        x, weight, bias, residual = _layer_norm_inputs(x, weight, bias, residual)
-        return KERNELS["layer_norm"].layer_norm(x, weight, bias, eps, residual, dropout_p, training)
+        x, weight, bias, residual, out_dtype = _layer_norm_inputs(x, weight, bias, residual)
+        return KERNELS["layer_norm"].layer_norm(x, weight, bias, eps, residual, dropout_p, training, out_dtype,
+                                                save)
     return reference.layer_norm(x, weight, bias, eps, residual, dropout_p, training)
 
 
@@ -294,3 +308,15 @@ def feed_forward(x, w1, b1, w2, b2, approximate="none", recompute_pre=False, bac
     if recompute_pre and torch.is_grad_enabled():
         return checkpoint(reference.feed_forward, x, w1, b1, w2, b2, approximate, use_reentrant=False)
     return reference.feed_forward(x, w1, b1, w2, b2, approximate)
+
+
+def dropout(x, p, training=True, backend=None):
+    """Dropout: each element zeroed with probability p, the rest scaled by 1 / (1 - p); x unchanged when
+    not training or p == 0. x [...]: any floating dtype on the torch path (F.dropout, which stores a
+    mask), fp32/fp16/bf16 on the Triton path, which stores no mask (forward and backward draw it from a
+    seed). Returns x's shape and dtype. Raises ValueError for p outside [0, 1).
+    """
+    _check_dropout(p, "p")
+    if resolve_backend(backend, x) == "triton":
+        return KERNELS["dropout"].dropout(x, p, training)
+    return reference.dropout(x, p, training)

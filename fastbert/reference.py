@@ -15,6 +15,11 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
     return F.layer_norm(h, (h.shape[-1],), weight, bias, eps)
 
 
+def dropout(x, p, training=True):
+    """F.dropout: elements zeroed with probability p, the rest scaled by 1 / (1 - p); stores its mask."""
+    return F.dropout(x, p, training)
+
+
 def bias_gelu(x, bias, approximate="none"):
     """gelu(x + bias). x [..., N]; bias [N]; approximate "none" (erf) or "tanh"."""
     return F.gelu(x + bias, approximate=approximate)

@@ -7,22 +7,43 @@
 # (BLOCK_H is the next power of two of H; several rows per tile keep small hidden sizes from leaving
 # most of a program idle). The dropout keep-mask comes from Philox (`tl.rand`) keyed by a seed and
 # counted by the element's logical offset row * H + col, so it does not depend on strides or tiling and
-# the backward regenerates it. The forward computes each row's statistics in fp32 in two passes over
-# the registers (mean, then the centred variance) and writes y and only the fp32 mean and rstd of each
-# row: no mask and no pre-norm sum are stored. The backward recomputes the pre-norm rows from x,
-# residual and the mask and gives dx and dresidual. dweight and dbias are reduced without atomics: each
+# the backward regenerates it. The forward reads x and the residual in their own dtype, computes each
+# row's statistics in fp32 in two passes over the registers (mean, then the centred variance) and
+# writes y (in the dtype the caller asks for: a 16-bit y from fp32 embeddings under autocast) and the
+# fp32 mean and rstd of each row: no mask, no pre-norm sum and no fp32 copy of a 16-bit input are stored.
+#
+# The backward works, by default (save="output"), from the saved OUTPUT (apex's memory-efficient
+# LayerNorm): xhat = (y - bias) / weight, so it needs y, weight, bias, rstd and the seed, and never x or
+# the residual. y is what the next op (a matmul) saves anyway, so a LayerNorm adds only rstd (4 bytes a
+# row) and a small side buffer (below) to what a layer keeps. Precision: xhat carries y's rounding
+# divided by |weight|: for |weight| >= MIN_WEIGHT (1/8) the gradients stay within the tolerance rule in
+# fp32, fp16 and bf16 (tested), but a weight near 0 erases its column of xhat (y = bias there), and
+# that column's dweight, and through mean(g * xhat) every dx of the row, would be wrong. Trained
+# checkpoints do hold such weights (all-MiniLM-L6-v2's last LayerNorm has 5e-33, 6e-33 and 1.5e-9), and
+# finding them on the host would cost a GPU sync per call, so the kernels find them themselves: the
+# forward writes the exact fp32 xhat of the first SIDE_COLUMNS (8) columns with |weight| < MIN_WEIGHT
+# to a [rows, 8] side buffer (32 bytes a row), the backward reads those columns from it and every other
+# column from y: exact for any weights with at most 8 small ones. A further small-weight column gets
+# NaN, never a finite wrong value: its dweight and the dx of every row are NaN, which a training loop's
+# non-finite check reports (fastbert's skips the step and stops after max_bad_steps in a row), and
+# save="input" (keep x, the residual and the mean, recompute the pre-norm rows: 2 more activations)
+# is exact for any weights.
+#
+# dx and dresidual follow from xhat and the regenerated mask. dweight and dbias are reduced without atomics: each
 # backward program owns a contiguous chunk of rows, accumulates their partial sums in fp32 registers and
 # writes them to a [programs, H] buffer that one torch.sum over the programs finishes. Tile and program
 # counts depend only on H, the row count and the device, so the results are bitwise reproducible.
 #
 # Limits. Hidden size 1..MAX_HIDDEN (8192: a whole row lives in registers); any number of rows; x and
-# residual fp32, fp16 or bf16 of one dtype; weight and bias fp32, fp16 or bf16. Inputs may have any
+# residual fp32, fp16 or bf16 of one dtype; y fp32, fp16 or bf16; weight and bias fp32, fp16 or bf16,
+# with save="output" at most SIDE_COLUMNS weights of |weight| < MIN_WEIGHT (see above). Inputs may have any
 # strides: the launchers pass both strides of the 2-D view (copying only a view whose column offsets
 # would not fit int32), and copy a strided weight or bias (H elements). 0 <= dropout_p < 1.
 #
 # Sources: the Triton tutorial "Layer Normalization" (row-parallel forward, partial weight gradients),
 # flash-attention's flash_attn/ops/triton/layer_norm.py (fused residual + dropout, seeded dropout
-# regenerated in the backward, per-program partial dweight/dbias) and Liger-Kernel's layer_norm.
+# regenerated in the backward, per-program partial dweight/dbias), Liger-Kernel's layer_norm, and
+# apex's FusedLayerNorm with memory_efficient=True (the backward from the output).
 from __future__ import annotations
 
 from typing import Optional
@@ -35,6 +56,14 @@ from fastbert.kernels.matmul import sm_count
 from fastbert.kernels.numerics import INTERPRETER, cast
 
 MAX_HIDDEN = 8192
+SAVE_CHOICES = ("output", "input")  # what the backward works from (see the header)
+# The smallest |weight| whose column the backward from the output recovers from y: xhat's error is y's
+# rounding over |w|, within the tolerance rule for |w| >= MIN_WEIGHT in fp32, fp16 and bf16
+# (tests/test_layer_norm.py); below it xhat means nothing (a trained checkpoint can hold weights of 1e-33).
+MIN_WEIGHT = 2.0**-3
+# Columns per LayerNorm whose xhat the forward keeps in fp32 beside y because |weight| < MIN_WEIGHT: 32 bytes
+# a row (rstd is 4, a 16-bit y of BERT-base 1536); a further small-weight column gives NaN gradients.
+SIDE_COLUMNS = 8
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # On a GPU, tiles of at least GPU_TILE_ELEMENTS with 8 elements per thread: compiled for sm_90, the
 # backward with residual and dropout then fits in registers up to H = 2048, spills 8 bytes at 4096 and
@@ -48,6 +77,22 @@ INTERPRETER_TILE_ELEMENTS = 65536
 # only has to be fixed.
 BACKWARD_PROGRAMS_PER_SM = 8
 INTERPRETER_BACKWARD_PROGRAMS = 16
+
+
+@triton.jit
+def _keep_mask(SEED, rows, cols, H, dropout_p):
+    """The dropout keep-mask of a [BLOCK_ROWS, BLOCK_H] tile: Philox keyed by the seed, counted by the
+    element's logical offset (int64: rows * H can pass 2**31), so forward and backward draw the same."""
+    return tl.rand(tl.load(SEED), rows[:, None] * H + cols[None, :]) >= dropout_p
+
+
+@triton.jit
+def _side_slots(w, col_exists, min_weight, SIDE_COLUMNS: tl.constexpr):
+    """[BLOCK_H] int32: the side-buffer column of each of the first SIDE_COLUMNS columns whose |weight| <
+    min_weight, in column order, -1 for every other column (the forward and the backward agree on it)."""
+    small = (tl.abs(w) < min_weight) & col_exists
+    rank = tl.cumsum(small.to(tl.int32), axis=0) - 1
+    return tl.where(small & (rank < SIDE_COLUMNS), rank, -1)
 
 
 @triton.jit
@@ -68,8 +113,7 @@ def _pre_norm_tile(
     h = cast(h, tl.float32)
     keep = in_tile
     if HAS_DROPOUT:
-        # int64 offsets: rows * H can pass 2**31
-        keep = tl.rand(tl.load(SEED), rows[:, None] * H + cols[None, :]) >= dropout_p
+        keep = _keep_mask(SEED, rows, cols, H, dropout_p)
         h = tl.where(keep, h * dropout_scale, 0.0)
     if HAS_RESIDUAL:
         r = tl.load(R + rows[:, None] * stride_r_row + cols[None, :] * stride_r_col, mask=in_tile, other=0.0)
@@ -83,13 +127,15 @@ def _layer_norm_fwd_kernel(
     R,  # [rows, H] residual, X's dtype; read only when HAS_RESIDUAL
     W,  # [H] weight
     B,  # [H] bias
-    Y,  # [rows, H] output, contiguous, X's dtype
+    Y,  # [rows, H] output, contiguous, fp32, fp16 or bf16
     MEAN,  # [rows] fp32 mean of each pre-norm row
     RSTD,  # [rows] fp32 1 / sqrt(var + eps) of each pre-norm row
     SEED,  # [1] int64 Philox seed; read only when HAS_DROPOUT
+    SIDE,  # [rows, SIDE_COLUMNS] fp32 xhat of the small-weight columns (_side_slots); written when SAVE_SIDE
     stride_x_row, stride_x_col, stride_r_row, stride_r_col,
-    n_rows, H, eps, dropout_p, dropout_scale,
-    HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    n_rows, H, eps, dropout_p, dropout_scale, min_weight,
+    HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, SAVE_SIDE: tl.constexpr, SIDE_COLUMNS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_H)
@@ -108,33 +154,50 @@ def _layer_norm_fwd_kernel(
     tl.store(Y + rows[:, None] * H + cols[None, :], cast(y, Y.dtype.element_ty), mask=in_tile)
     tl.store(MEAN + rows, mean, mask=row_exists)
     tl.store(RSTD + rows, rstd, mask=row_exists)
+    if SAVE_SIDE:
+        slot = _side_slots(w, col_exists, min_weight, SIDE_COLUMNS)
+        side_offsets = rows[:, None] * SIDE_COLUMNS + slot[None, :]
+        tl.store(SIDE + side_offsets, centred * rstd[:, None], mask=row_exists[:, None] & (slot >= 0)[None, :])
 
 
 @triton.jit
 def _layer_norm_bwd_kernel(
     DY,  # [rows, H] gradient of y, strides (stride_dy_row, stride_dy_col)
-    X,  # [rows, H] forward input, strides (stride_x_row, stride_x_col)
-    R,  # [rows, H] forward residual; read only when HAS_RESIDUAL
+    X,  # [rows, H] forward input, strides (stride_x_row, stride_x_col); read only when not FROM_OUTPUT
+    R,  # [rows, H] forward residual; read only when HAS_RESIDUAL and not FROM_OUTPUT
+    Y,  # [rows, H] forward output, contiguous; read only when FROM_OUTPUT
     W,  # [H] weight
-    MEAN,  # [rows] fp32, from the forward
+    B,  # [H] bias; read only when FROM_OUTPUT
+    MEAN,  # [rows] fp32, from the forward; read only when not FROM_OUTPUT
     RSTD,  # [rows] fp32, from the forward
     SEED,  # [1] int64, the forward's Philox seed; read only when HAS_DROPOUT
-    DX,  # [rows, H] gradient of x, contiguous, X's dtype
+    SIDE,  # [rows, SIDE_COLUMNS] fp32, the forward's xhat of the small-weight columns; read when FROM_OUTPUT
+    DX,  # [rows, H] gradient of x, contiguous, x's dtype
     DR,  # [rows, H] gradient of the residual, contiguous; written only when HAS_RESIDUAL
     DW_PARTIAL,  # [programs, H] fp32 partial sums of dweight, one row per program
     DB_PARTIAL,  # [programs, H] fp32 partial sums of dbias, one row per program
     stride_dy_row, stride_dy_col, stride_x_row, stride_x_col, stride_r_row, stride_r_col,
-    n_rows, rows_per_program, H, dropout_p, dropout_scale,
-    HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    n_rows, rows_per_program, H, dropout_p, dropout_scale, min_weight,
+    HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, FROM_OUTPUT: tl.constexpr, SIDE_COLUMNS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     # With h = dropout(x) + residual, xhat = (h - mean) * rstd, y = xhat * w + b and g = dy * w, per row:
+    #   xhat = (y - b) / w   when FROM_OUTPUT, where |w| >= min_weight; the forward's side buffer for the
+    #                        first SIDE_COLUMNS columns with a smaller |w|; NaN for any further one
     #   dh = rstd * (g - mean_H(g) - xhat * mean_H(g * xhat))
     #   dresidual = dh;  dx = dh * keep / (1 - p)  (dx = dh without dropout)
     #   dweight = sum_rows(dy * xhat);  dbias = sum_rows(dy)
     program = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     col_exists = cols < H
-    w = cast(tl.load(W + cols, mask=col_exists, other=0.0), tl.float32)
+    w = cast(tl.load(W + cols, mask=col_exists, other=1.0), tl.float32)
+    if FROM_OUTPUT:
+        b = cast(tl.load(B + cols, mask=col_exists, other=0.0), tl.float32)
+        # one division per column, not per element; NaN, not a huge finite xhat, where w is too small (its
+        # division by 1 only keeps a zero weight from dividing by zero)
+        large = tl.abs(w) >= min_weight
+        w_inverse = tl.where(large, 1.0 / tl.where(large, w, 1.0), float("nan"))
+        slot = _side_slots(w, col_exists, min_weight, SIDE_COLUMNS)
     dw = tl.zeros((BLOCK_ROWS, BLOCK_H), dtype=tl.float32)
     db = tl.zeros((BLOCK_ROWS, BLOCK_H), dtype=tl.float32)
     # rows_per_program is a multiple of BLOCK_ROWS, so programs never share a tile
@@ -144,22 +207,28 @@ def _layer_norm_bwd_kernel(
         rows = tile_start + tl.arange(0, BLOCK_ROWS)
         row_exists = rows < row_end
         in_tile = row_exists[:, None] & col_exists[None, :]
-        h, keep = _pre_norm_tile(X, R, SEED, rows, cols, in_tile, stride_x_row, stride_x_col, stride_r_row,
-                                 stride_r_col, H, dropout_p, dropout_scale, HAS_RESIDUAL, HAS_DROPOUT)
-        mean = tl.load(MEAN + rows, mask=row_exists, other=0.0)
+        out_offsets = rows[:, None] * H + cols[None, :]
         rstd = tl.load(RSTD + rows, mask=row_exists, other=0.0)
-        xhat = tl.where(in_tile, (h - mean[:, None]) * rstd[:, None], 0.0)
+        if FROM_OUTPUT:
+            y = cast(tl.load(Y + out_offsets, mask=in_tile, other=0.0), tl.float32)
+            in_side = in_tile & (slot >= 0)[None, :]
+            side = tl.load(SIDE + rows[:, None] * SIDE_COLUMNS + slot[None, :], mask=in_side, other=0.0)
+            xhat = tl.where(in_side, side, tl.where(in_tile, (y - b[None, :]) * w_inverse[None, :], 0.0))
+        else:
+            h, _ = _pre_norm_tile(X, R, SEED, rows, cols, in_tile, stride_x_row, stride_x_col, stride_r_row,
+                                  stride_r_col, H, dropout_p, dropout_scale, HAS_RESIDUAL, HAS_DROPOUT)
+            mean = tl.load(MEAN + rows, mask=row_exists, other=0.0)
+            xhat = tl.where(in_tile, (h - mean[:, None]) * rstd[:, None], 0.0)
         dy_offsets = rows[:, None] * stride_dy_row + cols[None, :] * stride_dy_col
         dy = cast(tl.load(DY + dy_offsets, mask=in_tile, other=0.0), tl.float32)
         g = dy * w[None, :]
         mean_g = tl.sum(g, axis=1) / H
         mean_gx = tl.sum(g * xhat, axis=1) / H
         dh = (g - mean_g[:, None] - xhat * mean_gx[:, None]) * rstd[:, None]
-        out_offsets = rows[:, None] * H + cols[None, :]
         if HAS_RESIDUAL:
             tl.store(DR + out_offsets, cast(dh, DR.dtype.element_ty), mask=in_tile)
         if HAS_DROPOUT:
-            dh = tl.where(keep, dh * dropout_scale, 0.0)
+            dh = tl.where(_keep_mask(SEED, rows, cols, H, dropout_p), dh * dropout_scale, 0.0)
         tl.store(DX + out_offsets, cast(dh, DX.dtype.element_ty), mask=in_tile)
         dw += dy * xhat
         db += dy
@@ -167,7 +236,7 @@ def _layer_norm_bwd_kernel(
     tl.store(DB_PARTIAL + program * H + cols, tl.sum(db, axis=0), mask=col_exists)
 
 
-def _check_inputs(x, weight, bias, residual) -> None:
+def _check_inputs(x, weight, bias, residual, out_dtype) -> None:
     """Raise ValueError for what the kernels do not support, before anything is launched."""
     hidden = x.shape[-1] if x.dim() else 0
     if not 1 <= hidden <= MAX_HIDDEN:
@@ -185,6 +254,8 @@ def _check_inputs(x, weight, bias, residual) -> None:
         raise ValueError(f"residual has shape {tuple(residual.shape)}, expected x's shape {tuple(x.shape)}")
     if residual is not None and residual.dtype != x.dtype:
         raise ValueError(f"residual has dtype {residual.dtype}, expected x's dtype {x.dtype}")
+    if out_dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"out_dtype is {out_dtype}; the Triton LayerNorm supports {SUPPORTED_DTYPES}")
 
 
 def _tile(hidden: int) -> tuple[int, int, int]:
@@ -215,115 +286,148 @@ def _backward_split(device: torch.device, rows: int, block_rows: int) -> tuple[i
 
 @torch.library.custom_op("fastbert::layer_norm_fwd", mutates_args=())
 def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: Optional[torch.Tensor],
-                   seed: Optional[torch.Tensor], eps: float,
-                   dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   seed: Optional[torch.Tensor], eps: float, dropout_p: float, out_dtype: torch.dtype,
+                   save_output: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x, residual [rows, H] (any strides); weight, bias [H]; seed int64 [1] or None (no dropout).
 
-    Returns y [rows, H] contiguous in x's dtype, and fp32 mean [rows] and rstd [rows] for the backward.
-    Raises ValueError for unsupported sizes or dtypes.
+    Returns y [rows, H] contiguous in out_dtype, the fp32 mean [rows] and rstd [rows] of the pre-norm
+    rows, and with save_output the fp32 side buffer [rows, SIDE_COLUMNS] (xhat of the columns whose
+    |weight| < MIN_WEIGHT), else an empty [0]. save_output chooses what autograd keeps for the backward
+    (see `layer_norm`). Raises ValueError for unsupported sizes or dtypes.
     """
-    _check_inputs(x, weight, bias, residual)
+    _check_inputs(x, weight, bias, residual, out_dtype)
     rows, hidden = x.shape
     x = _with_int32_columns(x)
     residual = None if residual is None else _with_int32_columns(residual)
-    y = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    y = torch.empty((rows, hidden), dtype=out_dtype, device=x.device)
     mean = torch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    # zero-filled: slots without a small-weight column are never written, but are part of the op's output
+    side = torch.zeros(_side_shape(rows, save_output), dtype=torch.float32, device=x.device)
     if rows == 0:
-        return y, mean, rstd
+        return y, mean, rstd, side
     block_rows, block_h, num_warps = _tile(hidden)
     res = x if residual is None else residual  # a placeholder pointer when there is no residual
     _layer_norm_fwd_kernel[(triton.cdiv(rows, block_rows),)](
         x, res, weight.contiguous(), bias.contiguous(), y, mean, rstd, x if seed is None else seed,
-        x.stride(0), x.stride(1), res.stride(0), res.stride(1),
-        rows, hidden, eps, dropout_p, 1.0 / (1.0 - dropout_p),
-        HAS_RESIDUAL=residual is not None, HAS_DROPOUT=seed is not None, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
-        num_warps=num_warps,
+        side if save_output else rstd, x.stride(0), x.stride(1), res.stride(0), res.stride(1),
+        rows, hidden, eps, dropout_p, 1.0 / (1.0 - dropout_p), MIN_WEIGHT,
+        HAS_RESIDUAL=residual is not None, HAS_DROPOUT=seed is not None, SAVE_SIDE=save_output,
+        SIDE_COLUMNS=SIDE_COLUMNS, BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=num_warps,
     )
-    return y, mean, rstd
+    return y, mean, rstd, side
+
+
+def _side_shape(rows: int, save_output: bool) -> tuple[int, ...]:
+    return (rows, SIDE_COLUMNS) if save_output else (0,)
 
 
 @layer_norm_fwd.register_fake
-def _(x, weight, bias, residual, seed, eps, dropout_p):
-    _check_inputs(x, weight, bias, residual)
+def _(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output):
+    _check_inputs(x, weight, bias, residual, out_dtype)
     rows = x.shape[0]
-    return (x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32))
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(rows, dtype=torch.float32),
+            x.new_empty(rows, dtype=torch.float32), x.new_empty(_side_shape(rows, save_output), dtype=torch.float32))
 
 
 @torch.library.custom_op("fastbert::layer_norm_bwd", mutates_args=())
-def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor],
-                   seed: Optional[torch.Tensor], mean: torch.Tensor, rstd: torch.Tensor,
-                   dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `layer_norm_fwd` from the forward's inputs, mean, rstd and seed.
+def layer_norm_bwd(dy: torch.Tensor, x: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+                   y: Optional[torch.Tensor], side: Optional[torch.Tensor], weight: torch.Tensor,
+                   bias: torch.Tensor, seed: Optional[torch.Tensor], mean: Optional[torch.Tensor], rstd: torch.Tensor,
+                   dropout_p: float, x_dtype: torch.dtype,
+                   has_residual: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `layer_norm_fwd` from its output y (contiguous [rows, H]) and side buffer when y is
+    given, else from its inputs x and residual and the mean; with weight, bias, rstd and the seed.
 
-    dy, x, residual [rows, H] (any strides). Returns dx [rows, H] in x's dtype, dresidual [rows, H]
-    (empty [0] when residual is None), and fp32 dweight [H] and dbias [H].
+    dy, x, residual [rows, H] (any strides). Returns dx [rows, H] in x_dtype, dresidual [rows, H] in
+    x_dtype (empty [0] without a residual), and fp32 dweight [H] and dbias [H]. From y, more than
+    SIDE_COLUMNS weight elements with |w| < MIN_WEIGHT make dweight of the further ones and every dx NaN
+    (the kernel header says why).
     """
-    rows, hidden = x.shape
-    dx = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
-    dres = torch.empty((rows, hidden) if residual is not None else (0,), dtype=x.dtype, device=x.device)
+    from_output = y is not None
+    like = y if from_output else x
+    rows, hidden = like.shape
+    dx = torch.empty((rows, hidden), dtype=x_dtype, device=like.device)
+    dres = torch.empty((rows, hidden) if has_residual else (0,), dtype=x_dtype, device=like.device)
     if rows == 0:
-        zeros = torch.zeros(hidden, dtype=torch.float32, device=x.device)
+        zeros = torch.zeros(hidden, dtype=torch.float32, device=like.device)
         return dx, dres, zeros, zeros.clone()
     block_rows, block_h, num_warps = _tile(hidden)
-    dy, x = _with_int32_columns(dy), _with_int32_columns(x)
-    residual = None if residual is None else _with_int32_columns(residual)
-    programs, rows_per_program = _backward_split(x.device, rows, block_rows)
+    dy = _with_int32_columns(dy)
+    x = like if x is None else _with_int32_columns(x)  # a placeholder pointer when reading y
+    res = x if residual is None else _with_int32_columns(residual)
+    programs, rows_per_program = _backward_split(like.device, rows, block_rows)
     # every program writes its whole row of partial sums, so no zero-fill is needed
-    dw_partial = torch.empty((programs, hidden), dtype=torch.float32, device=x.device)
-    db_partial = torch.empty((programs, hidden), dtype=torch.float32, device=x.device)
-    res = x if residual is None else residual  # a placeholder pointer when there is no residual
+    dw_partial = torch.empty((programs, hidden), dtype=torch.float32, device=like.device)
+    db_partial = torch.empty((programs, hidden), dtype=torch.float32, device=like.device)
     _layer_norm_bwd_kernel[(programs,)](
-        dy, x, res, weight.contiguous(), mean, rstd, x if seed is None else seed, dx, dres, dw_partial, db_partial,
+        dy, x, res, like, weight.contiguous(), bias.contiguous(), rstd if mean is None else mean, rstd,
+        like if seed is None else seed, rstd if side is None else side, dx, dres, dw_partial, db_partial,
         dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), res.stride(0), res.stride(1),
-        rows, rows_per_program, hidden, dropout_p, 1.0 / (1.0 - dropout_p),
-        HAS_RESIDUAL=residual is not None, HAS_DROPOUT=seed is not None, BLOCK_ROWS=block_rows,
-        BLOCK_H=block_h, num_warps=num_warps,
+        rows, rows_per_program, hidden, dropout_p, 1.0 / (1.0 - dropout_p), MIN_WEIGHT,
+        HAS_RESIDUAL=has_residual, HAS_DROPOUT=seed is not None, FROM_OUTPUT=from_output,
+        SIDE_COLUMNS=SIDE_COLUMNS, BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=num_warps,
     )
     return dx, dres, dw_partial.sum(dim=0), db_partial.sum(dim=0)
 
 
 @layer_norm_bwd.register_fake
-def _(dy, x, weight, residual, seed, mean, rstd, dropout_p):
-    hidden = x.shape[1]
-    dres = x.new_empty(x.shape if residual is not None else (0,))
-    return (x.new_empty(x.shape), dres, x.new_empty(hidden, dtype=torch.float32),
-            x.new_empty(hidden, dtype=torch.float32))
+def _(dy, x, residual, y, side, weight, bias, seed, mean, rstd, dropout_p, x_dtype, has_residual):
+    hidden = dy.shape[1]
+    dres = dy.new_empty(dy.shape if has_residual else (0,), dtype=x_dtype)
+    return (dy.new_empty(dy.shape, dtype=x_dtype), dres, dy.new_empty(hidden, dtype=torch.float32),
+            dy.new_empty(hidden, dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, residual, seed, eps, dropout_p = inputs
-    _, mean, rstd = output
-    ctx.save_for_backward(x, weight, residual, seed, mean, rstd)
+    x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output = inputs
+    y, mean, rstd, side = output
+    # from the output, nothing of x's size beyond y, which the next op keeps anyway (see the header)
+    saved = (None, None, y, side, None) if save_output else (x, residual, None, None, mean)
+    ctx.save_for_backward(*saved, weight, bias, seed, rstd)
     ctx.dropout_p = dropout_p
-    ctx.bias_dtype = bias.dtype
-    ctx.mark_non_differentiable(mean, rstd)
+    ctx.x_dtype = x.dtype
+    ctx.has_residual = residual is not None
+    ctx.mark_non_differentiable(mean, rstd, side)
 
 
-def _backward(ctx, dy, dmean, drstd):
-    x, weight, residual, seed, mean, rstd = ctx.saved_tensors
-    dx, dres, dw, db = layer_norm_bwd(dy, x, weight, residual, seed, mean, rstd, ctx.dropout_p)
-    return dx, dw.to(weight.dtype), db.to(ctx.bias_dtype), dres if residual is not None else None, None, None, None
+def _backward(ctx, dy, dmean, drstd, dside):
+    x, residual, y, side, mean, weight, bias, seed, rstd = ctx.saved_tensors
+    dx, dres, dw, db = layer_norm_bwd(dy, x, residual, y, side, weight, bias, seed, mean, rstd, ctx.dropout_p,
+                                      ctx.x_dtype, ctx.has_residual)
+    return (dx, dw.to(weight.dtype), db.to(bias.dtype), dres if ctx.has_residual else None,
+            None, None, None, None, None)
 
 
 layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, training=True):
+def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, training=True, out_dtype=None,
+               save="output"):
     """LayerNorm(dropout(x) + residual) * weight + bias over the last dimension.
 
     x, residual [..., H] (any strides; residual may be None); weight, bias [H]. Dropout applies only
     when training and dropout_p > 0; its seed is drawn from torch's generator on x's device, so
-    torch.manual_seed reproduces the mask. Returns [..., H] in x's dtype, differentiable in x,
-    residual, weight and bias. Raises ValueError for unsupported sizes, dtypes or devices.
+    torch.manual_seed reproduces the mask. Returns [..., H] in out_dtype (None: x's dtype),
+    differentiable in x, residual, weight and bias. save="output": the backward keeps the output, rstd
+    [rows], the seed and an fp32 [rows, SIDE_COLUMNS] side buffer, nothing else of x's size, and takes at
+    most SIDE_COLUMNS weights with |weight| < MIN_WEIGHT (more give NaN gradients); save="input": it
+    keeps x, the residual, mean and rstd, exact for any weight.
+    Raises ValueError for unsupported sizes, dtypes, devices or `save`.
     """
-    _check_inputs(x, weight, bias, residual)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    _check_inputs(x, weight, bias, residual, out_dtype)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if save not in SAVE_CHOICES:
+        raise ValueError(f"save must be one of {SAVE_CHOICES}, got {save!r}")
     hidden = x.shape[-1]
     use_dropout = training and dropout_p > 0.0
     seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=x.device) if use_dropout else None
-    y, _, _ = layer_norm_fwd(x.reshape(-1, hidden), weight, bias,
-                             None if residual is None else residual.reshape(-1, hidden),
-                             seed, float(eps), float(dropout_p) if use_dropout else 0.0)
+    # the side buffer only when a backward can follow (not at inference)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, residual))
+    y, _, _, _ = layer_norm_fwd(x.reshape(-1, hidden), weight, bias,
+                                None if residual is None else residual.reshape(-1, hidden),
+                                seed, float(eps), float(dropout_p) if use_dropout else 0.0, out_dtype,
+                                save == "output" and needs_grad)
     return y.view(x.shape)

@@ -13,8 +13,10 @@ EPS = 1e-12
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _make_inputs(shape, dtype, device, with_residual, seed=0):
-    """x, weight, bias, residual (or None), dy: leaf tensors in `dtype`, x and residual of `shape`."""
+def _make_inputs(shape, dtype, device, with_residual, seed=0, min_weight=ln.MIN_WEIGHT):
+    """x, weight, bias, residual (or None), dy: leaf tensors in `dtype`, x and residual of `shape`; weight
+    1 + 0.5 N(0, 1) with magnitudes raised to min_weight (the backward from the output needs it; 0 keeps
+    the weights near zero that this distribution draws)."""
     gen = torch.Generator().manual_seed(seed)
     hidden = shape[-1]
 
@@ -23,6 +25,7 @@ def _make_inputs(shape, dtype, device, with_residual, seed=0):
 
     x, dy = rand(*shape), rand(*shape)
     weight, bias = 1.0 + 0.5 * rand(hidden), rand(hidden)
+    weight = torch.where(weight < 0, -1.0, 1.0).to(dtype) * weight.abs().clamp(min=min_weight)
     residual = rand(*shape) if with_residual else None
     return x, weight, bias, residual, dy
 
@@ -64,8 +67,8 @@ def _assert_matches_reference(x, weight, bias, residual, dy, kernel_fn, keep=Non
     return grads
 
 
-def _kernel(dropout_p=0.0, training=True):
-    return lambda x, w, b, r: ln.layer_norm(x, w, b, EPS, r, dropout_p, training)
+def _kernel(dropout_p=0.0, training=True, save="output"):
+    return lambda x, w, b, r: ln.layer_norm(x, w, b, EPS, r, dropout_p, training, save=save)
 
 
 def _keep_mask(shape, dropout_p, seed, device):
@@ -87,11 +90,15 @@ SHAPES_AND_RESIDUAL = [
 ]
 
 
+@pytest.mark.parametrize("save", ln.SAVE_CHOICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,with_residual", SHAPES_AND_RESIDUAL, ids=str)
-def test_matches_reference(shape, with_residual, dtype, device):
-    inputs = _make_inputs(shape, dtype, device, with_residual)
-    _assert_matches_reference(*inputs, _kernel())
+def test_matches_reference(shape, with_residual, dtype, save, device):
+    """Both backwards within the rule: from the output with every |weight| >= MIN_WEIGHT, from the input
+    with the weights near zero that 1 + 0.5 N(0, 1) draws."""
+    min_weight = ln.MIN_WEIGHT if save == "output" else 0.0
+    inputs = _make_inputs(shape, dtype, device, with_residual, min_weight=min_weight)
+    _assert_matches_reference(*inputs, _kernel(save=save))
 
 
 @pytest.mark.parametrize("hidden", [128, 129, 4096, ln.MAX_HIDDEN])
@@ -211,8 +218,10 @@ def test_custom_op_registrations(device):
     """opcheck: schema, fake (meta) implementation and autograd registration agree with the kernel."""
     x, weight, bias, residual, _ = _make_inputs((4, 128), torch.float32, device, with_residual=True)
     for seed in (None, torch.tensor([123], dtype=torch.int64, device=device)):
-        args = (x.requires_grad_(), weight, bias, residual, seed, EPS, 0.0 if seed is None else 0.2)
-        torch.library.opcheck(torch.ops.fastbert.layer_norm_fwd.default, args)
+        for save_output in (True, False):
+            args = (x.requires_grad_(), weight, bias, residual, seed, EPS, 0.0 if seed is None else 0.2,
+                    torch.bfloat16, save_output)
+            torch.library.opcheck(torch.ops.fastbert.layer_norm_fwd.default, args)
 
 
 def _refuse_launch(*args, **kwargs):
@@ -233,6 +242,8 @@ class _NoLaunch:
     (dict(residual_rows=5), "residual has shape (5, 128), expected x's shape (4, 128)"),
     (dict(bias_device="meta"), "bias is on meta"),
     (dict(dropout_p=1.0), "dropout_p must be in [0, 1), got 1.0"),
+    (dict(out_dtype=torch.float64), "out_dtype is torch.float64"),
+    (dict(save="x"), "save must be one of ('output', 'input'), got 'x'"),
 ])
 def test_bad_input(change, message, device, monkeypatch):
     monkeypatch.setattr(ln, "_layer_norm_fwd_kernel", _NoLaunch())
@@ -243,8 +254,90 @@ def test_bad_input(change, message, device, monkeypatch):
     residual = torch.ones(change.get("residual_rows", 4), hidden, device=device,
                           dtype=change.get("residual_dtype", torch.float32))
     with pytest.raises(ValueError) as error:
-        ln.layer_norm(x, weight, bias, EPS, residual, change.get("dropout_p", 0.0), True)
+        ln.layer_norm(x, weight, bias, EPS, residual, change.get("dropout_p", 0.0), True,
+                      change.get("out_dtype"), change.get("save", "output"))
     assert message in str(error.value)
+
+
+def _saved_for_backward(fn):
+    """fn()'s result and the tensors autograd saved while it ran, one per storage (a view and its base
+    count once), as (tensor, nbytes of its storage)."""
+    saved = {}
+
+    def pack(t):
+        saved.setdefault(t.untyped_storage().data_ptr(), (t, t.untyped_storage().nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, list(saved.values())
+
+
+def _storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_backward_keeps_the_output_and_rstd(dropout_p, device):
+    """save="output": autograd keeps y (the output itself, no copy), rstd, the seed, the [rows, 8] side
+    buffer, weight and bias: nothing else of x's size, so neither x nor the residual. save="input" keeps x
+    and the residual."""
+    rows, hidden = 37, 128
+    x, weight, bias, residual, _ = _make_inputs((rows, hidden), torch.float32, device, with_residual=True)
+    params = {_storage(weight), _storage(bias)}
+    y, saved = _saved_for_backward(lambda: _kernel(dropout_p)(x.requires_grad_(), weight, bias, residual))
+    activations = [t for t, _ in saved if _storage(t) not in params]
+    assert [_storage(t) for t in activations if t.numel() >= rows * hidden] == [_storage(y)]
+    small = sorted((str(t.dtype), t.numel()) for t in activations if t.numel() < rows * hidden)
+    assert small == [("torch.float32", rows), ("torch.float32", rows * ln.SIDE_COLUMNS)] + (
+        [("torch.int64", 1)] if dropout_p else [])
+    _, saved_input = _saved_for_backward(lambda: _kernel(dropout_p, save="input")(x, weight, bias, residual))
+    assert {_storage(x), _storage(residual)} <= {_storage(t) for t, _ in saved_input}
+
+
+def test_no_fp32_copy_of_16_bit_activations_under_cuda_autocast(device, monkeypatch):
+    """Under CUDA autocast's policy (ops.autocast_dtype, with autocast reported on for bf16: no CUDA here)
+    the Triton LayerNorm takes 16-bit x and residual as they are, with fp32 weights, returns bf16 and keeps
+    no fp32 tensor of activation size; the embeddings' fp32 sum goes in as it is and comes out bf16."""
+    policy = ops.autocast_dtype
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type: True)
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda device_type: torch.bfloat16)
+    monkeypatch.setattr(ops, "autocast_dtype", lambda op, device_type: policy(op, "cuda"))
+    rows, hidden = 37, 128
+    x, weight, bias, residual, _ = _make_inputs((rows, hidden), torch.bfloat16, device, with_residual=True)
+    weight, bias = weight.float().requires_grad_(), bias.float().requires_grad_()
+    for x_, residual_ in ((x, residual), (x.float(), None)):  # a sublayer output; the embeddings
+        y, saved = _saved_for_backward(lambda: ops.layer_norm(x_.requires_grad_(), weight, bias, EPS, residual_,
+                                                              0.1, True, backend="triton"))
+        assert y.dtype == torch.bfloat16
+        activation_size = [t for t, nbytes in saved if t.numel() >= rows * hidden]
+        assert [(t.dtype, _storage(t)) for t in activation_size] == [(torch.bfloat16, _storage(y))]
+        y.float().sum().backward()
+        assert x_.grad.dtype == x_.dtype and weight.grad.dtype == torch.float32
+    # save="input" keeps x and the residual as they came: 16-bit, never an fp32 copy
+    _, saved = _saved_for_backward(lambda: ops.layer_norm(x, weight, bias, EPS, residual, 0.1, True,
+                                                          backend="triton", save="input"))
+    assert {_storage(x), _storage(residual)} <= {_storage(t) for t, _ in saved}
+    assert not [t for t, _ in saved if t.numel() >= rows * hidden and t.dtype == torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_small_weights_come_from_the_side_buffer(dtype, device):
+    """Weights near zero (a trained all-MiniLM-L6-v2 LayerNorm holds 5e-33), whose xhat y cannot give
+    back: up to SIDE_COLUMNS of them are exact from the side buffer (the tolerance rule holds); one more
+    makes its dweight and every dx NaN, never a finite wrong value; save="input" stays exact."""
+    x, weight, bias, residual, dy = _make_inputs((37, 384), dtype, device, with_residual=True)
+    tiny = [0.0, 5e-33, 1.5e-9, -1e-4, ln.MIN_WEIGHT / 2, -ln.MIN_WEIGHT * 0.99, 0.0, 1e-3]
+    assert len(tiny) == ln.SIDE_COLUMNS
+    columns = [3, 5, 17, 64, 100, 200, 250, 300]
+    weight[columns] = torch.tensor(tiny, device=device).to(dtype)
+    _assert_matches_reference(x, weight, bias, residual, dy, _kernel())
+    weight[383] = 0.0  # one small weight too many: the ninth in column order
+    _, (dx, dweight, dbias, dresidual) = _forward_backward(_kernel(), x, weight, bias, residual, dy)
+    assert dx.isnan().all() and dresidual.isnan().all()
+    assert dweight[383].isnan() and torch.isfinite(dweight[columns]).all()
+    assert torch.isfinite(dbias).all()
+    _assert_matches_reference(x, weight, bias, residual, dy, _kernel(save="input"))
 
 
 @pytest.mark.gpu

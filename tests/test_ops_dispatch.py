@@ -48,6 +48,8 @@ def test_unknown_backend():
     (lambda: ops.layer_norm(torch.zeros(2, 8), torch.ones(8), torch.zeros(8), residual=torch.zeros(2, 4)),
      ["residual", "(2, 4)"]),
     (lambda: ops.layer_norm(torch.zeros(2, 8), torch.ones(8), torch.zeros(8), dropout_p=1.0), ["dropout_p", "1.0"]),
+    (lambda: ops.layer_norm(torch.zeros(2, 8), torch.ones(8), torch.zeros(8), save="x"), ["save", "'x'"]),
+    (lambda: ops.dropout(torch.zeros(2, 8), 1.5), ["p must be", "1.5"]),
     (lambda: ops.bias_gelu(torch.zeros(2, 8), torch.zeros(8), approximate="fast"), ["approximate", "fast"]),
     (lambda: ops.qkv_projection(torch.zeros(2, 3, 8), torch.zeros(24, 8), torch.zeros(24), 3), ["num_heads", "3"]),
     (lambda: ops.qkv_projection(torch.zeros(2, 3, 8), torch.zeros(16, 8), torch.zeros(24), 2), ["weight", "(16, 8)"]),
@@ -153,12 +155,13 @@ def test_layer_norm_weights_keep_their_dtype_under_cpu_autocast():
             assert torch.equal(ops.layer_norm(x_, weight, bias, backend="triton"), layer_norm(x_, weight, bias))
 
 
-def test_layer_norm_under_cuda_autocast_runs_in_fp32(monkeypatch):
-    """On CUDA, autocast runs layer_norm in fp32 (its "fp32" list), on CPU it leaves it alone; matmuls and
+def test_layer_norm_under_cuda_autocast_returns_the_autocast_dtype(monkeypatch):
+    """On CUDA, the Triton LayerNorm returns the autocast dtype (a 16-bit residual stream: fastbert's
+    deviation from autocast's fp32 layer_norm, see ops.py), on CPU autocast leaves it alone; matmuls and
     attention take the autocast dtype on both. (No CUDA here: the policy lookup itself is checked.)"""
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type: True)
     monkeypatch.setattr(torch, "get_autocast_dtype", lambda device_type: torch.bfloat16)
-    assert ops.autocast_dtype("layer_norm", "cuda") == torch.float32
+    assert ops.autocast_dtype("layer_norm", "cuda") == torch.bfloat16
     assert ops.autocast_dtype("layer_norm", "cpu") is None
     for device_type in ("cuda", "cpu"):
         assert ops.autocast_dtype("matmul", device_type) == torch.bfloat16

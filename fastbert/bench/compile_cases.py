@@ -180,25 +180,47 @@ def _layer_norm_cases(b: Batch) -> list[tuple[str, str, Callable]]:
     layer_norm = _kernels("layer_norm")
     hidden = b.model.hidden
     cases = []
-    # the sublayer outputs in training, the same at inference, the embeddings and the MLM transform
-    for residual, p in ((True, DROPOUT_P), (True, 0.0), (False, 0.0)):
-        def tensors(residual=residual):
-            x = _meta(b.rows, hidden, dtype=b.dtype)
-            return x, _meta(hidden, dtype=b.dtype), _meta(b.rows, hidden, dtype=b.dtype) if residual else None
+    # the sublayer outputs in training, the same at inference, the MLM transform, and under autocast the
+    # embeddings (an fp32 sum of fp32 tables in, the 16-bit dtype out)
+    variants = [(True, DROPOUT_P, b.dtype), (True, 0.0, b.dtype), (False, 0.0, b.dtype)]
+    if b.dtype != torch.float32:
+        variants.append((False, 0.0, torch.float32))
+    for residual, p, x_dtype in variants:
+        def tensors(residual=residual, x_dtype=x_dtype):
+            x = _meta(b.rows, hidden, dtype=x_dtype)
+            return x, _meta(hidden, dtype=b.dtype), _meta(b.rows, hidden, dtype=x_dtype) if residual else None
 
-        def forward(p=p, tensors=tensors):
+        def forward(save, p=p, tensors=tensors):
             x, weight, residual = tensors()
-            _implementation(layer_norm.layer_norm_fwd)(x, weight, weight, residual, _seed(p), LAYER_NORM_EPS, p)
+            _implementation(layer_norm.layer_norm_fwd)(x, weight, weight, residual, _seed(p), LAYER_NORM_EPS, p,
+                                                       b.dtype, save == "output")
 
-        def backward(p=p, tensors=tensors):
+        def backward(save, p=p, tensors=tensors):
             x, weight, residual = tensors()
+            y = _meta(b.rows, hidden, dtype=b.dtype)
             stats = _meta(b.rows, dtype=torch.float32)
-            _implementation(layer_norm.layer_norm_bwd)(torch.empty_like(x), x, weight, residual, _seed(p), stats,
-                                                       stats, p)
+            side = _meta(b.rows, layer_norm.SIDE_COLUMNS, dtype=torch.float32)
+            inputs, mean = ((None, None, y, side), None) if save == "output" else ((x, residual, None, None), stats)
+            _implementation(layer_norm.layer_norm_bwd)(y, *inputs, weight, weight, _seed(p), mean, stats, p, x.dtype,
+                                                       residual is not None)
 
-        variant = f"residual={residual},dropout_p={p}"
-        cases += [("layer_norm.layer_norm_fwd", variant, forward), ("layer_norm.layer_norm_bwd", variant, backward)]
+        # save="input" is also what inference runs (no side buffer)
+        variant = f"residual={residual},dropout_p={p}" + (",x=float32" if x_dtype != b.dtype else "")
+        for save in layer_norm.SAVE_CHOICES:
+            cases += [("layer_norm.layer_norm_fwd", f"{variant},save={save}", functools.partial(forward, save)),
+                      ("layer_norm.layer_norm_bwd", f"{variant},save={save}", functools.partial(backward, save))]
     return cases
+
+
+def _dropout_cases(b: Batch) -> list[tuple[str, str, Callable]]:
+    """The embeddings' dropout (the heads' run the same kernel on [B, H] or [B, S, H]; the backward is the
+    same launcher on dy)."""
+    dropout = _kernels("dropout")
+
+    def forward():
+        _implementation(dropout.dropout_fwd)(b.hidden_states(b.model.hidden), _seed(DROPOUT_P), DROPOUT_P)
+
+    return [("dropout.dropout_fwd", f"p={DROPOUT_P}", forward)]
 
 
 def _linear_bias_gelu(rows: int, features: int, dtype, model: Model, approximate: str) -> None:
@@ -272,7 +294,7 @@ def cases(dtypes=DTYPES, models=MODELS) -> list[CompileCase]:
                 for layout in LAYOUTS:
                     b = Batch(model, layout, seqlen, dtype)
                     for launcher, variant, call in (*_qkv_cases(b), *_attention_cases(b), *_layer_norm_cases(b),
-                                                    *_ffn_cases(b)):
+                                                    *_dropout_cases(b), *_ffn_cases(b)):
                         out.append(CompileCase(launcher, variant, b.shape(), dtype_name, call))
                 b = Batch(model, "padded", seqlen, dtype)
                 shape = {"model": model.name, "seqlen": seqlen, "batch": b.batch, "rows": b.labelled}

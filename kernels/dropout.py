@@ -1,0 +1,134 @@
+# Seeded dropout: y = x * keep / (1 - p), keep = (Philox uniform >= p), forward and backward, with no
+# mask stored anywhere (DESIGN.md: dropout masks are regenerated from the seed, never stored).
+#
+# Algorithm. x is seen as a 2-D [rows, N] view (N its last dimension, any strides). Each program works
+# on a [BLOCK_ROWS, BLOCK_N] tile; the keep-mask comes from Philox (`tl.rand`) keyed by an int64 seed
+# and counted by the element's logical offset row * N + col, so it depends on neither strides nor tiles.
+# Dropout is linear and its own backward: dx = dy * keep / (1 - p) with the same mask, so the backward
+# runs the same kernel on dy with the forward's seed. What the autograd keeps is the seed (8 bytes):
+# PyTorch's F.dropout keeps a bool mask of x's size (1 byte per element; on CUDA, native_dropout's).
+# The seed is drawn from torch's generator on x's device, so torch.manual_seed reproduces the mask,
+# with no host sync.
+#
+# Limits. Any shape and element count (int64 offsets) with a last dimension up to MAX_LAST_DIM (67M);
+# x fp32, fp16 or bf16; 0 <= p < 1. Philox draws
+# are not PyTorch's, so the mask differs from F.dropout's for the same torch seed (same rate).
+#
+# Sources: the Triton tutorial "Low-Memory Dropout" (seeded dropout from tl.rand over element offsets)
+# and flash-attention's flash_attn/ops/triton/layer_norm.py (the seed regenerated in the backward).
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastbert.kernels.numerics import INTERPRETER, cast
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# On a GPU, 2048-element tiles at 8 elements per thread (8 warps): each element draws one Philox number,
+# which is register-hungry; under the interpreter (CPU) each Triton op costs a fixed overhead, so tiles are
+# as large as numpy handles comfortably.
+GPU_TILE_ELEMENTS = 2048
+GPU_ELEMENTS_PER_THREAD = 8
+INTERPRETER_TILE_ELEMENTS = 65536
+MAX_BLOCK_N = 1024  # columns per tile; wider rows take several tiles
+MAX_LAST_DIM = 65535 * MAX_BLOCK_N  # the column tiles are the grid's second axis, at most 65535 programs
+
+
+@triton.jit
+def _dropout_kernel(
+    X,  # [rows, N] input (dy in the backward), strides (stride_x_row, stride_x_col)
+    Y,  # [rows, N] output (dx in the backward), contiguous, X's dtype
+    SEED,  # [1] int64 Philox seed
+    stride_x_row, stride_x_col, n_rows, N, p, scale,
+    BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # forward y = x * keep * scale; backward dx = dy * keep * scale with the same keep (scale = 1 / (1 - p))
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_tile = (rows < n_rows)[:, None] & (cols < N)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :].to(tl.int64) * stride_x_col, mask=in_tile,
+                other=0.0)
+    offsets = rows[:, None] * N + cols[None, :]  # int64: rows * N can pass 2**31
+    keep = tl.rand(tl.load(SEED), offsets) >= p
+    y = tl.where(keep, cast(x, tl.float32) * scale, 0.0)
+    tl.store(Y + offsets, cast(y, Y.dtype.element_ty), mask=in_tile)
+
+
+def _check_inputs(x: torch.Tensor, p: float) -> None:
+    """Raise ValueError for what the kernel does not support, before anything is launched."""
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"x has dtype {x.dtype}; the Triton dropout supports {SUPPORTED_DTYPES}")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"p must be in [0, 1), got {p!r}")
+    if x.dim() and x.shape[-1] > MAX_LAST_DIM:
+        raise ValueError(f"x has last dimension {x.shape[-1]}; the Triton dropout supports at most {MAX_LAST_DIM} "
+                         "(reshape it to [rows, N])")
+
+
+def _tile(n: int) -> tuple[int, int, int]:
+    """(BLOCK_ROWS, BLOCK_N, num_warps) for rows of n elements."""
+    block_n = min(MAX_BLOCK_N, triton.next_power_of_2(n))
+    if INTERPRETER:
+        return max(1, INTERPRETER_TILE_ELEMENTS // block_n), block_n, 4
+    block_rows = max(1, GPU_TILE_ELEMENTS // block_n)
+    return block_rows, block_n, block_rows * block_n // (32 * GPU_ELEMENTS_PER_THREAD)
+
+
+def _launch(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+    """x [..., N] (any strides) -> x * keep / (1 - p), contiguous, x's shape and dtype."""
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return y
+    n = x.shape[-1] if x.dim() else 1
+    x2 = x.reshape(-1, n)  # [rows, N], a view whenever the strides allow
+    block_rows, block_n, num_warps = _tile(n)
+    grid = (triton.cdiv(x2.shape[0], block_rows), triton.cdiv(n, block_n))
+    _dropout_kernel[grid](x2, y, seed, x2.stride(0), x2.stride(1), x2.shape[0], n, p, 1.0 / (1.0 - p),
+                          BLOCK_ROWS=block_rows, BLOCK_N=block_n, num_warps=num_warps)
+    return y
+
+
+@torch.library.custom_op("fastbert::dropout", mutates_args=())
+def dropout_fwd(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+    """x [...] fp32/fp16/bf16 (any strides); seed int64 [1]; 0 <= p < 1. Returns x * keep / (1 - p)
+    (contiguous); the backward is this op on dy with the same seed. Raises ValueError for bad input."""
+    _check_inputs(x, p)
+    return _launch(x, seed, p)
+
+
+@dropout_fwd.register_fake
+def _(x, seed, p):
+    _check_inputs(x, p)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def dropout_bwd(dy: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+    """dx = dy * keep / (1 - p) with the forward's mask: the forward op itself (so it is differentiable
+    again), on dy of x's shape."""
+    return dropout_fwd(dy, seed, p)
+
+
+def _setup_context(ctx, inputs, output):
+    _, seed, p = inputs
+    ctx.save_for_backward(seed)  # 8 bytes: the mask is regenerated from it
+    ctx.p = p
+
+
+def _backward(ctx, dy):
+    (seed,) = ctx.saved_tensors
+    return dropout_bwd(dy, seed, ctx.p), None, None
+
+
+dropout_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """Dropout without a stored mask. x [...] fp32/fp16/bf16, any strides. Returns x itself when not
+    training or p == 0, else a new contiguous tensor of x's shape and dtype, differentiable in x.
+    Raises ValueError for an unsupported dtype or p outside [0, 1)."""
+    _check_inputs(x, p)
+    if not training or p == 0.0:
+        return x
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=x.device)
+    return dropout_fwd(x, seed, float(p))
