@@ -142,7 +142,7 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
     x, residual [..., H]; weight, bias [H]. Returns [..., H] in x's dtype promoted with residual's; under
     CUDA autocast in fp32 on the torch path (as F.layer_norm) and in the autocast dtype on the Triton path
     (see the autocast note above). save (Triton path): "output" keeps the output and rstd for the backward
-    (exact unless more than 8 weights are below 1/8 in magnitude: then NaN gradients, see
+    (exact unless more than 8 weights are below 1/4 in magnitude: then NaN gradients, see
     kernels/layer_norm.py); "input" keeps x and the residual, exact for any weight. Raises ValueError
     naming a bad argument.
     """

