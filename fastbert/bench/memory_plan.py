@@ -5,7 +5,7 @@ Triton launchers through the stand-in driver, CUDA autocast emulated, SDPA as it
 `MemoryTracker`, with the step's own code where fastbert has it: the optimizers as `fastbert pretrain` builds
 them (`train.optim.build_optimizer`: torch's fused AdamW, fastbert's LAMB), gradient clipping and the update
 as `train.step` does them. Nothing runs on a device and nothing is compiled, so a BERT-large step plans in
-seconds of CPU (`fastbert bench --suite memory --model large --seq-length 512 --batch 32` times one).
+seconds of CPU (`fastbert bench --suite memory --model large --seq-length 512 --batch 32` plans one).
 
 The step is planned in its steady state: the optimizer state exists before it starts (as from the second
 step on), gradients do not (the previous step set them to None). The batch counts as the step's inputs.
