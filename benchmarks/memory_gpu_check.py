@@ -38,17 +38,17 @@ def batch_that_fits(case: memory_cases.MemoryCase, provider: str, free_bytes: in
 
 
 def make_step(case: memory_cases.MemoryCase, provider: str, batch: int,
-              device: torch.device) -> Callable[[], None]:
-    """The plan's step of (case, provider) on real tensors of `device`: a no_grad forward for inference; else the
-    loss's forward under bf16 autocast, its backward, and the optimizer pretraining builds with the clipping and
-    update of fastbert.train.step."""
+              device: torch.device) -> tuple[Callable[[], None], torch.nn.Module]:
+    """(the plan's step of (case, provider) on real tensors of `device`, the model it trains): a no_grad forward
+    for inference; else the loss's forward under bf16 autocast, its backward, and the optimizer pretraining
+    builds with the clipping and update of fastbert.train.step."""
     model = memory_cases.build_model(case, provider, device)
     inputs = memory_cases.provider_inputs(case, provider, batch, device)
     if case.mode == "inference":
         def infer() -> None:
             with torch.no_grad():
                 model(**inputs)
-        return infer
+        return infer, model
     from fastbert.train.optim import build_optimizer
 
     settings = OptimizerSettings()
@@ -60,12 +60,12 @@ def make_step(case: memory_cases.MemoryCase, provider: str, batch: int,
             loss = default_loss(model, inputs)
         loss.backward()
         _optimizer_step(model, optimizer, settings)
-    return train
+    return train, model
 
 
 def measure(case: memory_cases.MemoryCase, provider: str, batch: int, device: torch.device) -> dict:
     """timing.peak_memory of the step's second run (the first makes the optimizer state and autotunes)."""
-    step = make_step(case, provider, batch, device)
+    step, _ = make_step(case, provider, batch, device)
     step()
     return peak_memory(step, device)
 
