@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fastbert.bases import COMMON_CONFIG_DEFAULTS, ConfigBase
+from fastbert.ops import LAYER_NORM_SAVES
 
 # hidden_act -> the `approximate` argument of GELU ("none" = exact erf form)
 GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
@@ -24,7 +25,7 @@ BACKENDS = ("auto", "triton", "torch")
 # HF keys that change the architecture: a checkpoint that sets them otherwise must not load silently
 UNSUPPORTED_IF_NOT = {"position_embedding_type": "absolute", "is_decoder": False, "add_cross_attention": False}
 # fastbert's own switches: never written to HF's config.json
-FASTBERT_FIELDS = ("backend", "unpad", "max_predictions_per_seq", "activation_checkpointing")
+FASTBERT_FIELDS = ("backend", "unpad", "max_predictions_per_seq", "activation_checkpointing", "layer_norm_backward")
 # what each encoder layer recomputes in the backward instead of keeping (fastbert.train.metrics
 # recompute_flops_per_token gives each option's extra forward FLOPs)
 ACTIVATION_CHECKPOINTING = ("none", "attention", "ffn", "full")
@@ -68,6 +69,11 @@ class BertConfig(ConfigBase):
     # keeps only its input, its up-projection rerun); "full" (each layer keeps only its input; what
     # gradient_checkpointing_enable() also selects)
     activation_checkpointing: str = "none"
+    # what the Triton LayerNorm's backward works from (ops.layer_norm's save=): "output" keeps y and rstd
+    # (exact while a LayerNorm has at most 8 weights of |w| < 1/4, NaN gradients beyond); "input" keeps x and
+    # the residual (2 more activations per LayerNorm, exact for any weights). from_pretrained and
+    # fastbert.apply choose "input" for weights "output" cannot serve (fastbert.hf.choose_layer_norm_backward)
+    layer_norm_backward: str = "output"
 
     def __init__(self, **kwargs: Any):
         for key, supported in UNSUPPORTED_IF_NOT.items():
@@ -110,6 +116,9 @@ class BertConfig(ConfigBase):
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(f"BertConfig.activation_checkpointing must be one of {ACTIVATION_CHECKPOINTING}, "
                              f"got {self.activation_checkpointing!r}")
+        if self.layer_norm_backward not in LAYER_NORM_SAVES:
+            raise ValueError(f"BertConfig.layer_norm_backward must be one of {LAYER_NORM_SAVES}, "
+                             f"got {self.layer_norm_backward!r}")
         budget = self.max_predictions_per_seq
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise ValueError(f"BertConfig.max_predictions_per_seq must be an integer >= 0 (0 = every labelled "

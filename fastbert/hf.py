@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from fastbert import hub
+from fastbert import hub, ops
 from fastbert.bases import HAVE_TRANSFORMERS
 from fastbert.config import BertConfig
 from fastbert.files import file_mode
@@ -53,6 +53,45 @@ UNSUPPORTED_SAVE_ARGUMENTS = {
     "push_to_hub": "save, then upload with huggingface_hub", "variant": "weight file variants are not implemented",
     "save_function": "custom save functions are not implemented", "save_peft_format": "save adapters with peft",
 }
+
+
+def small_weight_layer_norms(model: torch.nn.Module) -> dict[str, int]:
+    """The LayerNorms of `model` whose backward from the output (layer_norm_backward="output") would give NaN
+    gradients: name -> how many weights have |weight| < MIN_WEIGHT, for those with more than SIDE_COLUMNS
+    (kernels/layer_norm.py). A host read of every LayerNorm weight (a sync each on a GPU, a collective each
+    under FSDP2: every rank calls it): for load time or a loop that is stopping, never per step. Empty
+    without Triton, whose absence leaves the torch path, exact for any weights."""
+    kernel = ops.KERNELS.get("layer_norm")
+    if kernel is None:
+        return {}
+    counts = {}
+    # modeling.py reads each LayerNorm as `<module>.LayerNorm.weight`, whatever class a tool put there
+    for name, weight in model.named_parameters():
+        if name.endswith("LayerNorm.weight"):
+            whole = weight.full_tensor() if hasattr(weight, "full_tensor") else weight  # an FSDP2 shard
+            counts[name.removesuffix(".weight")] = int((whole.detach().abs() < kernel.MIN_WEIGHT).sum())
+    return {name: count for name, count in counts.items() if count > kernel.SIDE_COLUMNS}
+
+
+def choose_layer_norm_backward(model: torch.nn.Module, config: BertConfig) -> None:
+    """Where weights arrive (from_pretrained, from_hf, fastbert.apply, a pretraining resume): set
+    config.layer_norm_backward to "input" when a LayerNorm of `model` has more small weights than the
+    backward from the output takes, and log it once. Callers skip it when the user set the field."""
+    if config.layer_norm_backward == "input":
+        return
+    small = small_weight_layer_norms(model)
+    if small:
+        config.layer_norm_backward = "input"
+        logger.info("%s: %s; layer_norm_backward='input' chosen: each LayerNorm keeps x and the residual for "
+                    "its backward, 2 more activations per LayerNorm", type(model).__name__, small_weights_text(small))
+
+
+def small_weights_text(small: dict[str, int]) -> str:
+    """`small` (small_weight_layer_norms) in words: which LayerNorms, how many small weights, the limit."""
+    kernel = ops.KERNELS["layer_norm"]
+    names = ", ".join(f"{name} ({count})" for name, count in small.items())
+    return (f"more than {kernel.SIDE_COLUMNS} weights with |weight| < {kernel.MIN_WEIGHT:g} in LayerNorm {names}, "
+            "which the LayerNorm backward from the output cannot recover (NaN gradients)")
 
 
 class CheckpointError(ValueError):
@@ -260,6 +299,8 @@ def load_pretrained(cls, name_or_path, *model_args, config=None, output_loading_
     with torch.device("meta"):
         model = cls(config)
     info = load_state(model, state_dict, source, dtype, device)
+    if "layer_norm_backward" not in kwargs:
+        choose_layer_norm_backward(model, model.config)
     model.config.name_or_path = model.name_or_path = os.fspath(name_or_path)
     model.eval()  # as transformers: a loaded model starts in eval mode (dropout off)
     return (model, info) if output_loading_info else model
@@ -387,6 +428,8 @@ def from_hf(hf_model, **config_overrides):
     reference = next(hf_model.parameters())
     state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
     load_state(model, state, f"{name} (transformers)", reference.dtype, reference.device)
+    if "layer_norm_backward" not in config_overrides:
+        choose_layer_norm_backward(model, config)
     return model.train(hf_model.training)
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fastbert.config import BertConfig
+from fastbert.hf import choose_layer_norm_backward
 
 ACCELERATED = "_fastbert_model"  # instance attribute of an accelerated transformers BertModel
 
@@ -23,7 +24,9 @@ ACCELERATED = "_fastbert_model"  # instance attribute of an accelerated transfor
 def apply(model: nn.Module, **config_overrides) -> nn.Module:
     """Accelerate every transformers BertModel inside `model` in place and return `model` itself.
 
-    config_overrides set fastbert's switches (backend="triton", unpad=True) or other config fields.
+    config_overrides set fastbert's switches (backend="triton", unpad=True) or other config fields;
+    layer_norm_backward is "input" where a LayerNorm's weights need it (fastbert.hf.choose_layer_norm_backward)
+    unless given here.
     Calling it again changes nothing. Raises TypeError when `model` holds no transformers BERT, and
     ValueError for a BERT variant fastbert does not implement (a decoder, relative positions).
     """
@@ -55,6 +58,8 @@ def _accelerate(bert: nn.Module, config_overrides: dict) -> None:
     if {id(p) for p in fast.parameters()} != before:
         raise ValueError(f"fastbert.apply: the parameters of {type(bert).__name__} do not map one to one onto "
                          "fastbert's BertModel; it is left unchanged")
+    if "layer_norm_backward" not in config_overrides:
+        choose_layer_norm_backward(fast, config)  # the weights are transformers', already loaded
     fast.train(bert.training)
     bert.embeddings, bert.encoder = fast.embeddings, fast.encoder
     if fast.pooler is not None:

@@ -80,7 +80,7 @@ class BertEmbeddings(nn.Module):
             token_type_ids = torch.zeros_like(position_ids)
         embeds = embeds + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)
         hidden = ops.layer_norm(embeds, self.LayerNorm.weight, self.LayerNorm.bias, self.config.layer_norm_eps,
-                                backend=self.config.backend)
+                                backend=self.config.backend, save=self.config.layer_norm_backward)
         return ops.dropout(hidden, self.config.hidden_dropout_prob, self.training, backend=self.config.backend)
 
 
@@ -141,7 +141,7 @@ class BertSelfOutput(nn.Module):
         c = self.config
         return ops.layer_norm(projected, self.LayerNorm.weight, self.LayerNorm.bias, c.layer_norm_eps,
                               residual=residual, dropout_p=c.hidden_dropout_prob, training=self.training,
-                              backend=c.backend)
+                              backend=c.backend, save=c.layer_norm_backward)
 
 
 class BertAttention(nn.Module):
@@ -449,7 +449,7 @@ class BertPredictionHeadTransform(nn.Module):
         c = self.config
         hidden = _gelu_linear(self.dense, hidden, c)
         return ops.layer_norm(hidden, self.LayerNorm.weight, self.LayerNorm.bias, c.layer_norm_eps,
-                              backend=c.backend)
+                              backend=c.backend, save=c.layer_norm_backward)
 
 
 def labelled_positions(labels, budget: int) -> torch.Tensor | None:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from fastbert.data.loader import PretrainingLoader, prefetch
 from fastbert.data.shards import VOCAB_FILE
+from fastbert.hf import small_weight_layer_norms, small_weights_text
 from fastbert.train import checkpoint, distributed, state
 from fastbert.train.metrics import MetricsLog, Window, measure_peak_flops
 from fastbert.train.options import PretrainConfig, parse_args
@@ -143,8 +144,12 @@ def _non_finite_error(run: Run, bad_in_row: int, step: int, what_now: str) -> Tr
     first = step - bad_in_row + 1
     before = checkpoint.latest_checkpoint(run.checkpoints, before=first)
     saved = f"the last checkpoint saved before them is {before}" if before else "no checkpoint was saved before them"
+    # training can push LayerNorm weights below what the default backward takes: then every gradient is NaN
+    small = small_weight_layer_norms(run.model) if run.model.config.layer_norm_backward == "output" else {}
+    cure = (f"; {small_weights_text(small)}: run again with --model.layer_norm_backward input "
+            "(BertConfig layer_norm_backward='input')" if small else "")
     return TrainingError(f"{bad_in_row} consecutive steps had a non-finite loss or gradient (steps {first} to "
-                         f"{step}); {what_now}; {saved}. Lower --lr (it is {run.cfg.lr:g}), use --precision "
+                         f"{step}); {what_now}; {saved}{cure}. Lower --lr (it is {run.cfg.lr:g}), use --precision "
                          "bf16 or fp32, or check the data")
 
 

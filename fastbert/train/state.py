@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fastbert.hf import choose_layer_norm_backward
 from fastbert.train import checkpoint, distributed
 from fastbert.train.run import Run
 
@@ -213,6 +214,8 @@ def restore(run: Run) -> Progress:
         _load_weights(run, os.path.join(run.resume, MODEL_DIR))
         if same_optimizer:
             _load_optimizer_state(run.optimizer, saved["optimizer"])
+    if "layer_norm_backward" not in run.model_overrides:  # --model.layer_norm_backward wins
+        choose_layer_norm_backward(run.model, run.model.config)
     run.scaler.load_state_dict(saved["scaler"])
     step = saved["step"]
     for group in run.optimizer.param_groups:
