@@ -73,15 +73,17 @@ def small_weight_layer_norms(model: torch.nn.Module) -> dict[str, int]:
     return {name: count for name, count in counts.items() if count > kernel.SIDE_COLUMNS}
 
 
-def choose_layer_norm_backward(model: torch.nn.Module, config: BertConfig) -> None:
+def choose_layer_norm_backward(model: torch.nn.Module, config: BertConfig, log: bool = True) -> None:
     """Where weights arrive (from_pretrained, from_hf, fastbert.apply, a pretraining resume): set
     config.layer_norm_backward to "input" when a LayerNorm of `model` has more small weights than the
-    backward from the output takes, and log it once. Callers skip it when the user set the field."""
+    backward from the output takes, and log it in one line (log=False: the ranks of a distributed run but
+    the main one, which all choose alike). Callers skip it when the user set the field."""
     if config.layer_norm_backward == "input":
         return
     small = small_weight_layer_norms(model)
     if small:
         config.layer_norm_backward = "input"
+    if small and log:
         logger.info("%s: %s; layer_norm_backward='input' chosen: each LayerNorm keeps x and the residual for "
                     "its backward, 2 more activations per LayerNorm", type(model).__name__, small_weights_text(small))
 

@@ -215,7 +215,7 @@ def restore(run: Run) -> Progress:
         if same_optimizer:
             _load_optimizer_state(run.optimizer, saved["optimizer"])
     if "layer_norm_backward" not in run.model_overrides:  # --model.layer_norm_backward wins
-        choose_layer_norm_backward(run.model, run.model.config)
+        choose_layer_norm_backward(run.model, run.model.config, log=run.env.is_main)
     run.scaler.load_state_dict(saved["scaler"])
     step = saved["step"]
     for group in run.optimizer.param_groups:
