@@ -213,12 +213,13 @@ _bias_gelu_op.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_se
 
 
 def linear_bias_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                         approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gelu(h), h) with h = x @ weight.T + bias, both contiguous [M, N], from one epilogue matmul.
-    x [M, K], weight [N, K], bias [N], one dtype. Raises ValueError on mismatched shapes or dtypes."""
+                         approximate: str, store_pre: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(gelu(h), h) with h = x @ weight.T + bias, both contiguous [M, N], from one epilogue matmul; h is
+    None (never written) without store_pre. x [M, K], weight [N, K], bias [N], one dtype. Raises
+    ValueError on mismatched shapes or dtypes."""
     check_operands(x, weight, bias)
     y = x.new_empty((x.shape[0], weight.shape[0]))
-    pre = torch.empty_like(y)
+    pre = torch.empty_like(y) if store_pre else None
     matmul_fwd(x, weight, bias, y, "gelu_tanh" if approximate == "tanh" else "gelu", pre)
     return y, pre
 

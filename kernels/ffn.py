@@ -5,10 +5,11 @@
 # Linear's weight gradient: 2 x [M, 4H] per layer (16 bytes per token and hidden unit in bf16). Here g
 # is dropped once the second matmul has read it and recomputed in the backward from h, an elementwise
 # pass (the GELU of kernels/matmul.py, in kernels/bias_gelu.py's forward kernel without a bias) that
-# costs no matmul. With recompute_pre (`--activation-checkpointing ffn`) h is dropped too and the
-# backward reruns the up-projection, which costs one [M, K] x [K, 4H] matmul and keeps only x.
+# costs no matmul. With recompute_pre (`--activation-checkpointing ffn`) h is not kept either and the
+# backward reruns the up-projection, which costs one [M, K] x [K, 4H] matmul and keeps only x. h is
+# written only when a backward will read it (not with recompute_pre, not in an inference forward).
 #
-# Forward:  h, g = epilogue matmul (kernels/matmul.py: bias + GELU in the epilogue, h stored too)
+# Forward:  h, g = epilogue matmul (kernels/matmul.py: bias + GELU in the epilogue, h stored if kept)
 #           out  = g @ w2.T + b2 (cuBLAS); g freed
 # Backward: [recompute_pre: h = the same epilogue matmul, bitwise the forward's h]
 #           g    = gelu(h)                 dw2 = dout^T g;  db2 = sum_rows dout;  g freed
@@ -49,10 +50,11 @@ def _check(x, w1, b1, w2, b2, approximate) -> None:
             raise ValueError(f"{name} has dtype {t.dtype} on {t.device}, expected x's {x.dtype} on {x.device}")
 
 
-def feed_forward_fwd(x, w1, b1, w2, b2, approximate):
-    """(out, h): out = gelu(h) @ w2.T + b2 [M, K2], h = x @ w1.T + b1 [M, N], both contiguous."""
-    g, pre = linear_bias_gelu_fwd(x, w1, b1, approximate)
-    return torch.addmm(b2, g, w2.t()), pre
+def feed_forward_fwd(x, w1, b1, w2, b2, approximate, keep_pre=True):
+    """(out, h): out = gelu(h) @ w2.T + b2 [M, K2], h = x @ w1.T + b1 [M, N], both contiguous; without
+    keep_pre h is never written (an empty [0, N] stands for it): nothing will read it."""
+    g, pre = linear_bias_gelu_fwd(x, w1, b1, approximate, store_pre=keep_pre)
+    return torch.addmm(b2, g, w2.t()), x.new_empty((0, w1.shape[0])) if pre is None else pre
 
 
 def feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate):
@@ -72,14 +74,15 @@ def feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate):
 
 @torch.library.custom_op("fastbert::feed_forward", mutates_args=())
 def _feed_forward_op(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
-                     approximate: str, recompute_pre: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out, h); h is internal (kept for the backward unless recompute_pre)."""
-    return feed_forward_fwd(x, w1, b1, w2, b2, approximate)
+                     approximate: str, keep_pre: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out, h); h is internal: kept for the backward with keep_pre, else empty and the backward
+    (if any) reruns the up-projection."""
+    return feed_forward_fwd(x, w1, b1, w2, b2, approximate, keep_pre)
 
 
 @_feed_forward_op.register_fake
-def _(x, w1, b1, w2, b2, approximate, recompute_pre):
-    return x.new_empty((x.shape[0], w2.shape[0])), x.new_empty((x.shape[0], w1.shape[0]))
+def _(x, w1, b1, w2, b2, approximate, keep_pre):
+    return x.new_empty((x.shape[0], w2.shape[0])), x.new_empty((x.shape[0] if keep_pre else 0, w1.shape[0]))
 
 
 @torch.library.custom_op("fastbert::feed_forward_bwd", mutates_args=())
@@ -96,9 +99,9 @@ def _(dout, x, w1, b1, w2, pre, approximate):
 
 
 def _feed_forward_setup(ctx, inputs, output):
-    x, w1, b1, w2, _, approximate, recompute_pre = inputs
-    # recompute_pre: b1 to rerun the up-projection; otherwise h
-    ctx.save_for_backward(x, w1, w2, *((b1, None) if recompute_pre else (None, output[1])))
+    x, w1, b1, w2, _, approximate, keep_pre = inputs
+    # h, or b1 to rerun the up-projection
+    ctx.save_for_backward(x, w1, w2, *((None, output[1]) if keep_pre else (b1, None)))
     ctx.approximate = approximate
 
 
@@ -122,5 +125,8 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.
     """
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]: a view whenever the leading dims merge
     _check(x2, w1, b1, w2, b2, approximate)
-    out, _ = _feed_forward_op(x2, w1, b1, w2, b2, approximate, recompute_pre)
+    # h is written only for a backward that reads it: an inference forward never holds it beside the GELU
+    # output while the second matmul runs (one [M, N] less at its peak), and recompute_pre reruns it anyway
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (x2, w1, b1, w2, b2))
+    out, _ = _feed_forward_op(x2, w1, b1, w2, b2, approximate, backward and not recompute_pre)
     return out.view(*x.shape[:-1], w2.shape[0])

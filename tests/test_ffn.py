@@ -97,6 +97,22 @@ def test_backward_keeps_the_pre_activation_not_the_gelu_output(recompute_pre, de
     assert all(t.grad is not None for t in inputs)
 
 
+@pytest.mark.parametrize("case", ["inference", "recompute_pre", "keep_pre"])
+def test_the_forward_writes_the_pre_activation_only_for_a_backward_that_reads_it(case, device):
+    """The peak of the forward over its inputs (MemoryTracker, each storage once): the GELU output [M, N]
+    and the result [M, K2], plus h [M, N] only when the backward keeps it. An inference forward that held
+    h beside the GELU output while the second matmul runs peaked above transformers' BERT."""
+    from fastbert.bench.memory_tracker import MemoryTracker
+
+    rows, hidden, inner = 50, 64, 256
+    inputs = [t.requires_grad_(case != "inference") for t in _inputs(rows, hidden, inner, torch.bfloat16)]
+    with torch.set_grad_enabled(case != "inference"), MemoryTracker(inputs=inputs) as tracker:
+        out = kernel.feed_forward(*inputs, "none", case == "recompute_pre")
+    matrix = rows * inner * 2  # one bf16 [M, N]
+    expected = matrix + out.nbytes + (matrix if case == "keep_pre" else 0)
+    assert tracker.peak_bytes - tracker.start_bytes == expected
+
+
 def test_recompute_pre_gives_bitwise_equal_gradients(device):
     """The backward reruns the forward's epilogue matmul on the same inputs: the same pre-activation
     bits, hence the same gradients, on the kernel path and on the reference's checkpoint."""

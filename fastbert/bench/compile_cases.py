@@ -250,11 +250,17 @@ def _ffn_cases(b: Batch) -> list[tuple[str, str, Callable]]:
         def split_backward(approximate=approximate):
             bias_gelu.bias_gelu_bwd(tensor(), tensor(), _meta(m.intermediate, dtype=b.dtype), approximate)
 
+        def epilogue_without_pre(approximate=approximate):  # kernels/ffn.py when no backward reads h
+            bias_gelu.linear_bias_gelu_fwd(_meta(b.rows, m.hidden, dtype=b.dtype),
+                                           _meta(m.intermediate, m.hidden, dtype=b.dtype),
+                                           _meta(m.intermediate, dtype=b.dtype), approximate, store_pre=False)
+
         def gelu_of_pre(approximate=approximate):  # kernels/ffn.py's backward: gelu(h) again, no bias
             bias_gelu.bias_gelu_fwd(tensor(), None, approximate)
 
         variant = f"approximate={approximate}"
         cases += [("bias_gelu.linear_bias_gelu", f"ffn,{variant}", epilogue),
+                  ("bias_gelu.linear_bias_gelu", f"ffn without h,{variant}", epilogue_without_pre),
                   ("bias_gelu.bias_gelu_bwd", f"epilogue's,{variant}", epilogue_backward),
                   ("bias_gelu.bias_gelu_fwd", f"ffn backward's,{variant}", gelu_of_pre),
                   ("bias_gelu.bias_gelu_fwd", variant, split),
