@@ -173,13 +173,17 @@ print(json.dumps({"saved": plan.saved_for_backward_bytes, "asked": sorted(asked)
 """
 
 
-def test_a_plan_through_the_launchers_saves_what_each_op_saves():
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_a_plan_through_the_launchers_saves_what_each_op_saves(checkpointing):
     """A tiny BertForPreTraining on the Triton path, bf16 autocast, dropout 0.1: the launchers run on meta
     tensors (the stand-in driver compiles nothing), and the bytes saved for the backward are the sum of
-    what each op saves, counted here from the ops' documented saves."""
+    what each op saves, counted here from the ops' documented saves. With full activation checkpointing a
+    layer keeps its bf16 input alone, and the backward recomputes it under the forward's autocast (as
+    torch.utils.checkpoint does on a GPU; recomputed in fp32 it raised CheckpointError)."""
     rows, seqlen, layers, budget = 2, 32, 2, 5
     options = {"backend": "triton", "num_hidden_layers": layers, "max_predictions_per_seq": budget,
-               "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}
+               "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
+               "activation_checkpointing": checkpointing}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", _PLAN_THROUGH_THE_LAUNCHERS, json.dumps(options),
                              json.dumps([rows, seqlen])], capture_output=True, text=True, env=env, timeout=300)
@@ -204,6 +208,8 @@ def test_a_plan_through_the_launchers_saves_what_each_op_saves():
              + layer_norm + seed  # LayerNorm(dropout(dense(attention output)) + hidden)
              + bf16 * tokens * intermediate  # the FFN's pre-activation (not its GELU output)
              + layer_norm + seed)  # LayerNorm(dropout(FFN) + attended): the layer's output
+    if checkpointing == "full":  # the layer's input (layer 0's is the embeddings'); the last output: the pooler's
+        layer = bf16 * tokens * hidden
     pooler = bf16 * rows * hidden  # tanh's output (the NSP Linear's input too)
     mlm = (2 * int64 * labelled  # the labelled positions and their targets
            + 3 * bf16 * labelled * hidden  # the gathered rows, the transform's pre-activation, its LayerNorm
@@ -212,3 +218,4 @@ def test_a_plan_through_the_launchers_saves_what_each_op_saves():
     nsp = bf16 * rows * 2 + fp32 * rows * 2 + fp32  # log_softmax (bf16), nll_loss's fp32 copy, total weight
     assert plan["saved"] == embeddings + layers * layer + pooler + mlm + nsp
     assert plan["phase_of_peak"] == "backward"
+

@@ -97,6 +97,14 @@ def _without_interpreter(code: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def test_encoder_saved_bytes_are_its_layers_and_what_the_encoder_keeps_itself():
+    """Under full activation checkpointing the encoder's own forward keeps each layer's input (torch's
+    checkpoint saves it there): those bytes are the encoder's too; the embeddings' and the heads' are not."""
+    saved = {"bert.encoder.layer.0.attention.self": 5, "bert.encoder.layer.1": 6, "bert.encoder": 10,
+             "encoder": 3, "bert.embeddings": 7, "cls.predictions.transform": 11, "bert.encoder_twin": 13}
+    assert memory_cases.encoder_saved_bytes(saved) == 5 + 6 + 10 + 3
+
+
 def test_cli_table_is_plan_step(tmp_path):
     got = _without_interpreter(f"""
         import contextlib, dataclasses, io, json

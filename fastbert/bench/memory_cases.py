@@ -266,8 +266,10 @@ def largest_batch(peak_of, device_bytes: int, reserve: Reserve = RESERVE, known:
 
 
 def encoder_saved_bytes(saved_by_module: dict[str, int]) -> int:
-    """Bytes saved for the backward by the encoder's layers (module names of HF's layout: ...encoder.layer.N...)."""
-    return sum(v for name, v in saved_by_module.items() if ".encoder.layer." in f".{name}")
+    """Bytes saved for the backward by the encoder's layers (module names of HF's layout: ...encoder.layer.N...),
+    and by the encoder itself: with full activation checkpointing it keeps each layer's input."""
+    return sum(v for name, v in saved_by_module.items()
+               if ".encoder.layer." in f".{name}" or f".{name}".endswith(".encoder"))
 
 
 def gathered_parameters(model: torch.nn.Module) -> int:

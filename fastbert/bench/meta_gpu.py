@@ -200,6 +200,25 @@ def autocast(dtype: torch.dtype = torch.bfloat16):
         torch.set_autocast_dtype("cuda", previous)
 
 
+_TORCH_AUTOCAST = torch.amp.autocast
+
+
+def _checkpoint_device_type(infer):
+    """torch.utils.checkpoint's device-type inference with meta tensors taken for CUDA tensors: the
+    recomputation of a checkpointed block then re-enters the forward's CUDA autocast state, as on a GPU."""
+    def device_type(*args):
+        inferred = infer(*args)
+        return "cuda" if inferred == "meta" else inferred
+    return device_type
+
+
+def _planned_autocast(device_type, dtype=None, enabled=True, cache_enabled=None):
+    """torch.amp.autocast, where a CUDA region is the emulation (`autocast`) for the meta tensors."""
+    if device_type != "cuda":
+        return _TORCH_AUTOCAST(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+    return autocast(dtype or torch.get_autocast_dtype("cuda")) if enabled else contextlib.nullcontext()
+
+
 class _MetaAsCuda(TorchFunctionMode):
     """F.scaled_dot_product_attention on meta tensors as an H100 runs it, and the truth of a meta tensor as
     `nonzero` takes it: every element nonzero (module docstring)."""
@@ -237,6 +256,7 @@ def planned_gpu(dtype: torch.dtype | None = None, sdpa: str = "flash"):
     import triton
     import torch.optim.optimizer as optimizer_module
     import torch.utils._foreach_utils as foreach_utils
+    import torch.utils.checkpoint as checkpoint_module
     from torch.fx.experimental import _config as fx_config
     from triton import knobs
 
@@ -259,6 +279,11 @@ def planned_gpu(dtype: torch.dtype | None = None, sdpa: str = "flash"):
             stack.enter_context(mock.patch.object(foreach_utils, "_get_foreach_kernels_supported_devices",
                                                   lambda: foreach_devices))
             stack.enter_context(fx_config.patch(meta_nonzero_assume_all_nonzero=True))
+            # activation checkpointing: the backward's recomputation runs under the forward's autocast (torch
+            # re-enters it by device type; without this it recomputed fp32 tensors where bf16 were saved)
+            stack.enter_context(mock.patch.object(checkpoint_module, "_infer_device_type",
+                                                  _checkpoint_device_type(checkpoint_module._infer_device_type)))
+            stack.enter_context(mock.patch.object(torch.amp, "autocast", _planned_autocast))
             stack.enter_context(_MetaAsCuda())
             if dtype is not None:
                 stack.enter_context(autocast(dtype))
