@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from fastbert.bench import memory_cases
-from fastbert.bench.memory_plan import OptimizerSettings, _optimizer_step, default_loss
+from fastbert.bench.memory_plan import OptimizerSettings, default_loss, optimizer_step
 from fastbert.bench.model_cases import oom_errors
 from fastbert.bench.provenance import provenance
 from fastbert.bench.runner import case_fields, result_path, write_rows
@@ -59,7 +59,7 @@ def make_step(case: memory_cases.MemoryCase, provider: str, batch: int,
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = default_loss(model, inputs)
         loss.backward()
-        _optimizer_step(model, optimizer, settings)
+        optimizer_step(model, optimizer, settings)
     return train, model
 
 

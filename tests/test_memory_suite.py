@@ -266,3 +266,14 @@ def test_perf_section_shows_ratios_goals_and_what_a_gpu_has_not_measured():
     text = "\n".join(memory_report.memory_section(rows + [measured]))
     assert "| pretrain/base,S=512,adamw | fastbert | 64 | 16.00 | 17.00 | 1.062 |" in text
     assert "Not yet measured on a GPU" not in text
+
+
+def test_the_figure_beyond_issue_18s_list_is_split_only_when_its_parts_add_up():
+    """BERT-base keeps 20 + 2/12 (the last output) + 48/768 (log-sum-exp) + 72/768 (LayerNorm statistics)
+    bytes per token per layer; a figure its parts do not add up to is not explained away."""
+    planned = 20 + 2 / 12 + 4 * 12 / 768 + 2 * 4 * 9 / 768
+    row = {"provider": "fastbert", "sbh_per_layer": planned,
+           "shape": {"size": "base", "mode": "pretrain", "checkpointing": "none"}}
+    assert memory_report.beyond_the_list(row).startswith("base: 20.3229·s·b·h per layer = the 20 of")
+    assert memory_report.beyond_the_list({**row, "sbh_per_layer": planned + 0.01}) is None
+    assert memory_report.beyond_the_list({**row, "provider": "hf-sdpa"}) is None

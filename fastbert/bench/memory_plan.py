@@ -96,7 +96,7 @@ def plan_step(model: nn.Module, batch: dict[str, torch.Tensor], *, mode: str = "
                 loss.backward()
                 tracker.mark("backward")
                 if opt is not None:
-                    _optimizer_step(model, opt, settings)
+                    optimizer_step(model, opt, settings)
                 tracker.mark("optimizer")
     forward_end = tracker.snapshot("forward")
     after_backward = tracker.snapshot("backward") if mode == "train" else forward_end
@@ -177,7 +177,7 @@ def _steady_optimizer(model: nn.Module, name: str, settings: OptimizerSettings) 
     return opt
 
 
-def _optimizer_step(model: nn.Module, opt: torch.optim.Optimizer, settings: OptimizerSettings) -> None:
+def optimizer_step(model: nn.Module, opt: torch.optim.Optimizer, settings: OptimizerSettings) -> None:
     """Clip, update and clear the gradients as train.step.train_step does (no loss scaling: bf16 and fp32
     need none)."""
     from fastbert.train.step import _clip_gradients, _update

@@ -3,6 +3,7 @@ of the newest `fastbert bench --suite memory` run (fastbert.bench.memory_cases) 
 `benchmarks/gpu_check.sh OUTDIR memory`, the measured peaks beside the plan (suite "memory-gpu-check")."""
 from __future__ import annotations
 
+from fastbert.bench.model_cases import SIZES
 from fastbert.bench.memory_cases import (FASTBERT, GiB, HF_EAGER, HF_SDPA, MEGATRON_SBH, PAPER_SBH,
                                          PLANNED_DEVICE_BYTES, PROVIDERS)
 
@@ -146,6 +147,29 @@ def goals(by: dict) -> list[str]:
     return lines
 
 
+def beyond_the_list(row: dict) -> str | None:
+    """A sentence that splits a fastbert row's per-layer figure into issue 18's list (PAPER_SBH) and what
+    the list leaves out, from the model's sizes: the last layer's output, kept for the heads (2 bytes per
+    token over L layers), the attention's fp32 log-sum-exp (4 bytes per head), each LayerNorm's fp32 1/std
+    and side buffer (fastbert.kernels.layer_norm). None when the parts do not add up to the plan (another
+    layer, checkpointing) or the LayerNorm works from its input."""
+    from fastbert.kernels.layer_norm import SIDE_COLUMNS
+
+    shape = row["shape"]
+    if row["provider"] != FASTBERT or shape["checkpointing"] != "none" or shape["mode"] != "pretrain":
+        return None
+    config = SIZES[shape["size"]]()
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    parts = {"the last layer's output, which the heads keep": 2 / layers,
+             "the attention's log-sum-exp": 4 * config.num_attention_heads / hidden,
+             "the two LayerNorms' 1/std and side buffers": 2 * 4 * (1 + SIDE_COLUMNS) / hidden}
+    if abs(PAPER_SBH + sum(parts.values()) - row["sbh_per_layer"]) > 1e-3:
+        return None
+    listed = ", ".join(f"{name} {value:.4f}" for name, value in parts.items())
+    return (f"{shape['size']}: {row['sbh_per_layer']:.4f}·s·b·h per layer = the {PAPER_SBH} of issue 18's list "
+            f"(input 2, Q K V 6, attention output 2, FFN pre-activation 8, LayerNorm output 2) + {listed}.")
+
+
 def gpu_check_lines(check: list[dict]) -> list[str]:
     if not check:
         return [f"**Not yet measured on a GPU**: no GPU has run `{GPU_CHECK_COMMAND}`, which measures "
@@ -190,6 +214,11 @@ def memory_section(rows: list[dict]) -> list[str]:
             f"against Megatron's {MEGATRON_SBH}·s·b·h for a 16-bit layer with flash attention (Korthikanti et al., "
             f"2022) and issue 18's {PAPER_SBH}·s·b·h for an exact backward without recomputing a matmul.", ""]
     out += ["### Goals", ""] + goals(by) + [""]
+    goal_rows = [by.get((f"pretrain/{size},S={GOAL_SEQLEN},adamw", FASTBERT)) for size in ("base", "large")]
+    split = [text for row in goal_rows if row and (text := beyond_the_list(row))]
+    if split:
+        out += ["What a fastbert layer keeps beyond issue 18's list (bytes per token and hidden unit, from the "
+                "sizes; the sum is the planned figure):", ""] + [f"- {text}" for text in split] + [""]
     pretrain = [r for r in run if r["shape"]["mode"] == "pretrain" and r["shape"]["checkpointing"] == "none"]
     out += ["### Pretraining step (BertForPreTraining, MLM + NSP)", ""] + _step_table(pretrain, by, True) + [""]
     others = [r for r in run if r["shape"]["mode"] != "pretrain"]
