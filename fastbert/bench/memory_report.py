@@ -156,9 +156,11 @@ def beyond_the_list(row: dict) -> str | None:
     from fastbert.kernels.layer_norm import SIDE_COLUMNS
 
     shape = row["shape"]
-    if row["provider"] != FASTBERT or shape["checkpointing"] != "none" or shape["mode"] != "pretrain":
+    preset = SIZES.get(shape.get("size"))  # a user's own config (--model FILE) has no preset
+    if (row["provider"] != FASTBERT or shape.get("checkpointing") != "none" or shape.get("mode") != "pretrain"
+            or preset is None):
         return None
-    config = SIZES[shape["size"]]()
+    config = preset()
     hidden, layers = config.hidden_size, config.num_hidden_layers
     parts = {"the last layer's output, which the heads keep": 2 / layers,
              "the attention's log-sum-exp": 4 * config.num_attention_heads / hidden,
