@@ -64,9 +64,10 @@ def convert(src: str, dst: str, model_class: str | None = None, check: bool = Fa
                          "so choose a new or empty one")
     name = model_class or model_class_name(src)
     model, info = load_checkpoint(MODEL_CLASSES[name], src, "SRC")
-    if info["missing_keys"]:
-        raise ValueError(f"SRC {src} has no weights for {len(info['missing_keys'])} tensors of {name} "
-                         f"({', '.join(info['missing_keys'][:4])}{', ...' if len(info['missing_keys']) > 4 else ''}): "
+    missing = sorted(info["missing_keys"])
+    if missing:
+        raise ValueError(f"SRC {src} has no weights for {len(missing)} tensors of {name} "
+                         f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): "
                          "config.json describes more than the weights hold, or another --model-class fits them; "
                          "DST would hold random weights, so nothing was written")
     copied = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(src, f))]

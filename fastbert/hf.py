@@ -100,6 +100,10 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as asked; the message names the file and what is wrong."""
 
 
+class SizeMismatchError(CheckpointError, RuntimeError):
+    """Tensors whose shapes are not the config's: a RuntimeError too, as transformers raises for them."""
+
+
 def _checkpoint_files(path: str, use_safetensors: bool | None) -> tuple[list[str], callable]:
     """The weight files of an HF directory (one file, or the shards an index.json names) and their reader."""
     from safetensors.torch import load_file
@@ -171,7 +175,7 @@ def match_prefix(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict
 def _check_against_model(model: torch.nn.Module, state: dict[str, torch.Tensor], missing: list[str],
                          source: str) -> None:
     """CheckpointError where the weights cannot be the model's config: encoder weights missing (e.g. more
-    layers in config.json than in the file), or tensors of other shapes."""
+    layers in config.json than in the file), or SizeMismatchError for tensors of other shapes."""
     config = model.config
     encoder_missing = [k for k in missing if k.removeprefix(BASE_PREFIX).startswith(ENCODER_MODULES)]
     if encoder_missing:
@@ -188,25 +192,34 @@ def _check_against_model(model: torch.nn.Module, state: dict[str, torch.Tensor],
     wrong = [f"{k} {tuple(v.shape)} (the config needs {tuple(expected[k].shape)})"
              for k, v in state.items() if k in expected and v.shape != expected[k].shape]
     if wrong:
-        raise CheckpointError(f"{source}: tensor shapes do not match the config (hidden_size={config.hidden_size}, "
-                              f"vocab_size={config.vocab_size}, intermediate_size={config.intermediate_size}, ...): "
-                              f"{'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}")
+        raise SizeMismatchError(f"{source}: tensor shapes do not match the config (hidden_size={config.hidden_size}, "
+                                f"vocab_size={config.vocab_size}, intermediate_size={config.intermediate_size}, ...): "
+                                f"{'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}; ignore_mismatched_sizes="
+                                "True initialises these tensors anew")
 
 
 def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str = "the checkpoint",
-               dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> dict[str, list[str]]:
-    """Load HF-format tensors into a fastbert model; return (and warn about) missing / unexpected keys.
+               dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+               ignore_mismatched_sizes: bool = False) -> dict[str, set | list]:
+    """Load HF-format tensors into a fastbert model; return (and warn about) what did not load, as
+    transformers' loading info: {"missing_keys": set, "unexpected_keys": set, "mismatched_keys": set of
+    (key, checkpoint shape, model shape), "error_msgs": []}.
 
     A model built on the meta device (`with torch.device("meta"): Model(config)`) gets the tensors assigned
     (cast to `dtype` and moved to `device` where given): nothing is initialised twice. Weights the
     checkpoint lacks outside the encoder (a new head, a pooler) are materialised and initialised as in
-    `__init__`; missing encoder weights or other shapes raise CheckpointError naming `source`.
+    `__init__`; missing encoder weights raise CheckpointError naming `source`, tensors of other shapes
+    SizeMismatchError (a RuntimeError too), or with ignore_mismatched_sizes are initialised as missing ones.
     """
     tied = getattr(model.config, "tie_word_embeddings", True)
     state = match_prefix(normalize_keys(state, tied), model)
     expected = model.state_dict()
     missing = [k for k in expected if k not in state and not (tied and k in TIED_KEYS)]
     unexpected = [k for k in state if k not in expected]
+    mismatched = {(k, tuple(v.shape), tuple(expected[k].shape))
+                  for k, v in state.items() if k in expected and v.shape != expected[k].shape}
+    resized = sorted(key for key, _, _ in mismatched) if ignore_mismatched_sizes else []
+    state = {k: v for k, v in state.items() if k not in resized}
     _check_against_model(model, state, missing, source)
     on_meta = any(p.is_meta for p in model.parameters())
     target = device if device is not None else ("cpu" if on_meta else None)
@@ -215,13 +228,17 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: s
     model.load_state_dict(state, strict=False, assign=on_meta)
     if on_meta:  # new weights (a head, a pooler) take the checkpoint's dtype where it has one, as transformers'
         floating = {v.dtype for v in state.values() if v.is_floating_point()}
-        _initialise_missing(model, missing, dtype or (floating.pop() if len(floating) == 1 else None), target)
+        _initialise_missing(model, missing + resized, dtype or (floating.pop() if len(floating) == 1 else None),
+                            target)
     model.tie_weights()
+    other_sizes = sorted(f"{key} {ours} (checkpoint {theirs})" for key, theirs, ours in mismatched)
     reported = [f"{what} {keys}" for what, keys in (("missing keys (newly initialised)", missing),
-                                                     ("unexpected keys (ignored)", unexpected)) if keys]
+                                                     ("unexpected keys (ignored)", unexpected),
+                                                     ("other shapes (newly initialised)", other_sizes)) if keys]
     if reported:
         logger.warning("%s from %s: %s", type(model).__name__, source, "; ".join(reported))
-    return {"missing_keys": missing, "unexpected_keys": unexpected}
+    return {"missing_keys": set(missing), "unexpected_keys": set(unexpected), "mismatched_keys": mismatched,
+            "error_msgs": []}
 
 
 @torch.no_grad()
@@ -272,7 +289,8 @@ def _resolve_device(device_map) -> torch.device | None:
 
 
 def load_pretrained(cls, name_or_path, *model_args, config=None, output_loading_info=False, state_dict=None,
-                    use_safetensors=None, device_map=None, adapter_kwargs=None, **kwargs):
+                    use_safetensors=None, device_map=None, adapter_kwargs=None, ignore_mismatched_sizes=False,
+                    **kwargs):
     """`Model.from_pretrained` (see its docstring)."""
     if model_args:
         raise TypeError(f"{cls.__name__}.from_pretrained takes no positional arguments after the path, got "
@@ -287,7 +305,11 @@ def load_pretrained(cls, name_or_path, *model_args, config=None, output_loading_
         kwargs.pop(key, None)
     dtype = _resolve_dtype(kwargs)
     device = _resolve_device(device_map)
-    path = hub.resolve(name_or_path, **{k: kwargs.pop(k) for k in hub.HUB_ARGUMENTS if k in kwargs})
+    if name_or_path is None and (config is None or state_dict is None):  # transformers' path-less form
+        raise ValueError(f"{cls.__name__}.from_pretrained(None, ...) needs config= and state_dict=, got "
+                         f"config={type(config).__name__}, state_dict={type(state_dict).__name__}")
+    hub_arguments = {k: kwargs.pop(k) for k in hub.HUB_ARGUMENTS if k in kwargs}
+    path = None if name_or_path is None else hub.resolve(name_or_path, **hub_arguments)
     if config is None:
         config = BertConfig.from_json(path)
     elif not isinstance(config, BertConfig):
@@ -295,15 +317,15 @@ def load_pretrained(cls, name_or_path, *model_args, config=None, output_loading_
     else:
         config = config.replace()
     config.update_known(kwargs, f"{cls.__name__}.from_pretrained")
-    source = os.path.join(path, "config.json") + " and its weights"
+    source = "the state_dict given" if path is None else os.path.join(path, "config.json") + " and its weights"
     if state_dict is None:
         state_dict = read_state_dict(path, use_safetensors)
     with torch.device("meta"):
         model = cls(config)
-    info = load_state(model, state_dict, source, dtype, device)
+    info = load_state(model, state_dict, source, dtype, device, ignore_mismatched_sizes)
     if "layer_norm_backward" not in kwargs:
         choose_layer_norm_backward(model, model.config)
-    model.config.name_or_path = model.name_or_path = os.fspath(name_or_path)
+    model.config.name_or_path = model.name_or_path = "" if name_or_path is None else os.fspath(name_or_path)
     model.eval()  # as transformers: a loaded model starts in eval mode (dropout off)
     return (model, info) if output_loading_info else model
 

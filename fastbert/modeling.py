@@ -339,10 +339,12 @@ class BertPreTrainedModel(ModelBase):
         """Load an HF BERT checkpoint: a local directory or a hub id (through the HF cache, offline included).
 
         Takes transformers' keyword arguments: config=, dtype= / torch_dtype= ("auto", the default, keeps
-        the checkpoint's), device_map= (one device), output_loading_info=, state_dict=, the hub arguments
-        (revision, cache_dir, token, local_files_only, subfolder, force_download); any other keyword
-        overrides a config field (e.g. backend="triton", num_labels=3). Loader features fastbert does not
-        implement (attn_implementation, quantization, multi-device maps, ...) are errors, never ignored.
+        the checkpoint's), device_map= (one device), output_loading_info= (transformers' dict of sets),
+        state_dict= (with a None path: config= and state_dict= only), ignore_mismatched_sizes= (tensors of
+        other shapes initialised anew; without it a RuntimeError), the hub arguments (revision, cache_dir,
+        token, local_files_only, subfolder, force_download); any other keyword overrides a config field
+        (e.g. backend="triton", num_labels=3). Loader features fastbert does not implement
+        (attn_implementation, quantization, multi-device maps, ...) are errors, never ignored.
         The model is built on the meta device and the weights assigned, so nothing is randomly initialised
         but weights the checkpoint lacks (reported in a warning and in output_loading_info).
         """

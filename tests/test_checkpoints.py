@@ -46,7 +46,7 @@ def test_real_checkpoint_matches_transformers():
     theirs = transformers.BertModel.from_pretrained(path).eval()
     ours, info = fastbert.BertModel.from_pretrained(path, output_loading_info=True)
     ours.eval()
-    assert info == {"missing_keys": [], "unexpected_keys": []}
+    assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
     assert ours.config.hidden_size == 384 and ours.config.num_hidden_layers == 6
     ids, mask = encode(path, SENTENCES)
     assert mask.sum(1).min() < mask.shape[1]  # the batch really is padded
@@ -97,7 +97,7 @@ def test_save_then_transformers_load_then_fastbert_load(tmp_path):
                                theirs(input_ids=ids, attention_mask=mask).seq_relationship_logits)
     theirs.save_pretrained(tmp_path / "b")
     again, info = fastbert.BertForPreTraining.from_pretrained(tmp_path / "b", output_loading_info=True)
-    assert info == {"missing_keys": [], "unexpected_keys": []}
+    assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
     for key, value in ours.state_dict().items():
         assert torch.equal(again.state_dict()[key], value), key
     assert again.cls.predictions.decoder.weight is again.bert.embeddings.word_embeddings.weight
@@ -117,14 +117,14 @@ def test_prefix_in_both_directions_reports_keys(tmp_path, caplog):
     tiny_hf().save_pretrained(tmp_path / "pretraining")
     base, info = fastbert.BertModel.from_pretrained(tmp_path / "pretraining", output_loading_info=True)
     assert "unexpected keys (ignored) ['cls." in caplog.text
-    assert info["missing_keys"] == []
+    assert info["missing_keys"] == set()
     assert info["unexpected_keys"] and all(k.startswith("cls.") for k in info["unexpected_keys"])
     base.save_pretrained(tmp_path / "base")
     assert not any(k.startswith("bert.") for k in load_file(tmp_path / "base" / "model.safetensors"))
     caplog.clear()
     head, info = fastbert.BertForPreTraining.from_pretrained(tmp_path / "base", output_loading_info=True)
     assert "missing keys (newly initialised) ['cls." in caplog.text
-    assert info["unexpected_keys"] == []
+    assert info["unexpected_keys"] == set()
     assert sorted(info["missing_keys"]) == sorted(
         k for k in head.state_dict() if k.startswith("cls.") and k != "cls.predictions.decoder.weight")
     assert_same_encoder(base, head.bert)
@@ -147,7 +147,7 @@ def test_legacy_names_bin_files_and_stray_buffers(tmp_path):
     theirs.config.save_pretrained(tmp_path)
     torch.save(legacy, tmp_path / "pytorch_model.bin")
     ours, info = fastbert.BertForPreTraining.from_pretrained(tmp_path, output_loading_info=True)
-    assert info == {"missing_keys": [], "unexpected_keys": []}
+    assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
     assert_same_encoder(theirs, ours.eval())
     os.remove(tmp_path / "pytorch_model.bin")
     save_file({k: v.contiguous() for k, v in legacy.items() if "decoder.weight" not in k}, tmp_path / "model.safetensors")
@@ -266,7 +266,7 @@ def test_untied_checkpoint_without_its_decoder_reports_it_missing(tmp_path):
     del state["cls.predictions.decoder.weight"]
     save_file(state, weights)
     model, info = fastbert.BertForMaskedLM.from_pretrained(tmp_path / "untied", output_loading_info=True)
-    assert info["missing_keys"] == ["cls.predictions.decoder.weight"]
+    assert info["missing_keys"] == {"cls.predictions.decoder.weight"}
     assert not any(p.is_meta for p in model.parameters())  # initialised, not left on the meta device
     assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.isfinite().all()
 

@@ -104,7 +104,7 @@ def test_resume_is_exact_and_checkpoints_are_pruned(data, tmp_path):
     assert sorted(os.listdir(whole / "checkpoints")) == ["step_00000005", "step_00000006"]
     _, info = BertForPreTraining.from_pretrained(os.path.join(whole, "checkpoints", "step_00000006", "model"),
                                                  output_loading_info=True)
-    assert info == {"missing_keys": [], "unexpected_keys": []}
+    assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
     again = pretrain.train(config(data, parts), SMALL)  # a finished run is not run again
     assert again["step"] == 6 and losses(parts) == losses(whole)
     # its result is the finished run's: the model it wrote and the command that fine-tunes it

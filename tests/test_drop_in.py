@@ -1,0 +1,46 @@
+"""fastbert as a drop-in for transformers' BERT (issue 19's defects): each test does the same thing with
+transformers and with fastbert and asserts that both behave alike (results, exception types, what is accepted)."""
+import pytest
+import torch
+
+import fastbert
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_hf(name="BertModel", **fields):
+    """A transformers BERT with random weights, small enough for the interpreter."""
+    config = transformers.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=16, **fields)
+    torch.manual_seed(0)
+    return getattr(transformers, name)(config).eval()
+
+
+def test_from_pretrained_loading_info_and_mismatched_sizes_as_transformers(tmp_path):
+    tiny_hf("BertForSequenceClassification", num_labels=2).save_pretrained(tmp_path / "two")
+    for cls in (transformers.BertForSequenceClassification, fastbert.BertForSequenceClassification):
+        # no mismatch: the flag is accepted, the info is sets as transformers' LoadStateDictInfo.to_dict()
+        model, info = cls.from_pretrained(tmp_path / "two", ignore_mismatched_sizes=True, output_loading_info=True)
+        assert info["missing_keys"] == set() and info["unexpected_keys"] == set(), cls
+        assert info["mismatched_keys"] == set(), cls
+        # a head of another size: RuntimeError without the flag, a fresh head and its report with it
+        with pytest.raises(RuntimeError):
+            cls.from_pretrained(tmp_path / "two", num_labels=3)
+        model, info = cls.from_pretrained(tmp_path / "two", num_labels=3, ignore_mismatched_sizes=True,
+                                          output_loading_info=True)
+        assert model.classifier.weight.shape == (3, 32), cls
+        assert {key for key, _, _ in info["mismatched_keys"]} == {"classifier.weight", "classifier.bias"}, cls
+        assert ("classifier.weight", (2, 32), (3, 32)) in {
+            (key, tuple(a), tuple(b)) for key, a, b in info["mismatched_keys"]}, cls
+
+
+def test_from_pretrained_without_a_path_takes_config_and_state_dict():
+    theirs = tiny_hf()
+    config = fastbert.BertConfig.from_dict(theirs.config.to_dict())
+    ours = fastbert.BertModel.from_pretrained(None, config=config, state_dict=theirs.state_dict())
+    ids = torch.randint(1, 120, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids).last_hidden_state, theirs(input_ids=ids).last_hidden_state,
+                                   atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="config"):
+        fastbert.BertModel.from_pretrained(None, state_dict=theirs.state_dict())
