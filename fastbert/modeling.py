@@ -225,7 +225,10 @@ class BertEncoder(nn.Module):
         self._gradient_checkpointing_func = None
 
     def forward(self, hidden, layout: AttentionLayout, output_hidden_states=False, output_attentions=False):
-        all_hidden = [hidden] if output_hidden_states else None
+        """(last hidden state, hidden states or None, attention probabilities or None); output_hidden_states
+        is a flag or transformers' index / indices: unselected hidden states come back as None."""
+        kept = selected_hidden_states(output_hidden_states, len(self.layer) + 1) if output_hidden_states else None
+        all_hidden = [hidden if kept is None or 0 in kept else None] if output_hidden_states else None
         all_probs = [] if output_attentions else None
         recompute = self._gradient_checkpointing_func or _recompute
         checkpointing = "full" if self.gradient_checkpointing else self.config.activation_checkpointing
@@ -238,10 +241,24 @@ class BertEncoder(nn.Module):
             else:
                 hidden, probs = layer(hidden, layout, output_attentions, checkpointing)
             if output_hidden_states:
-                all_hidden.append(hidden)
+                all_hidden.append(hidden if kept is None or len(all_hidden) in kept else None)
             if output_attentions:
                 all_probs.append(probs)
         return hidden, all_hidden, all_probs
+
+
+def selected_hidden_states(output_hidden_states, count: int) -> set[int] | None:
+    """The indices (in [0, count)) of the hidden states that transformers' output_hidden_states keeps: None
+    for a flag (all of them); an index or a sequence of indices, negative from the end, out of range selecting
+    nothing (as transformers' output_capturing). TypeError for anything else."""
+    if isinstance(output_hidden_states, bool):
+        return None
+    indices = [output_hidden_states] if isinstance(output_hidden_states, int) else output_hidden_states
+    if not isinstance(indices, (list, tuple, range)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in indices):
+        raise TypeError(f"output_hidden_states must be a bool, a layer index or a list of them, "
+                        f"got {output_hidden_states!r}")
+    return {i % count for i in indices if -count <= i < count}
 
 
 class BertPooler(nn.Module):
@@ -408,7 +425,7 @@ class BertModel(BertPreTrainedModel):
         if unpadded:
             hidden = ops.pad(hidden, indices, batch, seqlen)
             if all_hidden is not None:
-                all_hidden = [ops.pad(h, indices, batch, seqlen) for h in all_hidden]
+                all_hidden = [None if h is None else ops.pad(h, indices, batch, seqlen) for h in all_hidden]
         result = outputs.BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=hidden,
             pooler_output=self.pooler(hidden) if self.pooler is not None else None,
@@ -437,7 +454,7 @@ class BertModel(BertPreTrainedModel):
         return outputs.BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=hidden[None],  # [1, T, H]
             pooler_output=self.pooler(first_tokens) if self.pooler is not None else None,
-            hidden_states=tuple(h[None] for h in all_hidden) if all_hidden is not None else None)
+            hidden_states=None if all_hidden is None else tuple(None if h is None else h[None] for h in all_hidden))
 
 
 class BertPredictionHeadTransform(nn.Module):

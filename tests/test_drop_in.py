@@ -44,3 +44,25 @@ def test_from_pretrained_without_a_path_takes_config_and_state_dict():
                                    atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="config"):
         fastbert.BertModel.from_pretrained(None, state_dict=theirs.state_dict())
+
+
+@pytest.mark.parametrize("selection", [[0, -1], [1], (0,), 2, -1, [], [0, 9]])
+def test_output_hidden_states_selects_layers_as_transformers(selection):
+    """transformers takes an index or indices for output_hidden_states: those hidden states come back, the
+    others are None (out of range selects nothing; an empty list is no hidden states)."""
+    theirs = tiny_hf()
+    ours = fastbert.from_hf(theirs).eval()
+    ids = torch.randint(1, 120, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    with torch.no_grad():
+        expected = theirs(input_ids=ids, attention_mask=mask, output_hidden_states=selection).hidden_states
+        for model in (ours, fastbert.from_hf(theirs, unpad=True).eval()):
+            got = model(input_ids=ids, attention_mask=mask, output_hidden_states=selection).hidden_states
+            if expected is None:
+                assert got is None
+                continue
+            assert [h is None for h in got] == [h is None for h in expected], selection
+            for a, b in zip(got, expected):
+                if b is not None:
+                    torch.testing.assert_close(a[mask.bool()], b[mask.bool()], atol=1e-5, rtol=1e-5)
