@@ -7,7 +7,11 @@ accepts, and the conversion of transformers' 4-D attention masks to fastbert's k
 """
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 # packed inputs (padding-free batches): fastbert's names, and transformers' flash-attention names for them
@@ -19,6 +23,9 @@ IGNORED_HF_ARGUMENTS = ("use_cache", "cache_position", "num_items_in_batch", "ou
 # transformers' arguments for features fastbert does not implement (a decoder, cross-attention, head
 # masking): accepted only when they ask for nothing
 UNSET_HF_ARGUMENTS = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values", "head_mask", "seq_idx")
+# other keyword names a forward was given (transformers' BERT takes **kwargs and ignores them; clients such as
+# sentence-transformers rely on it): each logged once, so a typo is seen without breaking those clients
+_REPORTED_UNKNOWN: set[str] = set()
 
 
 def _check_integer(name: str, tensor: torch.Tensor) -> None:
@@ -107,8 +114,9 @@ def packed_arguments(kwargs: dict) -> dict:
     """The packed-input arguments among a forward's extra keyword arguments (transformers' flash-attention
     names mapped to fastbert's), after checking the rest: transformers' arguments that change nothing
     for an encoder are dropped, those asking for what fastbert does not implement raise, unknown names
-    raise TypeError (a typo must not be ignored)."""
+    are ignored as transformers ignores them, logged once each (a typo must not go unseen)."""
     packed = {}
+    unknown = []
     for name, value in kwargs.items():
         target = HF_PACKED_ALIASES.get(name, name)
         if target in PACKED_ARGUMENTS:
@@ -121,8 +129,12 @@ def packed_arguments(kwargs: dict) -> dict:
         elif name == "is_causal":
             if value:
                 raise ValueError("is_causal=True is not supported: BERT's attention is bidirectional")
-        elif name not in IGNORED_HF_ARGUMENTS:
-            raise TypeError(f"forward() got an unexpected keyword argument {name!r}")
+        elif name not in IGNORED_HF_ARGUMENTS and name not in _REPORTED_UNKNOWN:
+            unknown.append(name)
+    if unknown:
+        _REPORTED_UNKNOWN.update(unknown)
+        logger.warning("forward() ignored keyword argument(s) %s, as transformers' BERT does (they change "
+                       "nothing; a misspelt argument name would be among them)", unknown)
     return packed
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fastbert
+import fastbert.validation
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,3 +67,25 @@ def test_output_hidden_states_selects_layers_as_transformers(selection):
             for a, b in zip(got, expected):
                 if b is not None:
                     torch.testing.assert_close(a[mask.bool()], b[mask.bool()], atol=1e-5, rtol=1e-5)
+
+
+def test_forward_ignores_keywords_transformers_ignores(caplog, monkeypatch):
+    """sentence-transformers calls a module twice on one features dict; the second call passes back the
+    token_embeddings the first wrote into it. transformers' BERT takes **kwargs and ignores such names:
+    fastbert gives the same result and says once which name it ignored; decoder arguments with a value
+    stay an error."""
+    monkeypatch.setattr(fastbert.validation, "_REPORTED_UNKNOWN", set())  # earlier tests may have used the names
+    theirs = tiny_hf()
+    ours = fastbert.from_hf(theirs).eval()
+    ids = torch.randint(1, 120, (2, 7), generator=torch.Generator().manual_seed(0))
+    extra = {"token_embeddings": torch.zeros(2, 7, 32), "sentence_embedding": torch.zeros(2, 32)}
+    with torch.no_grad():
+        expected = theirs(input_ids=ids, **extra).last_hidden_state
+        with caplog.at_level("WARNING", logger="fastbert"):
+            for _ in range(2):
+                torch.testing.assert_close(ours(input_ids=ids, **extra).last_hidden_state, expected,
+                                           atol=1e-5, rtol=1e-5)
+    ignored = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(ignored) == 1 and "token_embeddings" in ignored[0] and "sentence_embedding" in ignored[0]
+    with pytest.raises(ValueError, match="encoder_hidden_states"):
+        ours(input_ids=ids, encoder_hidden_states=torch.zeros(2, 7, 32))
