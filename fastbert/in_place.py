@@ -61,6 +61,10 @@ def _accelerate(bert: nn.Module, config_overrides: dict) -> None:
     if "layer_norm_backward" not in config_overrides:
         choose_layer_norm_backward(fast, config)  # the weights are transformers', already loaded
     fast.train(bert.training)
+    # transformers' position_ids / token_type_ids buffers (non-persistent: in no state_dict), which clients read
+    for name, buffer in bert.embeddings.named_buffers(recurse=False):
+        persistent = name not in bert.embeddings._non_persistent_buffers_set
+        fast.embeddings.register_buffer(name, buffer, persistent=persistent)
     bert.embeddings, bert.encoder = fast.embeddings, fast.encoder
     if fast.pooler is not None:
         bert.pooler = fast.pooler
@@ -71,7 +75,9 @@ def _accelerate(bert: nn.Module, config_overrides: dict) -> None:
 def _forward(fast: nn.Module, hf_config, *args, output_hidden_states=None, output_attentions=None,
              return_dict=None, **kwargs):
     """fastbert's BertModel.forward, with the defaults read from transformers' config, which clients change
-    at run time (sentence-transformers sets output_hidden_states)."""
+    at run time (sentence-transformers sets output_hidden_states), and the vocabulary size, which
+    transformers' resize_token_embeddings changes there (the input check reads fastbert's config)."""
+    fast.config.vocab_size = hf_config.vocab_size
     return fast.forward(
         *args, **kwargs,
         output_hidden_states=hf_config.output_hidden_states if output_hidden_states is None else output_hidden_states,

@@ -89,3 +89,21 @@ def test_forward_ignores_keywords_transformers_ignores(caplog, monkeypatch):
     assert len(ignored) == 1 and "token_embeddings" in ignored[0] and "sentence_embedding" in ignored[0]
     with pytest.raises(ValueError, match="encoder_hidden_states"):
         ours(input_ids=ids, encoder_hidden_states=torch.zeros(2, 7, 32))
+
+
+def test_apply_then_resize_token_embeddings_takes_the_new_ids_and_keeps_buffers():
+    """After fastbert.apply, transformers' resize_token_embeddings grows the table the accelerated encoder
+    reads: a new token id runs (no "input_ids ... >= vocab_size") and gives transformers' numbers; the
+    non-persistent position_ids / token_type_ids buffers of transformers' embeddings stay."""
+    theirs = tiny_hf("BertForMaskedLM")
+    ours = fastbert.apply(tiny_hf("BertForMaskedLM"))
+    assert torch.equal(ours.bert.embeddings.position_ids, theirs.bert.embeddings.position_ids)
+    assert torch.equal(ours.bert.embeddings.token_type_ids, theirs.bert.embeddings.token_type_ids)
+    for model in (theirs, ours):
+        torch.manual_seed(1)
+        model.resize_token_embeddings(124)
+    ids = torch.tensor([[2, 121, 123, 5]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids).logits, theirs(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="vocab_size"):
+        ours(input_ids=torch.tensor([[124]]))
