@@ -77,9 +77,17 @@ def _forward(fast: nn.Module, hf_config, *args, output_hidden_states=None, outpu
     """fastbert's BertModel.forward, with the defaults read from transformers' config, which clients change
     at run time (sentence-transformers sets output_hidden_states), and the vocabulary size, which
     transformers' resize_token_embeddings changes there (the input check reads fastbert's config)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
+
     fast.config.vocab_size = hf_config.vocab_size
-    return fast.forward(
+    result = fast.forward(
         *args, **kwargs,
         output_hidden_states=hf_config.output_hidden_states if output_hidden_states is None else output_hidden_states,
         output_attentions=hf_config.output_attentions if output_attentions is None else output_attentions,
         return_dict=hf_config.return_dict if return_dict is None else return_dict)
+    if isinstance(result, tuple):
+        return result
+    # transformers' own output class: its heads also read the decoder fields (BertLMHeadModel: cache), None here
+    return BaseModelOutputWithPoolingAndCrossAttentions(
+        last_hidden_state=result.last_hidden_state, pooler_output=result.pooler_output,
+        hidden_states=result.hidden_states, attentions=result.attentions)

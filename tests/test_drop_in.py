@@ -107,3 +107,17 @@ def test_apply_then_resize_token_embeddings_takes_the_new_ids_and_keeps_buffers(
         torch.testing.assert_close(ours(input_ids=ids).logits, theirs(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="vocab_size"):
         ours(input_ids=torch.tensor([[124]]))
+
+
+def test_apply_accelerates_an_lm_head_model_that_is_not_a_decoder():
+    """BertLMHeadModel with is_decoder=False is an MLM-style encoder with an LM head: fastbert.apply gives
+    transformers' logits and loss; with is_decoder=True it is refused, naming the field."""
+    theirs = tiny_hf("BertLMHeadModel")
+    ours = fastbert.apply(tiny_hf("BertLMHeadModel"))
+    ids = torch.randint(1, 120, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = theirs(input_ids=ids, labels=ids), ours(input_ids=ids, labels=ids)
+    torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.loss, expected.loss, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="is_decoder"):
+        fastbert.apply(tiny_hf("BertLMHeadModel", is_decoder=True))
