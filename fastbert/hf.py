@@ -230,6 +230,8 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: s
         floating = {v.dtype for v in state.values() if v.is_floating_point()}
         _initialise_missing(model, missing + resized, dtype or (floating.pop() if len(floating) == 1 else None),
                             target)
+    for module in model.modules():  # loaded or initialised above: a later post_init re-initialises none of it
+        module._is_hf_initialized = True
     model.tie_weights()
     other_sizes = sorted(f"{key} {ours} (checkpoint {theirs})" for key, theirs, ours in mismatched)
     reported = [f"{what} {keys}" for what, keys in (("missing keys (newly initialised)", missing),

@@ -312,7 +312,7 @@ class BertPreTrainedModel(ModelBase):
                                 mean_resizing: bool = True) -> nn.Embedding:
         """A word embedding table of `new_num_tokens` rows (rounded up to `pad_to_multiple_of`): the old rows
         kept, new rows the mean of the old ones (mean_resizing) or N(0, initializer_range); the MLM
-        decoder and its bias follow; config.vocab_size is updated."""
+        decoder and its bias follow; config.vocab_size and model.vocab_size are updated (as transformers')."""
         old = self.get_input_embeddings()
         size = old.num_embeddings if new_num_tokens is None else new_num_tokens
         if pad_to_multiple_of is not None:
@@ -342,7 +342,9 @@ class BertPreTrainedModel(ModelBase):
                 with torch.no_grad():
                     head.decoder.weight.copy_(new.weight)
                     head.decoder.weight[:kept] = old_decoder.weight[:kept]
-        self.config.vocab_size = size
+                head.decoder._is_hf_initialized = True  # its rows are set: a later post_init keeps them
+        new._is_hf_initialized = True
+        self.config.vocab_size = self.vocab_size = size
         self.tie_weights()
         return new
 

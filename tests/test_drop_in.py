@@ -121,3 +121,17 @@ def test_apply_accelerates_an_lm_head_model_that_is_not_a_decoder():
     torch.testing.assert_close(got.loss, expected.loss, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="is_decoder"):
         fastbert.apply(tiny_hf("BertLMHeadModel", is_decoder=True))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_resize_token_embeddings_updates_sizes_and_survives_post_init(tied):
+    """As transformers: model.vocab_size and config.vocab_size follow the new size, and post_init afterwards
+    (as code that builds on a model calls it) re-initialises none of the rows resize set."""
+    for model in (tiny_hf("BertForMaskedLM", tie_word_embeddings=tied),
+                  fastbert.from_hf(tiny_hf("BertForMaskedLM", tie_word_embeddings=tied))):
+        model.resize_token_embeddings(124)
+        assert model.vocab_size == model.config.vocab_size == 124, type(model)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        model.post_init()
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, before[key]), (type(model), key)
