@@ -33,7 +33,7 @@ BERT_MODEL_TYPE = "bert"
 
 
 class BertConfig(ConfigBase):
-    """BERT's hyper-parameters (keyword arguments only), validated on construction.
+    """BERT's hyper-parameters (keyword arguments only), validated when a model is built from them.
 
     Unknown keyword arguments become attributes, as in transformers; `num_labels` follows `id2label`.
     """
@@ -75,18 +75,30 @@ class BertConfig(ConfigBase):
     # fastbert.apply choose "input" for weights "output" cannot serve (fastbert.hf.choose_layer_norm_backward)
     layer_norm_backward: str = "output"
 
+    # transformers' BertConfig attributes for what fastbert does not implement, at transformers' defaults;
+    # class attributes, so config.json gets them only where the source set them
+    is_decoder = False
+    add_cross_attention = False
+    position_embedding_type = "absolute"
+    use_cache = True
+    bos_token_id = None
+    eos_token_id = None
+
     def __init__(self, **kwargs: Any):
-        for key, supported in UNSUPPORTED_IF_NOT.items():
-            if key in kwargs and kwargs[key] != supported:
-                raise ValueError(f"config {key}={kwargs[key]!r} is not supported: fastbert implements BERT's "
-                                 f"encoder with {key}={supported!r}")
         for name, default in OWN_FIELDS.items():
             setattr(self, name, kwargs.pop(name, default))
         super().__init__(**kwargs)
-        self.validate()
+        # BERT's fields are checked when a model is built (BertModel.__init__), as transformers' configs take
+        # what a model then refuses; fastbert's own switches, which transformers never sees, are checked now
+        self.validate_switches()
 
     def validate(self) -> None:
-        """Raise ValueError naming the field, the value and the limit for any invalid setting."""
+        """Raise ValueError naming the field, the value and the limit for any invalid setting (a model built
+        from the config calls it; so do replace and from_pretrained's overrides)."""
+        for key, supported in UNSUPPORTED_IF_NOT.items():
+            if getattr(self, key) != supported:
+                raise ValueError(f"config {key}={getattr(self, key)!r} is not supported: fastbert implements "
+                                 f"BERT's encoder with {key}={supported!r}")
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "intermediate_size", "max_position_embeddings", "type_vocab_size", "num_labels"):
             value = getattr(self, name)
@@ -108,11 +120,15 @@ class BertConfig(ConfigBase):
             raise ValueError(f"BertConfig.initializer_range must be > 0, got {self.initializer_range!r}")
         if not self.layer_norm_eps > 0:
             raise ValueError(f"BertConfig.layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"BertConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(
                 f"BertConfig.pad_token_id ({self.pad_token_id}) must be in [0, vocab_size={self.vocab_size})")
+        self.validate_switches()
+
+    def validate_switches(self) -> None:
+        """ValueError naming the switch, the value and the choices for fastbert's own fields (FASTBERT_FIELDS)."""
+        if self.backend not in BACKENDS:
+            raise ValueError(f"BertConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(f"BertConfig.activation_checkpointing must be one of {ACTIVATION_CHECKPOINTING}, "
                              f"got {self.activation_checkpointing!r}")

@@ -396,6 +396,9 @@ class BertModel(BertPreTrainedModel):
     """
 
     def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
+        """ValueError naming the field where `config` is not a BERT fastbert builds (checked here, not when
+        the config is constructed or edited, as transformers)."""
+        config.validate()
         super().__init__(config)
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)

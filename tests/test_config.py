@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from fastbert import BertConfig
+from fastbert import BertConfig, BertModel
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,13 +35,19 @@ def test_presets():
     ("num_hidden_layers", -1, ["num_hidden_layers", "-1"]),
     ("hidden_dropout_prob", 1.0, ["hidden_dropout_prob", "1.0"]),
     ("attention_probs_dropout_prob", -0.1, ["attention_probs_dropout_prob", "-0.1"]),
-    ("backend", "cuda", ["backend", "cuda"]),
 ])
 def test_invalid_values_name_the_field(field, value, words):
+    config = BertConfig(**{field: value})  # as transformers: the config takes it, building a model refuses it
     with pytest.raises(ValueError) as info:
-        BertConfig(**{field: value})
+        BertModel(config)
     for word in words:
         assert word in str(info.value)
+
+
+def test_fastbert_switches_are_checked_on_construction():
+    """transformers never sees fastbert's own switches: a bad one is refused at once."""
+    with pytest.raises(ValueError, match="BertConfig.backend must be one of .*got 'cuda'"):
+        BertConfig(backend="cuda")
 
 
 def test_json_round_trip_through_transformers(tmp_path):
@@ -78,7 +84,7 @@ def test_architecture_changing_keys_are_refused(tmp_path, key, value):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, key: value}))
     with pytest.raises(ValueError, match=f"{key}={value!r}"):
-        BertConfig.from_json(path)
+        BertModel(BertConfig.from_json(path))
     path.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, "position_embedding_type": "absolute",
                                 "is_decoder": False, "add_cross_attention": False}))
     assert BertConfig.from_json(path).position_embedding_type == "absolute"

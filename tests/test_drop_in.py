@@ -135,3 +135,19 @@ def test_resize_token_embeddings_updates_sizes_and_survives_post_init(tied):
         model.post_init()
         for key, value in model.state_dict().items():
             assert torch.equal(value, before[key]), (type(model), key)
+
+
+def test_config_has_transformers_attributes_and_is_checked_when_a_model_is_built():
+    """transformers' BertConfig accepts hidden_size=256 with 12 heads (or is_decoder=True) and fails only
+    when a model is built; fastbert's config does the same, and its model build names the field."""
+    theirs, ours = transformers.BertConfig(), fastbert.BertConfig()
+    for name in ("is_decoder", "add_cross_attention", "use_cache", "bos_token_id", "eos_token_id"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    transformers.BertConfig(hidden_size=256)
+    config = fastbert.BertConfig(hidden_size=256)
+    with pytest.raises(ValueError, match=r"hidden_size \(256\) must be divisible by num_attention_heads \(12\)"):
+        fastbert.BertModel(config)
+    config.num_attention_heads = 8  # a config edited after construction is checked as it is at build time
+    assert fastbert.BertModel(config.replace(num_hidden_layers=1, vocab_size=50)).config.num_attention_heads == 8
+    with pytest.raises(ValueError, match="is_decoder=True is not supported"):
+        fastbert.BertModel(fastbert.BertConfig.tiny(is_decoder=True))
