@@ -55,7 +55,7 @@ class BertConfig(ConfigBase):
     type_vocab_size: int = 2  # segment ids (sentence A / B)
     initializer_range: float = 0.02  # std of the normal init of every weight matrix
     layer_norm_eps: float = 1e-12  # LayerNorm epsilon (HF's BERT default)
-    pad_token_id: int = 0  # padding token; its embedding row is initialised to zero
+    pad_token_id: int | None = 0  # padding token; its embedding row is initialised to zero (None: no such row)
     classifier_dropout: float | None = None  # dropout before task heads; None = hidden_dropout_prob
     tie_word_embeddings: bool = True  # the MLM decoder shares the word embedding matrix
     backend: str = "auto"  # "auto" | "triton" | "torch": which implementation fastbert.ops runs
@@ -120,9 +120,9 @@ class BertConfig(ConfigBase):
             raise ValueError(f"BertConfig.initializer_range must be > 0, got {self.initializer_range!r}")
         if not self.layer_norm_eps > 0:
             raise ValueError(f"BertConfig.layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
-        if not 0 <= self.pad_token_id < self.vocab_size:
-            raise ValueError(
-                f"BertConfig.pad_token_id ({self.pad_token_id}) must be in [0, vocab_size={self.vocab_size})")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:  # None: no padding row
+            raise ValueError(f"BertConfig.pad_token_id ({self.pad_token_id}) must be None or in "
+                             f"[0, vocab_size={self.vocab_size})")
         self.validate_switches()
 
     def validate_switches(self) -> None:

@@ -151,3 +151,18 @@ def test_config_has_transformers_attributes_and_is_checked_when_a_model_is_built
     assert fastbert.BertModel(config.replace(num_hidden_layers=1, vocab_size=50)).config.num_attention_heads == 8
     with pytest.raises(ValueError, match="is_decoder=True is not supported"):
         fastbert.BertModel(fastbert.BertConfig.tiny(is_decoder=True))
+
+
+def test_apply_and_build_take_a_config_without_pad_token_id():
+    """transformers builds BERT with pad_token_id=None (no padding row), and a user may set it so after
+    construction: fastbert builds and accelerates such a model with transformers' numbers."""
+    theirs = tiny_hf()
+    theirs.config.pad_token_id = None  # edited after construction
+    edited = tiny_hf()
+    edited.config.pad_token_id = None
+    fastbert.apply(edited)
+    ids = torch.randint(1, 120, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(edited(input_ids=ids).last_hidden_state, theirs(input_ids=ids).last_hidden_state,
+                                   atol=1e-5, rtol=1e-5)
+    assert fastbert.BertModel(fastbert.BertConfig.tiny(pad_token_id=None)).embeddings.word_embeddings.padding_idx is None
