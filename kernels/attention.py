@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_precision
+from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_precision, philox_seed
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -620,13 +620,12 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------------------------------
 
 def _dropout_seed(dropout_p: float, training: bool, device: torch.device) -> tuple[float, Optional[torch.Tensor]]:
-    """(effective dropout probability, int64 [1] seed or None). The seed comes from torch's generator on
-    the device, so torch.manual_seed reproduces the mask, without a host sync."""
+    """(effective dropout probability, int64 [1] seed (numerics.philox_seed) or None)."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     if not training or dropout_p == 0.0:
         return 0.0, None
-    return float(dropout_p), torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+    return float(dropout_p), philox_seed(device)
 
 
 def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True):

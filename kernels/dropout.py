@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.numerics import INTERPRETER, cast
+from fastbert.kernels.numerics import INTERPRETER, cast, philox_seed
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # On a GPU, 2048-element tiles at 8 elements per thread (8 warps): each element draws one Philox number,
@@ -130,5 +130,4 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     _check_inputs(x, p)
     if not training or p == 0.0:
         return x
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=x.device)
-    return dropout_fwd(x, seed, float(p))
+    return dropout_fwd(x, philox_seed(x.device), float(p))

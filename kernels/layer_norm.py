@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from fastbert.kernels.matmul import sm_count
-from fastbert.kernels.numerics import INTERPRETER, cast
+from fastbert.kernels.numerics import INTERPRETER, cast, philox_seed
 
 MAX_HIDDEN = 8192
 SAVE_CHOICES = ("output", "input")  # what the backward works from (see the header)
@@ -426,7 +426,7 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
         raise ValueError(f"save must be one of {SAVE_CHOICES}, got {save!r}")
     hidden = x.shape[-1]
     use_dropout = training and dropout_p > 0.0
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=x.device) if use_dropout else None
+    seed = philox_seed(x.device) if use_dropout else None
     # the side buffer only when a backward can follow (not at inference)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, residual))
     y, _, _, _ = layer_norm_fwd(x.reshape(-1, hidden), weight, bias,

@@ -36,6 +36,12 @@ import triton.language as tl
 # on a machine without one.
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INTERPRETED = tl.constexpr(INTERPRETER)
+
+
+def philox_seed(device: torch.device) -> torch.Tensor:
+    """int64 [1]: the seed of a kernel's Philox dropout mask (attention, LayerNorm, dropout), drawn from
+    torch's generator on `device`, so torch.manual_seed reproduces the mask, without a host sync."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
 _CANONICAL_BF16_NAN = tl.constexpr(0x7FC0)
 
 
