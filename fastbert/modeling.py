@@ -198,9 +198,9 @@ class BertLayer(nn.Module):
 
     def feed_forward(self, attended, recompute: bool = False):
         """BertOutput(BertIntermediate(attended), attended): [B, S, H] (packed: [T, H]) to the same shape.
-        With plain Linears and no hooks on either
-        module, one fused op that keeps the pre-activation but not the GELU output for the backward (with
-        recompute, only `attended`: it reruns the up-projection); otherwise the modules are called."""
+        With plain Linears and no hooks on either module, one fused op that keeps the pre-activation but not
+        the GELU output for the backward (with recompute, only `attended`: it reruns the up-projection);
+        otherwise the modules are called."""
         intermediate, output, c = self.intermediate, self.output, self.config
         if (is_unhooked(intermediate, BertIntermediate) and is_unhooked(output, BertOutput)
                 and all(is_plain_linear(m) and m.bias is not None for m in (intermediate.dense, output.dense))):
