@@ -1,4 +1,6 @@
-"""MLM + NSP examples from tokenised documents, as BERT's create_pretraining_data.py builds them.
+"""Pretraining examples from tokenised documents, for either objective (OBJECTIVES).
+
+mlm+nsp (BERT's), as BERT's create_pretraining_data.py builds them (document_examples):
 
 Each document (a list of sentences, each a list of token ids) is cut into chunks of whole sentences
 of about target_length tokens: max_seq_length - 3, or with probability short_seq_prob a length
@@ -13,22 +15,31 @@ front or the back at random, and laid out as [CLS] A [SEP] B [SEP] with token ty
 One change to Google's code: a chunk of a single sentence that must continue with the actual next
 text is split inside the sentence (Google draws a random B for every single-sentence chunk), so
 that B is the actual next text 50% of the time, as the paper states, rather than less often.
+
+mlm (RoBERTa's FULL-SENTENCES, pack_full_sentences): the documents' sentences read in order and packed
+into [CLS] s1 s2 ... [SEP] with no segment B and no NSP label, across document boundaries: a [SEP]
+separates the last sentence of a document from the first of the next inside an example.
+
 Masking is not done here: the loader masks anew every epoch (fastbert.data.masking).
 """
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 IS_NEXT, RANDOM_NEXT = 0, 1  # next_sentence_label, HF's convention
+# what the examples are made for: "mlm+nsp" (BERT's, the default) pairs segments for next sentence
+# prediction; "mlm" (RoBERTa's finding that NSP is not needed) packs full sentences for the masked LM alone
+MLM_NSP, MLM = "mlm+nsp", "mlm"
+OBJECTIVES = (MLM_NSP, MLM)
 
 
 @dataclass
 class Example:
     tokens: list[int]  # [CLS] A [SEP] B [SEP]
-    a_length: int  # tokens of [CLS] A [SEP]: token type 0 below it, 1 from it on
-    next_sentence_label: int  # IS_NEXT or RANDOM_NEXT
+    a_length: int  # tokens of [CLS] A [SEP]: token type 0 below it, 1 from it on (mlm: every token)
+    next_sentence_label: int  # IS_NEXT or RANDOM_NEXT (mlm: IS_NEXT, and never read)
 
 
 def truncate_pair(a: list[int], b: list[int], max_tokens: int, rng: random.Random) -> None:
@@ -106,3 +117,44 @@ def create_examples(documents: Sequence[Sequence[list[int]]], max_seq_length: in
                     dupe_factor: int, cls_id: int, sep_id: int, rng: random.Random) -> list[Example]:
     """iter_examples' examples as a list."""
     return list(iter_examples(documents, max_seq_length, short_seq_prob, dupe_factor, cls_id, sep_id, rng))
+
+
+def pack_full_sentences(documents: Iterable[Sequence[list[int]]], max_seq_length: int, cls_id: int,
+                        sep_id: int) -> Iterator[Example]:
+    """MLM-only examples (RoBERTa's FULL-SENTENCES): the sentences of the documents, in order, packed into
+    [CLS] ... [SEP] of at most max_seq_length tokens, with a [SEP] between the last sentence of a document
+    and the first of the next when both are in one example.
+
+    An example is closed when the next sentence (with its separator, at a document's start) does not fit,
+    so every example but the last holds no room for the sentence that follows it. A sentence longer than
+    an example's room (max_seq_length - 2) is cut into pieces of that room, so that no token is dropped.
+    Every token has token type 0 (a_length is the example's length); there is no NSP label.
+    """
+    if max_seq_length < 3:
+        raise ValueError(f"max_seq_length must be at least 3 ([CLS] x [SEP]), got {max_seq_length}")
+    room = max_seq_length - 2
+    body: list[int] = []  # the example being filled, without its [CLS] and final [SEP]
+
+    def close() -> Example:
+        tokens = [cls_id, *body, sep_id]
+        body.clear()
+        return Example(tokens, len(tokens), IS_NEXT)
+
+    for document in documents:
+        for number, sentence in enumerate(document):
+            # a document's first sentence follows the previous document's text behind a [SEP]
+            separated = number == 0 and bool(body)
+            if body and len(body) + separated + len(sentence) > room:
+                yield close()
+                separated = False
+            if separated:
+                body.append(sep_id)
+            # one piece when the example already holds text (the sentence fits, checked above); pieces of the
+            # whole room when a sentence longer than that starts an example
+            pieces = [sentence[start:start + room] for start in range(0, len(sentence), room)]
+            for piece in pieces[:-1]:
+                body += piece
+                yield close()
+            body += pieces[-1]
+    if body:
+        yield close()

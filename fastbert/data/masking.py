@@ -78,11 +78,13 @@ class MaskingCollator:
 
     vocabulary: tokens in id order (for the special ids and, with whole_word, the "##" pieces).
     __call__(batch, keys): batch an ExampleBatch, keys uint64 [B] (one per example, see hash_keys).
-    Returns a dict of int64 numpy arrays: input_ids, token_type_ids, attention_mask, labels [B, S] and
-    next_sentence_label [B] (the model's arguments; torch.from_numpy shares their memory).
+    Returns a dict of int64 numpy arrays: input_ids, token_type_ids, attention_mask, labels [B, S] and,
+    with next_sentence (the mlm+nsp objective), next_sentence_label [B] (the model's arguments;
+    torch.from_numpy shares their memory).
     """
 
-    def __init__(self, vocabulary: list[str], mask_prob: float = 0.15, whole_word: bool = False):
+    def __init__(self, vocabulary: list[str], mask_prob: float = 0.15, whole_word: bool = False,
+                 next_sentence: bool = True):
         if not 0.0 < mask_prob < 1.0:
             raise ValueError(f"mask_prob must be in (0, 1), got {mask_prob!r}")
         ids = {token: i for i, token in enumerate(vocabulary)}
@@ -93,6 +95,7 @@ class MaskingCollator:
         self.pad_id, self.cls_id, self.sep_id, self.mask_id = (ids[t] for t in ("[PAD]", "[CLS]", "[SEP]", "[MASK]"))
         self.mask_prob = mask_prob
         self.whole_word = whole_word
+        self.next_sentence = next_sentence
         self.continuation = np.array([t.startswith("##") for t in vocabulary])  # [V] bool
 
     def __call__(self, batch: ExampleBatch, keys: np.ndarray) -> dict[str, np.ndarray]:
@@ -115,9 +118,11 @@ class MaskingCollator:
         labels = np.full_like(tokens, IGNORE_INDEX)
         labels.reshape(-1)[chosen] = tokens.reshape(-1)[chosen]
         token_type_ids = real & (positions >= batch.a_lengths[:, None])
-        return {"input_ids": input_ids, "token_type_ids": token_type_ids.astype(np.int64),
-                "attention_mask": real.astype(np.int64), "labels": labels,
-                "next_sentence_label": batch.next_sentence_labels.astype(np.int64)}
+        arrays = {"input_ids": input_ids, "token_type_ids": token_type_ids.astype(np.int64),
+                  "attention_mask": real.astype(np.int64), "labels": labels}
+        if self.next_sentence:
+            arrays["next_sentence_label"] = batch.next_sentence_labels.astype(np.int64)
+        return arrays
 
     def choose(self, tokens: np.ndarray, real: np.ndarray, order: np.ndarray) -> np.ndarray:
         """Which tokens to predict: bool [B, S]. order uint64 [B, S]: distinct within a row, ranks the words.

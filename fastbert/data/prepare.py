@@ -1,7 +1,14 @@
-"""`fastbert prepare-data`: corpus -> WordPiece tokenizer -> MLM + NSP examples -> memory-mapped shards.
+"""`fastbert prepare-data`: corpus -> WordPiece tokenizer -> pretraining examples -> memory-mapped shards.
 
     fastbert prepare-data --corpus wiki.txt books.jsonl --out data/ [--vocab-size 30522]
                           [--tokenizer vocab.txt] [--max-seq-length 128 512] [--workers N]
+                          [--objective mlm+nsp|mlm]
+
+--objective mlm+nsp (the default, BERT's): [CLS] A [SEP] B [SEP] pairs with their next-sentence label.
+--objective mlm (RoBERTa's FULL-SENTENCES, for `fastbert pretrain --objective mlm`): the sentences in
+order, packed across document boundaries up to the length, a [SEP] between documents, one token type,
+no NSP label. The objective is part of a dataset's identity: `fastbert pretrain` refuses a dataset
+made for the other one.
 
 writes data/tokenizer.json and data/vocab.txt, and one dataset directory per sequence length,
 data/seq128/ and data/seq512/ (see fastbert.data.shards for the format), which `fastbert pretrain
@@ -12,7 +19,7 @@ At corpus scale: the corpus is cut into chunks of about --chunk-bytes of text at
 --workers processes (default: every core this process may use), so a worker's memory is bounded by
 the chunk size, not by the size of the corpus or of its documents; a random NSP segment comes from
 another document of the same chunk (a chunk holding a single document, longer than a chunk, is cut
-in two for that). The vocabulary is trained on at most --vocab-sample-bytes of text, taken from the
+in two for that); --objective mlm packs each chunk's sentences, so an example never spans two chunks. The vocabulary is trained on at most --vocab-sample-bytes of text, taken from the
 start of every chunk. The output depends on the corpus, the chunk size, the seed and the other
 options, never on the number of workers, and is the same byte for byte on every run.
 
@@ -41,6 +48,7 @@ from dataclasses import asdict, dataclass
 from fastbert.cli import run_command
 from fastbert.data import sharding
 from fastbert.data.corpus import ENCODING_ERRORS, STDLIB, CorpusError, Segment, plan_chunks, segment_documents
+from fastbert.data.examples import MLM, MLM_NSP, OBJECTIVES
 from fastbert.data.sharding import ShardParams, build_shards, marker_path
 from fastbert.data.shards import VOCAB_FILE, read_index, write_index
 from fastbert.data.tokenizer import (SPECIAL_TOKENS, load_tokenizer, save_tokenizer, train_wordpiece, vocabulary,
@@ -141,8 +149,9 @@ class PrepareOptions:
     vocab_size: int | None = None  # WordPiece vocabulary to train; None: 30522
     lowercase: bool = True  # lower-case and strip accents (a trained tokenizer; a vocab.txt)
     max_seq_lengths: tuple[int, ...] = (128, 512)  # one dataset per length
-    short_seq_prob: float = 0.1  # probability of a shorter target length
-    dupe_factor: int = 1  # passes over the corpus, each cutting the documents differently
+    objective: str = MLM_NSP  # mlm+nsp: NSP pairs (BERT's) | mlm: full sentences packed across documents
+    short_seq_prob: float = 0.1  # probability of a shorter target length (mlm+nsp)
+    dupe_factor: int = 1  # passes over the corpus, each cutting the documents differently (mlm+nsp)
     seed: int = 12345
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # text per chunk (one shard per length): bounds a worker's memory
     workers: int | None = None  # processes building shards; None: every available core
@@ -164,6 +173,11 @@ class PrepareOptions:
         for length in self.max_seq_lengths:
             if not 5 <= length <= 65535:
                 raise ValueError(f"max_seq_length must be in [5, 65535], got {length}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.objective == MLM and self.dupe_factor != 1:
+            raise ValueError(f"dupe_factor must be 1 with objective {MLM!r}, got {self.dupe_factor}: full sentences "
+                             "are packed the same way every pass, and the masks are drawn anew every epoch anyway")
         if self.encoding_errors not in ENCODING_ERRORS:
             raise ValueError(f"encoding_errors must be one of {ENCODING_ERRORS}, got {self.encoding_errors!r}")
 
@@ -173,9 +187,13 @@ class PrepareOptions:
         for segment in (s for chunk in plan for s in chunk):
             name = STDLIB if segment.kind == "python" else os.path.abspath(segment.path)
             sizes[name] = sizes.get(name, 0) + segment.end - segment.start
-        return {"corpus": [{"path": path, "bytes": size} for path, size in sizes.items()], "seed": self.seed,
-                "short_seq_prob": self.short_seq_prob, "dupe_factor": self.dupe_factor,
-                "chunk_bytes": self.chunk_bytes, "encoding_errors": self.encoding_errors}
+        recorded = {"corpus": [{"path": path, "bytes": size} for path, size in sizes.items()], "seed": self.seed,
+                    "objective": self.objective, "short_seq_prob": self.short_seq_prob,
+                    "dupe_factor": self.dupe_factor, "chunk_bytes": self.chunk_bytes,
+                    "encoding_errors": self.encoding_errors}
+        if self.objective == MLM:  # packing draws nothing and cuts no shorter examples: no rerun is told of them
+            del recorded["seed"], recorded["short_seq_prob"]
+        return recorded
 
 
 def prepare_dataset(corpus: list[str], out: str, **options) -> dict[int, str]:
@@ -209,13 +227,15 @@ def _build(options: PrepareOptions, plan: list[list[Segment]]) -> dict[int, str]
     jobs = [job for job in jobs if job[2]]
     vocab = vocabulary(tokenizer)
     params = ShardParams(options.seed, options.short_seq_prob, options.dupe_factor, len(vocab),
-                         tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]"), options.encoding_errors)
+                         tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]"), options.encoding_errors,
+                         options.objective)
     special = {name: tokenizer.token_to_id(f"[{name.upper()}]") for name in ("pad", "unk", "cls", "sep", "mask")}
     try:
         _run_jobs(jobs, plan, tokenizer_json, params, min(options.workers or available_cores(), max(len(jobs), 1)))
         for length, directory in todo.items():
             _finish(directory, finals[length], len(plan), {"max_seq_length": length, "vocab_size": len(vocab),
-                                                            "special_ids": special, **identity}, vocab)
+                                                            "special_ids": special, **identity}, vocab,
+                    options.objective)
     except OSError as exc:  # a full disk: the finished shards stay in the partial directories for a rerun
         raise writing_error(exc, out) from exc
     return finals
@@ -229,7 +249,9 @@ def _needs_building(final: str, identity: dict, overwrite: bool) -> bool:
         return True
     try:
         metadata = read_index(final)
-        then = {**metadata.get("options", {}), "tokenizer_sha256": metadata.get("tokenizer_sha256")}
+        # a dataset from before the objective was recorded was made for NSP
+        then = {"objective": MLM_NSP, **metadata.get("options", {}),
+                "tokenizer_sha256": metadata.get("tokenizer_sha256")}
         now = {**identity["options"], "tokenizer_sha256": identity["tokenizer_sha256"]}
         differences = [f"{key}: {then.get(key)!r} then, {value!r} now" for key, value in now.items()
                        if then.get(key) != value]
@@ -287,14 +309,14 @@ def _run_jobs(jobs: list, plan: list[list[Segment]], tokenizer_json: str, params
                 bar.update(size)
 
 
-def _finish(directory: str, final: str, chunks: int, metadata: dict, vocab: list[str]) -> None:
+def _finish(directory: str, final: str, chunks: int, metadata: dict, vocab: list[str], objective: str) -> None:
     """index.json and vocab.txt into the partial directory, which then becomes the dataset."""
     entries = []
     for number in range(chunks):
         with open(marker_path(directory, number), encoding="utf-8") as f:
             entries.append(json.load(f))
     documents = sum(entry.pop("documents") for entry in entries)
-    if documents < 2:
+    if documents < 2 and objective == MLM_NSP:
         shutil.rmtree(directory, ignore_errors=True)
         raise CorpusError(f"the corpus has {documents} document(s) with text; next sentence prediction "
                           "needs at least 2 (separate documents by a blank line, or one per .jsonl line)")
@@ -312,17 +334,20 @@ def _finish(directory: str, final: str, chunks: int, metadata: dict, vocab: list
 
 
 # the built-in corpus ------------------------------------------------------------------------------------
-def builtin_dir(vocab_size: int) -> str:
+def builtin_dir(vocab_size: int, objective: str = MLM_NSP) -> str:
     """Where the built-in corpus with this vocabulary size is cached (per Python version: its docstrings)."""
-    return os.path.join(cache_dir(), f"stdlib-py{sys.version_info[0]}.{sys.version_info[1]}-vocab{vocab_size}")
+    suffix = "-mlm" if objective == MLM else ""  # each objective its own entry: neither rebuilds the other's
+    return os.path.join(cache_dir(),
+                        f"stdlib-py{sys.version_info[0]}.{sys.version_info[1]}-vocab{vocab_size}{suffix}")
 
 
-def builtin_dataset(vocab_size: int, max_seq_lengths: Sequence[int]) -> str:
+def builtin_dataset(vocab_size: int, max_seq_lengths: Sequence[int], objective: str = MLM_NSP) -> str:
     """The built-in corpus (Python's docstrings) prepared once into the cache; returns its directory.
     Concurrent callers wait for the first and reuse what it wrote (the directory's lock); a cache entry
     that is damaged or was made by another version is rebuilt, never an error for good."""
-    root = builtin_dir(vocab_size)
-    options = PrepareOptions([STDLIB], root, vocab_size=vocab_size, max_seq_lengths=tuple(max_seq_lengths))
+    root = builtin_dir(vocab_size, objective)
+    options = PrepareOptions([STDLIB], root, vocab_size=vocab_size, max_seq_lengths=tuple(max_seq_lengths),
+                             objective=objective)
     options.validate()
     plan = plan_chunks(options.corpus, options.chunk_bytes)
     os.makedirs(root, exist_ok=True)
@@ -356,9 +381,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--cased", action="store_true", help="keep case and accents (default: lower-case)")
     parser.add_argument("--max-seq-length", type=int, nargs="+", default=[128, 512],
                         help="one dataset per length (the paper's two phases: 128 and 512)")
-    parser.add_argument("--short-seq-prob", type=float, default=0.1, help="probability of a shorter target length")
+    parser.add_argument("--objective", choices=OBJECTIVES, default=MLM_NSP,
+                        help="mlm+nsp (default, BERT's): [CLS] A [SEP] B [SEP] pairs for next sentence prediction; "
+                             "mlm (RoBERTa's): full sentences in order, packed across documents up to the length "
+                             "with a [SEP] between documents, for `fastbert pretrain --objective mlm`")
+    parser.add_argument("--short-seq-prob", type=float, default=0.1,
+                        help="probability of a shorter target length (mlm+nsp)")
     parser.add_argument("--dupe-factor", type=int, default=1,
-                        help="passes over the corpus, each cutting the documents differently")
+                        help="passes over the corpus, each cutting the documents differently (mlm+nsp)")
     parser.add_argument("--seed", type=int, default=12345)
     parser.add_argument("--chunk-bytes", type=parse_bytes, default=DEFAULT_CHUNK_BYTES,
                         help="text per shard, e.g. 32M (the default); it bounds a worker's memory whatever the "
@@ -379,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         prepare_dataset(args.corpus, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                         lowercase=not args.cased, max_seq_lengths=tuple(args.max_seq_length),
-                        short_seq_prob=args.short_seq_prob, dupe_factor=args.dupe_factor, seed=args.seed,
+                        objective=args.objective, short_seq_prob=args.short_seq_prob, dupe_factor=args.dupe_factor, seed=args.seed,
                         chunk_bytes=args.chunk_bytes, workers=args.workers,
                         vocab_sample_bytes=args.vocab_sample_bytes, encoding_errors=args.encoding_errors,
                         overwrite=args.overwrite)

@@ -12,11 +12,11 @@ import array
 import json
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from fastbert.data.corpus import Segment, segment_documents
-from fastbert.data.examples import iter_examples
+from fastbert.data.examples import MLM, Example, iter_examples, pack_full_sentences
 from fastbert.data.shards import ShardWriter, shard_name
 from fastbert.files import write_text
 
@@ -83,6 +83,7 @@ class ShardParams:
     cls_id: int
     sep_id: int
     encoding_errors: str
+    objective: str  # examples.OBJECTIVES: NSP pairs, or full sentences packed for the masked LM alone
 
 
 _worker: dict = {}  # in each worker process: its tokenizer and the run's ShardParams
@@ -108,20 +109,31 @@ def build_shards(job: tuple[int, list[Segment], dict[int, str]]) -> int:
     params: ShardParams = _worker["params"]
     documents = tokenize_chunk(segments, _worker["tokenizer"], params.encoding_errors)
     count = len(documents)
-    if count == 1 and len(documents[0]) >= 2:  # one document longer than a chunk: its halves serve NSP
+    if params.objective != MLM and count == 1 and len(documents[0]) >= 2:
+        # one document longer than a chunk: its halves serve NSP
         only = documents[0]
         middle = only.first + len(only) // 2
         documents = [TokenizedDocument(only.tokens, only.bounds, only.first, middle),
                      TokenizedDocument(only.tokens, only.bounds, middle, only.last)]
     for max_seq_length, directory in directories.items():
         writer = ShardWriter(directory, shard_name(number), params.vocab_size)
-        if len(documents) >= 2:
-            rng = random.Random(f"{params.seed}-{number}-{max_seq_length}")
-            for example in iter_examples(documents, max_seq_length, params.short_seq_prob, params.dupe_factor,
-                                           params.cls_id, params.sep_id, rng):
-                writer.add(example.tokens, example.a_length, example.next_sentence_label)
+        for example in chunk_examples(documents, max_seq_length, params, number):
+            writer.add(example.tokens, example.a_length, example.next_sentence_label)
         write_text(marker_path(directory, number), json.dumps({**writer.finish(), "documents": count}) + "\n")
     return sum(s.end - s.start for s in segments)
+
+
+def chunk_examples(documents: list[TokenizedDocument], max_seq_length: int, params: ShardParams,
+                   number: int) -> Iterator[Example]:
+    """The examples of chunk `number` at one length: its sentences packed in order (mlm), or NSP pairs
+    (mlm+nsp; none from a chunk of one document, which has no other to draw segment B from)."""
+    if params.objective == MLM:
+        return pack_full_sentences(documents, max_seq_length, params.cls_id, params.sep_id)
+    if len(documents) < 2:
+        return iter(())
+    rng = random.Random(f"{params.seed}-{number}-{max_seq_length}")
+    return iter_examples(documents, max_seq_length, params.short_seq_prob, params.dupe_factor, params.cls_id,
+                         params.sep_id, rng)
 
 
 def stop_worker() -> None:

@@ -4,12 +4,14 @@ A dataset directory (one per max_seq_length) holds:
 - shard_NNNNN.bin: the token ids of its examples, back to back, little-endian uint16 (uint32 when
   the vocabulary has more than 65536 entries);
 - shard_NNNNN.idx.npy: one record per example, INDEX_DTYPE: offset (in tokens) into the .bin,
-  length, a_length (tokens of [CLS] A [SEP]) and next_sentence_label;
+  length, a_length (tokens of [CLS] A [SEP]; the whole example for the mlm objective) and
+  next_sentence_label (0 for mlm, which has none);
 - vocab.txt: the vocabulary, so that training needs no tokenizer library;
 - index.json: format version, max_seq_length, vocab size, special token ids, the shards with their
   example and token counts and sha256, the sha256 of the tokenizer, a fingerprint of the whole
-  dataset (tokenizer and shards) and the options that made it. It is written last: a directory
-  without it is not a dataset.
+  dataset (tokenizer and shards) and the options that made it, among them the objective the examples
+  are for (examples.OBJECTIVES; absent in datasets made before mlm, which are mlm+nsp). It is written
+  last: a directory without it is not a dataset.
 Both files of a shard are opened with np.memmap / np.load(mmap_mode="r"), so a reader touches only
 the pages of the examples it reads: each rank of a multi-GPU run reads its own examples and nothing
 else, and the OS page cache is shared by the ranks of a node.
@@ -23,7 +25,7 @@ import os
 
 import numpy as np
 
-from fastbert.data.examples import Example
+from fastbert.data.examples import MLM_NSP, Example
 from fastbert.files import write_text
 
 FORMAT_VERSION = 1
@@ -139,6 +141,8 @@ class ShardedDataset:
         self.max_seq_length = int(self.metadata["max_seq_length"])
         self.vocab_size = int(self.metadata["vocab_size"])
         self.special_ids = {k: int(v) for k, v in self.metadata["special_ids"].items()}
+        # what the examples were made for: NSP pairs or full sentences (datasets older than the option: NSP)
+        self.objective = self.metadata.get("options", {}).get("objective", MLM_NSP)
         dtype = token_dtype(self.vocab_size)
         self._tokens, self._index = [], []
         for shard in self.metadata["shards"]:

@@ -10,22 +10,26 @@ import hashlib
 import logging
 import os
 
+from fastbert.data.examples import MLM_NSP
 from fastbert.data.shards import INDEX_FILE, VOCAB_FILE
 
 logger = logging.getLogger("fastbert.train")
 
 # a difference here means the resumed run is not the checkpoint's run continued exactly
-EXACT_OPTIONS = ("optimizer", "beta1", "beta2", "eps", "weight_decay", "batch_size", "seed", "seq_lengths",
+EXACT_OPTIONS = ("objective", "optimizer", "beta1", "beta2", "eps", "weight_decay", "batch_size", "seed", "seq_lengths",
                  "mask_prob", "whole_word_masking", "precision")
 # these may change on resume: the new value is used from the resume step on
 CHANGEABLE_OPTIONS = ("steps", "lr", "warmup", "max_grad_norm", "phase_fractions", "micro_batch_size", "log_every",
                       "save_every", "keep_checkpoints", "max_bad_steps", "stop_at", "activation_checkpointing",
                       "distributed", "device", "prefetch", "threads", "progress", "peak_tflops")
-# BertConfig fields that shape the weights: a checkpoint with others cannot be loaded at all
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings",
+# config fields that shape the weights: a checkpoint with others cannot be loaded at all (model_type: the
+# architecture, whose weights have other names)
+SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings",
                 "type_vocab_size")
 MODEL_FIELDS = SHAPE_FIELDS + ("num_attention_heads", "hidden_act", "hidden_dropout_prob",
                                "attention_probs_dropout_prob", "layer_norm_eps", "pad_token_id")
+# what a checkpoint written before a field was recorded ran with
+RECORDED_LATER = {"objective": MLM_NSP, "model_type": "bert"}
 
 
 def dataset_digest(directory: str) -> str:
@@ -55,11 +59,11 @@ def check_resume(saved: dict, current: dict, checkpoint: str, accept_changes: bo
 
     shapes, exact = [], []
     for name in MODEL_FIELDS:
-        was, now = saved["model"].get(name), current["model"][name]
+        was, now = saved["model"].get(name, RECORDED_LATER.get(name)), current["model"][name]
         if was != now:
             (shapes if name in SHAPE_FIELDS else exact).append(f"--model.{name}: checkpoint {was!r}, now {now!r}")
     for name in EXACT_OPTIONS:
-        was, now = saved["options"].get(name), current["options"][name]
+        was, now = saved["options"].get(name, RECORDED_LATER.get(name)), current["options"][name]
         if was != now:
             exact.append(f"{flag(name)}: checkpoint {was!r}, now {now!r}")
     for length, digest in current["data"].items():

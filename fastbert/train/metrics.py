@@ -4,6 +4,7 @@ FLOPs follow DESIGN.md: a [M,K]x[K,N] matmul is 2MNK, training is 3x the forward
 s real tokens (padding is not counted, whatever the kernels do with it), the forward is
     per layer: 2 s (4 H^2 + 2 H I)  [QKV, output, FFN]  +  4 s^2 H  [QK^T and PV]
     heads:     2 m (H^2 + H V) on the m masked tokens (the MLM head runs only there), 2 (H^2 + 2H)
+               [the pooler and the NSP classifier, per sequence; none for the mlm objective]
 MFU = achieved model FLOP/s / the device's measured matmul rate in the run's compute dtype.
 """
 from __future__ import annotations
@@ -17,22 +18,27 @@ from dataclasses import dataclass
 
 import torch
 
+from fastbert.data.examples import MLM_NSP
+
 logger = logging.getLogger("fastbert.train")
 
 
-def encoder_flops(config, lengths: torch.Tensor) -> float:
-    """Forward FLOPs of BertModel (the layers and the pooler) over sequences of these real lengths."""
+def encoder_flops(config, lengths: torch.Tensor, pooler: bool = True) -> float:
+    """Forward FLOPs of BertModel (the layers and, unless pooler=False, the pooler) over sequences of these
+    real lengths."""
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     lengths = lengths.to(torch.float64)
     encoder = layers * (2 * (4 * h * h + 2 * h * i) * lengths.sum() + 4 * h * (lengths ** 2).sum())
-    return float(encoder + 2 * len(lengths) * h * h)
+    return float(encoder + pooler * 2 * len(lengths) * h * h)
 
 
-def training_flops(config, lengths: torch.Tensor, masked_tokens: int) -> float:
-    """FLOPs of one training pass (forward + backward) over sequences of these real lengths."""
+def training_flops(config, lengths: torch.Tensor, masked_tokens: int, objective: str = MLM_NSP) -> float:
+    """FLOPs of one training pass (forward + backward) over sequences of these real lengths: the masked-LM
+    model's for the mlm objective (no pooler, no NSP classifier)."""
     h, v = config.hidden_size, config.vocab_size
-    heads = 2 * masked_tokens * (h * h + h * v) + 4 * len(lengths) * h  # MLM head, NSP classifier
-    return 3.0 * (encoder_flops(config, lengths) + heads)
+    nsp = objective == MLM_NSP
+    heads = 2 * masked_tokens * (h * h + h * v) + nsp * 4 * len(lengths) * h  # MLM head, NSP classifier
+    return 3.0 * (encoder_flops(config, lengths, pooler=nsp) + heads)
 
 
 def recompute_flops_per_token(config, activation_checkpointing: str, seq_length: int) -> float:
@@ -104,11 +110,12 @@ class Window:
 
     reduce: sums a float64 tensor over the ranks (the host's token and FLOP counts are per rank).
     carried: a checkpoint's window (carry()), so that the first line after a resume averages the
-    same steps as the uninterrupted run's.
+    same steps as the uninterrupted run's. objective: with mlm the lines have no NSP loss or accuracy
+    (and, until the masked-LM model reports it, no [MASK] accuracy).
     """
 
-    def __init__(self, device: torch.device, reduce, carried: dict | None = None):
-        self.device, self.reduce = device, reduce
+    def __init__(self, device: torch.device, reduce, carried: dict | None = None, objective: str = MLM_NSP):
+        self.device, self.reduce, self.objective = device, reduce, objective
         self.sums = torch.zeros(len(FINITE_STATS), dtype=torch.float64, device=device)
         self.skipped = torch.zeros((), dtype=torch.float64, device=device)
         self.bad: list[tuple[int, torch.Tensor]] = []
@@ -156,13 +163,15 @@ class Window:
         """One metrics line: the given fields (step, phase, ...) and the averages and rates of the window;
         then the window starts afresh. loss is None when every step of the window was skipped."""
         totals, record = reading.sums, dict(fields)
+        nsp = self.objective == MLM_NSP
         if totals["masked_tokens"] > 0:
             mlm_loss = totals["mlm_loss"] / totals["masked_tokens"]
-            nsp_loss = totals["nsp_loss"] / totals["sequences"]
-            record.update(loss=mlm_loss + nsp_loss, mlm_loss=mlm_loss, nsp_loss=nsp_loss,
-                          mlm_accuracy=totals["mlm_correct"] / totals["masked_tokens"],
-                          mlm_mask_accuracy=totals["mask_correct"] / max(totals["mask_tokens"], 1),
-                          nsp_accuracy=totals["nsp_correct"] / totals["sequences"])
+            nsp_loss = totals["nsp_loss"] / totals["sequences"] if nsp else 0.0
+            record.update(loss=mlm_loss + nsp_loss, mlm_loss=mlm_loss,
+                          mlm_accuracy=totals["mlm_correct"] / totals["masked_tokens"])
+            if nsp:
+                record.update(nsp_loss=nsp_loss, mlm_mask_accuracy=totals["mask_correct"] / max(totals["mask_tokens"], 1),
+                              nsp_accuracy=totals["nsp_correct"] / totals["sequences"])
         else:
             record["loss"] = None
         record.update(tokens_per_s=totals["tokens"] / reading.elapsed,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from fastbert.config import ACTIVATION_CHECKPOINTING
 from fastbert.data.corpus import STDLIB
+from fastbert.data.examples import MLM_NSP, OBJECTIVES
 from fastbert.train import distributed
 
 PRESETS = ("tiny", "base", "large")
@@ -42,6 +43,7 @@ class PretrainConfig:
     out: str = ""  # output directory; "" = ./runs/<run_name>
     data: str = STDLIB  # `fastbert prepare-data` output (holding seq128/, seq512/, ...) or "stdlib" (built in)
     model: str = "tiny"  # tiny | base | large (BertConfig's sizes), or an HF config.json (file or directory)
+    objective: str = MLM_NSP  # mlm+nsp (BERT's) | mlm: masked LM alone on packed full sentences (RoBERTa's)
     steps: int = 400  # optimizer steps in all (the paper: 1,000,000)
     batch_size: int = 32  # global batch: sequences per optimizer step, all ranks together (the paper: 256)
     micro_batch_size: str = ""  # per rank per forward, one or one per phase; "" = all; auto = the most the GPU fits
@@ -86,6 +88,7 @@ class PretrainConfig:
                   ("peak_tflops", self.peak_tflops >= 0, ">= 0"), ("prefetch", self.prefetch >= 1, ">= 1"),
                   ("threads", self.threads >= 0, ">= 0"),
                   ("optimizer", self.optimizer in OPTIMIZERS, f"one of {OPTIMIZERS}"),
+                  ("objective", self.objective in OBJECTIVES, f"one of {OBJECTIVES}"),
                   ("device", self.device in DEVICES, f"one of {DEVICES}"),
                   ("precision", self.precision in PRECISIONS, f"one of {PRECISIONS}"),
                   ("activation_checkpointing", self.activation_checkpointing in ACTIVATION_CHECKPOINTING,
@@ -126,7 +129,7 @@ def parse_args(argv: list[str], description: str) -> tuple[PretrainConfig, dict]
                              "the built-in corpus (--data stdlib), paper on your --data (default: auto)")
     parser.add_argument("--config", help="JSON file of options (the keys below, and model.<field> keys)")
     comments = _field_comments()
-    choices = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "device": DEVICES,
+    choices = {"objective": OBJECTIVES, "optimizer": OPTIMIZERS, "precision": PRECISIONS, "device": DEVICES,
                "distributed": distributed.STRATEGIES, "activation_checkpointing": ACTIVATION_CHECKPOINTING}
     for field in dataclasses.fields(PretrainConfig):
         flag = "--" + field.name.replace("_", "-")

@@ -1,8 +1,9 @@
-"""`fastbert pretrain`: BERT pretraining (masked LM + next sentence prediction), one process or many.
-DESCRIPTION below is the command's help; options.py holds the options and the presets.
+"""`fastbert pretrain`: BERT pretraining (masked LM + next sentence prediction, or the masked LM alone with
+--objective mlm), one process or many. DESCRIPTION below is the command's help; options.py holds the options
+and the presets.
 
 Loss normalisation: the MLM loss is the mean over all masked tokens of the global batch and the NSP
-loss the mean over its sequences, whatever the number of ranks and micro-batches: each micro-batch
+loss (mlm+nsp) the mean over its sequences, whatever the number of ranks and micro-batches: each micro-batch
 contributes its sums divided by the global counts, so a run on N ranks with accumulation computes
 the gradient of a 1-rank run on the same global batch.
 
@@ -38,8 +39,14 @@ DESCRIPTION = """BERT pretraining (masked LM + next sentence prediction), one pr
 
     fastbert pretrain                                   # the demo: a small model learns on a CPU
     fastbert pretrain --data data/ --model base --steps 1000000 --batch-size 256
+    fastbert pretrain --objective mlm --data mlm-data/ --model roberta/config.json   # no NSP, as RoBERTa
     torchrun --nproc_per_node=8 -m fastbert.cli pretrain --data data/ --model large --distributed fsdp
     fastbert pretrain --config run.json --lr 2e-4 --model.hidden_dropout_prob 0.0
+
+--objective mlm+nsp (the default, the paper's) trains BertForPreTraining on [CLS] A [SEP] B [SEP] pairs;
+--objective mlm trains the masked-LM model alone (no NSP head or loss) on full sentences packed across
+documents, from `fastbert prepare-data --objective mlm` (a dataset made for one objective is refused by the
+other). Either way each example gets a new mask every epoch, drawn from the run's seed.
 
 Options start from a preset (--preset: the demo on the built-in corpus, the paper's recipe on your --data),
 then --config FILE (JSON of the options below), then flags; --model.<field> VALUE sets a field of the
@@ -96,7 +103,7 @@ class PhaseBatches:
             phase = run.phases[index]
             loader = PretrainingLoader(phase.dataset, phase.collator, run.cfg.batch_size, phase.micro_batch_size,
                                        run.env.rank, run.env.world_size, run.cfg.seed, index)
-            steps = ((batches, host_stats(batches, run.config, phase.collator.mask_id))
+            steps = ((batches, host_stats(batches, run.config, phase.collator.mask_id, run.cfg.objective))
                      for batches in loader.steps(progress.position))
             self.stream = prefetch(steps, run.cfg.prefetch, run.env.device.type == "cuda")
         micro_batches, host = next(self.stream)
@@ -165,7 +172,7 @@ def _save(run: Run, saver: state.Saver, progress: state.Progress, reading, last:
 
 def train(cfg: PretrainConfig, model_overrides: dict | None = None) -> dict:
     """Run (or resume) pretraining; returns {"step", "out", "checkpoint", "stopped", "skipped_steps", "model",
-    "report"} (model: the trained BertForPreTraining, its parameters sharded under FSDP2; report: the lines
+    "report"} (model: the trained model, run.model_class's, its parameters sharded under FSDP2; report: the lines
     the command prints as its result on rank 0, none elsewhere).
 
     Raises ValueError for bad options or data (OSError for files that cannot be written), TrainingError
@@ -203,7 +210,8 @@ def _train(run: Run, progress: state.Progress, saver: state.Saver) -> dict:
     metrics = MetricsLog(run.metrics_file, run.env.is_main, progress.step if run.resume else None)
     _log_start(run)
     peak = (cfg.peak_tflops * 1e12 or measure_peak_flops(run.env.device, run.dtype)) * run.env.world_size
-    window = Window(run.env.device, lambda t: distributed.all_reduce_sum(t, run.env), progress.window)
+    window = Window(run.env.device, lambda t: distributed.all_reduce_sum(t, run.env), progress.window,
+                    cfg.objective)
     bar = tqdm(total=cfg.steps, initial=progress.step, disable=not (run.env.is_main and cfg.progress),
                dynamic_ncols=True)
     last_saved, stopped, batches = progress.step if run.resume else -1, None, PhaseBatches(run, progress)
@@ -271,7 +279,7 @@ def _result(run: Run, progress: state.Progress, path: str | None, stopped: str |
 
 def _log_start(run: Run) -> None:
     config, cfg = run.config, run.cfg
-    run.info(f"pretraining BERT ({config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
+    run.info(f"pretraining {type(run.model).__name__} ({cfg.objective}; {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
              f"{config.vocab_size}) on {run.env.world_size} x {run.env.device.type}, {run.dtype}, {cfg.steps} steps "
              f"of {cfg.batch_size} sequences, phases {[(p.seq_length, p.end - p.start) for p in run.phases]}")
     run.info(f"output: {os.path.abspath(run.out)} (metrics.jsonl, checkpoints/)")
@@ -283,9 +291,9 @@ def _summary(record: dict, run: Run) -> str:
     if record["loss"] is None:
         return "every step skipped"
     mfu = f" MFU {record['mfu']:.1%}" if run.env.device.type == "cuda" else ""
-    return (f"loss {record['loss']:.3f} mlm_acc {record['mlm_accuracy']:.3f} "
-            f"[MASK]_acc {record['mlm_mask_accuracy']:.3f} nsp_acc {record['nsp_accuracy']:.3f} "
-            f"tok/s {record['tokens_per_s']:.0f}{mfu}")
+    accuracies = "".join(f" {name} {record[key]:.3f}" for name, key in (
+        ("mlm_acc", "mlm_accuracy"), ("[MASK]_acc", "mlm_mask_accuracy"), ("nsp_acc", "nsp_accuracy")) if key in record)
+    return f"loss {record['loss']:.3f}{accuracies} tok/s {record['tokens_per_s']:.0f}{mfu}"
 
 
 def main(argv: list[str] | None = None) -> int:

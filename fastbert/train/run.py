@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from fastbert.data.corpus import STDLIB
+from fastbert.data.examples import MLM, MLM_NSP
 from fastbert.data.masking import MaskingCollator
 from fastbert.data.shards import INDEX_FILE, ShardedDataset
 from fastbert.train import checkpoint, distributed
@@ -124,25 +125,34 @@ def _recorded_micro_batches(resume: str | None) -> dict[int, int]:
     return dict(zip(lengths, sizes * len(lengths) if len(sizes) == 1 else sizes))
 
 
-def stdlib_data(vocab_size: int, seq_lengths: list[int], env: distributed.Dist) -> str:
-    """The built-in corpus (Python's docstrings), prepared once into the cache by rank 0 (under the cache's
-    lock: fastbert.data.prepare.builtin_dataset); the other ranks wait."""
+def stdlib_data(vocab_size: int, seq_lengths: list[int], env: distributed.Dist, objective: str = MLM_NSP) -> str:
+    """The built-in corpus (Python's docstrings) prepared for `objective`, once into the cache by rank 0 (under
+    the cache's lock: fastbert.data.prepare.builtin_dataset); the other ranks wait."""
     from fastbert.data.prepare import builtin_dataset, builtin_dir
 
     if env.is_main:
-        builtin_dataset(vocab_size, seq_lengths)
+        builtin_dataset(vocab_size, seq_lengths, objective)
     if env.distributed:
         torch.distributed.barrier()
-    return builtin_dir(vocab_size)
+    return builtin_dir(vocab_size, objective)
 
 
-def phase_dataset(data: str, seq_length: int) -> ShardedDataset:
+def phase_dataset(data: str, seq_length: int, objective: str = MLM_NSP) -> ShardedDataset:
+    """The dataset of length seq_length in `data`; ValueError when there is none, or when it was prepared for
+    another objective (NSP pairs and packed full sentences are different examples)."""
     for candidate in (os.path.join(data, f"seq{seq_length}"), data):
         path = os.path.join(candidate, INDEX_FILE)
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
-                if json.load(f).get("max_seq_length") == seq_length:
-                    return ShardedDataset(candidate)
+                if json.load(f).get("max_seq_length") != seq_length:
+                    continue
+            dataset = ShardedDataset(candidate)
+            if dataset.objective != objective:
+                raise ValueError(f"the dataset {candidate} was prepared for --objective {dataset.objective}, this run's "
+                                 f"--objective is {objective}: prepare one for it with `fastbert prepare-data "
+                                 f"--objective {objective} --max-seq-length {seq_length} --out DIR ...` (another "
+                                 f"--out), or run --objective {dataset.objective}")
+            return dataset
     raise ValueError(f"no dataset with max_seq_length {seq_length} in {data!r} (looked for {data}/seq{seq_length}/); "
                      f"create it with `fastbert prepare-data --max-seq-length {seq_length} --out {data} ...`")
 
@@ -160,6 +170,22 @@ def model_config(cfg: PretrainConfig, overrides: dict):
     return BertConfig.from_json(cfg.model, **overrides)
 
 
+def model_class(config, objective: str) -> type:
+    """What a run trains: BERT's pretraining model (masked LM and next sentence prediction heads) for mlm+nsp,
+    the masked-LM model for mlm. ValueError for mlm+nsp with a model that is not BERT's."""
+    from fastbert import BertForMaskedLM, BertForPreTraining
+
+    model_type = getattr(config, "model_type", "bert")
+    if objective == MLM:
+        return BertForMaskedLM
+    if model_type != "bert":
+        raise ValueError(f"--objective {MLM_NSP} needs a BERT --model (model_type 'bert'), got model_type "
+                         f"{model_type!r}: next sentence prediction is BERT's pooler and NSP head over two segments "
+                         f"of token types 0 and 1, which a {model_type} model does not have; use --objective {MLM} "
+                         "(and data from `fastbert prepare-data --objective mlm`)")
+    return BertForPreTraining
+
+
 def default_run_name(cfg: PretrainConfig) -> str:
     model = cfg.model if cfg.model in PRESETS else os.path.basename(os.path.normpath(cfg.model)).removesuffix(".json")
     data = STDLIB if cfg.data == STDLIB else os.path.basename(os.path.normpath(cfg.data))
@@ -174,8 +200,8 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
 
 @dataclass
 class Run:
-    """What the training loop works with. `model` is the BertForPreTraining (sharded in place under
-    FSDP2); `wrapped` is what runs the forward (DDP's wrapper, or the model itself)."""
+    """What the training loop works with. `model` is the model_class one (sharded in place under FSDP2);
+    `wrapped` is what runs the forward (DDP's wrapper, or the model itself)."""
     cfg: PretrainConfig
     model_overrides: dict
     env: distributed.Dist
@@ -222,12 +248,13 @@ def _find_data(cfg: PretrainConfig, config, phases: list[Phase], env: distribute
     """Attach each phase's dataset and masking collator; return the config with the data's vocab size."""
     data = cfg.data
     if data == STDLIB:
-        data = stdlib_data(config.vocab_size, [p.seq_length for p in phases], env)
+        data = stdlib_data(config.vocab_size, [p.seq_length for p in phases], env, cfg.objective)
     elif not os.path.isdir(data):
         raise ValueError(f"--data {data!r} is not a directory; create it with `fastbert prepare-data`")
     for phase in phases:
-        phase.dataset = phase_dataset(data, phase.seq_length)
-        phase.collator = MaskingCollator(phase.dataset.vocabulary(), cfg.mask_prob, cfg.whole_word_masking)
+        phase.dataset = phase_dataset(data, phase.seq_length, cfg.objective)
+        phase.collator = MaskingCollator(phase.dataset.vocabulary(), cfg.mask_prob, cfg.whole_word_masking,
+                                         next_sentence=cfg.objective == MLM_NSP)
         # the collator labels about mask_prob of a sequence's tokens (Google's max_predictions_per_seq: 20 at 128)
         phase.label_budget = math.ceil(phase.seq_length * cfg.mask_prob)
     return phases[0].dataset
@@ -284,7 +311,6 @@ def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
     """Check the options, join the process group, find the data, lock and prepare the output directory,
     and build the model and the optimizer: initialised from cfg.seed, or on the meta device and then
     materialised uninitialised when a checkpoint is to be loaded into them (state.restore)."""
-    from fastbert import BertForPreTraining
     from fastbert.train.fingerprint import fingerprint
 
     cfg.validate()
@@ -294,6 +320,7 @@ def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
                          f"{env.device.type!r}: give a number (--micro-batch-size 8), or leave it out for no "
                          "accumulation")
     config = model_config(cfg, dict(model_overrides))
+    trained_class = model_class(config, cfg.objective)
     phases = plan_phases(cfg, config.max_position_embeddings, env.world_size)
     sharded = env.distributed and cfg.distributed == "fsdp"
     dtype = compute_dtype(cfg.precision, env.device)
@@ -322,11 +349,11 @@ def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
         torch.manual_seed(cfg.seed)
         if resume:
             with torch.device("meta"):
-                model = BertForPreTraining(config)
+                model = trained_class(config)
             model.to_empty(device=env.device)
             model.tie_weights()
         else:
-            model = BertForPreTraining(config).to(env.device)
+            model = trained_class(config).to(env.device)
         # not a math change (the recomputation reruns the same kernels with the same dropout seeds), so a
         # resume may change it (fingerprint.CHANGEABLE_OPTIONS)
         model.config.activation_checkpointing = cfg.activation_checkpointing

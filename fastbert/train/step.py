@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastbert.data.examples import MLM_NSP
 from fastbert.data.masking import IGNORE_INDEX
 from fastbert.train import distributed
 from fastbert.train.metrics import training_flops
@@ -33,13 +34,13 @@ class HostStats:
     most_labelled: int  # the most labelled tokens of one sequence
 
 
-def host_stats(micro_batches: list[dict], config, mask_id: int) -> HostStats:
+def host_stats(micro_batches: list[dict], config, mask_id: int, objective: str = MLM_NSP) -> HostStats:
     masked = [int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches]
     shown_masked = [int(((mb["labels"] != IGNORE_INDEX) & (mb["input_ids"] == mask_id)).sum()) for mb in micro_batches]
     lengths = [mb["attention_mask"].sum(1) for mb in micro_batches]
     most = max(int((mb["labels"] != IGNORE_INDEX).sum(1).max()) for mb in micro_batches)
     return HostStats(masked, shown_masked, [mb["input_ids"].shape[0] for mb in micro_batches],
-                     int(sum(n.sum() for n in lengths)), sum(training_flops(config, n, m) for n, m in zip(lengths, masked)),
+                     int(sum(n.sum() for n in lengths)), sum(training_flops(config, n, m, objective) for n, m in zip(lengths, masked)),
                      most)
 
 
@@ -47,7 +48,7 @@ def host_stats(micro_batches: list[dict], config, mask_id: int) -> HostStats:
 class StepResult:
     """Device tensors, none read by the step."""
     sums: torch.Tensor  # float64 [5]: MLM loss, NSP loss, MLM correct, NSP correct, MLM correct at [MASK],
-    # summed over the global batch
+    # summed over the global batch (the NSP terms 0 for the mlm objective)
     grad_norm: torch.Tensor  # 0-d, before clipping
     skipped: torch.Tensor  # bool 0-d: the update was not applied
     bad: torch.Tensor  # bool 0-d: a non-finite loss or gradient (fp16 overflows alone are the scaler's business)
@@ -55,24 +56,32 @@ class StepResult:
 
 
 def train_step(run: Run, micro_batches: list[dict], host: HostStats, masked_global: float) -> StepResult:
-    """masked_global: labelled tokens of the global batch, all ranks together (the MLM loss's divisor)."""
+    """masked_global: labelled tokens of the global batch, all ranks together (the MLM loss's divisor).
+    With the mlm objective the model has no NSP head and the loss is the MLM loss alone."""
     env, cfg, scaler, optimizer = run.env, run.cfg, run.scaler, run.optimizer
     autocast = torch.autocast(env.device.type, dtype=run.dtype, enabled=run.dtype != torch.float32)
     mask_id = run.phases[0].collator.mask_id
     sums = torch.zeros(5, dtype=torch.float64, device=env.device)
+    zero = torch.zeros((), device=env.device)  # the mlm objective's NSP terms (and, for now, its [MASK] accuracy)
     for i, (mb, masked, shown_masked, rows) in enumerate(zip(micro_batches, host.masked, host.shown_masked,
                                                              host.sequences)):
         mb = {k: v.to(env.device, non_blocking=True) for k, v in mb.items()}
         with distributed.gradient_sync(run.wrapped, i == len(micro_batches) - 1):
             with autocast:
-                output = run.wrapped(**mb, return_logits=False, validate=False, mask_token_id=mask_id)
-            mlm_sum = output.mlm_loss.float() * masked
-            nsp_sum = output.nsp_loss.float() * rows
+                if cfg.objective == MLM_NSP:
+                    output = run.wrapped(**mb, return_logits=False, validate=False, mask_token_id=mask_id)
+                    terms = (output.mlm_loss, output.mlm_accuracy, output.mlm_mask_accuracy, output.nsp_loss,
+                             output.nsp_accuracy)
+                else:
+                    output = run.wrapped(**mb, return_logits=False, validate=False)
+                    terms = (output.loss, output.accuracy, zero, zero, zero)
+            mlm_loss, mlm_accuracy, mask_accuracy, nsp_loss, nsp_accuracy = terms
+            mlm_sum, nsp_sum = mlm_loss.float() * masked, nsp_loss.float() * rows
             loss = (mlm_sum / masked_global + nsp_sum / cfg.batch_size) * env.world_size
             scaler.scale(loss).backward()
         sums += torch.stack([mlm_sum.detach().double(), nsp_sum.detach().double(),
-                             output.mlm_accuracy.detach().double() * masked, output.nsp_accuracy.detach().double() * rows,
-                             output.mlm_mask_accuracy.detach().double() * shown_masked])
+                             mlm_accuracy.detach().double() * masked, nsp_accuracy.detach().double() * rows,
+                             mask_accuracy.detach().double() * shown_masked])
     sums = distributed.all_reduce_sum(sums, env)  # over the global batch
     scaler.unscale_(optimizer)
     norm = distributed.full_tensor(_clip_gradients(run.model, cfg.max_grad_norm))
