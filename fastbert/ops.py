@@ -221,40 +221,80 @@ def _check_attention_args(q, k, v, attention_mask, dropout_p) -> None:
     _check_dropout(dropout_p)
 
 
-def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, backend=None):
-    """softmax(q k^T * scale + key padding mask) v, bidirectional.
+def _check_relative_bias(relative_bias, relative_buckets, heads, device) -> None:
+    """relative_bias float [num_buckets, heads] and relative_buckets int32 [2D + 1] on q's device, or both
+    None. (Bucket values are not read here: that would wait for the GPU; the kernels and the reference
+    index with them as given.)"""
+    if (relative_bias is None) != (relative_buckets is None):
+        given, missing = ("relative_bias", "relative_buckets") if relative_buckets is None else (
+            "relative_buckets", "relative_bias")
+        raise ValueError(f"{given} was given without {missing}: the relative-position bias needs both")
+    if relative_bias is None:
+        return
+    if relative_bias.dim() != 2 or relative_bias.shape[0] < 1 or relative_bias.shape[1] != heads:
+        raise ValueError(f"relative_bias has shape {tuple(relative_bias.shape)}, expected [num_buckets >= 1, "
+                         f"heads = {heads}]")
+    if not relative_bias.is_floating_point():
+        raise ValueError(f"relative_bias has dtype {relative_bias.dtype}, expected a floating dtype")
+    if relative_buckets.dtype != torch.int32 or relative_buckets.dim() != 1 or relative_buckets.numel() % 2 != 1:
+        raise ValueError(f"relative_buckets must be int32 [2 * max_distance + 1] (an odd length), got "
+                         f"{relative_buckets.dtype} {tuple(relative_buckets.shape)}")
+    for name, tensor in (("relative_bias", relative_bias), ("relative_buckets", relative_buckets)):
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, q on {device}; all must share one device")
+
+
+relative_position_buckets = reference.relative_position_buckets
+
+
+def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, backend=None,
+              relative_bias=None, relative_buckets=None):
+    """softmax(q k^T * scale + key padding mask + relative-position bias) v, bidirectional.
 
     q, k, v [B, heads, S, d]; attention_mask [B, S], 1 = token, 0 = padding (bool or int).
     scale defaults to d ** -0.5. Padded query rows come out as zeros; never NaN.
+    relative_bias [num_buckets, heads] (any float dtype: MPNet's relative_attention_bias.weight, which gets
+    its gradient) with relative_buckets int32 [2D + 1] from `relative_position_buckets`, or both None:
+    score (i, j) of head h gets relative_bias[relative_buckets[clamp(j - i, -D, D) + D], h].
     """
     _check_attention_args(q, k, v, attention_mask, dropout_p)
-    if resolve_backend(backend, q, k, v, attention_mask) == "triton":
+    _check_relative_bias(relative_bias, relative_buckets, q.shape[1], q.device)
+    if resolve_backend(backend, q, k, v, attention_mask, relative_bias, relative_buckets) == "triton":
         q, k, v = _matmul_inputs(q, k, v)
-        return KERNELS["attention"].attention(q, k, v, attention_mask, dropout_p, scale, training)
-    return reference.attention(q, k, v, attention_mask, dropout_p, scale, training)
+        return KERNELS["attention"].attention(q, k, v, attention_mask, dropout_p, scale, training, relative_bias,
+                                              relative_buckets)
+    return reference.attention(q, k, v, attention_mask, dropout_p, scale, training, relative_bias, relative_buckets)
 
 
-def attention_with_probs(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True):
+def attention_with_probs(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, relative_bias=None,
+                         relative_buckets=None):
     """`attention` plus the attention probabilities [B, heads, S, S] (transformers' output_attentions).
     The probabilities are materialised, which is what a fused kernel avoids, so this runs the
     reference on every backend."""
     _check_attention_args(q, k, v, attention_mask, dropout_p)
-    return reference.attention_with_probs(q, k, v, attention_mask, dropout_p, scale, training)
+    _check_relative_bias(relative_bias, relative_buckets, q.shape[1], q.device)
+    return reference.attention_with_probs(q, k, v, attention_mask, dropout_p, scale, training, relative_bias,
+                                          relative_buckets)
 
 
-def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None, training=True, backend=None):
+def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None, training=True, backend=None,
+                     relative_bias=None, relative_buckets=None):
     """Attention over packed sequences: q, k, v [T, heads, d]; cu_seqlens int32 [B+1] (0, ..., T);
-    max_seqlen the longest sequence. Each token attends to the tokens of its own sequence only."""
+    max_seqlen the longest sequence. Each token attends to the tokens of its own sequence only.
+    relative_bias, relative_buckets as in `attention`, with the positions inside each sequence."""
     if q.dim() != 3 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"q, k, v must share one [T, heads, d] shape, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be int32 [B+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
     _check_dropout(dropout_p)
-    if resolve_backend(backend, q, k, v, cu_seqlens) == "triton":
+    _check_relative_bias(relative_bias, relative_buckets, q.shape[1], q.device)
+    if resolve_backend(backend, q, k, v, cu_seqlens, relative_bias, relative_buckets) == "triton":
         q, k, v = _matmul_inputs(q, k, v)
-        return KERNELS["attention"].attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training)
-    return reference.attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training)
+        return KERNELS["attention"].attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training,
+                                                     relative_bias, relative_buckets)
+    return reference.attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training, relative_bias,
+                                      relative_buckets)
 
 
 unpad = reference.unpad

@@ -3,6 +3,8 @@ Triton kernels are tested against. Same signatures and semantics as `fastbert.op
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -65,27 +67,81 @@ def _zero_padded_queries(out, attention_mask):
     return out * attention_mask.to(out.dtype)[:, None, :, None]
 
 
-def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True):
-    """softmax(q k^T * scale + key mask) v, bidirectional.
+def relative_position_buckets(num_buckets: int = 32, max_distance: int = 128, device=None) -> torch.Tensor:
+    """int32 [2 * max_distance + 1]: entry [d + max_distance] is the bucket of key-minus-query distance d,
+    by T5's bidirectional bucketing as transformers' MPNet computes it (MPNetEncoder.relative_position_bucket):
+    the lower half of the buckets for keys at or before the query, the upper half for keys after it; in each
+    half, distances below num_buckets // 4 get a bucket each, longer ones logarithmically wider buckets up to
+    max_distance. Every |d| >= max_distance falls in the bucket of +-max_distance, so any distance is looked
+    up as buckets[clamp(d, -max_distance, max_distance) + max_distance].
+
+    Computed on `device` with transformers' arithmetic, in its order and precisions (an fp32 log divided by
+    a float64 constant, truncated), so the buckets at the log buckets' boundaries are transformers' own on
+    that device. Raises ValueError unless num_buckets >= 4 and max_distance > num_buckets // 4.
+    """
+    half = num_buckets // 2
+    max_exact = half // 2
+    if num_buckets < 4:
+        raise ValueError(f"num_buckets is {num_buckets}; T5's bidirectional bucketing needs at least 4")
+    if max_distance <= max_exact:
+        raise ValueError(f"max_distance is {max_distance}; it must exceed num_buckets // 4 = {max_exact}, "
+                         f"the distances that get a bucket each")
+    distance = torch.arange(-max_distance, max_distance + 1, device=device)  # key - query
+    after = distance > 0
+    n = distance.abs()
+    # the log's argument is clamped to max_exact where the exact bucket is taken instead, so no log(0)
+    log_ratio = torch.log(n.clamp(min=max_exact).float() / max_exact) / math.log(max_distance / max_exact)
+    log_bucket = (max_exact + (log_ratio * (half - max_exact)).long()).clamp(max=half - 1)
+    bucket = torch.where(n < max_exact, n, log_bucket) + after.long() * half
+    return bucket.to(torch.int32)
+
+
+def _relative_position_bias(relative_bias, relative_buckets, seqlen, dtype):
+    """[heads, S, S] in `dtype`: entry [h, i, j] = relative_bias[bucket of j - i, h]. relative_bias
+    [num_buckets, heads]; relative_buckets int32 [2D + 1] from relative_position_buckets."""
+    max_distance = (relative_buckets.numel() - 1) // 2
+    positions = torch.arange(seqlen, device=relative_buckets.device)
+    distance = (positions[None, :] - positions[:, None]).clamp(-max_distance, max_distance)  # [S, S]
+    buckets = relative_buckets[distance + max_distance].long()  # [S, S]
+    return relative_bias.to(dtype)[buckets].permute(2, 0, 1)
+
+
+def _score_bias(q, attention_mask, relative_bias, relative_buckets):
+    """What is added to q k^T * scale: the key mask's bias [B, 1, 1, S] plus the relative-position bias
+    [heads, S, S] (either may be absent: None when both are)."""
+    bias = None if attention_mask is None else _key_mask_bias(attention_mask, q.dtype)
+    if relative_bias is not None:
+        position_bias = _relative_position_bias(relative_bias, relative_buckets, q.shape[2], q.dtype)
+        bias = position_bias if bias is None else bias + position_bias
+    return bias
+
+
+def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, relative_bias=None,
+              relative_buckets=None):
+    """softmax(q k^T * scale + key mask + relative-position bias) v, bidirectional.
 
     q, k, v [B, heads, S, d]; attention_mask [B, S] with 1 = token, 0 = padding (bool or int).
+    relative_bias [num_buckets, heads] (any float dtype, cast to q's) with relative_buckets int32 [2D + 1]
+    (relative_position_buckets), or both None: MPNet's bias relative_bias[bucket(j - i), h] on score (i, j)
+    of head h, materialised [heads, S, S].
     Padded query rows come out as zeros, so a fully padded sequence gives zeros, never NaN.
     """
     p = dropout_p if training else 0.0
-    if attention_mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=scale)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=_key_mask_bias(attention_mask, q.dtype), dropout_p=p,
-                                         scale=scale)
-    return _zero_padded_queries(out, attention_mask)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=_score_bias(q, attention_mask, relative_bias,
+                                                                        relative_buckets),
+                                         dropout_p=p, scale=scale)
+    return out if attention_mask is None else _zero_padded_queries(out, attention_mask)
 
 
-def attention_with_probs(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True):
+def attention_with_probs(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, relative_bias=None,
+                         relative_buckets=None):
     """`attention` that also returns the probabilities [B, heads, S, S] (before dropout), as
     transformers' output_attentions does. It materialises the S x S scores: for inspection, not speed."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = (q @ k.transpose(-1, -2)) * scale  # [B, heads, S, S]
-    if attention_mask is not None:
-        scores = scores + _key_mask_bias(attention_mask, scores.dtype)
+    bias = _score_bias(q, attention_mask, relative_bias, relative_buckets)
+    if bias is not None:
+        scores = scores + bias
     probs = scores.softmax(dim=-1)
     out = F.dropout(probs, dropout_p, training) @ v if dropout_p > 0 else probs @ v
     if attention_mask is not None:
@@ -93,8 +149,10 @@ def attention_with_probs(q, k, v, attention_mask=None, dropout_p=0.0, scale=None
     return out, probs
 
 
-def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None, training=True):
-    """Attention over packed sequences. q, k, v [T, heads, d]; cu_seqlens int32 [B+1]."""
+def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None, training=True, relative_bias=None,
+                     relative_buckets=None):
+    """Attention over packed sequences. q, k, v [T, heads, d]; cu_seqlens int32 [B+1]. The relative
+    positions are those inside each sequence."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [B]
     positions = torch.arange(max_seqlen, device=q.device)
     mask = positions[None, :] < lengths[:, None]  # [B, S]
@@ -104,7 +162,8 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None,
     def to_padded(t):  # [T, heads, d] -> [B, heads, S, d]
         return pad(t, indices, batch, max_seqlen).transpose(1, 2)
 
-    out = attention(to_padded(q), to_padded(k), to_padded(v), mask, dropout_p, scale, training)
+    out = attention(to_padded(q), to_padded(k), to_padded(v), mask, dropout_p, scale, training, relative_bias,
+                    relative_buckets)
     return out.transpose(1, 2).flatten(0, 1)[indices]  # [T, heads, d]
 
 

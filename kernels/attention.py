@@ -24,6 +24,26 @@
 # padded and packed layouts of the same batch draw the same mask. The seed is an int64 tensor drawn with
 # torch's generator on the tensors' device (no host sync; torch.manual_seed reproduces a mask).
 #
+# Relative-position bias (MPNet; constexpr HAS_REL_BIAS): score (i, j) of head h gets
+# relative_bias[bucket(j - i), h] added, relative_bias [num_buckets, heads] a parameter and bucket() T5's
+# bidirectional bucketing, given as a table relative_buckets [2D + 1] of the distances -D..D (every
+# longer distance is in the bucket of +-D: kernels look a distance up at clamp(j - i, -D, D) + D, integer
+# work only). Positions are offsets inside the sequence, so the padded and packed layouts agree. The
+# launcher gathers the two tables into one, bias_by_distance [heads, 2D + 1] fp32 (already times log2(e),
+# the base-2 scores' unit), so the forward and both backward phases add the bias with one gather per score
+# from a table of a few KB that stays in cache, instead of a bucket lookup then a bias lookup. The
+# backward's gradient of the bias is the sum, per head and bucket, of dS (the gradient of the natural-unit
+# score), deterministically: in the dq phase, which visits every score tile once, a program looks up each
+# score's bucket and, for the buckets its tile reaches (a range from the tile's least to greatest bucket:
+# a few at long distances, where one bucket spans many, up to all near the diagonal), adds the masked sum
+# of dS to an fp32 accumulator of one entry per bucket; it writes its sums to its own rows of a
+# [sequences, heads, slots, buckets] buffer, and the launcher adds the rows up with one torch sum (a fixed
+# order, no atomics). A slot is the smallest query block any config uses (BIAS_GRAD_SLOT_ROWS rows); a
+# program with a larger block writes its sums to its first slot and zeros to the others, so every slot is
+# written whatever block the autotuner picks (no zero fill, no stale rows from its timing runs).
+# Saved for the backward besides the usual: relative_bias and relative_buckets themselves (the parameter
+# and a small table, already alive); nothing of size S^2, and bias_by_distance is rebuilt by the backward.
+#
 # Limits. Head dim 32, 64 or 128; fp32, fp16 or bf16 (q, k, v of one dtype; fp32 dots run in TF32 on tensor
 # cores when PyTorch allows TF32 matmuls, else in exact IEEE fp32, PyTorch's default and the tests':
 # several times slower, without tensor cores and with large register spills); any sequence length
@@ -66,7 +86,7 @@ def _configs(gpu_shapes, interpreter_shape, names=("BLOCK_M", "BLOCK_N")):
 # by the layout (VARLEN, HAS_MASK), so a packed batch runs the blocks of its padded twin and gives its
 # bitwise results. Triton adds every tensor argument's dtype to the key: q's (and so out's), and those
 # of the mask, bounds, cu_seqlens and seed pointers, which are fixed (`_placeholder` when unused).
-AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "DROPOUT", "DOT_PRECISION"]
+AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "DROPOUT", "DOT_PRECISION", "HAS_REL_BIAS"]
 # Candidates per GPU architecture, (block, block, num_warps, num_stages), each checked by the compile audit
 # (`fastbert bench --suite compile`) to spill no register with Triton 3.6 and 3.9: Hopper (sm_90, warpgroup
 # MMA) and Ampere (sm_80, MMA, whose fragments need more registers for the same tile).
@@ -86,6 +106,11 @@ FWD_CONFIGS = _configs(list(dict.fromkeys(FWD_SHAPES[90] + FWD_SHAPES[80])), (12
 BWD_CONFIGS = _configs(list(dict.fromkeys(BWD_SHAPES[90] + BWD_SHAPES[80])), (128, 64, 4, 1),
                        names=("BLOCK_MAJOR", "BLOCK_MINOR"))
 PREPROCESS_BLOCK_M = 64
+# Rows of a slot of the relative-position bias gradient's partial sums: the smallest query block of any
+# backward config, which every config's block is a multiple of (all are powers of two).
+BIAS_GRAD_SLOT_ROWS = min(shape[0] for shapes in BWD_SHAPES.values() for shape in shapes)
+assert all(c.kwargs["BLOCK_MAJOR"] % BIAS_GRAD_SLOT_ROWS == 0 for c in BWD_CONFIGS)
+_BIAS_GRAD_SLOT_ROWS = tl.constexpr(BIAS_GRAD_SLOT_ROWS)  # the kernels' copy (jit code reads constexpr globals)
 # With dropout each probability draws its own Philox number, whose state takes registers: the blocks keep
 # at most this many probabilities per thread (more spilled 20 to 88 bytes in the forward, 24 in the
 # backward, on sm_90a; on sm_80, where the limits are lower, 4 to 16 bytes).
@@ -157,6 +182,23 @@ def _dropout_keep(seed, b, h, rows, cols, dropout_p):
     return tl.uint_to_uniform_float(r) >= dropout_p
 
 
+@triton.jit
+def _distance_index(queries, keys, max_distance):
+    """Index of the key-minus-query distances into the [2D + 1] tables: clamp(keys - queries, -D, D) + D,
+    in the broadcast shape of queries and keys (either orientation)."""
+    return tl.minimum(tl.maximum(keys - queries, -max_distance), max_distance) + max_distance
+
+
+@triton.jit
+def _add_bucket_sums(sums, ds, bucket, NUM_BUCKETS_PADDED: tl.constexpr):
+    """sums [NUM_BUCKETS_PADDED] plus, for each bucket n, the sum of the ds tile over the entries whose
+    bucket (a tile of bucket numbers) is n. Only the tile's own range of buckets is visited."""
+    slots = tl.arange(0, NUM_BUCKETS_PADDED)
+    for n in range(tl.min(bucket), tl.max(bucket) + 1):
+        sums += tl.where(slots == n, tl.sum(tl.where(bucket == n, ds, 0.0)), 0.0)
+    return sums
+
+
 @triton.autotune(configs=FWD_CONFIGS, key=AUTOTUNE_KEY,
                  prune_configs_by={"early_config_prune": _prune(FWD_SHAPES, FWD_DROPOUT_PROBABILITIES_PER_THREAD)})
 @triton.jit
@@ -171,6 +213,7 @@ def _attention_fwd_kernel(
     KEY_HI,  # [B] int32: last such position + 1 (HAS_MASK)
     CU_SEQLENS,  # [B + 1] int32 token offsets of the sequences (VARLEN)
     SEED,  # [1] int64 Philox seed (DROPOUT)
+    REL_BIAS,  # [heads, 2D + 1] fp32, contiguous: log2(e) * the bias of distance d at d + D (HAS_REL_BIAS)
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -180,8 +223,10 @@ def _attention_fwd_kernel(
     seqlen_bucket,  # next power of two of seqlen: only an autotuning key
     scale_log2,  # scale * log2(e)
     dropout_p, keep_scale,  # keep_scale = 1 / (1 - dropout_p)
+    max_distance,  # D of the relative-position tables (HAS_REL_BIAS)
     HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (kernels/numerics.py dot_precision)
+    HAS_REL_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -195,6 +240,7 @@ def _attention_fwd_kernel(
     V += b64 * stride_vb + h64 * stride_vh + seq_start * stride_vs
     Out += b64 * stride_ob + h64 * stride_oh + seq_start * stride_os
     LSE += b64 * stride_lb + h64 * stride_lh + seq_start
+    REL_BIAS += h64 * (2 * max_distance + 1)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
@@ -220,6 +266,8 @@ def _attention_fwd_kernel(
         in_cols = cols < hi
         kt = tl.load(kt_ptrs + start_n * stride_ks, mask=in_cols[None, :], other=0.0)
         s = dot(q, kt, None, DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if HAS_REL_BIAS:
+            s += tl.load(REL_BIAS + _distance_index(rows[:, None], cols[None, :], max_distance))
         s = tl.where(col_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row whose keys so far are all masked has m = -inf; exponentiating against 0 instead keeps
@@ -278,7 +326,9 @@ def _attention_bwd_preprocess_kernel(
 #     dP = (dO V^T) * Z / (1 - p)                        (gradient w.r.t. P through the dropout)
 #     dS = P * (dP - delta),  delta_i = sum_j P_ij dP_ij = dO_i . O_i
 #     dQ = scale * dS K,      dK = scale * dS^T Q
-# Masked keys have P = 0 (so dS = 0); padded query rows have lse = +inf (so P = 0).
+#     d relative_bias[n, h] = sum of dS_ij over the scores (i, j) of head h with bucket(j - i) = n
+# (s includes the bias, which enters it with weight 1). Masked keys have P = 0 (so dS = 0); padded query
+# rows have lse = +inf (so P = 0).
 
 @triton.autotune(configs=BWD_CONFIGS, key=AUTOTUNE_KEY,
                  prune_configs_by={"early_config_prune": _prune(BWD_SHAPES, BWD_DROPOUT_PROBABILITIES_PER_THREAD)})
@@ -288,7 +338,9 @@ def _attention_bwd_kernel(
     DO,  # like Q: the output's gradient
     DQ, DK, DV,  # like Q, K, V
     LSE, DELTA,  # [B, heads, S] fp32 (VARLEN: [heads, T]): the forward's log-sum-exp, the preprocess' delta
-    KEY_MASK, KEY_LO, KEY_HI, CU_SEQLENS, SEED,  # as in the forward
+    KEY_MASK, KEY_LO, KEY_HI, CU_SEQLENS, SEED, REL_BIAS,  # as in the forward
+    REL_BUCKETS,  # [2D + 1] int32: the bucket of distance d at d + D (HAS_REL_BIAS)
+    DBIAS_SLOTS,  # [B, heads, ceil(S / BIAS_GRAD_SLOT_ROWS), NUM_BUCKETS_PADDED] fp32: per-slot bias grad sums
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -297,9 +349,12 @@ def _attention_bwd_kernel(
     stride_dkb, stride_dkh, stride_dks, stride_dkd,
     stride_dvb, stride_dvh, stride_dvs, stride_dvd,
     stride_lb, stride_lh, stride_mb, stride_ms,
-    seqlen, seqlen_bucket, scale, scale_log2, dropout_p, keep_scale,
+    stride_gb, stride_gh, stride_gs,  # DBIAS_SLOTS' (its bucket stride is 1)
+    seqlen, seqlen_bucket, scale, scale_log2, dropout_p, keep_scale, max_distance,
     HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (kernels/numerics.py dot_precision)
+    HAS_REL_BIAS: tl.constexpr,
+    NUM_BUCKETS_PADDED: tl.constexpr,  # next power of two of num_buckets (HAS_REL_BIAS)
     BLOCK_MAJOR: tl.constexpr,  # the keys of the dk/dv phase and the queries of the dq phase
     BLOCK_MINOR: tl.constexpr,  # the blocks each phase streams through: queries, then keys
 ):
@@ -320,6 +375,7 @@ def _attention_bwd_kernel(
     DV += b64 * stride_dvb + h64 * stride_dvh + seq_start * stride_dvs
     LSE += b64 * stride_lb + h64 * stride_lh + seq_start
     DELTA += b64 * stride_lb + h64 * stride_lh + seq_start
+    REL_BIAS += h64 * (2 * max_distance + 1)
     dims = tl.arange(0, HEAD_DIM)
     offs_minor = tl.arange(0, BLOCK_MINOR)
     if DROPOUT:
@@ -347,6 +403,8 @@ def _attention_bwd_kernel(
         lse = tl.load(LSE + rows, mask=in_rows, other=float("inf"))
         delta = tl.load(DELTA + rows, mask=in_rows, other=0.0)
         st = dot(k, qt, None, DOT_PRECISION) * scale_log2
+        if HAS_REL_BIAS:
+            st += tl.load(REL_BIAS + _distance_index(rows[None, :], keys[:, None], max_distance))
         pt = tl.where(key_valid[:, None], tl.math.exp2(st - lse[None, :]), 0.0)
         dpt = dot(v, tl.trans(do), None, DOT_PRECISION)  # (dO V^T)^T
         if DROPOUT:
@@ -372,6 +430,7 @@ def _attention_bwd_kernel(
     lse = tl.load(LSE + rows, mask=in_rows, other=float("inf"))
     delta = tl.load(DELTA + rows, mask=in_rows, other=0.0)
     dq = tl.zeros([BLOCK_MAJOR, HEAD_DIM], dtype=tl.float32)
+    dbias = tl.zeros([NUM_BUCKETS_PADDED], dtype=tl.float32)  # this program's sums of dS per bucket
     kt_ptrs = K + offs_minor[None, :] * stride_ks + dims[:, None] * stride_kd  # block at key 0; shifted below
     vt_ptrs = V + offs_minor[None, :] * stride_vs + dims[:, None] * stride_vd
     for start_n in range(minor_start, minor_end, BLOCK_MINOR):
@@ -381,6 +440,9 @@ def _attention_bwd_kernel(
         kt = tl.load(kt_ptrs + start_n * stride_ks, mask=in_cols[None, :], other=0.0)
         vt = tl.load(vt_ptrs + start_n * stride_vs, mask=in_cols[None, :], other=0.0)
         s = dot(q, kt, None, DOT_PRECISION) * scale_log2
+        if HAS_REL_BIAS:
+            distance = _distance_index(rows[:, None], cols[None, :], max_distance)
+            s += tl.load(REL_BIAS + distance)
         p = tl.where(col_valid[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
         dp = dot(do, vt, None, DOT_PRECISION)
         if DROPOUT:
@@ -388,16 +450,28 @@ def _attention_bwd_kernel(
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq += dot(cast(ds, kt.dtype), tl.trans(kt), None, DOT_PRECISION)
+        if HAS_REL_BIAS:
+            dbias = _add_bucket_sums(dbias, ds, tl.load(REL_BUCKETS + distance), NUM_BUCKETS_PADDED)
     dq *= scale
     tl.store(DQ + rows[:, None] * stride_dqs + dims[None, :] * stride_dqd, cast(dq, DQ.dtype.element_ty),
              mask=in_rows[:, None])
+    if HAS_REL_BIAS:
+        # this program's block spans BLOCK_MAJOR / BIAS_GRAD_SLOT_ROWS slots: its sums go to the first,
+        # zeros to the others
+        slot_offs = tl.arange(0, BLOCK_MAJOR // _BIAS_GRAD_SLOT_ROWS)
+        slots = pid * (BLOCK_MAJOR // _BIAS_GRAD_SLOT_ROWS) + slot_offs
+        buckets = tl.arange(0, NUM_BUCKETS_PADDED)
+        sums = tl.where(slot_offs[:, None] == 0, dbias[None, :], 0.0)  # [SLOTS, NUM_BUCKETS_PADDED]
+        tl.store(DBIAS_SLOTS + b64 * stride_gb + h64 * stride_gh + slots[:, None] * stride_gs + buckets[None, :],
+                 sums, mask=(slots < tl.cdiv(seqlen, _BIAS_GRAD_SLOT_ROWS))[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------
 # Host launchers
 # ----------------------------------------------------------------------------------------------------
 
-def _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p) -> None:
+def _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, relative_bias,
+                  relative_buckets) -> None:
     """Raise ValueError for what the kernels do not support, before anything is launched."""
     varlen = cu_seqlens is not None
     layout = "[T, heads, d]" if varlen else "[B, heads, S, d]"
@@ -410,7 +484,7 @@ def _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p) ->
         if tensor.dtype != q.dtype:
             raise ValueError(f"{name} has dtype {tensor.dtype}, expected q's dtype {q.dtype}")
     for name, tensor in (("k", k), ("v", v), ("attention_mask", key_mask), ("cu_seqlens", cu_seqlens),
-                         ("seed", seed)):
+                         ("seed", seed), ("relative_bias", relative_bias), ("relative_buckets", relative_buckets)):
         if tensor is not None and tensor.device != q.device:
             raise ValueError(f"{name} is on {tensor.device}, q on {q.device}; all must share one device")
     head_dim = q.shape[-1]
@@ -432,11 +506,30 @@ def _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p) ->
         raise ValueError(f"attention_mask has shape {tuple(key_mask.shape)}, expected {(q.shape[0], q.shape[2])}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    check_relative_bias(relative_bias, relative_buckets, heads)
     seqlen = max_seqlen if varlen else q.shape[2]
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         _check_sequence_reach(name, tensor, seqlen, varlen)
     # out, dq, dk and dv are allocated [B, S, heads, d] (packed: [T, heads, d]): a sequence step of heads * d
     _check_reach("out, dq, dk, dv", seqlen, heads * head_dim, seqlen * heads * head_dim + head_dim)
+
+
+def check_relative_bias(relative_bias, relative_buckets, heads) -> None:
+    """relative_bias float [num_buckets, heads] and relative_buckets int32 [2D + 1], or both None."""
+    if (relative_bias is None) != (relative_buckets is None):
+        given, missing = ("relative_bias", "relative_buckets") if relative_buckets is None else (
+            "relative_buckets", "relative_bias")
+        raise ValueError(f"{given} was given without {missing}: the relative-position bias needs both")
+    if relative_bias is None:
+        return
+    if relative_bias.dim() != 2 or relative_bias.shape[0] < 1 or relative_bias.shape[1] != heads:
+        raise ValueError(f"relative_bias has shape {tuple(relative_bias.shape)}, expected [num_buckets >= 1, "
+                         f"heads = {heads}]")
+    if not relative_bias.is_floating_point():
+        raise ValueError(f"relative_bias has dtype {relative_bias.dtype}, expected a floating dtype")
+    if relative_buckets.dtype != torch.int32 or relative_buckets.dim() != 1 or relative_buckets.numel() % 2 != 1:
+        raise ValueError(f"relative_buckets must be int32 [2 * max_distance + 1] (an odd length), got "
+                         f"{relative_buckets.dtype} {tuple(relative_buckets.shape)}")
 
 
 def _check_sequence_reach(name, tensor, seqlen, varlen) -> None:
@@ -503,9 +596,18 @@ def _cu_seqlens_pointer(q, cu_seqlens):
     return _placeholder(torch.int32, q.device) if cu_seqlens is None else cu_seqlens
 
 
-def _launch_meta(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale):
-    """What every kernel launch shares: (grid dims (heads, sequences), mask pointers and strides,
-    cu_seqlens, seed, scalars, constexpr flags)."""
+def _bias_by_distance(q, relative_bias, relative_buckets):
+    """[heads, 2D + 1] fp32: log2(e) * relative_bias[relative_buckets[d + D], h] at [h, d + D] (the
+    base-2 scores' unit), or an empty placeholder without a bias. A few KB: the kernels' one gather."""
+    if relative_bias is None:
+        return _placeholder(torch.float32, q.device)
+    return (relative_bias.float()[relative_buckets.long()] * LOG2E).t().contiguous()
+
+
+def _launch_meta(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias,
+                 relative_buckets):
+    """What every kernel launch shares: (grid dims (heads, sequences), pointers (mask, its bounds,
+    cu_seqlens, seed, bias by distance), mask strides, scalars, constexpr flags)."""
     varlen = cu_seqlens is not None
     if varlen:
         heads, batch, seqlen = q.shape[1], cu_seqlens.numel() - 1, max_seqlen
@@ -513,48 +615,52 @@ def _launch_meta(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, sca
         batch, heads, seqlen = q.shape[0], q.shape[1], q.shape[2]
     mask, lo, hi, stride_mb, stride_ms = _mask_and_bounds(q, None if varlen else key_mask)
     pointers = (mask, lo, hi, _cu_seqlens_pointer(q, cu_seqlens),
-                _placeholder(torch.int64, q.device) if seed is None else seed)
+                _placeholder(torch.int64, q.device) if seed is None else seed,
+                _bias_by_distance(q, relative_bias, relative_buckets))
     scalars = dict(seqlen=seqlen, seqlen_bucket=triton.next_power_of_2(max(seqlen, 1)),
-                   scale_log2=scale * LOG2E, dropout_p=dropout_p, keep_scale=1.0 / (1.0 - dropout_p))
+                   scale_log2=scale * LOG2E, dropout_p=dropout_p, keep_scale=1.0 / (1.0 - dropout_p),
+                   max_distance=0 if relative_buckets is None else (relative_buckets.numel() - 1) // 2)
     flags = dict(HEAD_DIM=q.shape[-1], VARLEN=varlen, HAS_MASK=key_mask is not None and not varlen,
                  DROPOUT=seed is not None and dropout_p > 0.0,
-                 DOT_PRECISION=dot_precision(q.dtype))
+                 DOT_PRECISION=dot_precision(q.dtype), HAS_REL_BIAS=relative_bias is not None)
     return (heads, batch), pointers, (stride_mb, stride_ms), scalars, flags
 
 
 @torch.library.custom_op("fastbert::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
                   cu_seqlens: Optional[torch.Tensor], max_seqlen: int, seed: Optional[torch.Tensor],
-                  dropout_p: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  dropout_p: float, scale: float, relative_bias: Optional[torch.Tensor] = None,
+                  relative_buckets: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded (cu_seqlens None): q, k, v [B, heads, S, d], key_mask [B, S] (nonzero = token) or None.
     Packed (cu_seqlens int32 [B+1]): q, k, v [T, heads, d], max_seqlen >= the longest sequence.
-    Any strides. seed int64 [1] (dropout with probability dropout_p) or None.
+    Any strides. seed int64 [1] (dropout with probability dropout_p) or None. relative_bias float
+    [num_buckets, heads] and relative_buckets int32 [2D + 1] (entries in [0, num_buckets)), or both None.
 
     Returns out (q's shape and dtype; padded query rows are zeros) and the fp32 base-2 log-sum-exp of
     each row ([B, heads, S], or [heads, T]) for the backward. Raises ValueError for unsupported input.
     """
-    _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p)
+    _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, relative_bias, relative_buckets)
     varlen = cu_seqlens is not None
     out = _empty_like_qkv(q, varlen)
     lse = _new_row_stats(q, varlen)
     if q.numel() == 0:
         return out, lse
     (heads, batch), pointers, mask_strides, scalars, flags = _launch_meta(
-        q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale)
+        q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets)
     grid = lambda meta: (triton.cdiv(scalars["seqlen"], meta["BLOCK_M"]), heads, batch)  # noqa: E731
     _attention_fwd_kernel[grid](
         q, k, v, out, lse, *pointers,
         *_bhsd_strides(q, varlen), *_bhsd_strides(k, varlen), *_bhsd_strides(v, varlen),
         *_bhsd_strides(out, varlen), *_row_stats_strides(lse, varlen), *mask_strides,
         scalars["seqlen"], scalars["seqlen_bucket"], scalars["scale_log2"], scalars["dropout_p"],
-        scalars["keep_scale"], **flags,
+        scalars["keep_scale"], scalars["max_distance"], **flags,
     )
     return out, lse
 
 
 @attention_fwd.register_fake
-def _(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale):
-    _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p)
+def _(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias=None, relative_buckets=None):
+    _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, relative_bias, relative_buckets)
     varlen = cu_seqlens is not None
     return _empty_like_qkv(q, varlen), _new_row_stats(q, varlen)
 
@@ -562,20 +668,30 @@ def _(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale):
 @torch.library.custom_op("fastbert::attention_bwd", mutates_args=())
 def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, key_mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-                  max_seqlen: int, seed: Optional[torch.Tensor], dropout_p: float,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) of `attention_fwd` from its inputs, output, log-sum-exp and seed (the same
-    dropout mask is regenerated). dout has out's shape, any strides. Deterministic: no atomics."""
+                  max_seqlen: int, seed: Optional[torch.Tensor], dropout_p: float, scale: float,
+                  relative_bias: Optional[torch.Tensor] = None, relative_buckets: Optional[torch.Tensor] = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv, d relative_bias) of `attention_fwd` from its inputs, output, log-sum-exp and
+    seed (the same dropout mask is regenerated). dout has out's shape, any strides. d relative_bias has
+    relative_bias' shape and dtype (an empty tensor without a bias: a custom op cannot return None).
+    Deterministic: no atomics."""
     varlen = cu_seqlens is not None
     if dout.shape != out.shape:
         raise ValueError(f"dout has shape {tuple(dout.shape)}, expected out's shape {tuple(out.shape)}")
     _check_sequence_reach("dout", dout, max_seqlen if varlen else q.shape[2], varlen)
     dq, dk, dv = (_empty_like_qkv(t, varlen) for t in (q, k, v))
     if q.numel() == 0:
-        return dq, dk, dv
+        return dq, dk, dv, _bias_grad_without_kernel(q, relative_bias)
     (heads, batch), pointers, mask_strides, scalars, flags = _launch_meta(
-        q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale)
+        q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets)
     seqlen = scalars["seqlen"]
+    num_buckets = 0 if relative_bias is None else relative_bias.shape[0]
+    num_buckets_padded = triton.next_power_of_2(max(num_buckets, 1))
+    # [B, heads, slots, buckets]: every entry is written by the kernel (see the header)
+    dbias_slots = (q.new_empty((batch, heads, triton.cdiv(seqlen, BIAS_GRAD_SLOT_ROWS), num_buckets_padded),
+                               dtype=torch.float32)
+                   if relative_bias is not None else _placeholder(torch.float32, q.device))
+    slot_strides = dbias_slots.stride()[:3] if relative_bias is not None else (0, 0, 0)
     delta = _new_row_stats(q, varlen)
     stats_strides = _row_stats_strides(lse, varlen)
     _attention_bwd_preprocess_kernel[(triton.cdiv(seqlen, PREPROCESS_BLOCK_M), heads, batch)](
@@ -584,32 +700,47 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     )
     _attention_bwd_kernel[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_MAJOR"]), heads, batch)](
         q, k, v, dout, dq, dk, dv, lse, delta, *pointers,
+        _placeholder(torch.int32, q.device) if relative_buckets is None else relative_buckets, dbias_slots,
         *(stride for t in (q, k, v, dout, dq, dk, dv) for stride in _bhsd_strides(t, varlen)),
-        *stats_strides, *mask_strides, seqlen, scalars["seqlen_bucket"], scale, scalars["scale_log2"],
-        dropout_p, scalars["keep_scale"], **flags,
+        *stats_strides, *mask_strides, *slot_strides, seqlen, scalars["seqlen_bucket"], scale,
+        scalars["scale_log2"], dropout_p, scalars["keep_scale"], scalars["max_distance"], **flags,
+        NUM_BUCKETS_PADDED=num_buckets_padded,
     )
-    return dq, dk, dv
+    if relative_bias is None:
+        return dq, dk, dv, _bias_grad_without_kernel(q, None)
+    # the slots' sums in one fixed-order reduction: [heads, buckets] -> [num_buckets, heads]
+    dbias = dbias_slots.sum(dim=(0, 2))[:, :num_buckets].t().to(relative_bias.dtype).contiguous()
+    return dq, dk, dv, dbias
+
+
+def _bias_grad_without_kernel(q, relative_bias):
+    """d relative_bias where the kernel computes none: zeros of relative_bias' shape and dtype (no scores,
+    no gradient), or an empty tensor when there is no bias (a custom op returns tensors, never None)."""
+    if relative_bias is None:
+        return q.new_empty(0)
+    return torch.zeros_like(relative_bias, memory_format=torch.contiguous_format)
 
 
 @attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale):
+def _(dout, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias=None,
+      relative_buckets=None):
     varlen = cu_seqlens is not None
-    return tuple(_empty_like_qkv(t, varlen) for t in (q, k, v))
+    return (*(_empty_like_qkv(t, varlen) for t in (q, k, v)), _bias_grad_without_kernel(q, relative_bias))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale = inputs
+    q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_mask, cu_seqlens, seed)
+    ctx.save_for_backward(q, k, v, out, lse, key_mask, cu_seqlens, seed, relative_bias, relative_buckets)
     ctx.max_seqlen, ctx.dropout_p, ctx.scale = max_seqlen, dropout_p, scale
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, key_mask, cu_seqlens, seed = ctx.saved_tensors
-    dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, key_mask, cu_seqlens, ctx.max_seqlen, seed,
-                               ctx.dropout_p, ctx.scale)
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, out, lse, key_mask, cu_seqlens, seed, relative_bias, relative_buckets = ctx.saved_tensors
+    dq, dk, dv, dbias = attention_bwd(dout, q, k, v, out, lse, key_mask, cu_seqlens, ctx.max_seqlen, seed,
+                                      ctx.dropout_p, ctx.scale, relative_bias, relative_buckets)
+    return dq, dk, dv, None, None, None, None, None, None, None if relative_bias is None else dbias, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -628,29 +759,37 @@ def _dropout_seed(dropout_p: float, training: bool, device: torch.device) -> tup
     return float(dropout_p), philox_seed(device)
 
 
-def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True):
-    """softmax(q k^T * scale + key padding mask) v with dropout on the probabilities, bidirectional.
+def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, relative_bias=None,
+              relative_buckets=None):
+    """softmax(q k^T * scale + key padding mask + relative-position bias) v with dropout on the
+    probabilities, bidirectional.
 
     q, k, v [B, heads, S, d] fp32/fp16/bf16 with d in SUPPORTED_HEAD_DIMS, any strides;
     attention_mask [B, S] (bool or int; 1 = token, 0 = padding) or None; scale None means d ** -0.5.
+    relative_bias [num_buckets, heads] (any float dtype; it gets its gradient, in its dtype) with
+    relative_buckets int32 [2D + 1] (fastbert.ops.relative_position_buckets), or both None: score (i, j)
+    of head h gets relative_bias[relative_buckets[clamp(j - i, -D, D) + D], h] (MPNet's bias).
     Returns [B, heads, S, d] in q's dtype: padded query rows are zeros (a fully padded sequence gives
     zeros, never NaN) with zero gradients. Raises ValueError for unsupported input.
     """
     dropout_p, seed = _dropout_seed(dropout_p, training, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     out, _ = attention_fwd(q, k, v, attention_mask, None, q.shape[2] if q.dim() == 4 else 0, seed, dropout_p,
-                           scale)
+                           scale, relative_bias, relative_buckets)
     return out
 
 
-def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None, training=True):
+def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None, training=True,
+                     relative_bias=None, relative_buckets=None):
     """Attention over packed sequences: each token attends to the tokens of its own sequence only.
 
     q, k, v [T, heads, d]; cu_seqlens int32 [B+1] (0, ..., T); max_seqlen an int >= the longest sequence
     (a smaller value leaves the rows past it unwritten). Dropout draws the same mask as `attention` on
-    the padded layout of the same batch. Returns [T, heads, d] in q's dtype.
+    the padded layout of the same batch. relative_bias, relative_buckets as in `attention`, with the
+    positions inside each sequence. Returns [T, heads, d] in q's dtype.
     """
     dropout_p, seed = _dropout_seed(dropout_p, training, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out, _ = attention_fwd(q, k, v, None, cu_seqlens, max_seqlen, seed, dropout_p, scale)
+    out, _ = attention_fwd(q, k, v, None, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias,
+                           relative_buckets)
     return out
