@@ -39,9 +39,10 @@ class BertConfig(ConfigBase):
     """
 
     model_type = BERT_MODEL_TYPE
+    architecture = "BERT"  # the name messages use
     # transformers' Trainer leaves these outputs out of the predictions it gathers at evaluation
     keys_to_ignore_at_inference = ["accuracy", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy",
-                                   "mlm_mask_accuracy"]
+                                   "mlm_mask_accuracy", "mask_accuracy"]
 
     vocab_size: int = 30522  # WordPiece vocabulary size
     hidden_size: int = 768  # H: width of every token's hidden state
@@ -84,13 +85,31 @@ class BertConfig(ConfigBase):
     bos_token_id = None
     eos_token_id = None
 
+    # The family (fastbert.family_config): an architecture's config is a subclass that changes these
+    # class attributes and `defaults`, never the encoder.
+    # position ids count from pad_token_id + 1, padding keeping pad_token_id (RoBERTa, MPNet)
+    positions_from_padding = False
+    # field defaults other than BertConfig's (the architecture's, as transformers' config class has them),
+    # including fields BERT lacks (ELECTRA's embedding_size)
+    defaults = {}  # type: dict[str, Any]  (no annotation: not a config field)
+    # fields the architecture's config.json does not have (DistilBERT and MPNet have no token types)
+    absent_fields = ()  # type: tuple[str, ...]
+
     def __init__(self, **kwargs: Any):
-        for name, default in OWN_FIELDS.items():
+        for name, default in {**OWN_FIELDS, **self.defaults}.items():
             setattr(self, name, kwargs.pop(name, default))
         super().__init__(**kwargs)
         # BERT's fields are checked when a model is built (BertModel.__init__), as transformers' configs take
         # what a model then refuses; fastbert's own switches, which transformers never sees, are checked now
         self.validate_switches()
+
+    def __init_subclass__(cls, **kwargs: Any):
+        own = {name: cls.__dict__[name] for name in ("__init__", "__eq__") if name in cls.__dict__}
+        super().__init_subclass__(**kwargs)
+        # transformers makes every config subclass a dataclass with a generated __init__ and __eq__; an
+        # architecture's config (fastbert.family_config) keeps BertConfig's, which read its `defaults`
+        for name in ("__init__", "__eq__"):
+            setattr(cls, name, own.get(name, getattr(BertConfig, name)))
 
     def validate(self) -> None:
         """Raise ValueError naming the field, the value and the limit for any invalid setting (a model built
@@ -100,45 +119,47 @@ class BertConfig(ConfigBase):
                 raise ValueError(f"config {key}={getattr(self, key)!r} is not supported: fastbert implements "
                                  f"BERT's encoder with {key}={supported!r}")
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "intermediate_size", "max_position_embeddings", "type_vocab_size", "num_labels"):
+                     "intermediate_size", "max_position_embeddings", "type_vocab_size", "num_labels",
+                     "embedding_width"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"BertConfig.{name} must be a positive integer, got {value!r}")
+            smallest = 0 if name == "type_vocab_size" else 1  # 0: no token type table (DistilBERT, MPNet)
+            if isinstance(value, bool) or not isinstance(value, int) or value < smallest:
+                raise ValueError(f"{type(self).__name__}.{name} must be an integer >= {smallest}, got {value!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"BertConfig.hidden_size ({self.hidden_size}) must be divisible by "
+                f"{type(self).__name__}.hidden_size ({self.hidden_size}) must be divisible by "
                 f"num_attention_heads ({self.num_attention_heads})")
         if self.hidden_act not in GELU_APPROXIMATION:
             raise ValueError(
-                f"BertConfig.hidden_act {self.hidden_act!r} is not supported; "
+                f"{type(self).__name__}.hidden_act {self.hidden_act!r} is not supported; "
                 f"expected one of {sorted(GELU_APPROXIMATION)}")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value < 1.0:
-                raise ValueError(f"BertConfig.{name} must be in [0, 1), got {value!r}")
+                raise ValueError(f"{type(self).__name__}.{name} must be in [0, 1), got {value!r}")
         if not self.initializer_range > 0:
-            raise ValueError(f"BertConfig.initializer_range must be > 0, got {self.initializer_range!r}")
+            raise ValueError(f"{type(self).__name__}.initializer_range must be > 0, got {self.initializer_range!r}")
         if not self.layer_norm_eps > 0:
-            raise ValueError(f"BertConfig.layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
+            raise ValueError(f"{type(self).__name__}.layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:  # None: no padding row
-            raise ValueError(f"BertConfig.pad_token_id ({self.pad_token_id}) must be None or in "
+            raise ValueError(f"{type(self).__name__}.pad_token_id ({self.pad_token_id}) must be None or in "
                              f"[0, vocab_size={self.vocab_size})")
         self.validate_switches()
 
     def validate_switches(self) -> None:
         """ValueError naming the switch, the value and the choices for fastbert's own fields (FASTBERT_FIELDS)."""
         if self.backend not in BACKENDS:
-            raise ValueError(f"BertConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+            raise ValueError(f"{type(self).__name__}.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-            raise ValueError(f"BertConfig.activation_checkpointing must be one of {ACTIVATION_CHECKPOINTING}, "
-                             f"got {self.activation_checkpointing!r}")
+            raise ValueError(f"{type(self).__name__}.activation_checkpointing must be one of "
+                             f"{ACTIVATION_CHECKPOINTING}, got {self.activation_checkpointing!r}")
         if self.layer_norm_backward not in LAYER_NORM_SAVES:
-            raise ValueError(f"BertConfig.layer_norm_backward must be one of {LAYER_NORM_SAVES}, "
+            raise ValueError(f"{type(self).__name__}.layer_norm_backward must be one of {LAYER_NORM_SAVES}, "
                              f"got {self.layer_norm_backward!r}")
         budget = self.max_predictions_per_seq
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise ValueError(f"BertConfig.max_predictions_per_seq must be an integer >= 0 (0 = every labelled "
-                             f"position), got {budget!r}")
+            raise ValueError(f"{type(self).__name__}.max_predictions_per_seq must be an integer >= 0 (0 = every "
+                             f"labelled position), got {budget!r}")
 
     @property
     def gelu_approximate(self) -> str:
@@ -148,13 +169,29 @@ class BertConfig(ConfigBase):
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def embedding_width(self) -> int:
+        """Width of the embedding tables: ELECTRA's embedding_size where it has one, else hidden_size."""
+        return getattr(self, "embedding_size", None) or self.hidden_size
+
+    @property
+    def position_offset(self) -> int:
+        """The position id of a sequence's first token: pad_token_id + 1 where positions count from the
+        padding index (RoBERTa, MPNet), else 0."""
+        return self.pad_token_id + 1 if self.positions_from_padding else 0
+
+    @property
+    def max_sequence_length(self) -> int:
+        """The longest sequence the position table covers (RoBERTa's 514 positions hold 512 tokens)."""
+        return self.max_position_embeddings - self.position_offset
+
     def __eq__(self, other) -> bool:
         return type(other) is type(self) and vars(self) == vars(other)
 
     def __repr__(self) -> str:
         changed = {k: v for k, v in self.to_dict().items() if k not in ("id2label", "label2id", "model_type")}
         fastbert = {name: getattr(self, name) for name in FASTBERT_FIELDS}
-        return f"BertConfig({', '.join(f'{k}={v!r}' for k, v in {**changed, **fastbert}.items())})"
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in {**changed, **fastbert}.items())})"
 
     # presets ------------------------------------------------------------------------------------
     @classmethod
@@ -199,10 +236,12 @@ class BertConfig(ConfigBase):
         """Build from HF config.json's dict (refusing non-BERT model types), then apply `overrides`, each a
         field or a key the dict holds (as transformers' from_pretrained applies its keyword arguments)."""
         values = dict(values)
-        model_type = values.pop("model_type", BERT_MODEL_TYPE)
-        if model_type != BERT_MODEL_TYPE:
-            raise ValueError(f"model_type {model_type!r} is not BERT: fastbert loads BERT checkpoints "
-                             f"(model_type {BERT_MODEL_TYPE!r}); use transformers for {model_type!r} models")
+        model_type = values.pop("model_type", cls.model_type)
+        if model_type != cls.model_type:
+            raise ValueError(f"model_type {model_type!r} is not {cls.architecture}: {cls.__name__} reads "
+                             f"model_type {cls.model_type!r} (fastbert.architectures.load_config picks the config "
+                             f"class of a model_type)")
+        values = cls.from_hf_names(values)
         for key in ("num_labels", "id2label", "label2id"):  # the label fields go in together, as transformers does
             if key in overrides:
                 values[key] = overrides.pop(key)
@@ -211,6 +250,15 @@ class BertConfig(ConfigBase):
         config = cls(**values)
         config.update_known(overrides, "BertConfig.from_dict")
         return config
+
+    @classmethod
+    def from_hf_names(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """config.json's keys as this class names them (the identity but for DistilBERT's own names)."""
+        return values
+
+    def to_hf_names(self, values: dict[str, Any]) -> dict[str, Any]:
+        """The inverse of from_hf_names, for writing config.json."""
+        return values
 
     @classmethod
     def from_json(cls, path: str | os.PathLike, **overrides: Any) -> "BertConfig":
@@ -249,7 +297,10 @@ class BertConfig(ConfigBase):
             value = getattr(self, name, default)
             if value != default:
                 values[name] = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
-        values["model_type"] = BERT_MODEL_TYPE
+        for name in self.absent_fields:
+            values.pop(name, None)
+        values["model_type"] = self.model_type
+        values = self.to_hf_names(values)
         values["id2label"] = {str(k): v for k, v in self.id2label.items()}
         values["label2id"] = {v: int(k) for k, v in self.id2label.items()}
         return values

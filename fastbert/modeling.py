@@ -33,6 +33,10 @@ class AttentionLayout:
     attention_mask: torch.Tensor | None = None  # [B, S], padded layout
     cu_seqlens: torch.Tensor | None = None  # int32 [B+1], packed layout
     max_seqlen: int = 0  # >= the longest sequence (an upper bound is enough)
+    # MPNet's relative-position bias: the table [buckets, heads] and the bucket of each key-minus-query
+    # distance, int32 [2D+1] (ops.relative_position_buckets); None for the rest of the family
+    relative_bias: torch.Tensor | None = None
+    relative_buckets: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -64,41 +68,63 @@ def _gelu_linear(dense: nn.Module, hidden: torch.Tensor, config: BertConfig) -> 
 
 
 class BertEmbeddings(nn.Module):
+    """word + position (+ token type) embeddings, LayerNorm, dropout; the family's differences are config
+    switches: no token type table where type_vocab_size is 0 (DistilBERT, MPNet), positions counted from the
+    padding index (RoBERTa, MPNet: config.positions_from_padding), tables of config.embedding_width (ELECTRA)."""
+
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        width = config.embedding_width
+        self.word_embeddings = nn.Embedding(config.vocab_size, width, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, width,
+                                                padding_idx=config.pad_token_id if config.positions_from_padding else None)
+        if config.type_vocab_size:
+            self.token_type_embeddings = nn.Embedding(config.type_vocab_size, width)
+        self.LayerNorm = nn.LayerNorm(width, eps=config.layer_norm_eps)
+
+    def default_position_ids(self, input_ids, seqlen: int, device) -> torch.Tensor:
+        """[B or 1, S]: 0..S-1, or for positions from the padding index, as transformers' RoBERTa counts them:
+        pad_token_id + 1 onwards over the real tokens, pad_token_id on padding tokens."""
+        if not self.config.positions_from_padding:
+            return torch.arange(seqlen, device=device)[None, :]
+        pad = self.config.pad_token_id
+        if input_ids is None:  # inputs_embeds: no padding can be seen, every position is a token
+            return torch.arange(pad + 1, seqlen + pad + 1, device=device)[None, :]
+        real = input_ids.ne(pad).int()
+        return (torch.cumsum(real, dim=1).type_as(real) * real).long() + pad
 
     def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None):
-        embeds = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds  # [B, S, H]
+        embeds = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds  # [B, S, E]
         if position_ids is None:
-            position_ids = torch.arange(embeds.shape[1], device=embeds.device)[None, :]
-        if token_type_ids is None:  # segment 0 everywhere, broadcast over the batch
-            token_type_ids = torch.zeros_like(position_ids)
-        embeds = embeds + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)
+            position_ids = self.default_position_ids(input_ids, embeds.shape[1], embeds.device)
+        embeds = embeds + self.position_embeddings(position_ids)
+        if self.config.type_vocab_size:
+            if token_type_ids is None:  # segment 0 everywhere, broadcast over the batch
+                token_type_ids = torch.zeros_like(position_ids[:1])
+            embeds = embeds + self.token_type_embeddings(token_type_ids)
         hidden = ops.layer_norm(embeds, self.LayerNorm.weight, self.LayerNorm.bias, self.config.layer_norm_eps,
                                 backend=self.config.backend, save=self.config.layer_norm_backward)
         return ops.dropout(hidden, self.config.hidden_dropout_prob, self.training, backend=self.config.backend)
 
 
-class BertSelfAttention(nn.Module):
-    """Multi-head self-attention with HF's query, key and value Linears. When all three are plain
-    Linears, one fused projection reads their concatenated weights; otherwise each module is called."""
+class SelfAttention(nn.Module):
+    """Multi-head self-attention (the one implementation of the family): the context of every token,
+    before the output projection. Subclasses hold the query, key and value Linears under their
+    architecture's names and return them from `linears`. When all three are plain Linears, one fused
+    projection reads their concatenated weights; otherwise each module is called."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
-        self.query = nn.Linear(config.hidden_size, config.hidden_size)
-        self.key = nn.Linear(config.hidden_size, config.hidden_size)
-        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def linears(self) -> tuple[nn.Module, nn.Module, nn.Module]:
+        raise NotImplementedError
 
     def project(self, hidden):
         """q, k, v each [B, heads, S, d] (padded hidden [B, S, H]) or [T, heads, d] (packed [T, H])."""
         config = self.config
-        linears = (self.query, self.key, self.value)
+        linears = self.linears()
         if all(is_plain_linear(m) and m.bias is not None for m in linears):
             weight = torch.cat([m.weight for m in linears])  # [3H, H]
             bias = torch.cat([m.bias for m in linears])
@@ -112,18 +138,40 @@ class BertSelfAttention(nn.Module):
         dropout_p = config.attention_probs_dropout_prob if self.training else 0.0
         q, k, v = self.project(hidden)
         probs = None
+        bias = {} if layout.relative_bias is None else dict(relative_bias=layout.relative_bias,
+                                                            relative_buckets=layout.relative_buckets)
         if output_attentions:  # the probabilities are wanted: [B, heads, S, S] is materialised
-            context, probs = ops.attention_with_probs(q, k, v, layout.attention_mask, dropout_p)
+            context, probs = ops.attention_with_probs(q, k, v, layout.attention_mask, dropout_p, **bias)
         elif layout.packed:
             context = ops.attention_varlen(q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout_p,
-                                           backend=config.backend)  # [T, heads, d]
+                                           backend=config.backend, **bias)  # [T, heads, d]
         else:
-            context = ops.attention(q, k, v, layout.attention_mask, dropout_p, backend=config.backend)
+            context = ops.attention(q, k, v, layout.attention_mask, dropout_p, backend=config.backend, **bias)
         if layout.packed:
             context = context.reshape(hidden.shape)  # [T, H]
         else:
             context = context.transpose(1, 2).reshape(hidden.shape)  # [B, heads, S, d] -> [B, S, H]
         return context, probs
+
+
+class BertSelfAttention(SelfAttention):
+    """BERT's names: query, key, value (the output projection is BertSelfOutput's)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def linears(self):
+        return self.query, self.key, self.value
+
+
+def add_and_norm(config: BertConfig, norm: nn.LayerNorm, projected, residual, dropout_p: float, training: bool):
+    """norm(dropout(projected) + residual), one fused op: a sublayer's output after its projection."""
+    return ops.layer_norm(projected, norm.weight, norm.bias, config.layer_norm_eps, residual=residual,
+                          dropout_p=dropout_p, training=training, backend=config.backend,
+                          save=config.layer_norm_backward)
 
 
 class BertSelfOutput(nn.Module):
@@ -138,10 +186,8 @@ class BertSelfOutput(nn.Module):
 
     def add_and_norm(self, projected, residual):
         """LayerNorm(dropout(projected) + residual): the sublayer's output after its projection."""
-        c = self.config
-        return ops.layer_norm(projected, self.LayerNorm.weight, self.LayerNorm.bias, c.layer_norm_eps,
-                              residual=residual, dropout_p=c.hidden_dropout_prob, training=self.training,
-                              backend=c.backend, save=c.layer_norm_backward)
+        return add_and_norm(self.config, self.LayerNorm, projected, residual, self.config.hidden_dropout_prob,
+                            self.training)
 
 
 class BertAttention(nn.Module):
@@ -178,7 +224,38 @@ def _recompute(function, *args):
     return checkpoint(function, *args, use_reentrant=False)
 
 
-class BertLayer(nn.Module):
+def fused_feed_forward(config: BertConfig, up: nn.Module, down: nn.Module, attended, recompute: bool):
+    """down(gelu(up(attended))) as one fused op that keeps the pre-activation but not the GELU output for the
+    backward (with recompute, only `attended`: it reruns the up-projection); None where `up` and `down` are
+    not plain Linears with biases (the caller then calls its modules)."""
+    if not all(is_plain_linear(m) and m.bias is not None for m in (up, down)):
+        return None
+    return ops.feed_forward(attended, up.weight, up.bias, down.weight, down.bias, config.gelu_approximate,
+                            recompute_pre=recompute, backend=config.backend)
+
+
+class EncoderLayer(nn.Module):
+    """One post-LayerNorm Transformer layer, the family's one implementation: subclasses name the modules
+    and give `attention_block` (self-attention, its projection, residual and LayerNorm) and `feed_forward`."""
+
+    def forward(self, hidden, layout: AttentionLayout, output_attentions: bool = False,
+                checkpointing: str = "none"):
+        """checkpointing "attention" or "ffn" recomputes that block in the backward (BertEncoder passes
+        config.activation_checkpointing while training; "full" checkpoints the whole layer there)."""
+        if checkpointing == "attention":
+            attended, probs = _recompute(self.attention_block, hidden, layout, output_attentions)
+        else:
+            attended, probs = self.attention_block(hidden, layout, output_attentions)
+        return self.feed_forward(attended, recompute=checkpointing == "ffn"), probs
+
+    def attention_block(self, hidden, layout: AttentionLayout, output_attentions: bool):
+        raise NotImplementedError
+
+    def feed_forward(self, attended, recompute: bool = False):
+        raise NotImplementedError
+
+
+class BertLayer(EncoderLayer):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
@@ -186,38 +263,29 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config)
         self.output = BertOutput(config)
 
-    def forward(self, hidden, layout: AttentionLayout, output_attentions: bool = False,
-                checkpointing: str = "none"):
-        """checkpointing "attention" or "ffn" recomputes that block in the backward (BertEncoder passes
-        config.activation_checkpointing while training; "full" checkpoints the whole layer there)."""
-        if checkpointing == "attention":
-            attended, probs = _recompute(self.attention, hidden, layout, output_attentions)
-        else:
-            attended, probs = self.attention(hidden, layout, output_attentions)
-        return self.feed_forward(attended, recompute=checkpointing == "ffn"), probs
+    def attention_block(self, hidden, layout: AttentionLayout, output_attentions: bool):
+        return self.attention(hidden, layout, output_attentions)
 
     def feed_forward(self, attended, recompute: bool = False):
-        """BertOutput(BertIntermediate(attended), attended): [B, S, H] (packed: [T, H]) to the same shape.
-        With plain Linears and no hooks on either module, one fused op that keeps the pre-activation but not
-        the GELU output for the backward (with recompute, only `attended`: it reruns the up-projection);
-        otherwise the modules are called."""
-        intermediate, output, c = self.intermediate, self.output, self.config
-        if (is_unhooked(intermediate, BertIntermediate) and is_unhooked(output, BertOutput)
-                and all(is_plain_linear(m) and m.bias is not None for m in (intermediate.dense, output.dense))):
-            projected = ops.feed_forward(attended, intermediate.dense.weight, intermediate.dense.bias,
-                                         output.dense.weight, output.dense.bias, c.gelu_approximate,
-                                         recompute_pre=recompute, backend=c.backend)
-            return output.add_and_norm(projected, attended)
+        """BertOutput(BertIntermediate(attended), attended): [B, S, H] (packed: [T, H]) to the same shape;
+        fused where neither module has hooks (fused_feed_forward), otherwise the modules are called."""
+        intermediate, output = self.intermediate, self.output
+        if is_unhooked(intermediate, BertIntermediate) and is_unhooked(output, BertOutput):
+            projected = fused_feed_forward(self.config, intermediate.dense, output.dense, attended, recompute)
+            if projected is not None:
+                return output.add_and_norm(projected, attended)
         if recompute:
             return _recompute(lambda a: output(intermediate(a), a), attended)
         return output(intermediate(attended), attended)
 
 
 class BertEncoder(nn.Module):
+    layer_class = BertLayer  # the architecture's layer (its module names)
+
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
-        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        self.layer = nn.ModuleList(self.layer_class(config) for _ in range(config.num_hidden_layers))
         # "full" activation checkpointing, whatever config.activation_checkpointing says, when set by
         # gradient_checkpointing_enable (transformers' or fastbert.bases'), with the checkpoint
         # function it was given; non-reentrant torch.utils.checkpoint when none was
@@ -300,7 +368,8 @@ class BertPreTrainedModel(ModelBase):
             nn.init.zeros_(module.bias)
 
     def _bert(self) -> "BertModel":
-        return self if isinstance(self, BertModel) else self.bert
+        """The encoder model: self, or the head model's child named base_model_prefix."""
+        return self if isinstance(self, BertModel) else getattr(self, self.base_model_prefix)
 
     def get_input_embeddings(self) -> nn.Module:
         return self._bert().embeddings.word_embeddings
@@ -330,19 +399,17 @@ class BertPreTrainedModel(ModelBase):
                 new.weight[kept:].normal_(0.0, self.config.initializer_range)
         new.weight.requires_grad_(old.weight.requires_grad)
         self.set_input_embeddings(new)
-        head = getattr(getattr(self, "cls", None), "predictions", None)
-        if head is not None:
-            bias = head.bias.new_zeros(size)
-            bias[:kept] = head.bias.detach()[:kept]
-            head.bias = nn.Parameter(bias, requires_grad=head.bias.requires_grad)
+        if isinstance(self, MLMHeadMixin):
+            self.resize_output_bias(size, kept)
             if not self.config.tie_word_embeddings:  # the trained decoder's rows stay; new rows as the embeddings'
-                old_decoder = head.decoder
-                head.decoder = nn.Linear(old.embedding_dim, size, bias=False, device=old.weight.device,
-                                         dtype=old.weight.dtype)
+                old_decoder = self.get_output_embeddings()
+                decoder = nn.Linear(old.embedding_dim, size, bias=False, device=old.weight.device,
+                                    dtype=old.weight.dtype)
                 with torch.no_grad():
-                    head.decoder.weight.copy_(new.weight)
-                    head.decoder.weight[:kept] = old_decoder.weight[:kept]
-                head.decoder._is_hf_initialized = True  # its rows are set: a later post_init keeps them
+                    decoder.weight.copy_(new.weight)
+                    decoder.weight[:kept] = old_decoder.weight[:kept]
+                decoder._is_hf_initialized = True  # its rows are set: a later post_init keeps them
+                _set_path(self, self.decoder_path, decoder)
         new._is_hf_initialized = True
         self.config.vocab_size = self.vocab_size = size
         self.tie_weights()
@@ -400,10 +467,32 @@ class BertModel(BertPreTrainedModel):
         the config is constructed or edited, as transformers)."""
         config.validate()
         super().__init__(config)
-        self.embeddings = BertEmbeddings(config)
-        self.encoder = BertEncoder(config)
-        self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.embeddings = self.embeddings_class(config)
+        if config.embedding_width != config.hidden_size:  # ELECTRA's small embeddings
+            self.embeddings_project = nn.Linear(config.embedding_width, config.hidden_size)
+        setattr(self, self.encoder_name, self.encoder_class(config))
+        if self.has_pooler:
+            self.pooler = BertPooler(config) if add_pooling_layer else None
         self.post_init()
+
+    # the architecture's modules and their names (fastbert.family's models change them)
+    embeddings_class = BertEmbeddings
+    encoder_class = BertEncoder
+    encoder_name = "encoder"
+    has_pooler = True  # a [CLS] pooler (when add_pooling_layer); DistilBERT and ELECTRA have none
+
+    def embed(self, input_ids, token_type_ids, position_ids, inputs_embeds):
+        """The embeddings' output, projected to hidden_size where the tables are narrower (ELECTRA)."""
+        hidden = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)
+        project = getattr(self, "embeddings_project", None)
+        return hidden if project is None else project(hidden)
+
+    def encode(self, hidden, layout: AttentionLayout, output_hidden_states, output_attentions):
+        return getattr(self, self.encoder_name)(hidden, layout, output_hidden_states, output_attentions)
+
+    def pool(self, sequence_output):
+        pooler = getattr(self, "pooler", None)
+        return None if pooler is None else pooler(sequence_output)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, *, output_hidden_states=None, output_attentions=None, return_dict=None,
@@ -419,21 +508,21 @@ class BertModel(BertPreTrainedModel):
         attention_mask = key_padding_mask(attention_mask, validate)
         batch, seqlen = check_model_inputs(config, input_ids, attention_mask, token_type_ids, position_ids,
                                            inputs_embeds, validate)
-        hidden = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # [B, S, H]
+        hidden = self.embed(input_ids, token_type_ids, position_ids, inputs_embeds)  # [B, S, H]
         unpadded = config.unpad and attention_mask is not None and not output_attentions
         if unpadded:
             hidden, indices, cu_seqlens, max_seqlen = ops.unpad(hidden, attention_mask)  # [T, H]
             layout = AttentionLayout(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         else:
             layout = AttentionLayout(attention_mask=attention_mask)
-        hidden, all_hidden, all_probs = self.encoder(hidden, layout, output_hidden_states, output_attentions)
+        hidden, all_hidden, all_probs = self.encode(hidden, layout, output_hidden_states, output_attentions)
         if unpadded:
             hidden = ops.pad(hidden, indices, batch, seqlen)
             if all_hidden is not None:
                 all_hidden = [None if h is None else ops.pad(h, indices, batch, seqlen) for h in all_hidden]
         result = outputs.BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=hidden,
-            pooler_output=self.pooler(hidden) if self.pooler is not None else None,
+            pooler_output=self.pool(hidden),
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
             attentions=tuple(all_probs) if all_probs is not None else None)
         return self._outputs(result, return_dict)
@@ -451,14 +540,14 @@ class BertModel(BertPreTrainedModel):
             total = (input_ids if input_ids is not None else inputs_embeds).shape[1]
             tokens = torch.arange(total, device=cu_seqlens.device, dtype=torch.int32)
             sequence = torch.searchsorted(cu_seqlens[1:], tokens, right=True)
-            position_ids = (tokens - cu_seqlens[sequence]).long()[None]
-        hidden = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)[0]  # [T, H]
+            position_ids = (tokens - cu_seqlens[sequence] + config.position_offset).long()[None]
+        hidden = self.embed(input_ids, token_type_ids, position_ids, inputs_embeds)[0]  # [T, H]
         layout = AttentionLayout(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        hidden, all_hidden, _ = self.encoder(hidden, layout, output_hidden_states, False)
+        hidden, all_hidden, _ = self.encode(hidden, layout, output_hidden_states, False)
         first_tokens = hidden[cu_seqlens[:-1].long()][:, None]  # [B, 1, H]: each sequence's [CLS]
         return outputs.BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=hidden[None],  # [1, T, H]
-            pooler_output=self.pooler(first_tokens) if self.pooler is not None else None,
+            pooler_output=self.pool(first_tokens),
             hidden_states=None if all_hidden is None else tuple(None if h is None else h[None] for h in all_hidden))
 
 
@@ -470,10 +559,14 @@ class BertPredictionHeadTransform(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, hidden):
-        c = self.config
-        hidden = _gelu_linear(self.dense, hidden, c)
-        return ops.layer_norm(hidden, self.LayerNorm.weight, self.LayerNorm.bias, c.layer_norm_eps,
-                              backend=c.backend, save=c.layer_norm_backward)
+        return gelu_dense_norm(self.config, self.dense, self.LayerNorm, hidden)
+
+
+def gelu_dense_norm(config: BertConfig, dense: nn.Module, norm: nn.LayerNorm, hidden):
+    """norm(gelu(dense(hidden))): the transform of the family's masked-LM heads."""
+    hidden = _gelu_linear(dense, hidden, config)
+    return ops.layer_norm(hidden, norm.weight, norm.bias, config.layer_norm_eps, backend=config.backend,
+                          save=config.layer_norm_backward)
 
 
 def labelled_positions(labels, budget: int) -> torch.Tensor | None:
@@ -503,24 +596,26 @@ def _rows(tensor, index, positions: int):
     return flat if index is None else flat.index_select(0, index)
 
 
-class BertLMPredictionHead(nn.Module):
-    """transform -> decoder tied to the word embeddings, with its own bias."""
+@dataclass
+class VocabularyHead:
+    """A masked-LM head whatever its module names (the family's one implementation): `transform` [N, H] ->
+    [N, H'], then the decoder to the vocabulary plus `bias`. bias_in_decoder: decoder(x) already adds the
+    bias (RoBERTa's decoder.bias is the head's bias; DistilBERT's and ELECTRA's decoders own theirs)."""
+    config: BertConfig
+    transform: object  # callable
+    decoder: nn.Module  # Linear H' -> V, its weight tied to the word embeddings
+    bias: torch.Tensor  # [V]
+    bias_in_decoder: bool = False
 
-    def __init__(self, config: BertConfig):
-        super().__init__()
-        self.config = config
-        self.transform = BertPredictionHeadTransform(config)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+    def logits(self, sequence_output):
+        """Logits for every position: [B, S, H] -> [B, S, V]."""
+        return self._logits(self.transform(sequence_output))
 
     def _logits(self, transformed):
         if is_plain_linear(self.decoder):
             return F.linear(transformed, self.decoder.weight, self.bias)
-        return self.decoder(transformed) + self.bias
-
-    def forward(self, sequence_output):
-        """Logits for every position: [B, S, H] -> [B, S, V]."""
-        return self._logits(self.transform(sequence_output))
+        logits = self.decoder(transformed)  # a wrapped decoder is called
+        return logits if self.bias_in_decoder else logits + self.bias
 
     def masked_loss(self, sequence_output, labels, max_predictions: int = 0, shown_masked=None):
         """Cross entropy over the labelled positions (labels != -100), averaged over them: the transform runs
@@ -556,6 +651,28 @@ class BertLMPredictionHead(nn.Module):
         return loss, ((logits.argmax(dim=-1) == targets) & (targets != IGNORE_INDEX)).sum()
 
 
+class BertLMPredictionHead(nn.Module):
+    """transform -> decoder tied to the word embeddings, with its own bias."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.transform = BertPredictionHeadTransform(config)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def vocabulary_head(self) -> VocabularyHead:
+        return VocabularyHead(self.config, self.transform, self.decoder, self.bias)
+
+    def forward(self, sequence_output):
+        """Logits for every position: [B, S, H] -> [B, S, V]."""
+        return self.vocabulary_head().logits(sequence_output)
+
+    def masked_loss(self, sequence_output, labels, max_predictions: int = 0, shown_masked=None):
+        """VocabularyHead.masked_loss."""
+        return self.vocabulary_head().masked_loss(sequence_output, labels, max_predictions, shown_masked)
+
+
 class BertPreTrainingHeads(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -586,17 +703,38 @@ def _nsp_loss(logits, labels):
 
 
 class MLMHeadMixin:
-    """The tied MLM decoder as transformers' output embeddings."""
+    """The tied MLM decoder as transformers' output embeddings; its module and bias are at decoder_path and
+    bias_path (the architecture's names)."""
 
     _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight"}
+    decoder_path, bias_path = "cls.predictions.decoder", "cls.predictions.bias"
+
+    def vocabulary_head(self) -> VocabularyHead:
+        return self.cls.predictions.vocabulary_head()
 
     def get_output_embeddings(self) -> nn.Module:
-        return self.cls.predictions.decoder
+        return self.get_submodule(self.decoder_path)
 
     def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
-        self.cls.predictions.decoder = new_embeddings
+        _set_path(self, self.decoder_path, new_embeddings)
         if getattr(new_embeddings, "bias", None) is not None:
-            self.cls.predictions.bias = new_embeddings.bias
+            _set_path(self, self.bias_path, new_embeddings.bias)
+
+    def resize_output_bias(self, size: int, kept: int) -> None:
+        """The decoder's bias at `size` entries, its first `kept` kept (resize_token_embeddings)."""
+        old = self.get_parameter(self.bias_path)
+        bias = old.new_zeros(size)
+        bias[:kept] = old.detach()[:kept]
+        bias = nn.Parameter(bias, requires_grad=old.requires_grad)
+        _set_path(self, self.bias_path, bias)
+        decoder = self.get_output_embeddings()
+        if getattr(decoder, "bias", None) is old:  # RoBERTa's decoder adds the head's bias itself
+            decoder.bias = bias
+
+
+def _set_path(root: nn.Module, path: str, value) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(root.get_submodule(parent), name, value)
 
 
 class BertForPreTraining(MLMHeadMixin, BertPreTrainedModel):
@@ -659,20 +797,29 @@ class BertForMaskedLM(MLMHeadMixin, BertPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, *, output_hidden_states=None, output_attentions=None,
-                return_dict=None, return_logits=None, validate=True, **kwargs):
-        base = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                         output_hidden_states=output_hidden_states, output_attentions=output_attentions,
-                         return_dict=True, validate=validate, **kwargs)
+                return_dict=None, return_logits=None, validate=True, mask_token_id=None, **kwargs):
+        """mask_token_id (with labels): also report mask_accuracy, the accuracy at the positions whose input
+        is that token (as BertForPreTraining's mlm_mask_accuracy)."""
+        if mask_token_id is not None and input_ids is None:
+            raise ValueError("mask_token_id needs input_ids (the [MASK] positions are read from them)")
+        if token_type_ids is not None:  # the family's models without token types take no such argument
+            kwargs["token_type_ids"] = token_type_ids
+        base = self._bert()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states,
+                            output_attentions=output_attentions, return_dict=True, validate=validate, **kwargs)
         sequence_output = base.last_hidden_state
         check_labels("labels", labels, sequence_output.shape[:2], self.config.vocab_size, "vocab_size", validate)
         check_label_budget(labels, self.config.max_predictions_per_seq, validate)
-        head = self.cls.predictions
-        loss = accuracy = None
+        head = self.vocabulary_head()
+        loss = accuracy = mask_accuracy = None
         if labels is not None:
-            loss, accuracy, _ = head.masked_loss(sequence_output, labels, self.config.max_predictions_per_seq)
+            shown_masked = None if mask_token_id is None else input_ids == mask_token_id
+            loss, accuracy, mask_accuracy = head.masked_loss(sequence_output, labels,
+                                                             self.config.max_predictions_per_seq, shown_masked)
         result = outputs.MaskedLMOutput(
-            loss=loss, logits=head(sequence_output) if _wants_logits(self, labels, return_logits) else None,
-            hidden_states=base.hidden_states, attentions=base.attentions, accuracy=accuracy)
+            loss=loss, logits=head.logits(sequence_output) if _wants_logits(self, labels, return_logits) else None,
+            hidden_states=base.hidden_states, attentions=base.attentions, accuracy=accuracy,
+            mask_accuracy=mask_accuracy)
         return self._outputs(result, return_dict)
 
 

@@ -46,6 +46,7 @@ class MaskedLMOutput(OutputBase):
     hidden_states: tuple[Tensor, ...] | None = None
     attentions: tuple[Tensor, ...] | None = None
     accuracy: Tensor | None = None  # fraction of labelled tokens predicted right
+    mask_accuracy: Tensor | None = None  # the same at the positions whose input is the mask token (mask_token_id=)
 
 
 @dataclass
