@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
+from torch.distributed.checkpoint import state_dict as dcp_state_dict
 
 from fastbert import BertForMaskedLM
 from fastbert.data import prepare
@@ -190,6 +191,34 @@ def test_each_objective_refuses_the_others_data_and_checkpoint(data, nsp_data, t
     pretrain.train(config(data, out, stop_at=1), SMALL)
     with pytest.raises(ValueError, match=r"--objective: checkpoint 'mlm', now 'mlm\+nsp'"):
         pretrain.train(config(nsp_data, out, objective=MLM_NSP), SMALL)
+
+
+@pytest.mark.parametrize("before,after", [(MLM_NSP, MLM), (MLM, MLM_NSP)])
+def test_accept_changes_goes_on_under_the_other_objective(data, nsp_data, tmp_path, caplog, monkeypatch, before,
+                                                         after):
+    datasets = {MLM: data, MLM_NSP: nsp_data}
+    out = tmp_path / "run"
+    first = pretrain.train(config(datasets[before], out, stop_at=2, objective=before), SMALL)
+    saved = read_state_dict(os.path.join(first["checkpoint"], "model"))
+    seen, load = {}, dcp_state_dict.set_model_state_dict
+
+    def keep_loaded(model, state_dict, **kwargs):  # what the resume loads into the model
+        seen.update(state_dict)
+        return load(model, state_dict, **kwargs)
+
+    monkeypatch.setattr(dcp_state_dict, "set_model_state_dict", keep_loaded)
+    second = pretrain.train(config(datasets[after], out, objective=after, accept_changes=True), SMALL)
+    assert second["step"] == 6 and not second["stopped"]
+    assert f"resuming with a change (--accept-changes): --objective: checkpoint '{before}', now '{after}'" \
+        in caplog.text
+    assert f"the checkpoint's run trained --objective {before}" in caplog.text
+    assert seen.keys() == saved.keys()  # the checkpoint's weights, the other objective's head among them
+    nsp_only = {k for k in second["model"].state_dict() if k.startswith(("bert.pooler.", "cls.seq_relationship."))}
+    assert bool(nsp_only) == (after == MLM_NSP)
+    lines = records(out)
+    assert [r["step"] for r in lines] == list(range(1, 7))
+    assert all(NSP_KEYS <= r.keys() if (r["step"] > 2) == (after == MLM_NSP) else not NSP_KEYS & r.keys()
+               for r in lines)
 
 
 def test_nsp_needs_a_bert_model():

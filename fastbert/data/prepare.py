@@ -19,9 +19,10 @@ At corpus scale: the corpus is cut into chunks of about --chunk-bytes of text at
 --workers processes (default: every core this process may use), so a worker's memory is bounded by
 the chunk size, not by the size of the corpus or of its documents; a random NSP segment comes from
 another document of the same chunk (a chunk holding a single document, longer than a chunk, is cut
-in two for that); --objective mlm packs each chunk's sentences, so an example never spans two chunks. The vocabulary is trained on at most --vocab-sample-bytes of text, taken from the
-start of every chunk. The output depends on the corpus, the chunk size, the seed and the other
-options, never on the number of workers, and is the same byte for byte on every run.
+in two for that; --objective mlm packs each chunk's sentences, so an example never spans two chunks).
+The vocabulary is trained on at most --vocab-sample-bytes of text, taken from the start of every chunk.
+The output depends on the corpus, the chunk size, the seed and the other options, never on the number
+of workers, and is the same byte for byte on every run.
 
 Re-running: a directory has one tokenizer, which later runs reuse (another sequence length, a resumed
 run). Shards are built in data/.partial-seqN/, each finished one recorded there, so a run that was
@@ -409,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         prepare_dataset(args.corpus, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                         lowercase=not args.cased, max_seq_lengths=tuple(args.max_seq_length),
-                        objective=args.objective, short_seq_prob=args.short_seq_prob, dupe_factor=args.dupe_factor, seed=args.seed,
+                        objective=args.objective, short_seq_prob=args.short_seq_prob,
+                        dupe_factor=args.dupe_factor, seed=args.seed,
                         chunk_bytes=args.chunk_bytes, workers=args.workers,
                         vocab_sample_bytes=args.vocab_sample_bytes, encoding_errors=args.encoding_errors,
                         overwrite=args.overwrite)

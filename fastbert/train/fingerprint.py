@@ -24,7 +24,8 @@ CHANGEABLE_OPTIONS = ("steps", "lr", "warmup", "max_grad_norm", "phase_fractions
                       "distributed", "device", "prefetch", "threads", "progress", "peak_tflops")
 # config fields that shape the weights: a checkpoint with others cannot be loaded at all (model_type: the
 # architecture, whose weights have other names)
-SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings",
+SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
+                "max_position_embeddings",
                 "type_vocab_size")
 MODEL_FIELDS = SHAPE_FIELDS + ("num_attention_heads", "hidden_act", "hidden_dropout_prob",
                                "attention_probs_dropout_prob", "layer_norm_eps", "pad_token_id")

@@ -170,7 +170,8 @@ class Window:
             record.update(loss=mlm_loss + nsp_loss, mlm_loss=mlm_loss,
                           mlm_accuracy=totals["mlm_correct"] / totals["masked_tokens"])
             if nsp:
-                record.update(nsp_loss=nsp_loss, mlm_mask_accuracy=totals["mask_correct"] / max(totals["mask_tokens"], 1),
+                record.update(nsp_loss=nsp_loss,
+                              mlm_mask_accuracy=totals["mask_correct"] / max(totals["mask_tokens"], 1),
                               nsp_accuracy=totals["nsp_correct"] / totals["sequences"])
         else:
             record["loss"] = None

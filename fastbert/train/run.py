@@ -148,8 +148,8 @@ def phase_dataset(data: str, seq_length: int, objective: str = MLM_NSP) -> Shard
                     continue
             dataset = ShardedDataset(candidate)
             if dataset.objective != objective:
-                raise ValueError(f"the dataset {candidate} was prepared for --objective {dataset.objective}, this run's "
-                                 f"--objective is {objective}: prepare one for it with `fastbert prepare-data "
+                raise ValueError(f"the dataset {candidate} was prepared for --objective {dataset.objective}, this "
+                                 f"run's --objective is {objective}: prepare one for it with `fastbert prepare-data "
                                  f"--objective {objective} --max-seq-length {seq_length} --out DIR ...` (another "
                                  f"--out), or run --objective {dataset.objective}")
             return dataset
@@ -260,6 +260,15 @@ def _find_data(cfg: PretrainConfig, config, phases: list[Phase], env: distribute
     return phases[0].dataset
 
 
+def checkpoint_objective(path: str) -> str:
+    """The objective of the run that wrote the checkpoint at `path` (mlm+nsp for one older than the option)."""
+    from fastbert.train.fingerprint import RECORDED_LATER
+    from fastbert.train.state import read_run_file
+
+    saved = read_run_file(path) or {}
+    return saved.get("fingerprint", {}).get("options", {}).get("objective", RECORDED_LATER["objective"])
+
+
 def _resume_point(cfg: PretrainConfig, root: str) -> str | None:
     if cfg.resume == "auto":
         return checkpoint.latest_checkpoint(root)
@@ -347,12 +356,13 @@ def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
     try:
         _prepare_directory(cfg, model_overrides, out, resume, current, env)
         torch.manual_seed(cfg.seed)
-        if resume:
+        if resume and checkpoint_objective(resume) == cfg.objective:
             with torch.device("meta"):
                 model = trained_class(config)
             model.to_empty(device=env.device)
             model.tie_weights()
-        else:
+        else:  # a fresh run, or a resume (--accept-changes) from the other objective's checkpoint, whose heads
+            # differ: those it lacks start initialised (state.restore)
             model = trained_class(config).to(env.device)
         # not a math change (the recomputation reruns the same kernels with the same dropout seeds), so a
         # resume may change it (fingerprint.CHANGEABLE_OPTIONS)

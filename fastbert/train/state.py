@@ -27,9 +27,14 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fastbert.data.examples import MLM_NSP
 from fastbert.hf import choose_layer_norm_backward
 from fastbert.train import checkpoint, distributed
-from fastbert.train.run import Run
+from fastbert.train.run import Run, checkpoint_objective
+
+# the weights BertForPreTraining has and the masked-LM model has not: what a resume across objectives
+# (--accept-changes) drops from an mlm+nsp checkpoint, or initialises anew from an mlm one
+NSP_ONLY_PREFIXES = ("bert.pooler.", "cls.seq_relationship.")
 
 RUN_FILE = "run.json"
 TRAINER_FILE = "trainer.pt"
@@ -204,14 +209,25 @@ def restore(run: Run) -> Progress:
     of this run (a changed --lr or --steps is honoured)."""
     env, cfg = run.env, run.cfg
     saved = torch.load(os.path.join(run.resume, TRAINER_FILE), map_location="cpu", weights_only=False)
-    same_optimizer = saved["config"]["optimizer"] == cfg.optimizer
-    if not same_optimizer:
+    objective = checkpoint_objective(run.resume)
+    heads_change = objective != cfg.objective  # accepted by check_resume (--accept-changes)
+    same_optimizer = saved["config"]["optimizer"] == cfg.optimizer and not heads_change
+    if heads_change:
+        run.warning(f"the checkpoint's run trained --objective {objective}: its encoder and masked-LM head go on "
+                    f"under --objective {cfg.objective}, the next-sentence head and pooler are "
+                    f"{'dropped' if objective == MLM_NSP else 'initialised anew'}, and {cfg.optimizer} starts "
+                    "from fresh moments")
+    elif not same_optimizer:
         run.warning(f"the checkpoint's optimizer state is {saved['config']['optimizer']}'s: {cfg.optimizer} "
                     "starts from fresh moments")
     if os.path.isdir(os.path.join(run.resume, SHARDED_DIR)):
+        if heads_change:
+            raise ValueError(f"{run.resume} is a sharded (--distributed fsdp) checkpoint of --objective {objective}: "
+                             f"it resumes only with that objective; its model/ (written at the end of a run) "
+                             f"starts an --objective {cfg.objective} run with --resume never and --model")
         _load_sharded(run, os.path.join(run.resume, SHARDED_DIR), same_optimizer)
     else:
-        _load_weights(run, os.path.join(run.resume, MODEL_DIR))
+        _load_weights(run, os.path.join(run.resume, MODEL_DIR), heads_change)
         if same_optimizer:
             _load_optimizer_state(run.optimizer, saved["optimizer"])
     if "layer_norm_backward" not in run.model_overrides:  # --model.layer_norm_backward wins
@@ -236,8 +252,9 @@ def restore(run: Run) -> Progress:
     return progress
 
 
-def _load_weights(run: Run, path: str) -> None:
-    """HF-format weights into the model (sharded like it under FSDP2); every weight must be there."""
+def _load_weights(run: Run, path: str, heads_change: bool = False) -> None:
+    """HF-format weights into the model (sharded like it under FSDP2); every weight must be there, but for
+    the NSP-only ones (NSP_ONLY_PREFIXES) when the checkpoint was written for the other objective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from fastbert.hf import TIED_KEYS, read_state_dict
     try:
@@ -246,9 +263,12 @@ def _load_weights(run: Run, path: str) -> None:
     except RuntimeError as exc:
         raise ValueError(f"the weights in {path} do not fit the model: {exc}") from None
     missing = [k for k in result.missing_keys if k not in TIED_KEYS]
-    if missing or result.unexpected_keys:
-        raise ValueError(f"the weights in {path} do not fit the model: missing {missing}, "
-                         f"unexpected {result.unexpected_keys}")
+    unexpected = result.unexpected_keys
+    if heads_change:
+        missing, unexpected = ([k for k in keys if not k.startswith(NSP_ONLY_PREFIXES)]
+                               for keys in (missing, unexpected))
+    if missing or unexpected:
+        raise ValueError(f"the weights in {path} do not fit the model: missing {missing}, unexpected {unexpected}")
 
 
 def _load_sharded(run: Run, path: str, with_optimizer: bool) -> None:

@@ -40,8 +40,8 @@ def host_stats(micro_batches: list[dict], config, mask_id: int, objective: str =
     lengths = [mb["attention_mask"].sum(1) for mb in micro_batches]
     most = max(int((mb["labels"] != IGNORE_INDEX).sum(1).max()) for mb in micro_batches)
     return HostStats(masked, shown_masked, [mb["input_ids"].shape[0] for mb in micro_batches],
-                     int(sum(n.sum() for n in lengths)), sum(training_flops(config, n, m, objective) for n, m in zip(lengths, masked)),
-                     most)
+                     int(sum(n.sum() for n in lengths)),
+                     sum(training_flops(config, n, m, objective) for n, m in zip(lengths, masked)), most)
 
 
 @dataclass
