@@ -2,7 +2,7 @@
 
 The public names are imported on first use (PEP 562), so that `fastbert --version`, `fastbert
 prepare-data` and its worker processes do not load torch (about 250 MB of memory per process).
-Any of them imports fastbert.modeling first, which registers the models with transformers' Auto
+Any of them imports fastbert.architectures first, which registers the models with transformers' Auto
 classes where transformers is installed (see fastbert.auto).
 """
 import importlib
@@ -11,12 +11,19 @@ __version__ = "0.1.0"
 # public name -> (module that defines it, its name there)
 _EXPORTS = {
     "BertConfig": ("fastbert.config", "BertConfig"),
-    "from_hf": ("fastbert.hf", "from_hf"),
+    "from_hf": ("fastbert.architectures", "from_hf"),
     "apply": ("fastbert.in_place", "apply"),
+    "load_config": ("fastbert.architectures", "load_config"),
     **{name: ("fastbert.modeling", name) for name in (
         "BertModel", "BertForPreTraining", "BertForMaskedLM", "BertForNextSentencePrediction",
         "BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering",
         "BertForMultipleChoice")},
+    **{name: ("fastbert.family_config", name) for name in (
+        "RobertaConfig", "XLMRobertaConfig", "CamembertConfig", "ElectraConfig", "MPNetConfig", "DistilBertConfig")},
+    **{name: ("fastbert.family", name) for name in (
+        "RobertaModel", "RobertaForMaskedLM", "XLMRobertaModel", "XLMRobertaForMaskedLM", "CamembertModel",
+        "CamembertForMaskedLM", "ElectraModel", "ElectraForMaskedLM", "ElectraForPreTraining", "DistilBertModel",
+        "DistilBertForMaskedLM", "MPNetModel", "MPNetForMaskedLM")},
 }
 __all__ = [*_EXPORTS, "__version__"]
 
@@ -25,7 +32,7 @@ def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'fastbert' has no attribute {name!r}")
     module, attribute = _EXPORTS[name]
-    importlib.import_module("fastbert.modeling")  # the models and their Auto registration come first
+    importlib.import_module("fastbert.architectures")  # the models and their Auto registration come first
     value = getattr(importlib.import_module(module), attribute)
     globals()[name] = value  # later lookups skip __getattr__
     return value

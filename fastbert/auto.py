@@ -1,30 +1,31 @@
-"""fastbert's models in transformers' Auto classes (done on import where transformers is installed).
+"""fastbert's models in transformers' Auto classes (fastbert.architectures registers them on import where
+transformers is installed).
 
-The registrations are keyed on fastbert.BertConfig, so they take effect when an Auto class is given a
-fastbert config; a config.json's own model_type ("bert") keeps loading transformers' BERT:
+The registrations are keyed on fastbert's config classes, so they take effect when an Auto class is given a
+fastbert config; a config.json's own model_type ("bert", "roberta", ...) keeps loading transformers' class:
 
     config = fastbert.BertConfig.from_pretrained("bert-base-uncased")   # or a local directory
     model = AutoModelForSequenceClassification.from_pretrained("bert-base-uncased", config=config, num_labels=3)
 """
 from __future__ import annotations
 
-from fastbert import modeling
-from fastbert.config import BertConfig
-
-AUTO_CLASSES = {"AutoModel": "BertModel", "AutoModelForPreTraining": "BertForPreTraining",
-                "AutoModelForMaskedLM": "BertForMaskedLM",
-                "AutoModelForNextSentencePrediction": "BertForNextSentencePrediction",
-                "AutoModelForSequenceClassification": "BertForSequenceClassification",
-                "AutoModelForTokenClassification": "BertForTokenClassification",
-                "AutoModelForQuestionAnswering": "BertForQuestionAnswering",
-                "AutoModelForMultipleChoice": "BertForMultipleChoice"}
+# transformers' Auto class -> the head it builds (fastbert's class is the architecture's name + the head)
+AUTO_HEADS = {"AutoModel": "Model", "AutoModelForPreTraining": "ForPreTraining",
+              "AutoModelForMaskedLM": "ForMaskedLM", "AutoModelForNextSentencePrediction": "ForNextSentencePrediction",
+              "AutoModelForSequenceClassification": "ForSequenceClassification",
+              "AutoModelForTokenClassification": "ForTokenClassification",
+              "AutoModelForQuestionAnswering": "ForQuestionAnswering", "AutoModelForMultipleChoice": "ForMultipleChoice"}
 
 
-def register() -> None:
-    """Map fastbert.BertConfig to fastbert's class in each of transformers' Auto model classes.
-    exist_ok: fastbert's config shares transformers' class name and model_type ("bert"), which the
-    registry would otherwise refuse as taken."""
+def register(config_classes, model_classes: dict[str, type]) -> None:
+    """Map each fastbert config class to fastbert's class of each head it has, in transformers' Auto classes.
+    exist_ok: fastbert's configs share transformers' model_types, which the registry would otherwise refuse
+    as taken."""
     import transformers
 
-    for auto_name, model_name in AUTO_CLASSES.items():
-        getattr(transformers, auto_name).register(BertConfig, modeling.MODEL_CLASSES[model_name], exist_ok=True)
+    for config_class in config_classes:
+        prefix = config_class.__name__.removesuffix("Config")
+        for auto_name, head in AUTO_HEADS.items():
+            model_class = model_classes.get(prefix + head)
+            if model_class is not None and model_class.config_class is config_class:
+                getattr(transformers, auto_name).register(config_class, model_class, exist_ok=True)

@@ -14,7 +14,7 @@ import shutil
 
 import torch
 
-from fastbert.cli import run_command
+from fastbert.command import run_command
 from fastbert.config import BertConfig
 from fastbert.files import output_lock, replaced_directory
 from fastbert.finetune.loading import checkpoint_directory, load_checkpoint

@@ -7,7 +7,7 @@ prefix added or removed so that a BertModel loads from a BertForPreTraining chec
 Loading builds the model on the meta device and assigns the checkpoint's tensors: no random init runs
 but for the weights the checkpoint lacks. A checkpoint that does not match its config (missing encoder
 layers, other sizes) is a CheckpointError naming the file and what is wrong.
-transformers itself is needed only by `from_hf` / `to_hf`.
+transformers itself is needed only by `to_hf`.
 """
 from __future__ import annotations
 
@@ -27,13 +27,13 @@ logger = logging.getLogger("fastbert")
 
 SAFETENSORS_NAME = "model.safetensors"
 TORCH_NAME = "pytorch_model.bin"
-BASE_PREFIX = "bert."
 # Tied to bert.embeddings.word_embeddings.weight (and cls.predictions.bias): never stored twice.
-TIED_KEYS = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+TIED_KEYS = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")  # BERT's; see tied_keys
 BUFFER_SUFFIXES = ("embeddings.position_ids", "embeddings.token_type_ids")
-BASE_MODULES = ("embeddings.", "encoder.", "pooler.")  # BertModel's children: what `bert.` prefixes
+BASE_MODULES = ("embeddings.", "encoder.", "transformer.", "pooler.", "embeddings_project.")  # the base
+# models' children (BERT's, DistilBERT's transformer, ELECTRA's projection): what the base prefix prefixes
 # weights without which the encoder is not the checkpoint's: missing ones are an error, not a random init
-ENCODER_MODULES = ("embeddings.", "encoder.")
+ENCODER_MODULES = ("embeddings.", "encoder.", "transformer.")
 # transformers' from_pretrained arguments that change nothing here (loading is always on the meta device,
 # the Auto classes' bookkeeping): accepted and ignored
 IGNORED_LOADER_ARGUMENTS = ("low_cpu_mem_usage", "_from_auto", "_from_pipeline", "trust_remote_code")
@@ -161,14 +161,21 @@ def normalize_keys(state: dict[str, torch.Tensor], tied: bool = True) -> dict[st
     return out
 
 
+def tied_keys(model: torch.nn.Module) -> set[str]:
+    """The keys a checkpoint may leave out because they are tied to another (the MLM decoder)."""
+    return {*TIED_KEYS, *(getattr(model, "_tied_weights_keys", None) or {})}
+
+
 def match_prefix(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Add or strip `bert.` so the checkpoint's keys line up with the model's (heads hold a `bert`)."""
-    model_has_prefix = hasattr(model, "bert")
-    state_has_prefix = any(k.startswith(BASE_PREFIX) for k in state)
+    """Add or strip the base model's prefix (`bert.`, `roberta.`, ...) so the checkpoint's keys line up with
+    the model's (heads hold their base model under that name)."""
+    prefix = getattr(model, "base_model_prefix", "bert") + "."
+    model_has_prefix = hasattr(model, prefix[:-1])
+    state_has_prefix = any(k.startswith(prefix) for k in state)
     if model_has_prefix and not state_has_prefix:
-        return {(BASE_PREFIX + k if k.startswith(BASE_MODULES) else k): v for k, v in state.items()}
+        return {(prefix + k if k.startswith(BASE_MODULES) else k): v for k, v in state.items()}
     if state_has_prefix and not model_has_prefix:
-        return {k.removeprefix(BASE_PREFIX): v for k, v in state.items()}
+        return {k.removeprefix(prefix): v for k, v in state.items()}
     return state
 
 
@@ -177,10 +184,12 @@ def _check_against_model(model: torch.nn.Module, state: dict[str, torch.Tensor],
     """CheckpointError where the weights cannot be the model's config: encoder weights missing (e.g. more
     layers in config.json than in the file), or SizeMismatchError for tensors of other shapes."""
     config = model.config
-    encoder_missing = [k for k in missing if k.removeprefix(BASE_PREFIX).startswith(ENCODER_MODULES)]
+    prefix = getattr(model, "base_model_prefix", "bert") + "."
+    encoder_missing = [k for k in missing if k.removeprefix(prefix).startswith(ENCODER_MODULES)]
     if encoder_missing:
-        layers = sorted({int(m.group(1)) for k in encoder_missing if (m := re.search(r"encoder\.layer\.(\d+)\.", k))})
-        present = sorted({int(m.group(1)) for k in state if (m := re.search(r"encoder\.layer\.(\d+)\.", k))})
+        layer = r"(?:encoder|transformer)\.layer\.(\d+)\."
+        layers = sorted({int(m.group(1)) for k in encoder_missing if (m := re.search(layer, k))})
+        present = sorted({int(m.group(1)) for k in state if (m := re.search(layer, k))})
         if layers:
             what = (f"config num_hidden_layers={config.num_hidden_layers} but the weights hold "
                     f"{len(present)} layer(s) ({', '.join(map(str, present)) or 'none'}); missing "
@@ -214,7 +223,7 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: s
     tied = getattr(model.config, "tie_word_embeddings", True)
     state = match_prefix(normalize_keys(state, tied), model)
     expected = model.state_dict()
-    missing = [k for k in expected if k not in state and not (tied and k in TIED_KEYS)]
+    missing = [k for k in expected if k not in state and not (tied and k in tied_keys(model))]
     unexpected = [k for k in state if k not in expected]
     mismatched = {(k, tuple(v.shape), tuple(expected[k].shape))
                   for k, v in state.items() if k in expected and v.shape != expected[k].shape}
@@ -313,9 +322,9 @@ def load_pretrained(cls, name_or_path, *model_args, config=None, output_loading_
     hub_arguments = {k: kwargs.pop(k) for k in hub.HUB_ARGUMENTS if k in kwargs}
     path = None if name_or_path is None else hub.resolve(name_or_path, **hub_arguments)
     if config is None:
-        config = BertConfig.from_json(path)
-    elif not isinstance(config, BertConfig):
-        raise TypeError(f"config must be a fastbert.BertConfig, got {type(config).__name__}")
+        config = cls.config_class.from_json(path)
+    elif not isinstance(config, cls.config_class):
+        raise TypeError(f"config must be a fastbert.{cls.config_class.__name__}, got {type(config).__name__}")
     else:
         config = config.replace()
     config.update_known(kwargs, f"{cls.__name__}.from_pretrained")
@@ -339,7 +348,7 @@ def hf_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor] | None 
     seen, out = set(), {}
     for key, value in state.items():
         value = value.detach()
-        if key in TIED_KEYS and getattr(model.config, "tie_word_embeddings", True):
+        if key in tied_keys(model) and getattr(model.config, "tie_word_embeddings", True):
             continue
         identity = (value.device, value.untyped_storage().data_ptr(), value.storage_offset(), value.shape)
         if identity in seen:  # another name for a tensor already written (a tie)
@@ -436,37 +445,19 @@ def _require_transformers():
     try:
         import transformers
     except ImportError as exc:
-        raise ImportError("from_hf / to_hf need transformers: pip install 'fastbert[hf]'") from exc
+        raise ImportError("to_hf needs transformers: pip install 'fastbert[hf]'") from exc
     return transformers
-
-
-def from_hf(hf_model, **config_overrides):
-    """A fastbert model of the same class with a copy of the weights, from an in-memory transformers BERT
-    (`fastbert.apply` accelerates one in place instead, sharing its weights)."""
-    from fastbert.modeling import MODEL_CLASSES
-
-    name = type(hf_model).__name__
-    if name not in MODEL_CLASSES:
-        raise ValueError(f"from_hf supports {sorted(MODEL_CLASSES)}, got {name}")
-    config = BertConfig.from_dict(hf_model.config.to_dict(), **config_overrides)
-    with torch.device("meta"):
-        model = MODEL_CLASSES[name](config)
-    reference = next(hf_model.parameters())
-    state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
-    load_state(model, state, f"{name} (transformers)", reference.dtype, reference.device)
-    if "layer_norm_backward" not in config_overrides:
-        choose_layer_norm_backward(model, config)
-    return model.train(hf_model.training)
 
 
 def to_hf(model):
     """The same model as a transformers object with identical weights (class chosen by name)."""
     transformers = _require_transformers()
     hf_class = getattr(transformers, type(model).__name__)
-    hf_config = transformers.BertConfig(**model.config.to_dict())
+    values = model.config.to_dict()
+    hf_config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
     hf_model = hf_class(hf_config)
     result = hf_model.load_state_dict(hf_state_dict(model), strict=False)
-    missing = [k for k in result.missing_keys if k not in TIED_KEYS]
+    missing = [k for k in result.missing_keys if k not in tied_keys(model)]
     if missing or result.unexpected_keys:
         raise RuntimeError(f"to_hf: missing {missing}, unexpected {result.unexpected_keys}")
     if hasattr(hf_model, "tie_weights"):

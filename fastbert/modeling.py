@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fastbert import ops, outputs
-from fastbert.bases import HAVE_TRANSFORMERS, ModelBase
+from fastbert import hf, ops, outputs
+from fastbert.bases import ModelBase
 from fastbert.config import BertConfig
 from fastbert.validation import (IGNORE_INDEX, PACKED_ARGUMENTS, HF_PACKED_ALIASES, check_label_budget, check_labels,
                                  check_model_inputs, check_packed_inputs, key_padding_mask, packed_arguments)
@@ -434,19 +434,16 @@ class BertPreTrainedModel(ModelBase):
         The model is built on the meta device and the weights assigned, so nothing is randomly initialised
         but weights the checkpoint lacks (reported in a warning and in output_loading_info).
         """
-        from fastbert import hf
         return hf.load_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs)
 
     def save_pretrained(self, save_directory, **kwargs) -> None:
         """Write config.json + model.safetensors that transformers' from_pretrained loads unchanged.
         Takes transformers' is_main_process=, state_dict=, safe_serialization= (False: pytorch_model.bin)
         and max_shard_size= (shards + index.json)."""
-        from fastbert import hf
         hf.save_pretrained(self, save_directory, **kwargs)
 
     def to_hf(self):
         """The same model as a transformers object with identical weights (needs transformers)."""
-        from fastbert import hf
         return hf.to_hf(self)
 
 
@@ -1032,7 +1029,3 @@ class BertForMultipleChoice(BertPreTrainedModel):
 MODEL_CLASSES = {cls.__name__: cls for cls in (
     BertModel, BertForPreTraining, BertForMaskedLM, BertForNextSentencePrediction,
     BertForSequenceClassification, BertForTokenClassification, BertForQuestionAnswering, BertForMultipleChoice)}
-
-if HAVE_TRANSFORMERS:
-    from fastbert import auto  # noqa: E402  (needs the classes above)
-    auto.register()

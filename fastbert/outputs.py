@@ -88,3 +88,11 @@ class MultipleChoiceModelOutput(OutputBase):
     logits: Tensor | None = None  # [B, num_choices]
     hidden_states: tuple[Tensor, ...] | None = None
     attentions: tuple[Tensor, ...] | None = None
+
+
+@dataclass
+class ElectraForPreTrainingOutput(OutputBase):
+    loss: Tensor | None = None
+    logits: Tensor | None = None  # [B, S]: one "replaced" logit per token
+    hidden_states: tuple[Tensor, ...] | None = None
+    attentions: tuple[Tensor, ...] | None = None

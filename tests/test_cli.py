@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastbert import __version__, cli
+from fastbert import __version__, cli, command
 from fastbert.finetune import cli as finetune_cli
 from fastbert.train import options, run
 from tests.test_data import write_corpus
@@ -40,14 +40,14 @@ def test_run_command_reports_user_errors_through_the_fastbert_logger(capsys):
         logging.getLogger("fastbert.data").info("progress line")
         raise ValueError("--thing 3 is wrong")
 
-    assert cli.run_command("prepare-data", body) == 2
+    assert command.run_command("prepare-data", body) == 2
     assert capsys.readouterr().err.splitlines() == ["progress line", "fastbert prepare-data: error: --thing 3 is wrong"]
 
     def bug():
         raise KeyError("a programming error keeps its traceback")
 
     with pytest.raises(KeyError):
-        cli.run_command("prepare-data", bug)
+        command.run_command("prepare-data", bug)
 
 
 @pytest.fixture

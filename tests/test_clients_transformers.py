@@ -167,10 +167,10 @@ def test_auto_classes_load_fastbert_models_given_a_fastbert_config(tokenizer):
                                atol=1e-5, rtol=1e-5)
     head = transformers.AutoModelForQuestionAnswering.from_pretrained(MINILM, config=config)
     assert type(head) is fastbert.BertForQuestionAnswering
-    for auto_name, model_name in fastbert.auto.AUTO_CLASSES.items():
+    for auto_name, head in fastbert.auto.AUTO_HEADS.items():
         auto = getattr(transformers, auto_name)
-        assert auto._model_mapping[fastbert.BertConfig] is getattr(fastbert, model_name)
-        assert auto._model_mapping[transformers.BertConfig] is getattr(transformers, model_name)  # untouched
+        assert auto._model_mapping[fastbert.BertConfig] is getattr(fastbert, "Bert" + head)
+        assert auto._model_mapping[transformers.BertConfig] is getattr(transformers, "Bert" + head)  # untouched
 
 
 def hf_inputs(name, generator):

@@ -253,7 +253,7 @@ def test_a_corrupt_metrics_line_is_an_error_naming_the_file_and_line(data, resum
 
 SIGNALLED_RANK = textwrap.dedent("""
     import json, os, signal, sys, torch.distributed as dist
-    from fastbert.cli import configure_logging
+    from fastbert.command import configure_logging
     from fastbert.train import pretrain
     data, out, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     configure_logging("pretrain")

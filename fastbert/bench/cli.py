@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from fastbert.cli import run_command
+from fastbert.command import run_command
 from fastbert.files import cache_dir
 
 logger = logging.getLogger("fastbert.bench")

@@ -15,7 +15,7 @@ import os
 from fastbert.bench.compile_report import compile_section, newest_run
 from fastbert.bench.memory_report import memory_section
 from fastbert.bench.prepare_report import prepare_data_section
-from fastbert.cli import configure_logging
+from fastbert.command import configure_logging
 
 GPU_COMMAND = "benchmarks/run_gpu.sh benchmarks/results"
 CPU_MEMORY_COMMAND = "fastbert bench --suite cpu-memory --out benchmarks/results"

@@ -46,7 +46,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
-from fastbert.cli import run_command
+from fastbert.command import run_command
 from fastbert.data import sharding
 from fastbert.data.corpus import ENCODING_ERRORS, STDLIB, CorpusError, Segment, plan_chunks, segment_documents
 from fastbert.data.examples import MLM, MLM_NSP, OBJECTIVES

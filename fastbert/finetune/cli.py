@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fastbert.cli import run_command
+from fastbert.command import run_command
 from fastbert.finetune.readers import TABLE_FORMATS
 from fastbert.finetune.train import PAPER_LEARNING_RATES, PRECISIONS, TASKS, FinetuneConfig, finetune
 

@@ -24,7 +24,7 @@ import sys
 import numpy as np
 import torch
 
-from fastbert.cli import run_command
+from fastbert.command import run_command
 from fastbert.files import output_lock, replaced_file, write_text
 from fastbert.finetune.encoding import Packer, collate, tokenizer_for
 from fastbert.finetune.loading import checkpoint_directory, load_checkpoint, resolve_device

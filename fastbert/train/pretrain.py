@@ -298,7 +298,7 @@ def _summary(record: dict, run: Run) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fastbert.cli import run_command
+    from fastbert.command import run_command
 
     def body() -> int:
         try:

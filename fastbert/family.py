@@ -1,0 +1,375 @@
+"""BERT's family on fastbert's encoder: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT and MPNet.
+
+Each architecture is fastbert.modeling's encoder with its own config (fastbert.family_config), module names,
+forward arguments and masked-LM head, under transformers' parameter names, so their checkpoints load and save
+unchanged. The layer, attention, FFN and LayerNorm code is modeling's; here are only the names and what an
+architecture adds: DistilBERT's layer names, MPNet's relative-position bias (read by the attention kernel
+from its [buckets, heads] table), ELECTRA's embedding projection (a config switch in BertModel). Their other
+heads (classification, tokens, spans, choices) run through `fastbert.apply` on transformers' own classes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastbert import ops, outputs
+from fastbert.family_config import (MPNET_BUCKETS, MPNET_MAX_DISTANCE, CamembertConfig, DistilBertConfig,
+                                    ElectraConfig, MPNetConfig, RobertaConfig, XLMRobertaConfig)
+from fastbert.modeling import (AttentionLayout, BertEncoder, BertForMaskedLM, BertLayer, BertModel,
+                               BertPreTrainedModel, EncoderLayer, SelfAttention, VocabularyHead, _recompute,
+                               add_and_norm, fused_feed_forward, gelu_dense_norm, is_unhooked)
+
+
+# RoBERTa, XLM-RoBERTa, CamemBERT: BERT's modules and names; positions from the padding index (config) -----
+
+class RobertaModel(BertModel):
+    config_class = RobertaConfig
+    base_model_prefix = "roberta"
+
+
+class RobertaLMHead(nn.Module):
+    """dense -> GELU -> layer_norm -> decoder (its bias is the head's `bias`), transformers' names."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.decoder.bias = self.bias
+
+    def vocabulary_head(self) -> VocabularyHead:
+        return VocabularyHead(self.config, lambda h: gelu_dense_norm(self.config, self.dense, self.layer_norm, h),
+                              self.decoder, self.bias, bias_in_decoder=True)
+
+    def forward(self, features):
+        return self.vocabulary_head().logits(features)
+
+
+class RobertaForMaskedLM(BertForMaskedLM):
+    """Masked LM with RoBERTa's lm_head; loss, mask_token_id and return_logits as BertForMaskedLM."""
+
+    config_class = RobertaConfig
+    base_model_class = RobertaModel
+    base_model_prefix = "roberta"
+    _tied_weights_keys = {"lm_head.decoder.weight": "roberta.embeddings.word_embeddings.weight",
+                          "lm_head.decoder.bias": "lm_head.bias"}
+    decoder_path, bias_path = "lm_head.decoder", "lm_head.bias"
+
+    def __init__(self, config):
+        BertPreTrainedModel.__init__(self, config)
+        setattr(self, self.base_model_prefix, self.base_model_class(config, add_pooling_layer=False))
+        self.lm_head = RobertaLMHead(config)
+        self.post_init()
+
+    def vocabulary_head(self) -> VocabularyHead:
+        return self.lm_head.vocabulary_head()
+
+
+class XLMRobertaModel(RobertaModel):
+    config_class = XLMRobertaConfig
+
+
+class XLMRobertaForMaskedLM(RobertaForMaskedLM):
+    config_class = XLMRobertaConfig
+    base_model_class = XLMRobertaModel
+
+
+class CamembertModel(RobertaModel):
+    config_class = CamembertConfig
+
+
+class CamembertForMaskedLM(RobertaForMaskedLM):
+    config_class = CamembertConfig
+    base_model_class = CamembertModel
+
+
+# ELECTRA: BERT's modules; embeddings of embedding_size projected by BertModel.embeddings_project; no pooler --
+
+class ElectraModel(BertModel):
+    config_class = ElectraConfig
+    base_model_prefix = "electra"
+    has_pooler = False
+
+
+class ElectraGeneratorPredictions(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.LayerNorm = nn.LayerNorm(config.embedding_width, eps=config.layer_norm_eps)
+        self.dense = nn.Linear(config.hidden_size, config.embedding_width)
+
+
+class ElectraForMaskedLM(BertForMaskedLM):
+    """ELECTRA's generator: generator_predictions (dense to embedding_size, GELU, LayerNorm) and
+    generator_lm_head tied to the word embeddings."""
+
+    config_class = ElectraConfig
+    base_model_prefix = "electra"
+    _tied_weights_keys = {"generator_lm_head.weight": "electra.embeddings.word_embeddings.weight"}
+    decoder_path, bias_path = "generator_lm_head", "generator_lm_head.bias"
+
+    def __init__(self, config):
+        BertPreTrainedModel.__init__(self, config)
+        self.electra = ElectraModel(config)
+        self.generator_predictions = ElectraGeneratorPredictions(config)
+        self.generator_lm_head = nn.Linear(config.embedding_width, config.vocab_size)
+        self.post_init()
+
+    def vocabulary_head(self) -> VocabularyHead:
+        predictions = self.generator_predictions
+        return VocabularyHead(self.config,
+                              lambda h: gelu_dense_norm(self.config, predictions.dense, predictions.LayerNorm, h),
+                              self.generator_lm_head, self.generator_lm_head.bias, bias_in_decoder=True)
+
+
+class ElectraDiscriminatorPredictions(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dense_prediction = nn.Linear(config.hidden_size, 1)
+
+    def forward(self, discriminator_hidden_states):
+        hidden = F.gelu(self.dense(discriminator_hidden_states), approximate=self.config.gelu_approximate)
+        return self.dense_prediction(hidden).squeeze(-1)  # [B, S]
+
+
+class ElectraForPreTraining(BertPreTrainedModel):
+    """ELECTRA's discriminator: one logit per token, "was this token replaced"; labels [B, S] of 0 / 1, the
+    loss a binary cross entropy over the real tokens (attention_mask), as transformers'."""
+
+    config_class = ElectraConfig
+    base_model_prefix = "electra"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.electra = ElectraModel(config)
+        self.discriminator_predictions = ElectraDiscriminatorPredictions(config)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, *, output_hidden_states=None, output_attentions=None,
+                return_dict=None, validate=True, **kwargs):
+        base = self.electra(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                            output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                            return_dict=True, validate=validate, **kwargs)
+        logits = self.discriminator_predictions(base.last_hidden_state)  # [B, S]
+        loss = None
+        if labels is not None:
+            if tuple(labels.shape) != tuple(logits.shape):
+                raise ValueError(f"labels has shape {tuple(labels.shape)}, expected {tuple(logits.shape)}")
+            if attention_mask is not None:
+                real = attention_mask.reshape(-1) == 1
+                loss = F.binary_cross_entropy_with_logits(logits.reshape(-1)[real], labels.reshape(-1)[real].float())
+            else:
+                loss = F.binary_cross_entropy_with_logits(logits.reshape(-1), labels.reshape(-1).float())
+        result = outputs.ElectraForPreTrainingOutput(loss=loss, logits=logits, hidden_states=base.hidden_states,
+                                                     attentions=base.attentions)
+        return self._outputs(result, return_dict)
+
+
+# DistilBERT: its own names (q_lin, sa_layer_norm, ffn.lin1, ...); no token types, no pooler -----------------
+
+class DistilBertSelfAttention(SelfAttention):
+    def __init__(self, config):
+        super().__init__(config)
+        self.q_lin = nn.Linear(config.hidden_size, config.hidden_size)
+        self.k_lin = nn.Linear(config.hidden_size, config.hidden_size)
+        self.v_lin = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_lin = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def linears(self):
+        return self.q_lin, self.k_lin, self.v_lin
+
+
+class FFN(nn.Module):
+    """lin2(gelu(lin1(x))) then dropout: DistilBERT's feed-forward, called where it cannot be fused."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.lin1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.lin2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, hidden):
+        hidden = self.lin2(F.gelu(self.lin1(hidden), approximate=self.config.gelu_approximate))
+        return ops.dropout(hidden, self.config.hidden_dropout_prob, self.training, backend=self.config.backend)
+
+
+class TransformerBlock(EncoderLayer):
+    """DistilBERT's layer: sa_layer_norm(out_lin(attention) + x) (no dropout on that sum, as transformers'),
+    then output_layer_norm(dropout(ffn) + that)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.attention = DistilBertSelfAttention(config)
+        self.sa_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.ffn = FFN(config)
+        self.output_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def attention_block(self, hidden, layout: AttentionLayout, output_attentions: bool):
+        context, probs = self.attention(hidden, layout, output_attentions)
+        return add_and_norm(self.config, self.sa_layer_norm, self.attention.out_lin(context), hidden, 0.0,
+                            self.training), probs
+
+    def feed_forward(self, attended, recompute: bool = False):
+        c = self.config
+        if is_unhooked(self.ffn, FFN):
+            projected = fused_feed_forward(c, self.ffn.lin1, self.ffn.lin2, attended, recompute)
+            if projected is not None:
+                return add_and_norm(c, self.output_layer_norm, projected, attended, c.hidden_dropout_prob,
+                                    self.training)
+
+        def block(a):
+            return add_and_norm(c, self.output_layer_norm, self.ffn(a), a, 0.0, self.training)
+        return _recompute(block, attended) if recompute else block(attended)
+
+
+class Transformer(BertEncoder):
+    layer_class = TransformerBlock
+
+
+def sinusoidal_positions(positions: int, width: int) -> torch.Tensor:
+    """[positions, width]: sin on even columns, cos on odd ones, at 10000^(2i / width) (DistilBERT's
+    sinusoidal_pos_embds)."""
+    position = torch.arange(positions, dtype=torch.float64)[:, None]
+    frequency = torch.pow(10000.0, -torch.arange(0, width, 2, dtype=torch.float64) / width)
+    table = torch.zeros(positions, width, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(position * frequency)
+    table[:, 1::2] = torch.cos(position * frequency[: width // 2])
+    return table.float()
+
+
+class DistilBertPreTrainedModel(BertPreTrainedModel):
+    config_class = DistilBertConfig
+    base_model_prefix = "distilbert"
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if self.config.sinusoidal_pos_embds and module is self._bert().embeddings.position_embeddings:
+            module.weight.copy_(sinusoidal_positions(*module.weight.shape))
+
+
+class DistilBertModel(DistilBertPreTrainedModel, BertModel):
+    encoder_class = Transformer
+    encoder_name = "transformer"
+    has_pooler = False
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, position_ids=None, **kwargs):
+        """transformers' DistilBertModel arguments (no token types); the rest as BertModel.forward."""
+        return BertModel.forward(self, input_ids, attention_mask, None, position_ids, inputs_embeds, **kwargs)
+
+
+class DistilBertForMaskedLM(DistilBertPreTrainedModel, BertForMaskedLM):
+    """vocab_transform -> GELU -> vocab_layer_norm -> vocab_projector (tied to the word embeddings)."""
+
+    _tied_weights_keys = {"vocab_projector.weight": "distilbert.embeddings.word_embeddings.weight"}
+    decoder_path, bias_path = "vocab_projector", "vocab_projector.bias"
+
+    def __init__(self, config):
+        BertPreTrainedModel.__init__(self, config)
+        self.distilbert = DistilBertModel(config)
+        self.vocab_transform = nn.Linear(config.hidden_size, config.hidden_size)
+        self.vocab_layer_norm = nn.LayerNorm(config.hidden_size, eps=1e-12)
+        self.vocab_projector = nn.Linear(config.hidden_size, config.vocab_size)
+        self.post_init()
+
+    def vocabulary_head(self) -> VocabularyHead:
+        return VocabularyHead(self.config,
+                              lambda h: gelu_dense_norm(self.config, self.vocab_transform, self.vocab_layer_norm, h),
+                              self.vocab_projector, self.vocab_projector.bias, bias_in_decoder=True)
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None, **kwargs):
+        return BertForMaskedLM.forward(self, input_ids, attention_mask, None, kwargs.pop("position_ids", None),
+                                       inputs_embeds, labels, **kwargs)
+
+
+# MPNet: BERT's FFN names, its own attention names, and the relative-position bias ---------------------------
+
+class MPNetSelfAttention(SelfAttention):
+    def __init__(self, config):
+        super().__init__(config)
+        self.q = nn.Linear(config.hidden_size, config.hidden_size)
+        self.k = nn.Linear(config.hidden_size, config.hidden_size)
+        self.v = nn.Linear(config.hidden_size, config.hidden_size)
+        self.o = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def linears(self):
+        return self.q, self.k, self.v
+
+
+class MPNetAttention(nn.Module):
+    """LayerNorm(dropout(o(attention)) + x)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.attn = MPNetSelfAttention(config)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, hidden, layout: AttentionLayout, output_attentions: bool = False):
+        context, probs = self.attn(hidden, layout, output_attentions)
+        return add_and_norm(self.config, self.LayerNorm, self.attn.o(context), hidden,
+                            self.config.hidden_dropout_prob, self.training), probs
+
+
+class MPNetLayer(BertLayer):
+    def __init__(self, config):
+        super().__init__(config)
+        self.attention = MPNetAttention(config)
+
+
+class MPNetEncoder(BertEncoder):
+    """The layers and the relative-position bias table [buckets, heads] they share: every attention adds
+    table[bucket(key - query), head] to its scores, the kernel computing each tile's buckets (no [heads, S, S]
+    tensor), so the table gets its gradient."""
+
+    layer_class = MPNetLayer
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_attention_heads)
+
+    def forward(self, hidden, layout: AttentionLayout, output_hidden_states=False, output_attentions=False):
+        weight = self.relative_attention_bias.weight
+        buckets = ops.relative_position_buckets(MPNET_BUCKETS, MPNET_MAX_DISTANCE, device=weight.device)
+        layout = dataclasses.replace(layout, relative_bias=weight, relative_buckets=buckets)
+        return super().forward(hidden, layout, output_hidden_states, output_attentions)
+
+
+class MPNetPreTrainedModel(BertPreTrainedModel):
+    config_class = MPNetConfig
+    base_model_prefix = "mpnet"
+
+
+class MPNetModel(MPNetPreTrainedModel, BertModel):
+    encoder_class = MPNetEncoder
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
+        """transformers' MPNetModel arguments (no token types); the rest as BertModel.forward."""
+        return BertModel.forward(self, input_ids, attention_mask, None, position_ids, inputs_embeds, **kwargs)
+
+
+class MPNetForMaskedLM(MPNetPreTrainedModel, RobertaForMaskedLM):
+    base_model_class = MPNetModel
+    _tied_weights_keys = {"lm_head.decoder.weight": "mpnet.embeddings.word_embeddings.weight",
+                          "lm_head.decoder.bias": "lm_head.bias"}
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                **kwargs):
+        return BertForMaskedLM.forward(self, input_ids, attention_mask, None, position_ids, inputs_embeds, labels,
+                                       **kwargs)
+
+
+# the model classes of each architecture, by transformers' class name
+FAMILY_CLASSES = {cls.__name__: cls for cls in (
+    RobertaModel, RobertaForMaskedLM, XLMRobertaModel, XLMRobertaForMaskedLM, CamembertModel,
+    CamembertForMaskedLM, ElectraModel, ElectraForMaskedLM, ElectraForPreTraining, DistilBertModel,
+    DistilBertForMaskedLM, MPNetModel, MPNetForMaskedLM)}
