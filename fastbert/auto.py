@@ -14,7 +14,8 @@ AUTO_HEADS = {"AutoModel": "Model", "AutoModelForPreTraining": "ForPreTraining",
               "AutoModelForMaskedLM": "ForMaskedLM", "AutoModelForNextSentencePrediction": "ForNextSentencePrediction",
               "AutoModelForSequenceClassification": "ForSequenceClassification",
               "AutoModelForTokenClassification": "ForTokenClassification",
-              "AutoModelForQuestionAnswering": "ForQuestionAnswering", "AutoModelForMultipleChoice": "ForMultipleChoice"}
+              "AutoModelForQuestionAnswering": "ForQuestionAnswering",
+              "AutoModelForMultipleChoice": "ForMultipleChoice"}
 
 
 def register(config_classes, model_classes: dict[str, type]) -> None:

@@ -1,10 +1,12 @@
-"""`fastbert.apply(model)`: run an existing transformers BERT (any head) or a sentence-transformers model
-(SentenceTransformer, CrossEncoder) on fastbert's kernels, in place.
+"""`fastbert.apply(model)`: run an existing transformers BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA,
+DistilBERT or MPNet (any head) or a sentence-transformers model (SentenceTransformer, CrossEncoder) built on
+one on fastbert's kernels, in place.
 
-Every transformers `BertModel` inside `model` keeps its class, its head and its parameters: its
-embeddings, encoder and pooler are replaced by fastbert's modules built around the very same leaf
-modules (the Embeddings, Linears and LayerNorms, or whatever wrapper a tool put in their place), and its
-forward becomes fastbert's. Parameters are shared, never copied, so an optimizer, a Trainer, a pipeline
+Every transformers base model inside `model` (BertModel, RobertaModel, ...: TRANSFORMERS_BASES) keeps its
+class, its head and its parameters: its embeddings, encoder (DistilBERT's transformer) and pooler are
+replaced by fastbert's modules built around the very same leaf modules (the Embeddings, Linears and
+LayerNorms, or whatever wrapper a tool put in their place), and its forward becomes fastbert's.
+Parameters are shared, never copied, so an optimizer, a Trainer, a pipeline
 or a PEFT model built earlier keeps working; state_dict keys are unchanged. Heads and their losses stay
 transformers' code.
 """
@@ -15,41 +17,50 @@ import functools
 import torch
 from torch import nn
 
-from fastbert.config import BertConfig
+from fastbert import architectures
 from fastbert.hf import choose_layer_norm_backward
 
-ACCELERATED = "_fastbert_model"  # instance attribute of an accelerated transformers BertModel
+ACCELERATED = "_fastbert_model"  # instance attribute of an accelerated transformers base model
+# transformers' base model classes fastbert accelerates (module, class name): fastbert's class of that name
+TRANSFORMERS_BASES = (("bert", "BertModel"), ("roberta", "RobertaModel"), ("xlm_roberta", "XLMRobertaModel"),
+                      ("camembert", "CamembertModel"), ("electra", "ElectraModel"),
+                      ("distilbert", "DistilBertModel"), ("mpnet", "MPNetModel"))
+
+
+def _transformers_bases() -> dict[type, type]:
+    """transformers' base model class -> fastbert's."""
+    import importlib
+    return {getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name):
+            architectures.MODEL_CLASSES[name] for module, name in TRANSFORMERS_BASES}
 
 
 def apply(model: nn.Module, **config_overrides) -> nn.Module:
-    """Accelerate every transformers BertModel inside `model` in place and return `model` itself.
+    """Accelerate every transformers base model of the family inside `model` in place; return `model` itself.
 
     config_overrides set fastbert's switches (backend="triton", unpad=True) or other config fields;
     layer_norm_backward is "input" where a LayerNorm's weights need it (fastbert.hf.choose_layer_norm_backward)
     unless given here.
-    Calling it again changes nothing. Raises TypeError when `model` holds no transformers BERT, and
-    ValueError for a BERT variant fastbert does not implement (a decoder, relative positions).
+    Calling it again changes nothing. Raises TypeError when `model` holds no such model, and ValueError for
+    a variant fastbert does not implement (a decoder, relative_key positions in a BERT config), naming the field.
     """
-    from transformers.models.bert.modeling_bert import BertModel as TransformersBertModel
-
     from fastbert.modeling import BertPreTrainedModel
 
-    berts = [m for m in model.modules() if isinstance(m, TransformersBertModel)]
-    if not berts and not any(isinstance(m, BertPreTrainedModel) for m in model.modules()):
-        raise TypeError(f"fastbert.apply found no transformers BertModel in {type(model).__name__}; it takes a "
-                        "transformers BERT (any head), a SentenceTransformer or a CrossEncoder built on one")
-    for bert in berts:
-        if ACCELERATED not in vars(bert):
-            _accelerate(bert, config_overrides)
+    bases = _transformers_bases()
+    found = [(m, bases[type(m)]) for m in model.modules() if type(m) in bases]
+    if not found and not any(isinstance(m, BertPreTrainedModel) for m in model.modules()):
+        names = ", ".join(name for _, name in TRANSFORMERS_BASES)
+        raise TypeError(f"fastbert.apply found no transformers base model ({names}) in {type(model).__name__}; "
+                        "it takes one of them (any head), or a SentenceTransformer or CrossEncoder built on one")
+    for base, fast_class in found:
+        if ACCELERATED not in vars(base):
+            _accelerate(base, fast_class, config_overrides)
     return model
 
 
-def _accelerate(bert: nn.Module, config_overrides: dict) -> None:
-    from fastbert.modeling import BertModel
-
-    config = BertConfig.from_dict(bert.config.to_dict(), **config_overrides)
+def _accelerate(bert: nn.Module, fast_class: type, config_overrides: dict) -> None:
+    config = architectures.config_from_dict(bert.config.to_dict(), **config_overrides)
     with torch.device("meta"):
-        fast = BertModel(config, add_pooling_layer=bert.pooler is not None)
+        fast = fast_class(config, add_pooling_layer=getattr(bert, "pooler", None) is not None)
     before = {id(p) for p in bert.parameters()}
     for name, module in list(fast.named_modules()):
         if module._parameters:  # a leaf that holds weights: take transformers' module at the same path
@@ -57,7 +68,7 @@ def _accelerate(bert: nn.Module, config_overrides: dict) -> None:
             setattr(fast.get_submodule(parent), attribute, bert.get_submodule(name))
     if {id(p) for p in fast.parameters()} != before:
         raise ValueError(f"fastbert.apply: the parameters of {type(bert).__name__} do not map one to one onto "
-                         "fastbert's BertModel; it is left unchanged")
+                         f"fastbert's {fast_class.__name__}; it is left unchanged")
     if "layer_norm_backward" not in config_overrides:
         choose_layer_norm_backward(fast, config)  # the weights are transformers', already loaded
     fast.train(bert.training)
@@ -65,9 +76,8 @@ def _accelerate(bert: nn.Module, config_overrides: dict) -> None:
     for name, buffer in bert.embeddings.named_buffers(recurse=False):
         persistent = name not in bert.embeddings._non_persistent_buffers_set
         fast.embeddings.register_buffer(name, buffer, persistent=persistent)
-    bert.embeddings, bert.encoder = fast.embeddings, fast.encoder
-    if fast.pooler is not None:
-        bert.pooler = fast.pooler
+    for name, child in fast.named_children():  # embeddings, encoder / transformer, pooler: fastbert's modules
+        setattr(bert, name, child)
     vars(bert)[ACCELERATED] = fast  # not a registered child: its modules already are bert's
     bert.forward = functools.partial(_forward, fast, bert.config)
 

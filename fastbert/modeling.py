@@ -77,8 +77,8 @@ class BertEmbeddings(nn.Module):
         self.config = config
         width = config.embedding_width
         self.word_embeddings = nn.Embedding(config.vocab_size, width, padding_idx=config.pad_token_id)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, width,
-                                                padding_idx=config.pad_token_id if config.positions_from_padding else None)
+        position_padding = config.pad_token_id if config.positions_from_padding else None
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, width, padding_idx=position_padding)
         if config.type_vocab_size:
             self.token_type_embeddings = nn.Embedding(config.type_vocab_size, width)
         self.LayerNorm = nn.LayerNorm(width, eps=config.layer_norm_eps)

@@ -22,7 +22,8 @@ HF_PACKED_ALIASES = {"cu_seq_lens_q": "cu_seqlens", "cu_seq_lens_k": "cu_seqlens
 IGNORED_HF_ARGUMENTS = ("use_cache", "cache_position", "num_items_in_batch", "output_router_logits")
 # transformers' arguments for features fastbert does not implement (a decoder, cross-attention, head
 # masking): accepted only when they ask for nothing
-UNSET_HF_ARGUMENTS = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values", "head_mask", "seq_idx")
+UNSET_HF_ARGUMENTS = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values", "cache", "head_mask",
+                      "seq_idx")
 # other keyword names a forward was given (transformers' BERT takes **kwargs and ignores them; clients such as
 # sentence-transformers rely on it): each logged once, so a typo is seen without breaking those clients
 _REPORTED_UNKNOWN: set[str] = set()
@@ -67,15 +68,17 @@ def check_model_inputs(config, input_ids, attention_mask, token_type_ids, positi
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
         shape = tuple(input_ids.shape)
     else:
-        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
-            raise ValueError(f"inputs_embeds must be [batch, seq_len, hidden_size={config.hidden_size}], "
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.embedding_width:
+            raise ValueError(f"inputs_embeds must be [batch, seq_len, {config.embedding_width}] (the embedding width), "
                              f"got shape {tuple(inputs_embeds.shape)}")
         shape = tuple(inputs_embeds.shape[:2])
     if shape[1] == 0:
         raise ValueError(f"sequences must hold at least one token, got input shape {shape}")
-    if shape[1] > config.max_position_embeddings and not packed:
+    if shape[1] > config.max_sequence_length and not packed:
+        offset = config.position_offset
+        offset = f" less the {offset} positions before the first token" if offset else ""
         raise ValueError(f"sequence length {shape[1]} is longer than max_position_embeddings "
-                         f"({config.max_position_embeddings})")
+                         f"({config.max_position_embeddings}{offset})")
     for name, tensor in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
                          ("position_ids", position_ids)):
         if tensor is None:
