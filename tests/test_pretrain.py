@@ -182,7 +182,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(data, tmp_path, monkeypa
     (["--keep-checkpoints", "1"], "--keep-checkpoints must be >= 2"),
     (["--threads", "-1"], "--threads must be >= 0"),
     (["--model.hidden_sise", "8"], "no field 'hidden_sise'"),
-    (["--seq-lengths", "128,512"], "max_position_embeddings=128"),
+    (["--seq-lengths", "128,512"], "must be in [5, 128], the longest sequence the model's max_position_embeddings"),
     (["--batch-size", "8", "--micro-batch-size", "3"], "must divide"),
 ])
 def test_bad_options_are_clear_errors(tmp_path, capsys, argv, message):

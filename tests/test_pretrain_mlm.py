@@ -5,15 +5,17 @@ or checkpoints silently."""
 import json
 import os
 import random
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import transformers
 from tokenizers import Tokenizer
 from torch.distributed.checkpoint import state_dict as dcp_state_dict
 
-from fastbert import BertForMaskedLM
+from fastbert import BertConfig, BertForMaskedLM, BertForPreTraining
+from fastbert.family import RobertaForMaskedLM
+from fastbert.family_config import RobertaConfig
 from fastbert.data import prepare
 from fastbert.data.examples import MLM, MLM_NSP, pack_full_sentences
 from fastbert.data.loader import PretrainingLoader
@@ -149,30 +151,40 @@ def records(out):
         return [json.loads(line) for line in f]
 
 
-def test_mlm_pretraining_learns_without_nsp(data, tmp_path):
-    result = pretrain.train(config(data, tmp_path, steps=24, seq_lengths="16", phase_fractions="1", lr=5e-3,
-                                   warmup=2), {**SMALL, **NO_DROPOUT})
-    assert type(result["model"]) is BertForMaskedLM
-    lines = records(tmp_path)
+@pytest.mark.parametrize("architecture", ["bert", "roberta"])
+def test_mlm_pretraining_learns_without_nsp(data, tmp_path, architecture):
+    if architecture == "bert":
+        model, overrides, trained, hf_class = "tiny", {**SMALL, **NO_DROPOUT}, BertForMaskedLM, "BertForMaskedLM"
+    else:
+        model, overrides = roberta_model(tmp_path, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), {}
+        trained, hf_class = RobertaForMaskedLM, "RobertaForMaskedLM"
+    out = tmp_path / "run"
+    result = pretrain.train(config(data, out, model=model, steps=24, seq_lengths="16", phase_fractions="1", lr=5e-3,
+                                   warmup=2), overrides)
+    assert type(result["model"]) is trained
+    lines = records(out)
     assert [r["step"] for r in lines] == list(range(1, 25))
     assert all(not NSP_KEYS & r.keys() and r["loss"] == r["mlm_loss"] and 0 <= r["mlm_accuracy"] <= 1
-               for r in lines)
+               and 0 <= r["mlm_mask_accuracy"] <= 1 for r in lines)
     first, last = (sum(r["loss"] for r in part) / 4 for part in (lines[:4], lines[-4:]))
     assert last < first - 0.5
-    # the checkpoint is a masked-LM model: no pooler, no NSP head, nothing missing
-    model_dir = os.path.join(tmp_path, "checkpoints", "step_00000024", "model")
+    # the checkpoint is a masked-LM model that transformers loads: no pooler, no NSP head, nothing missing
+    model_dir = os.path.join(out, "checkpoints", "step_00000024", "model")
     assert not any("pooler" in k or "seq_relationship" in k for k in read_state_dict(model_dir))
-    _, info = BertForMaskedLM.from_pretrained(model_dir, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"]
+    for load in (trained.from_pretrained, getattr(transformers, hf_class).from_pretrained):
+        _, info = load(model_dir, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"]
 
 
-def test_mlm_resume_is_bitwise_exact(data, tmp_path):
+@pytest.mark.parametrize("architecture", ["bert", "roberta"])
+def test_mlm_resume_is_bitwise_exact(data, tmp_path, architecture):
+    model, overrides = ("tiny", SMALL) if architecture == "bert" else (roberta_model(tmp_path), {})
     whole = tmp_path / "whole"
-    pretrain.train(config(data, whole), SMALL)
+    pretrain.train(config(data, whole, model=model), overrides)
     parts = tmp_path / "parts"
-    first = pretrain.train(config(data, parts, stop_at=2), SMALL)  # inside the first phase
+    first = pretrain.train(config(data, parts, stop_at=2, model=model), overrides)  # inside the first phase
     assert first["stopped"] and first["step"] == 2
-    second = pretrain.train(config(data, parts), SMALL)
+    second = pretrain.train(config(data, parts, model=model), overrides)
     assert second["step"] == 6 and second["model"].config.max_predictions_per_seq == 0
     computed = [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in records(whole)]
     assert [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in records(parts)] == computed
@@ -221,10 +233,22 @@ def test_accept_changes_goes_on_under_the_other_objective(data, nsp_data, tmp_pa
                for r in lines)
 
 
-def test_nsp_needs_a_bert_model():
-    with pytest.raises(ValueError, match="model_type 'roberta'.*use --objective mlm"):
-        run.model_class(SimpleNamespace(model_type="roberta"), MLM_NSP)
-    assert run.model_class(SimpleNamespace(model_type="roberta"), MLM) is BertForMaskedLM
+def roberta_model(directory, **changes):
+    """A RoBERTa-type --model: transformers' RobertaConfig with tiny sizes, for the test data's vocabulary
+    (WordPiece, [PAD] = 0); positions start after padding_idx, so the table is 2 longer than the data's 32."""
+    path = os.path.join(directory, "roberta.json")
+    sizes = {"vocab_size": 120, "pad_token_id": 0, "max_position_embeddings": 34, "type_vocab_size": 1,
+             **{k: v for k, v in SMALL.items() if k != "max_position_embeddings"}}
+    transformers.RobertaConfig(**{**sizes, **changes}).to_json_file(path)
+    return path
+
+
+def test_nsp_needs_a_bert_model(data, nsp_data, tmp_path):
+    with pytest.raises(ValueError, match="got model_type 'roberta'.*use --objective mlm"):
+        pretrain.train(config(nsp_data, tmp_path / "a", objective=MLM_NSP, model=roberta_model(tmp_path)), {})
+    assert run.model_class(RobertaConfig(), MLM) is RobertaForMaskedLM
+    assert run.model_class(BertConfig(), MLM) is BertForMaskedLM
+    assert run.model_class(BertConfig(), MLM_NSP) is BertForPreTraining
 
 
 def test_masks_are_drawn_anew_every_epoch_from_the_seed(data):

@@ -110,8 +110,7 @@ class Window:
 
     reduce: sums a float64 tensor over the ranks (the host's token and FLOP counts are per rank).
     carried: a checkpoint's window (carry()), so that the first line after a resume averages the
-    same steps as the uninterrupted run's. objective: with mlm the lines have no NSP loss or accuracy
-    (and, until the masked-LM model reports it, no [MASK] accuracy).
+    same steps as the uninterrupted run's. objective: with mlm the lines have no NSP loss or accuracy.
     """
 
     def __init__(self, device: torch.device, reduce, carried: dict | None = None, objective: str = MLM_NSP):
@@ -168,11 +167,10 @@ class Window:
             mlm_loss = totals["mlm_loss"] / totals["masked_tokens"]
             nsp_loss = totals["nsp_loss"] / totals["sequences"] if nsp else 0.0
             record.update(loss=mlm_loss + nsp_loss, mlm_loss=mlm_loss,
-                          mlm_accuracy=totals["mlm_correct"] / totals["masked_tokens"])
+                          mlm_accuracy=totals["mlm_correct"] / totals["masked_tokens"],
+                          mlm_mask_accuracy=totals["mask_correct"] / max(totals["mask_tokens"], 1))
             if nsp:
-                record.update(nsp_loss=nsp_loss,
-                              mlm_mask_accuracy=totals["mask_correct"] / max(totals["mask_tokens"], 1),
-                              nsp_accuracy=totals["nsp_correct"] / totals["sequences"])
+                record.update(nsp_loss=nsp_loss, nsp_accuracy=totals["nsp_correct"] / totals["sequences"])
         else:
             record["loss"] = None
         record.update(tokens_per_s=totals["tokens"] / reading.elapsed,

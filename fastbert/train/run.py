@@ -37,7 +37,8 @@ class Phase:
 
 
 def plan_phases(cfg: PretrainConfig, max_positions: int, world_size: int) -> list[Phase]:
-    """The run's phases: sequence length, step range and micro-batch size of each."""
+    """The run's phases: sequence length, step range and micro-batch size of each. max_positions: the longest
+    sequence the model's position table holds (BertConfig.max_sequence_length)."""
     if cfg.seq_lengths:
         lengths = parse_list("seq_lengths", cfg.seq_lengths, int)
     else:
@@ -53,7 +54,8 @@ def plan_phases(cfg: PretrainConfig, max_positions: int, world_size: int) -> lis
                          f"summing to 1, one per phase of --seq-lengths {lengths}")
     for length in lengths:
         if not 5 <= length <= max_positions:
-            raise ValueError(f"sequence length {length} must be in [5, max_position_embeddings={max_positions}]")
+            raise ValueError(f"sequence length {length} must be in [5, {max_positions}], the longest sequence the "
+                             "model's max_position_embeddings hold")
     if cfg.batch_size % world_size:
         raise ValueError(f"--batch-size {cfg.batch_size} must be a multiple of the world size {world_size}")
     # "auto": the whole per-rank batch until auto_micro_batches plans each phase's on the GPU
@@ -167,23 +169,25 @@ def model_config(cfg: PretrainConfig, overrides: dict):
         return getattr(BertConfig, cfg.model)(**overrides)
     if not os.path.exists(cfg.model):
         raise ValueError(f"--model must be one of {PRESETS} or an HF config.json, got {cfg.model!r}")
-    return BertConfig.from_json(cfg.model, **overrides)
+    from fastbert.architectures import load_config
+    return load_config(cfg.model, **overrides)  # the config class of its model_type (bert, roberta, ...)
 
 
 def model_class(config, objective: str) -> type:
-    """What a run trains: BERT's pretraining model (masked LM and next sentence prediction heads) for mlm+nsp,
-    the masked-LM model for mlm. ValueError for mlm+nsp with a model that is not BERT's."""
-    from fastbert import BertForMaskedLM, BertForPreTraining
+    """What a run trains: the masked-LM model of the config's architecture for mlm (BertForMaskedLM,
+    RobertaForMaskedLM, ...), BERT's pretraining model (masked LM and next sentence prediction heads) for
+    mlm+nsp. ValueError for mlm+nsp with a model that is not BERT's, or an architecture without a masked LM."""
+    from fastbert.architectures import model_class as architecture_class
 
-    model_type = getattr(config, "model_type", "bert")
+    model_type = config.model_type
     if objective == MLM:
-        return BertForMaskedLM
+        return architecture_class(config, "ForMaskedLM")
     if model_type != "bert":
         raise ValueError(f"--objective {MLM_NSP} needs a BERT --model (model_type 'bert'), got model_type "
                          f"{model_type!r}: next sentence prediction is BERT's pooler and NSP head over two segments "
                          f"of token types 0 and 1, which a {model_type} model does not have; use --objective {MLM} "
                          "(and data from `fastbert prepare-data --objective mlm`)")
-    return BertForPreTraining
+    return architecture_class(config, "ForPreTraining")
 
 
 def default_run_name(cfg: PretrainConfig) -> str:
@@ -330,7 +334,8 @@ def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
                          "accumulation")
     config = model_config(cfg, dict(model_overrides))
     trained_class = model_class(config, cfg.objective)
-    phases = plan_phases(cfg, config.max_position_embeddings, env.world_size)
+    # RoBERTa's positions start after the padding index: 514 of them hold 512 tokens
+    phases = plan_phases(cfg, config.max_sequence_length, env.world_size)
     sharded = env.distributed and cfg.distributed == "fsdp"
     dtype = compute_dtype(cfg.precision, env.device)
     if sharded and dtype == torch.float16:

@@ -256,13 +256,13 @@ def _load_weights(run: Run, path: str, heads_change: bool = False) -> None:
     """HF-format weights into the model (sharded like it under FSDP2); every weight must be there, but for
     the NSP-only ones (NSP_ONLY_PREFIXES) when the checkpoint was written for the other objective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from fastbert.hf import TIED_KEYS, read_state_dict
+    from fastbert.hf import read_state_dict, tied_keys
     try:
         result = set_model_state_dict(run.model, read_state_dict(path),
                                       options=StateDictOptions(full_state_dict=True, strict=False))
     except RuntimeError as exc:
         raise ValueError(f"the weights in {path} do not fit the model: {exc}") from None
-    missing = [k for k in result.missing_keys if k not in TIED_KEYS]
+    missing = [k for k in result.missing_keys if k not in tied_keys(run.model)]
     unexpected = result.unexpected_keys
     if heads_change:
         missing, unexpected = ([k for k in keys if not k.startswith(NSP_ONLY_PREFIXES)]

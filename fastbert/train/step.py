@@ -62,19 +62,18 @@ def train_step(run: Run, micro_batches: list[dict], host: HostStats, masked_glob
     autocast = torch.autocast(env.device.type, dtype=run.dtype, enabled=run.dtype != torch.float32)
     mask_id = run.phases[0].collator.mask_id
     sums = torch.zeros(5, dtype=torch.float64, device=env.device)
-    zero = torch.zeros((), device=env.device)  # the mlm objective's NSP terms (and, for now, its [MASK] accuracy)
+    zero = torch.zeros((), device=env.device)  # the mlm objective's NSP terms
     for i, (mb, masked, shown_masked, rows) in enumerate(zip(micro_batches, host.masked, host.shown_masked,
                                                              host.sequences)):
         mb = {k: v.to(env.device, non_blocking=True) for k, v in mb.items()}
         with distributed.gradient_sync(run.wrapped, i == len(micro_batches) - 1):
             with autocast:
+                output = run.wrapped(**mb, return_logits=False, validate=False, mask_token_id=mask_id)
                 if cfg.objective == MLM_NSP:
-                    output = run.wrapped(**mb, return_logits=False, validate=False, mask_token_id=mask_id)
                     terms = (output.mlm_loss, output.mlm_accuracy, output.mlm_mask_accuracy, output.nsp_loss,
                              output.nsp_accuracy)
                 else:
-                    output = run.wrapped(**mb, return_logits=False, validate=False)
-                    terms = (output.loss, output.accuracy, zero, zero, zero)
+                    terms = (output.loss, output.accuracy, output.mask_accuracy, zero, zero)
             mlm_loss, mlm_accuracy, mask_accuracy, nsp_loss, nsp_accuracy = terms
             mlm_sum, nsp_sum = mlm_loss.float() * masked, nsp_loss.float() * rows
             loss = (mlm_sum / masked_global + nsp_sum / cfg.batch_size) * env.world_size
