@@ -121,7 +121,7 @@ def test_prepare_data_mlm_writes_packed_examples_of_its_own_identity(data, nsp_d
     # the corpus's tokens in order, each once
     assert [t for tokens, _, _ in examples for t in tokens[1:-1] if t != sep] == [t for s in sentences for t in s]
     batch = PretrainingLoader(mlm, MaskingCollator(mlm.vocabulary(), next_sentence=False), 8, 8).step(0)[0]
-    assert "next_sentence_label" not in batch and not batch["token_type_ids"].any()
+    assert batch.keys() == {"input_ids", "attention_mask", "labels"}  # one segment (token type 0), no NSP label
     # the objective is the dataset's identity: the other one into the same directory names both
     with pytest.raises(ValueError, match="objective: 'mlm' then, 'mlm\\+nsp' now"):
         prepare.prepare_dataset([corpus], data, vocab_size=120, max_seq_lengths=(32,))
@@ -174,6 +174,24 @@ def test_mlm_pretraining_learns_without_nsp(data, tmp_path, architecture):
     for load in (trained.from_pretrained, getattr(transformers, hf_class).from_pretrained):
         _, info = load(model_dir, output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+TINY = {"vocab_size": 120, "pad_token_id": 0, "max_position_embeddings": 64}
+OTHER_ARCHITECTURES = {  # transformers' config with tiny sizes, and fastbert's masked-LM class for it
+    "DistilBertForMaskedLM": transformers.DistilBertConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64, **TINY),
+    "MPNetForMaskedLM": transformers.MPNetConfig(**{**SMALL, **TINY}),
+    "ElectraForMaskedLM": transformers.ElectraConfig(embedding_size=16, **{**SMALL, **TINY}),
+    "XLMRobertaForMaskedLM": transformers.XLMRobertaConfig(**{**SMALL, **TINY}),
+    "CamembertForMaskedLM": transformers.CamembertConfig(**{**SMALL, **TINY})}
+
+
+@pytest.mark.parametrize("name", OTHER_ARCHITECTURES)
+def test_every_architectures_masked_lm_trains_on_packed_sentences(data, tmp_path, name):
+    """Models without token types (DistilBERT, MPNet) too: an mlm batch is one segment and passes none."""
+    OTHER_ARCHITECTURES[name].to_json_file(tmp_path / "config.json")
+    result = pretrain.train(config(data, tmp_path / "run", model=str(tmp_path / "config.json"), steps=2), {})
+    assert type(result["model"]).__name__ == name and result["step"] == 2
+    assert all(np.isfinite(r["loss"]) and not NSP_KEYS & r.keys() for r in records(tmp_path / "run"))
 
 
 @pytest.mark.parametrize("architecture", ["bert", "roberta"])

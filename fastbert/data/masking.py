@@ -78,9 +78,10 @@ class MaskingCollator:
 
     vocabulary: tokens in id order (for the special ids and, with whole_word, the "##" pieces).
     __call__(batch, keys): batch an ExampleBatch, keys uint64 [B] (one per example, see hash_keys).
-    Returns a dict of int64 numpy arrays: input_ids, token_type_ids, attention_mask, labels [B, S] and,
-    with next_sentence (the mlm+nsp objective), next_sentence_label [B] (the model's arguments;
-    torch.from_numpy shares their memory).
+    Returns a dict of int64 numpy arrays: input_ids, attention_mask, labels [B, S] and, with next_sentence
+    (the mlm+nsp objective), token_type_ids [B, S] and next_sentence_label [B] (the model's arguments;
+    torch.from_numpy shares their memory). Without next_sentence (mlm) an example is one segment: the
+    model's default token type 0, and models without token types (DistilBERT, MPNet) take the batch as is.
     """
 
     def __init__(self, vocabulary: list[str], mask_prob: float = 0.15, whole_word: bool = False,
@@ -117,11 +118,11 @@ class MaskingCollator:
         input_ids.reshape(-1)[chosen[to_random]] = (second * np.uint64(self.vocab_size)) >> np.uint64(32)
         labels = np.full_like(tokens, IGNORE_INDEX)
         labels.reshape(-1)[chosen] = tokens.reshape(-1)[chosen]
-        token_type_ids = real & (positions >= batch.a_lengths[:, None])
-        arrays = {"input_ids": input_ids, "token_type_ids": token_type_ids.astype(np.int64),
-                  "attention_mask": real.astype(np.int64), "labels": labels}
+        arrays = {"input_ids": input_ids, "attention_mask": real.astype(np.int64), "labels": labels}
         if self.next_sentence:
-            arrays["next_sentence_label"] = batch.next_sentence_labels.astype(np.int64)
+            token_type_ids = real & (positions >= batch.a_lengths[:, None])
+            arrays.update(token_type_ids=token_type_ids.astype(np.int64),
+                          next_sentence_label=batch.next_sentence_labels.astype(np.int64))
         return arrays
 
     def choose(self, tokens: np.ndarray, real: np.ndarray, order: np.ndarray) -> np.ndarray:
