@@ -65,6 +65,8 @@ def test_smoke_measures_peaks_ops_and_models_side_by_side(smoke):
             assert isinstance(row["peak_mem_extra_bytes"], int) and row["peak_mem_extra_bytes"] >= 0
     model_rows = [r for r in rows if r["op"] == "model"]
     assert {r["direction"] for r in model_rows} == {"train_step", "inference"}
+    mpnet = {(r["provider"], r["direction"]) for r in model_rows if r["shape"]["size"] == "mpnet-tiny"}
+    assert mpnet == {("fastbert-eager", "train_step"), ("hf-eager", "train_step")}  # MPNet against transformers'
     for row in model_rows:
         assert _finite_positive(row["tokens_per_s"]) and _finite_positive(row["sequences_per_s"])
         assert 0 < row["tokens"] <= row["batch"] * row["shape"]["seqlen"]

@@ -1,5 +1,7 @@
 """Whole-model benchmark cases: BertForPreTraining training steps, BertModel inference and the
-largest batch that fits, fastbert against transformers' BERT on the same config and batch.
+largest batch that fits, fastbert against transformers' BERT on the same config and batch; and MPNet
+(MPNetForMaskedLM training, MPNetModel inference: the relative-position bias in the attention kernel)
+against transformers' MPNet, which has eager attention only.
 
 Providers:
 - "fastbert": config.backend="triton"; "fastbert-unpad": the same with config.unpad=True.
@@ -23,15 +25,25 @@ from typing import Callable
 import torch
 
 import fastbert
+from fastbert import architectures
 from fastbert.bench.op_cases import mask_from_lengths, random_lengths
 from fastbert.bench.timing import peak_memory, time_ms
+from fastbert.data.examples import MLM, MLM_NSP
+from fastbert.family_config import MPNetConfig
 from fastbert.train.metrics import encoder_flops, training_flops
 
 FASTBERT, UNPAD, EAGER = "fastbert", "fastbert-unpad", "fastbert-eager"
 HF_SDPA, HF_EAGER, HF_COMPILE = "hf-sdpa", "hf-eager", "hf-sdpa+compile"
 GPU_PROVIDERS = frozenset({FASTBERT, UNPAD, HF_COMPILE})
 LABEL_FRACTION = 0.15
-SIZES = {"base": fastbert.BertConfig.base, "large": fastbert.BertConfig.large, "tiny": fastbert.BertConfig.tiny}
+SIZES = {"base": fastbert.BertConfig.base, "large": fastbert.BertConfig.large, "tiny": fastbert.BertConfig.tiny,
+         # all-mpnet-base-v2's shape (514 positions: 512 tokens after the padding index's offset)
+         "mpnet-base": lambda: MPNetConfig(max_position_embeddings=514), "mpnet-tiny": MPNetConfig.tiny}
+
+
+def training_head(config: fastbert.BertConfig) -> str:
+    """What a training step trains: BERT's pretraining heads (MLM + NSP), the masked LM alone for the rest."""
+    return "ForPreTraining" if config.model_type == "bert" else "ForMaskedLM"
 
 
 def oom_errors() -> tuple[type[BaseException], ...]:
@@ -68,37 +80,48 @@ class ModelCase:
 
 
 def make_batch(config: fastbert.BertConfig, batch: int, seqlen: int, padded: bool, device: torch.device) -> dict:
-    """A seeded pretraining batch: right padding, two segments, 15% of the real tokens labelled."""
+    """A seeded pretraining batch: right padding, two segments (where the model has token types), 15% of
+    the real tokens labelled, and a next-sentence label for BERT."""
     g = torch.Generator().manual_seed(0)
     lengths = random_lengths(batch, seqlen, g) if padded else torch.full((batch,), seqlen)
     mask = mask_from_lengths(lengths, seqlen)  # [B, S]
     positions = torch.arange(seqlen)[None, :]
-    input_ids = torch.randint(1, config.vocab_size, (batch, seqlen), generator=g) * mask  # padding = token 0
+    pad = config.pad_token_id
+    input_ids = torch.randint(pad + 1, config.vocab_size, (batch, seqlen), generator=g).masked_fill(~mask.bool(), pad)
     token_type_ids = ((positions >= (lengths[:, None] // 2)) & mask.bool()).long()
     labels = torch.randint(0, config.vocab_size, (batch, seqlen), generator=g)
     labels[(torch.rand((batch, seqlen), generator=g) >= LABEL_FRACTION) | ~mask.bool()] = -100
-    tensors = {"input_ids": input_ids, "attention_mask": mask.long(), "token_type_ids": token_type_ids,
-               "labels": labels, "next_sentence_label": torch.randint(0, 2, (batch,), generator=g)}
+    tensors = {"input_ids": input_ids, "attention_mask": mask.long(), "labels": labels}
+    if config.type_vocab_size:
+        tensors["token_type_ids"] = token_type_ids
+    next_sentence_label = torch.randint(0, 2, (batch,), generator=g)
+    if training_head(config) == "ForPreTraining":
+        tensors["next_sentence_label"] = next_sentence_label
     return {"tensors": {k: v.to(device) for k, v in tensors.items()}, "lengths": lengths}
 
 
 def model_flops(config: fastbert.BertConfig, lengths: torch.Tensor, labelled: int, mode: str) -> float:
-    """A training step's FLOPs (3x forward, MLM + NSP heads), or BertModel's forward for inference."""
-    return encoder_flops(config, lengths) if mode == "inference" else training_flops(config, lengths, labelled)
+    """A training step's FLOPs (3x forward, MLM + NSP heads for BERT, the MLM head for the rest), or the base
+    model's forward for inference (MPNet's relative-position bias, one addition per score, left out)."""
+    if mode == "inference":
+        return encoder_flops(config, lengths)
+    objective = MLM_NSP if training_head(config) == "ForPreTraining" else MLM
+    return training_flops(config, lengths, labelled, objective)
 
 
 def build_model(provider: str, config: fastbert.BertConfig, mode: str, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(0)
+    head = "Model" if mode == "inference" else training_head(config)
     if provider in (FASTBERT, UNPAD, EAGER):
         config = config.replace(backend="torch" if provider == EAGER else "triton", unpad=provider == UNPAD)
-        cls = fastbert.BertForPreTraining if mode != "inference" else fastbert.BertModel
         with torch.device(device):
-            model = cls(config)
+            model = architectures.model_class(config, head)(config)
     else:
         import transformers
 
-        hf_config = transformers.BertConfig(**config.to_dict())
-        cls = transformers.BertForPreTraining if mode != "inference" else transformers.BertModel
+        values = config.to_dict()
+        hf_config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+        cls = getattr(transformers, type(hf_config).__name__.removesuffix("Config") + head)
         with torch.device(device):
             model = cls._from_config(hf_config, attn_implementation="eager" if provider == HF_EAGER else "sdpa")
     if mode == "inference":
@@ -112,7 +135,7 @@ def make_step(provider: str, model: torch.nn.Module, optimizer, mode: str, tenso
               device: torch.device) -> Callable[[], None]:
     fastbert_model = provider in (FASTBERT, UNPAD, EAGER)
     if mode == "inference":
-        inputs = {k: tensors[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+        inputs = {k: tensors[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in tensors}
         extra = {"validate": False} if fastbert_model else {}
 
         def infer():
@@ -245,9 +268,15 @@ def gpu_model_cases() -> list[ModelCase]:
         if case.size == "base" and (case.mode == "train" or (case.batch, case.seqlen) == (32, 128)):
             case.providers += (HF_COMPILE,)
     cases.append(ModelCase("capacity", "base", 32, 512, False, (FASTBERT, HF_SDPA)))
+    # MPNet (all-mpnet-base-v2's shape) against transformers' MPNet, which has eager attention only
+    mpnet = (FASTBERT, UNPAD, HF_EAGER)
+    cases += [ModelCase("train", "mpnet-base", 32, 512, True, mpnet),
+              ModelCase("inference", "mpnet-base", 32, 128, True, mpnet),
+              ModelCase("inference", "mpnet-base", 8, 512, True, mpnet)]
     return cases
 
 
 def smoke_model_cases() -> list[ModelCase]:
     providers = (EAGER, HF_SDPA)  # hf-eager differs from hf-sdpa by one string: the GPU suite runs it
-    return [ModelCase("train", "tiny", 2, 16, True, providers), ModelCase("inference", "tiny", 2, 16, True, providers)]
+    return [ModelCase("train", "tiny", 2, 16, True, providers), ModelCase("inference", "tiny", 2, 16, True, providers),
+            ModelCase("train", "mpnet-tiny", 2, 16, True, (EAGER, HF_EAGER))]
