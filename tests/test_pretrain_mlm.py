@@ -152,16 +152,20 @@ def records(out):
 
 
 @pytest.mark.parametrize("architecture", ["bert", "roberta"])
-def test_mlm_pretraining_learns_without_nsp(data, tmp_path, architecture):
+def test_mlm_pretraining_learns_without_nsp(data, tmp_path, monkeypatch, architecture):
     if architecture == "bert":
         model, overrides, trained, hf_class = "tiny", {**SMALL, **NO_DROPOUT}, BertForMaskedLM, "BertForMaskedLM"
     else:
         model, overrides = roberta_model(tmp_path, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), {}
         trained, hf_class = RobertaForMaskedLM, "RobertaForMaskedLM"
+    budgets, step = [], pretrain.train_step
+    monkeypatch.setattr(pretrain, "train_step",
+                        lambda run, *args: budgets.append(run.model.config.max_predictions_per_seq) or step(run, *args))
     out = tmp_path / "run"
     result = pretrain.train(config(data, out, model=model, steps=24, seq_lengths="16", phase_fractions="1", lr=5e-3,
                                    warmup=2), overrides)
     assert type(result["model"]) is trained
+    assert budgets == [3] * 24  # the static label budget: ceil(0.15 x 16) rows per sequence, whatever the batch
     lines = records(out)
     assert [r["step"] for r in lines] == list(range(1, 25))
     assert all(not NSP_KEYS & r.keys() and r["loss"] == r["mlm_loss"] and 0 <= r["mlm_accuracy"] <= 1
