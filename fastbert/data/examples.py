@@ -37,7 +37,7 @@ OBJECTIVES = (MLM_NSP, MLM)
 
 @dataclass
 class Example:
-    tokens: list[int]  # [CLS] A [SEP] B [SEP]
+    tokens: list[int]  # [CLS] A [SEP] B [SEP] (mlm: [CLS] s1 s2 ... [SEP], a [SEP] between documents)
     a_length: int  # tokens of [CLS] A [SEP]: token type 0 below it, 1 from it on (mlm: every token)
     next_sentence_label: int  # IS_NEXT or RANDOM_NEXT (mlm: IS_NEXT, and never read)
 
