@@ -190,12 +190,41 @@ def _distance_index(queries, keys, max_distance):
 
 
 @triton.jit
-def _add_bucket_sums(sums, ds, bucket, NUM_BUCKETS_PADDED: tl.constexpr):
-    """sums [NUM_BUCKETS_PADDED] plus, for each bucket n, the sum of the ds tile over the entries whose
-    bucket (a tile of bucket numbers) is n. Only the tile's own range of buckets is visited."""
+def _tile_reach(query_start, key_start, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, max_distance):
+    """Of the tile of queries [query_start, + BLOCK_Q) and keys [key_start, + BLOCK_K): (near: whether it
+    holds a distance inside (-D, D), far: otherwise the one table index all its scores share, 0 or 2D)."""
+    least = key_start - (query_start + BLOCK_Q - 1)
+    greatest = key_start + BLOCK_K - 1 - query_start
+    near = (least < max_distance) & (greatest > -max_distance)
+    return near, tl.where(least > 0, 2 * max_distance, 0)
+
+
+@triton.jit
+def _add_relative_bias(s, REL_BIAS, queries, keys, near, far, max_distance):
+    """s (a score tile, base 2) plus its relative-position bias: gathered near the diagonal, one value
+    at the clamp. The gather sits in a branch, outside the loop's top level, so that the software
+    pipeliner does not stage it through shared memory (a tile of 4-byte gathers per stage: the 128 x 128
+    forward config no longer fit, others spilled)."""
+    if near:
+        s += tl.load(REL_BIAS + _distance_index(queries, keys, max_distance))
+    else:
+        s += tl.load(REL_BIAS + far)
+    return s
+
+
+@triton.jit
+def _add_bucket_sums(sums, ds, REL_BUCKETS, queries, keys, near, far, max_distance,
+                     NUM_BUCKETS_PADDED: tl.constexpr):
+    """sums [NUM_BUCKETS_PADDED] plus, for each bucket n, the sum of the ds tile (scores (queries, keys))
+    over its entries whose distance is in bucket n. Only the buckets the tile reaches are visited: those
+    from its least to its greatest (a tile at the clamp reaches one)."""
     slots = tl.arange(0, NUM_BUCKETS_PADDED)
-    for n in range(tl.min(bucket), tl.max(bucket) + 1):
-        sums += tl.where(slots == n, tl.sum(tl.where(bucket == n, ds, 0.0)), 0.0)
+    if near:
+        bucket = tl.load(REL_BUCKETS + _distance_index(queries, keys, max_distance))
+        for n in range(tl.min(bucket), tl.max(bucket) + 1):
+            sums += tl.where(slots == n, tl.sum(tl.where(bucket == n, ds, 0.0)), 0.0)
+    else:
+        sums += tl.where(slots == tl.load(REL_BUCKETS + far), tl.sum(ds), 0.0)
     return sums
 
 
@@ -267,7 +296,8 @@ def _attention_fwd_kernel(
         kt = tl.load(kt_ptrs + start_n * stride_ks, mask=in_cols[None, :], other=0.0)
         s = dot(q, kt, None, DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         if HAS_REL_BIAS:
-            s += tl.load(REL_BIAS + _distance_index(rows[:, None], cols[None, :], max_distance))
+            near, far = _tile_reach(pid_m * BLOCK_M, start_n, BLOCK_M, BLOCK_N, max_distance)
+            s = _add_relative_bias(s, REL_BIAS, rows[:, None], cols[None, :], near, far, max_distance)
         s = tl.where(col_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row whose keys so far are all masked has m = -inf; exponentiating against 0 instead keeps
@@ -404,7 +434,8 @@ def _attention_bwd_kernel(
         delta = tl.load(DELTA + rows, mask=in_rows, other=0.0)
         st = dot(k, qt, None, DOT_PRECISION) * scale_log2
         if HAS_REL_BIAS:
-            st += tl.load(REL_BIAS + _distance_index(rows[None, :], keys[:, None], max_distance))
+            near, far = _tile_reach(start_m, pid * BLOCK_MAJOR, BLOCK_MINOR, BLOCK_MAJOR, max_distance)
+            st = _add_relative_bias(st, REL_BIAS, rows[None, :], keys[:, None], near, far, max_distance)
         pt = tl.where(key_valid[:, None], tl.math.exp2(st - lse[None, :]), 0.0)
         dpt = dot(v, tl.trans(do), None, DOT_PRECISION)  # (dO V^T)^T
         if DROPOUT:
@@ -441,8 +472,8 @@ def _attention_bwd_kernel(
         vt = tl.load(vt_ptrs + start_n * stride_vs, mask=in_cols[None, :], other=0.0)
         s = dot(q, kt, None, DOT_PRECISION) * scale_log2
         if HAS_REL_BIAS:
-            distance = _distance_index(rows[:, None], cols[None, :], max_distance)
-            s += tl.load(REL_BIAS + distance)
+            near, far = _tile_reach(pid * BLOCK_MAJOR, start_n, BLOCK_MAJOR, BLOCK_MINOR, max_distance)
+            s = _add_relative_bias(s, REL_BIAS, rows[:, None], cols[None, :], near, far, max_distance)
         p = tl.where(col_valid[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
         dp = dot(do, vt, None, DOT_PRECISION)
         if DROPOUT:
@@ -451,7 +482,8 @@ def _attention_bwd_kernel(
         ds = p * (dp - delta[:, None])
         dq += dot(cast(ds, kt.dtype), tl.trans(kt), None, DOT_PRECISION)
         if HAS_REL_BIAS:
-            dbias = _add_bucket_sums(dbias, ds, tl.load(REL_BUCKETS + distance), NUM_BUCKETS_PADDED)
+            dbias = _add_bucket_sums(dbias, ds, REL_BUCKETS, rows[:, None], cols[None, :], near, far, max_distance,
+                                     NUM_BUCKETS_PADDED)
     dq *= scale
     tl.store(DQ + rows[:, None] * stride_dqs + dims[None, :] * stride_dqd, cast(dq, DQ.dtype.element_ty),
              mask=in_rows[:, None])

@@ -40,6 +40,11 @@ DTYPES = ("float32", "float32+tf32", "float16", "bfloat16")
 MLM_LABELLED = 0.15
 FEW_LABELLED_ROWS = (1, 20, 40)  # a fine-tuning batch's MLM rows: the launchers' smallest row tiles
 DROPOUT_P = 0.1
+# MPNet's relative-position bias in attention (HAS_REL_BIAS): MPNet-base's attention is BERT-base's (12 heads
+# of 64), run at its longest sequences, with its bucket table (32 buckets, max distance 128) and the bias
+# table an fp32 Embedding weight whatever the activations' dtype
+RELATIVE_BIAS_BATCHES = (("bert-base", 512),)  # (model, seqlen)
+RELATIVE_BIAS_BUCKETS, RELATIVE_BIAS_MAX_DISTANCE = 32, 128
 GELU_APPROXIMATIONS = ("none", "tanh")
 IGNORE_INDEX = -100
 
@@ -155,24 +160,37 @@ def _qkv_cases(b: Batch) -> list[tuple[str, str, Callable]]:
     return [("qkv.qkv_projection_fwd", "-", forward), ("qkv.qkv_projection_bwd", "-", backward)]
 
 
+def _relative_bias(b: Batch, with_bias: bool):
+    """(relative_bias fp32 [buckets, heads], relative_buckets int32 [2D + 1]), or (None, None)."""
+    if not with_bias:
+        return None, None
+    return (_meta(RELATIVE_BIAS_BUCKETS, b.model.heads, dtype=torch.float32),
+            _meta(2 * RELATIVE_BIAS_MAX_DISTANCE + 1, dtype=torch.int32))
+
+
 def _attention_cases(b: Batch) -> list[tuple[str, str, Callable]]:
     attention = _kernels("attention")
     scale = (b.model.hidden // b.model.heads) ** -0.5
     cases = []
-    for p in (0.0, DROPOUT_P):
-        def forward(p=p):
-            q, k, v, mask, cu_seqlens, max_seqlen = b.attention_inputs()
-            _implementation(attention.attention_fwd)(q, k, v, mask, cu_seqlens, max_seqlen, _seed(p), p, scale)
+    biases = (False, True) if (b.model.name, b.seqlen) in RELATIVE_BIAS_BATCHES else (False,)
+    for with_bias in biases:
+        for p in (0.0, DROPOUT_P):
+            def forward(p=p, with_bias=with_bias):
+                q, k, v, mask, cu_seqlens, max_seqlen = b.attention_inputs()
+                _implementation(attention.attention_fwd)(q, k, v, mask, cu_seqlens, max_seqlen, _seed(p), p, scale,
+                                                         *_relative_bias(b, with_bias))
 
-        def backward(p=p):
-            q, k, v, mask, cu_seqlens, max_seqlen = b.attention_inputs()
-            lse = (_meta(b.model.heads, b.rows, dtype=torch.float32) if b.layout == "varlen"
-                   else _meta(b.batch, b.model.heads, b.seqlen, dtype=torch.float32))
-            _implementation(attention.attention_bwd)(b.heads_layout(), q, k, v, b.heads_layout(), lse, mask,
-                                                     cu_seqlens, max_seqlen, _seed(p), p, scale)
+            def backward(p=p, with_bias=with_bias):
+                q, k, v, mask, cu_seqlens, max_seqlen = b.attention_inputs()
+                lse = (_meta(b.model.heads, b.rows, dtype=torch.float32) if b.layout == "varlen"
+                       else _meta(b.batch, b.model.heads, b.seqlen, dtype=torch.float32))
+                _implementation(attention.attention_bwd)(b.heads_layout(), q, k, v, b.heads_layout(), lse, mask,
+                                                         cu_seqlens, max_seqlen, _seed(p), p, scale,
+                                                         *_relative_bias(b, with_bias))
 
-        cases += [("attention.attention_fwd", f"dropout_p={p}", forward),
-                  ("attention.attention_bwd", f"dropout_p={p}", backward)]
+            variant = ("relative_bias," if with_bias else "") + f"dropout_p={p}"
+            cases += [("attention.attention_fwd", variant, forward),
+                      ("attention.attention_bwd", variant, backward)]
     return cases
 
 
