@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastbert.config import BertConfig
+from fastbert.config import GELU_APPROXIMATION, BertConfig
 
 # RoBERTa's defaults in transformers (roberta-base's own config.json sets max_position_embeddings=514,
 # type_vocab_size=1 and layer_norm_eps=1e-5)
@@ -84,6 +84,14 @@ class DistilBertConfig(BertConfig):
 
     def __init__(self, **kwargs: Any):
         super().__init__(**self.from_hf_names(kwargs))
+
+    def validate(self) -> None:
+        # transformers' DistilBERT also takes activation="relu", which fastbert's fused FFN does not compute:
+        # named as config.json and transformers spell the field, not as BertConfig's hidden_act
+        if self.hidden_act not in GELU_APPROXIMATION:
+            raise ValueError(f"DistilBertConfig.activation {self.hidden_act!r} is not supported; expected one of "
+                             f"{sorted(GELU_APPROXIMATION)}")
+        super().validate()
 
     @classmethod
     def from_hf_names(cls, values: dict[str, Any]) -> dict[str, Any]:
