@@ -1,52 +1,101 @@
-"""`fastbert convert SRC DST [--check]`: load any HF BERT directory fastbert reads (safetensors or .bin,
-sharded or not, legacy gamma/beta names), write it back as a clean HF directory (config.json +
-model.safetensors + the tokenizer files), and with --check compare fastbert on DST against transformers
-on SRC on a padded random batch. A SRC that cannot be copied faithfully (missing, unreadable or
-incomplete weights, a config that is not BERT's, DST equal to SRC) is an error and DST is left as it was;
-DST is written aside and renamed into place."""
+"""`fastbert convert SRC DST [--check]`: load any HF checkpoint of BERT or its family (RoBERTa, XLM-RoBERTa,
+CamemBERT, ELECTRA, DistilBERT, MPNet) that fastbert reads (safetensors or .bin, sharded or not, legacy
+gamma/beta names), write it back as a clean HF directory (config.json + model.safetensors + the tokenizer
+files), and with --check compare fastbert on DST against transformers' class on SRC on a padded random
+batch. The class is config.json's architectures entry: fastbert's own (BertForMaskedLM, RobertaModel,
+ElectraForPreTraining, ...), or for a head fastbert has only through `fastbert.apply`
+(RobertaForSequenceClassification, ...) transformers' class, whose check runs it accelerated in place.
+A SRC that cannot be copied faithfully (missing, unreadable or incomplete weights, a config of an
+architecture fastbert does not build, DST equal to SRC) is an error and DST is left as it was; DST is
+written aside and renamed into place."""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
 import os
+import pickle
 import shutil
 
 import torch
 
+from fastbert.architectures import MODEL_CLASSES, model_class
 from fastbert.command import run_command
-from fastbert.config import BertConfig
 from fastbert.files import output_lock, replaced_directory
-from fastbert.finetune.loading import checkpoint_directory, load_checkpoint
+from fastbert.finetune.loading import checkpoint_directory, load_checkpoint, load_config
 from fastbert.hub import TOKENIZER_FILES
-from fastbert.modeling import MODEL_CLASSES
 
 CHECK_TOLERANCE = 1e-4  # fp32, absolute, on real (non-padding) tokens
 logger = logging.getLogger("fastbert.convert")
 
 
-def model_class_name(path: str) -> str:
+def model_class_name(path: str, config) -> str:
+    """config.json's architectures entry that fastbert builds natively, else one that is transformers' head of
+    the same architecture (accelerated with fastbert.apply), else the architecture's base model."""
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        names = [n for n in json.load(f).get("architectures") or [] if n in MODEL_CLASSES]
-    return names[0] if names else "BertModel"
+        names = json.load(f).get("architectures") or []
+    prefix = type(config).__name__.removesuffix("Config")
+    for name in names:
+        if name in MODEL_CLASSES and MODEL_CLASSES[name].config_class is type(config):
+            return name
+    for name in names:
+        if name.startswith(prefix + "For") and _transformers_class(name) is not None:
+            return name
+    return model_class(config, "Model").__name__
+
+
+def _transformers_class(name: str) -> type | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return getattr(transformers, name, None)
+
+
+def load_source(name: str, src: str):
+    """(model, loading info) of class `name` from SRC: fastbert's class, or transformers' (family heads)."""
+    if name in MODEL_CLASSES:
+        return load_checkpoint(MODEL_CLASSES[name], src, "SRC")
+    try:
+        return _transformers_class(name).from_pretrained(src, output_loading_info=True)
+    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, KeyError) as exc:
+        raise ValueError(f"SRC {src}: transformers cannot load the weights as {name} ({type(exc).__name__}: "
+                         f"{str(exc).strip()[:500]}); the files are damaged or do not match config.json") from None
+
+
+def check_inputs(config, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [4, S] of random real tokens (never the padding id, which RoBERTa's
+    positions skip) padded with the padding id to lengths S, S/2, 3 and 1; [2, 2, S] for a multiple-choice head."""
+    generator = torch.Generator().manual_seed(0)
+    seqlen = min(64, config.max_sequence_length)
+    pad = config.pad_token_id or 0
+    ids = torch.randint(0, config.vocab_size, (4, seqlen), generator=generator)
+    ids[ids == pad] = (pad + 1) % config.vocab_size
+    lengths = torch.tensor([seqlen, seqlen // 2, 3, 1])
+    mask = (torch.arange(seqlen)[None, :] < lengths[:, None]).long()
+    ids = torch.where(mask.bool(), ids, pad)
+    if name.endswith("ForMultipleChoice"):
+        return ids.view(2, 2, seqlen), mask.view(2, 2, seqlen)
+    return ids, mask
 
 
 def check_against_transformers(src: str, dst: str, name: str) -> float:
     """Max abs difference of the first output between transformers(src) and fastbert(dst), real tokens only."""
     import transformers
 
-    theirs = getattr(transformers, name).from_pretrained(src, dtype=torch.float32).eval()
-    ours = MODEL_CLASSES[name].from_pretrained(dst).float().eval()
-    config = BertConfig.from_json(dst)
-    generator = torch.Generator().manual_seed(0)
-    seqlen = min(64, config.max_position_embeddings)
-    ids = torch.randint(1, config.vocab_size, (4, seqlen), generator=generator)
-    lengths = torch.tensor([seqlen, seqlen // 2, 3, 1])
-    mask = (torch.arange(seqlen)[None, :] < lengths[:, None]).long()
+    from fastbert.in_place import apply
+
+    hf_class = getattr(transformers, name)
+    theirs = hf_class.from_pretrained(src, dtype=torch.float32).eval()
+    if name in MODEL_CLASSES:
+        ours = MODEL_CLASSES[name].from_pretrained(dst).float().eval()
+    else:  # transformers' head on fastbert's encoder, in place
+        ours = apply(hf_class.from_pretrained(dst, dtype=torch.float32)).eval()
+    ids, mask = check_inputs(load_config(dst, "DST"), name)
     with torch.no_grad():
-        a = theirs(input_ids=ids * mask, attention_mask=mask)[0]
-        b = ours(input_ids=ids * mask, attention_mask=mask)[0]
-    if a.dim() == 3 and a.shape[:2] == mask.shape:
+        a = theirs(input_ids=ids, attention_mask=mask)[0]
+        b = ours(input_ids=ids, attention_mask=mask)[0]
+    if a.shape[:mask.dim()] == mask.shape:  # per-token outputs: padded positions are not compared
         a, b = a[mask.bool()], b[mask.bool()]
     return (a - b).abs().max().item()
 
@@ -62,8 +111,8 @@ def convert(src: str, dst: str, model_class: str | None = None, check: bool = Fa
                                 or os.listdir(dst) and not os.path.isfile(os.path.join(dst, "config.json"))):
         raise ValueError(f"DST {dst} exists and is not a checkpoint directory; it would be replaced as a whole, "
                          "so choose a new or empty one")
-    name = model_class or model_class_name(src)
-    model, info = load_checkpoint(MODEL_CLASSES[name], src, "SRC")
+    name = model_class or model_class_name(src, load_config(src, "SRC"))
+    model, info = load_source(name, src)
     missing = sorted(info["missing_keys"])
     if missing:
         raise ValueError(f"SRC {src} has no weights for {len(missing)} tensors of {name} "
@@ -89,10 +138,12 @@ def convert(src: str, dst: str, model_class: str | None = None, check: bool = Fa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fastbert convert", description=__doc__)
-    parser.add_argument("src", help="HF BERT checkpoint directory (or hub id) to read")
+    parser.add_argument("src", help="HF checkpoint directory (or hub id) of BERT, RoBERTa, XLM-RoBERTa, CamemBERT, "
+                                    "ELECTRA, DistilBERT or MPNet to read")
     parser.add_argument("dst", help="directory to write (config.json, model.safetensors, tokenizer files)")
     parser.add_argument("--model-class", choices=sorted(MODEL_CLASSES),
-                        help="class to load as (default: config.json's architectures, else BertModel)")
+                        help="fastbert class to load as (default: config.json's architectures, else the "
+                             "architecture's base model, BertModel, RobertaModel, ...)")
     parser.add_argument("--check", action="store_true", help="compare against transformers (needs it installed)")
     args = parser.parse_args(argv)
     return run_command("convert", lambda: convert(args.src, args.dst, args.model_class, args.check))

@@ -9,8 +9,10 @@ HUB_ARGUMENTS = ("cache_dir", "revision", "subfolder", "token", "local_files_onl
 # the files a model needs: config and weights, single or sharded
 CHECKPOINT_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
                        "pytorch_model.bin.index.json")
-# the files of a BERT tokenizer, fetched too for the commands that tokenize (finetune, embed, convert)
-TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# the files of a tokenizer, fetched too for the commands that tokenize (finetune, embed, convert): BERT's and
+# the family's (byte-level BPE's vocab.json + merges.txt, XLM-R's and CamemBERT's SentencePiece model)
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "sentencepiece.bpe.model", "spiece.model")
 
 
 def resolve(name_or_path: str | os.PathLike, cache_dir=None, revision=None, subfolder: str = "", token=None,

@@ -67,8 +67,9 @@ BAD_SOURCES = {
     "truncated weights": (lambda src: truncate(src / "model.safetensors", -100),
                           "model.safetensors: cannot read the weights"),
     "shape mismatch": (lambda src: edit_config(src, intermediate_size=64), "tensor shapes do not match the config"),
-    "model_type gpt2": (lambda src: edit_config(src, model_type="gpt2"), "model_type 'gpt2' is not BERT"),
-    "model_type roberta": (lambda src: edit_config(src, model_type="roberta"), "model_type 'roberta' is not BERT"),
+    "model_type gpt2": (lambda src: edit_config(src, model_type="gpt2"),
+                        "model_type 'gpt2' is not an architecture fastbert builds"),
+    "model_type t5": (lambda src: edit_config(src, model_type="t5"), "model_type 't5' is not an architecture"),
     "more layers than weights": (lambda src: edit_config(src, num_hidden_layers=3),
                                  "num_hidden_layers=3 but the weights hold 1 layer(s) (0); missing encoder.layer.1, "
                                  "encoder.layer.2"),

@@ -168,5 +168,6 @@ def test_multiple_choice_reading_and_packing(tmp_path, packer):
 def test_pair_truncation_longest_first(packer):
     short = Packer(packer.tokenizer, max_seq_length=8)
     packed = short.pack([1, 2, 3, 4, 5, 6], [7, 8])  # budget 5: the longer side loses tokens first
-    assert packed["input_ids"] == [short.cls_id, 1, 2, 3, short.sep_id, 7, 8, short.sep_id]
+    cls, sep = VOCAB.index("[CLS]"), VOCAB.index("[SEP]")
+    assert packed["input_ids"] == [cls, 1, 2, 3, sep, 7, 8, sep]
     assert packed["token_type_ids"] == [0, 0, 0, 0, 0, 1, 1, 1]

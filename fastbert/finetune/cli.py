@@ -1,4 +1,6 @@
-"""`fastbert finetune`: fine-tune a BERT checkpoint on one of the paper's task families.
+"""`fastbert finetune`: fine-tune a checkpoint of BERT or its family on one of the paper's task families.
+
+The family: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT and MPNet, each with the tokenizer it ships.
 
     fastbert finetune --task classification --model DIR --train train.tsv --eval dev.tsv \\
         --text-column sentence1 --text-pair-column sentence2 --label-column label --out mrpc/
@@ -32,12 +34,14 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastbert finetune", description=__doc__.split("\n")[0].split(": ", 1)[1],
                                 formatter_class=_DefaultsFormatter)
     p.add_argument("--task", required=True, choices=TASKS, help="the task family (docs/finetuning.md: one section each)")
-    p.add_argument("--model", required=True, help="HF BERT directory (transformers' or a fastbert pretraining run's) "
-                                                        "or a hub id (read from the HF cache)")
+    p.add_argument("--model", required=True, help="HF directory of BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, "
+                                                 "DistilBERT or MPNet (transformers' or a fastbert pretraining run's) "
+                                                 "or a hub id (read from the HF cache)")
     p.add_argument("--train", required=True, help="training file (CSV/TSV/JSONL, CoNLL, or SQuAD JSON by task)")
     p.add_argument("--eval", help="evaluation file in the same format; the best epoch on it is saved")
     p.add_argument("--out", default=defaults.out, help="output directory (HF format)")
-    p.add_argument("--tokenizer", help="tokenizer.json or vocab.txt (default: the model directory's)")
+    p.add_argument("--tokenizer", help="tokenizer.json, vocab.txt (BERT) or a tokenizer directory "
+                                       "(default: the model directory's)")
     p.add_argument("--cased", dest="lowercase", action="store_const", const=False, default=None,
                    help="keep case when reading a vocab.txt (default: tokenizer_config.json's do_lower_case)")
 

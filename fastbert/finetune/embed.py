@@ -1,5 +1,6 @@
 """`fastbert embed`: the paper's feature-based approach (section 5.3): contextual embeddings from a
-frozen BERT, written to a .npy file.
+frozen BERT or one of the family (RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, MPNet: fastbert's
+base model of the checkpoint's model_type, with the tokenizer the checkpoint ships), written to a .npy file.
 
     fastbert embed --model DIR --input sentences.txt --out features.npy
 
@@ -8,9 +9,9 @@ extract_features.py), or a CSV / TSV / JSONL table read with --text-column / --t
 Features: the hidden states of --layers (0 = the embeddings, -1 = the last layer; default the last
 four, which the paper found best) joined by --combine (concatenated by default, or summed / averaged),
 or --pooled for the pooler's tanh([CLS]) output. Per token: an array [N, S, D], zero past each
-sequence's end, with the WordPiece tokens of each sequence in OUT's stem + ".tokens.jsonl"; per
-sequence (--per sequence): [N, D], the mean over each sequence's tokens ([CLS] and [SEP] included)
-or its [CLS] vector (--sequence-pool cls).
+sequence's end, with the tokens of each sequence in OUT's stem + ".tokens.jsonl"; per sequence
+(--per sequence): [N, D], the mean over each sequence's tokens (the special tokens, [CLS] and [SEP] or
+<s> and </s>, included) or its first token's vector (--sequence-pool cls).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 from fastbert.command import run_command
 from fastbert.files import output_lock, replaced_file, write_text
 from fastbert.finetune.encoding import Packer, collate, tokenizer_for
-from fastbert.finetune.loading import checkpoint_directory, load_checkpoint, resolve_device
+from fastbert.finetune.loading import checkpoint_directory, load_checkpoint, load_config, resolve_device
 from fastbert.finetune.readers import TABLE_FORMATS, DataError, read_table, read_text
 
 PAIR_SEPARATOR = " ||| "
@@ -86,7 +87,7 @@ def embed(model, packer: Packer, texts: list[tuple[str, str | None]], layers=(-4
         raise ValueError(f"per must be token or sequence, got {per!r}")
     if sequence_pool not in ("mean", "cls"):
         raise ValueError(f"sequence_pool must be mean or cls, got {sequence_pool!r}")
-    if pooled and model.pooler is None:
+    if pooled and getattr(model, "pooler", None) is None:  # DistilBERT has none at all
         raise ValueError("the model has no pooler, so there is no pooled output")
     layers = check_layers(list(layers), model.config.num_hidden_layers)
     a_ids = packer.tokenize([a for a, _ in texts])
@@ -133,10 +134,12 @@ def embed(model, packer: Packer, texts: list[tuple[str, str | None]], layers=(-4
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastbert embed", description=__doc__.split("\n")[0].split(": ", 1)[1],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True, help="HF BERT directory or hub id (any fastbert loads)")
+    p.add_argument("--model", required=True, help="HF directory or hub id of BERT, RoBERTa, XLM-RoBERTa, CamemBERT, "
+                                                 "ELECTRA, DistilBERT or MPNet")
     p.add_argument("--input", required=True, help="text file, one sequence per line (' ||| ' for pairs), or a table")
     p.add_argument("--out", required=True, help="output .npy file")
-    p.add_argument("--tokenizer", help="tokenizer.json or vocab.txt (default: the model directory's)")
+    p.add_argument("--tokenizer", help="tokenizer.json, vocab.txt (BERT) or a tokenizer directory "
+                                       "(default: the model directory's)")
     p.add_argument("--cased", dest="lowercase", action="store_const", const=False, default=None,
                    help="keep case when reading a vocab.txt")
     p.add_argument("--format", choices=TABLE_FORMATS, help="read --input as this table format")
@@ -146,9 +149,11 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated hidden-state indices: 0 = embeddings, -1 = last layer "
                         "(write --layers=-2,-1: a value starting with - needs the =)")
     p.add_argument("--combine", choices=("concat", "sum", "mean"), default="concat", help="how the layers join")
-    p.add_argument("--pooled", action="store_true", help="the pooler output (tanh of [CLS]) instead of layers")
+    p.add_argument("--pooled", action="store_true",
+                   help="the pooler output (tanh of the first token) instead of layers")
     p.add_argument("--per", choices=("token", "sequence"), default="token")
-    p.add_argument("--sequence-pool", choices=("mean", "cls"), default="mean", help="with --per sequence")
+    p.add_argument("--sequence-pool", choices=("mean", "cls"), default="mean",
+                   help="with --per sequence: the mean of the tokens, or the first token ([CLS], <s>)")
     p.add_argument("--max-seq-length", type=int,
                    help="longer sequences are truncated (default: 128, or the model's positions if fewer)")
     p.add_argument("--batch-size", type=int, default=32)
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> None:
     """Check every option, then embed into args.out (and its .tokens.jsonl) under the output's lock."""
-    from fastbert import BertModel
+    from fastbert import architectures
 
     try:
         layers = [int(x) for x in args.layers.split(",") if x.strip()]
@@ -177,16 +182,18 @@ def run(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
     args.model = checkpoint_directory(args.model)
     texts = read_texts(args.input, args.text_column, args.text_pair_column, args.format)
-    tokenizer = tokenizer_for(args.model, args.tokenizer, args.lowercase)
-    model, info = load_checkpoint(BertModel, args.model, **({"backend": args.backend} if args.backend else {}))
+    config = load_config(args.model)
+    tokenizer = tokenizer_for(args.model, args.tokenizer, args.lowercase, config.model_type)
+    model, info = load_checkpoint(architectures.model_class(config, "Model"), args.model,
+                                  **({"backend": args.backend} if args.backend else {}))
     if args.pooled and any(k.startswith("pooler.") for k in info["missing_keys"]):
         raise ValueError(f"--pooled: the checkpoint {args.model} has no pooler weights")
-    positions = model.config.max_position_embeddings
+    positions = config.max_sequence_length  # RoBERTa's 514 positions hold 512 tokens
     max_seq_length = args.max_seq_length or min(128, positions)
     if max_seq_length > positions:
-        raise ValueError(f"--max-seq-length {max_seq_length} is longer than the model's "
-                         f"max_position_embeddings ({positions})")
-    packer = Packer(tokenizer, max_seq_length)
+        raise ValueError(f"--max-seq-length {max_seq_length} is longer than the model's {positions} positions "
+                         f"(max_position_embeddings {config.max_position_embeddings})")
+    packer = Packer(tokenizer, max_seq_length, token_types=config.type_vocab_size > 1)
     tokens_path = os.path.splitext(args.out)[0] + ".tokens.jsonl"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with output_lock(args.out):

@@ -53,6 +53,67 @@ def load_checkpoint(cls, path: str, flag: str = "--model", **overrides):
                          f"{str(exc).strip()[:500]}); the files are damaged or do not match config.json") from None
 
 
+def load_config(path: str, flag: str = "--model"):
+    """The checkpoint's config, of the class its model_type names (BERT or one of the family); ValueError
+    naming the file for a model_type fastbert does not build."""
+    from fastbert import architectures
+
+    config = os.path.join(checkpoint_directory(path, flag), "config.json")
+    try:
+        return architectures.load_config(config)
+    except ValueError as exc:
+        raise ValueError(f"{flag} {config}: {exc}") from None
+
+
+def transformers_class(config, head: str) -> type:
+    """transformers' class of `config`'s architecture with `head` (RobertaForSequenceClassification, ...)."""
+    import transformers
+
+    name = type(config).__name__.removesuffix("Config") + head
+    if not hasattr(transformers, name):
+        raise ValueError(f"transformers has no {name}: {config.architecture} has no {head.removeprefix('For')} head")
+    return getattr(transformers, name)
+
+
+# the dropouts of transformers' config of each architecture, hidden, attention and the head's; those a
+# config lacks are left out
+DROPOUT_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "summary_last_dropout",  # BERT's names
+                  "dropout", "attention_dropout", "seq_classif_dropout", "qa_dropout")  # DistilBERT's
+
+
+def load_task_model(config, head: str, path: str, dropout: float, backend: str | None, **overrides):
+    """The model fine-tuning trains: the checkpoint's encoder under a new `head` ("ForSequenceClassification",
+    ...) with every dropout at `dropout` and overrides (num_labels, id2label, ...) set in its config.
+
+    BERT: fastbert's own class. The family: transformers' class of the architecture and head (fastbert has
+    native classes only for their base and masked-LM models), accelerated in place by fastbert.apply;
+    it saves as transformers' checkpoint. ValueError naming the directory when the weights cannot be read."""
+    from fastbert import architectures
+
+    if config.model_type == "bert":
+        overrides = dict(overrides, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+                         classifier_dropout=None, **({"backend": backend} if backend else {}))
+        return load_checkpoint(architectures.model_class(config, head), path, **overrides)[0]
+    from fastbert.in_place import apply
+
+    cls = transformers_class(config, head)
+    path = checkpoint_directory(path)
+    hf_config = cls.config_class.from_pretrained(path)
+    for name in DROPOUT_FIELDS:
+        if hasattr(hf_config, name):
+            setattr(hf_config, name, dropout)
+    if hasattr(hf_config, "classifier_dropout"):
+        hf_config.classifier_dropout = None  # the classifier's follows the hidden dropout
+    for name, value in overrides.items():
+        setattr(hf_config, name, value)
+    try:
+        model = cls.from_pretrained(path, config=hf_config)
+    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, KeyError) as exc:
+        raise ValueError(f"--model {path}: transformers cannot load the weights as {cls.__name__} "
+                         f"({type(exc).__name__}: {str(exc).strip()[:500]})") from None
+    return apply(model, **({"backend": backend} if backend else {}))
+
+
 def resolve_device(name: str | None) -> torch.device:
     """--device as a torch.device (default: cuda when available, else cpu); one this machine lacks is a ValueError."""
     if name is None:

@@ -2,15 +2,16 @@
 
 Features: the question (cut to max_query_length tokens) and a window of the context,
     [CLS] question [SEP] context[start : start + length] [SEP]
-windows start every doc_stride tokens until one reaches the end of the context, so a long context
-gives several overlapping features. A training feature whose window does not hold the whole
-answer (or whose question has none, v2.0) points both positions at [CLS], the null answer.
+(or the tokenizer's own pair template: <s> question </s></s> context </s> for RoBERTa); windows start
+every doc_stride tokens until one reaches the end of the context, so a long context gives several
+overlapping features. A training feature whose window does not hold the whole answer (or whose question
+has none, v2.0) points both positions at the first token ([CLS], <s>), the null answer.
 
 Prediction per question, over all its windows: the best span (start, end) by start_logit + end_logit
 among the n_best highest starts and ends, with start <= end, end - start + 1 <= max_answer_length,
 both inside the window's context, and start in the window where that token has the most context
 around it (min(left, right) + 0.01 * window length, the earliest window on ties). For v2.0 the null
-score is the smallest [CLS] start + end logit over the windows; the answer is "" when
+score is the smallest first-token start + end logit over the windows; the answer is "" when
 null_score - best_span_score > null_score_diff_threshold.
 """
 from __future__ import annotations
@@ -22,7 +23,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fastbert import BertForQuestionAnswering
 from fastbert.finetune import metrics
 from fastbert.finetune.encoding import Packer
 from fastbert.finetune.readers import QAExample, read_squad
@@ -68,7 +68,7 @@ class Window:
 
 class QuestionAnsweringTask(Task):
     name = "question-answering"
-    model_class = BertForQuestionAnswering
+    head = "ForQuestionAnswering"
     main_metric = "f1"
     metric_names = ("exact_match", "f1")
     per_token = True
@@ -81,9 +81,14 @@ class QuestionAnsweringTask(Task):
                             ("max_answer_length", max_answer_length), ("n_best", n_best)):
             if value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
-        if packer.max_seq_length - max_query_length - 3 < 1:
+        specials = packer.special_tokens(pair=True)
+        if packer.max_seq_length - max_query_length - specials < 1:
             raise ValueError(f"max_seq_length ({packer.max_seq_length}) leaves no room for the context after "
-                             f"a question of max_query_length ({max_query_length}) tokens and 3 special tokens")
+                             f"a question of max_query_length ({max_query_length}) tokens and {specials} special "
+                             "tokens")
+        if packer.pair[0][0] is None:
+            raise ValueError("the tokenizer's pair template does not start with a special token ([CLS], <s>), "
+                             "where question answering puts the null answer")
         self.doc_stride, self.max_query_length = doc_stride, max_query_length
         self.max_answer_length, self.n_best = max_answer_length, n_best
         self.null_score_diff_threshold = null_score_diff_threshold
@@ -108,15 +113,16 @@ class QuestionAnsweringTask(Task):
         for index, (example, question) in enumerate(zip(examples, questions)):
             question = question[:self.max_query_length]
             context = encoded[example.context]
-            spans = windows(len(context.ids), packer.max_seq_length - len(question) - 3, self.doc_stride)
+            spans = windows(len(context.ids), packer.max_seq_length - len(question) - packer.special_tokens(pair=True),
+                            self.doc_stride)
+            context_start = packer.start(1, len(question), pair=True)
             answer = None
             if example.answers and not example.is_impossible:
                 text, start_char = example.answers[0]
                 answer = token_span(context.offsets, start_char, start_char + len(text))
             for (start, length), flags in zip(spans, max_context(spans)):
                 feature = packer.pack(question, context.ids[start:start + length])
-                context_start = len(question) + 2
-                start_position = end_position = 0  # [CLS]: the null answer
+                start_position = end_position = 0  # [CLS] / <s>: the null answer
                 if answer is not None and start <= answer[0] and answer[1] < start + length:
                     start_position = answer[0] - start + context_start
                     end_position = answer[1] - start + context_start

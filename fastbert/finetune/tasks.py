@@ -3,11 +3,13 @@
 A task turns examples into features (model inputs, one or more per example) and metadata (what it
 needs to map a feature's logits back to its example), and turns logits into one prediction per
 example. Families (the paper's section 4):
-    classification          GLUE-style single sentences or pairs -> pooled [CLS] -> label
+    classification          GLUE-style single sentences or pairs -> the first token ([CLS], <s>) -> label
     regression              the same with a real-valued label (STS-B), num_labels = 1
-    token-classification    CoNLL tagging, labels on the first WordPiece of each word
-    multiple-choice         SWAG: [CLS] context [SEP] prefix + ending [SEP] per ending, softmax over endings
+    token-classification    CoNLL tagging, labels on the first piece of each word
+    multiple-choice         SWAG: the pair (context, prefix + ending) per ending, softmax over endings
     question-answering      SQuAD v1.1 / v2.0 (fastbert.finetune.squad)
+Pairs are laid out by the tokenizer's own template (fastbert.finetune.encoding.Packer). Each task names
+its head ("ForSequenceClassification", ...); the model is built by fastbert.finetune.loading.load_task_model.
 """
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fastbert import (BertForMultipleChoice, BertForSequenceClassification, BertForTokenClassification)
 from fastbert.finetune import metrics
 from fastbert.finetune.encoding import Packer
 from fastbert.finetune.readers import DataError, read_conll, read_table
@@ -58,7 +59,7 @@ def _label_order(labels) -> list[str]:
 class Task:
     """The interface the training loop uses; subclasses fill it in per family."""
     name: str
-    model_class: type
+    head: str  # the model head, as transformers names it after the architecture: "ForSequenceClassification"
     main_metric: str  # picks the best epoch unless --metric names another
     metric_names: tuple[str, ...]  # what score() returns
     per_token = False  # logits are per position: the loop trims them to each feature's length
@@ -100,7 +101,7 @@ class Task:
 class SequenceTask(Task):
     """classification (labels from the training file) and regression (one real-valued output)."""
 
-    model_class = BertForSequenceClassification
+    head = "ForSequenceClassification"
 
     def __init__(self, packer: Packer, columns: Columns, regression: bool):
         super().__init__(packer)
@@ -177,12 +178,12 @@ class SequenceTask(Task):
 
 
 class TokenTask(Task):
-    """CoNLL tagging. The first WordPiece of a word carries its tag; the other pieces are ignored (-100)
+    """CoNLL tagging. The first piece of a word carries its tag; the other pieces are ignored (-100)
     in the loss and the word's predicted tag is read from its first piece. Words cut off by
     max_seq_length are predicted "O"."""
 
     name = "token-classification"
-    model_class = BertForTokenClassification
+    head = "ForTokenClassification"
     main_metric = "f1"
     metric_names = ("precision", "recall", "f1", "accuracy")
     per_token = True
@@ -208,7 +209,8 @@ class TokenTask(Task):
 
     def features(self, examples):
         ids = self.label_ids
-        budget = self.packer.max_seq_length - 2
+        budget = self.packer.max_seq_length - self.packer.special_tokens(pair=False)
+        first = self.packer.start(0)  # position of the first word piece, after [CLS] / <s>
         encodings = self.packer.tokenizer.encode_batch([s.words for s in examples], is_pretokenized=True,
                                                        add_special_tokens=False)
         inputs, meta = [], []
@@ -222,10 +224,11 @@ class TokenTask(Task):
             first_piece: dict[int, int] = {}
             for position, word in enumerate(encoding.word_ids[:budget]):
                 if word is not None and word not in first_piece:
-                    first_piece[word] = position + 1  # +1: [CLS]
+                    first_piece[word] = position + first
                     labels[position] = ids[sentence.tags[word]]
             feature = self.packer.pack(pieces)
-            feature["labels"] = [IGNORE_INDEX] + labels + [IGNORE_INDEX]
+            feature["labels"] = [IGNORE_INDEX] * first + labels
+            feature["labels"] += [IGNORE_INDEX] * (len(feature["input_ids"]) - len(feature["labels"]))
             inputs.append(feature)
             meta.append(first_piece)
         return inputs, meta
@@ -243,10 +246,11 @@ class TokenTask(Task):
 
 
 class ChoiceTask(Task):
-    """SWAG-style multiple choice: each ending is scored from its pooled [CLS], softmax over endings."""
+    """SWAG-style multiple choice: each ending is scored from its first token ([CLS], <s>), softmax over
+    endings."""
 
     name = "multiple-choice"
-    model_class = BertForMultipleChoice
+    head = "ForMultipleChoice"
     main_metric = "accuracy"
     metric_names = ("accuracy",)
 
@@ -277,9 +281,8 @@ class ChoiceTask(Task):
         inputs = []
         for i, (example, context) in enumerate(zip(examples, contexts)):
             packed = [self.packer.pack(context, ending) for ending in endings[i * k:(i + 1) * k]]
-            inputs.append({"input_ids": [p["input_ids"] for p in packed],
-                           "token_type_ids": [p["token_type_ids"] for p in packed],
-                           "labels": int(example.label)})
+            feature = {key: [p[key] for p in packed] for key in packed[0]}  # input_ids (token_type_ids)
+            inputs.append({**feature, "labels": int(example.label)})
         return inputs, list(range(len(examples)))
 
     def predict(self, examples, meta, logits):

@@ -6,8 +6,12 @@ and decayed linearly to 0, gradients clipped to norm 1, dropout 0.1 everywhere. 
 model is evaluated on the eval file (when there is one) and saved to `out` in HF format when its
 main metric is the best so far; without an eval file the last model is saved.
 
+`--model` is a BERT checkpoint or one of the family (RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT,
+MPNet) with the tokenizer it ships; BERT trains as fastbert's own classes, the family as transformers' head
+classes accelerated by fastbert.apply (fastbert.finetune.loading.load_task_model).
+
 `out` holds config.json + model.safetensors (with id2label for classification and tagging),
-tokenizer.json + vocab.txt (+ the source's tokenizer_config.json), finetune_config.json,
+tokenizer.json (+ vocab.txt for BERT, + the source's tokenizer_config.json), finetune_config.json,
 eval_results.json (every evaluation and the best) and the best model's predictions on the eval file.
 """
 from __future__ import annotations
@@ -24,10 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fastbert.config import BertConfig
 from fastbert.files import output_lock, replaced_directory
 from fastbert.finetune.encoding import Packer, collate, save_tokenizer_files, tokenizer_for
-from fastbert.finetune.loading import checkpoint_directory, load_checkpoint, resolve_device
+from fastbert.finetune.loading import checkpoint_directory, load_config, load_task_model, resolve_device
 from fastbert.finetune.squad import QuestionAnsweringTask
 from fastbert.finetune.tasks import ChoiceTask, Columns, SequenceTask, Task, TokenTask
 from fastbert.train.optim import linear_warmup_decay, param_groups
@@ -47,11 +50,11 @@ DEFAULT_COLUMNS = {"classification": ("sentence", None), "regression": ("sentenc
 @dataclass
 class FinetuneConfig:
     task: str  # one of TASKS
-    model: str  # HF BERT directory (transformers' or fastbert's own pretraining output)
+    model: str  # HF checkpoint directory of BERT or the family (transformers' or fastbert's pretraining output)
     train: str  # training file: CSV / TSV / JSONL table, CoNLL, or SQuAD JSON by task
     eval: str | None = None  # evaluation file in the same format; picks the best epoch
     out: str = "finetuned"  # output directory
-    tokenizer: str | None = None  # tokenizer.json or vocab.txt; default: the model directory's
+    tokenizer: str | None = None  # tokenizer.json, vocab.txt (BERT) or a tokenizer directory; default: the model's
     lowercase: bool | None = None  # vocab.txt only; default: tokenizer_config.json's do_lower_case, else True
     # table columns (classification, regression, multiple choice)
     format: str | None = None  # csv | tsv | jsonl; default: from the file's extension
@@ -182,17 +185,17 @@ def finetune(cfg: FinetuneConfig) -> dict:
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
-    config = BertConfig.from_json(model_dir)
-    tokenizer = tokenizer_for(model_dir, cfg.tokenizer, cfg.lowercase)
+    config = load_config(model_dir)
+    tokenizer = tokenizer_for(model_dir, cfg.tokenizer, cfg.lowercase, config.model_type)
     if tokenizer.get_vocab_size() > config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, more than the model's "
                          f"vocab_size ({config.vocab_size}): they do not belong together")
-    max_seq_length = cfg.max_seq_length or min(384 if cfg.task == "question-answering" else 128,
-                                               config.max_position_embeddings)
-    if max_seq_length > config.max_position_embeddings:
-        raise ValueError(f"max_seq_length {max_seq_length} is longer than the model's max_position_embeddings "
-                         f"({config.max_position_embeddings})")
-    packer = Packer(tokenizer, max_seq_length)
+    positions = config.max_sequence_length  # RoBERTa's 514 positions hold 512 tokens
+    max_seq_length = cfg.max_seq_length or min(384 if cfg.task == "question-answering" else 128, positions)
+    if max_seq_length > positions:
+        raise ValueError(f"max_seq_length {max_seq_length} is longer than the {positions} tokens the model's "
+                         f"max_position_embeddings ({config.max_position_embeddings}) hold")
+    packer = Packer(tokenizer, max_seq_length, token_types=config.type_vocab_size > 1)
     task = build_task(cfg, packer)
     metric = cfg.metric or task.main_metric
     if metric not in (*task.metric_names, "loss"):
@@ -208,15 +211,12 @@ def finetune(cfg: FinetuneConfig) -> dict:
     logger.info(f"{task.name}: {len(train_examples)} training examples -> {len(train_inputs)} features"
                 + (f"; {len(evaluation[0])} eval examples" if evaluation else ""))
 
-    overrides = dict(task.model_overrides(), hidden_dropout_prob=cfg.dropout,
-                     attention_probs_dropout_prob=cfg.dropout, classifier_dropout=None)
-    if cfg.backend:
-        overrides["backend"] = cfg.backend
-    model = load_checkpoint(task.model_class, model_dir, **overrides)[0].float().to(device).train()
+    model = load_task_model(config, task.head, model_dir, cfg.dropout, cfg.backend, **task.model_overrides())
+    model = model.float().to(device).train()
 
     def save(directory: str, predictions) -> None:
         model.save_pretrained(directory)
-        save_tokenizer_files(tokenizer, model_dir, directory)
+        save_tokenizer_files(tokenizer, model_dir, directory, config.model_type)
         with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=2)
         if predictions is not None:

@@ -131,11 +131,12 @@ def _norms(params: list, weights: list[torch.Tensor], update: list[torch.Tensor]
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on weight matrices only: biases and LayerNorm parameters are exempt, as in BERT."""
+    """Weight decay on weight matrices only: biases and LayerNorm parameters (DistilBERT's *layer_norm) are
+    exempt, as in BERT."""
     decay, exempt = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (exempt if name.endswith("bias") or "LayerNorm" in name else decay).append(p)
+            (exempt if name.endswith("bias") or "LayerNorm" in name or "layer_norm" in name else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": exempt, "weight_decay": 0.0}]
 
 
