@@ -13,6 +13,7 @@ checkpoint a run was explicitly resumed from.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -21,10 +22,20 @@ import threading
 from collections.abc import Callable
 
 CHECKPOINT_DIR = "checkpoints"
+RUN_FILE = "run.json"  # what a checkpoint's run was: its options, model and data (state.py writes it)
 PREVIOUS_DIR = "previous"
 _NAME = re.compile(r"^step_(\d{8,})$")
 TMP_PREFIX = ".tmp-"
 logger = logging.getLogger("fastbert.train")
+
+
+def read_run_file(path: str) -> dict | None:
+    """A checkpoint's run.json, or None for checkpoints written before fastbert recorded it."""
+    file = os.path.join(path, RUN_FILE)
+    if not os.path.isfile(file):
+        return None
+    with open(file, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def checkpoint_name(step: int) -> str:

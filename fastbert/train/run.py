@@ -115,9 +115,7 @@ def auto_micro_batches(cfg: PretrainConfig, config, phases: list[Phase], env: di
 
 def _recorded_micro_batches(resume: str | None) -> dict[int, int]:
     """{sequence length: micro-batch size} of the checkpoint's run, where its fingerprint records sizes."""
-    from fastbert.train.state import read_run_file
-
-    saved = read_run_file(resume) if resume else None
+    saved = checkpoint.read_run_file(resume) if resume else None
     options = saved["fingerprint"]["options"] if saved and "fingerprint" in saved else {}
     text = options.get("micro_batch_size") or ""
     if not text.replace(",", "").isdigit():  # "" (no accumulation) or "auto" (an unresolved record)
@@ -267,9 +265,7 @@ def _find_data(cfg: PretrainConfig, config, phases: list[Phase], env: distribute
 def checkpoint_objective(path: str) -> str:
     """The objective of the run that wrote the checkpoint at `path` (mlm+nsp for one older than the option)."""
     from fastbert.train.fingerprint import RECORDED_LATER
-    from fastbert.train.state import read_run_file
-
-    saved = read_run_file(path) or {}
+    saved = checkpoint.read_run_file(path) or {}
     return saved.get("fingerprint", {}).get("options", {}).get("objective", RECORDED_LATER["objective"])
 
 
@@ -304,9 +300,7 @@ def _prepare_directory(cfg: PretrainConfig, model_overrides: dict, out: str, res
     """Refuse a resume that would not continue its run (fingerprint.check_resume); move aside what belongs
     to another run line; write config.json."""
     from fastbert.train.fingerprint import check_resume
-    from fastbert.train.state import read_run_file
-
-    saved = read_run_file(resume) if resume else None
+    saved = checkpoint.read_run_file(resume) if resume else None
     if saved is not None:
         check_resume(saved["fingerprint"], current, resume, cfg.accept_changes)
     elif resume and env.is_main:

@@ -30,13 +30,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fastbert.data.examples import MLM_NSP
 from fastbert.hf import choose_layer_norm_backward
 from fastbert.train import checkpoint, distributed
+from fastbert.train.checkpoint import RUN_FILE
 from fastbert.train.run import Run, checkpoint_objective
 
 # the weights BertForPreTraining has and the masked-LM model has not: what a resume across objectives
 # (--accept-changes) drops from an mlm+nsp checkpoint, or initialises anew from an mlm one
 NSP_ONLY_PREFIXES = ("bert.pooler.", "cls.seq_relationship.")
 
-RUN_FILE = "run.json"
 TRAINER_FILE = "trainer.pt"
 MODEL_DIR = "model"
 SHARDED_DIR = "sharded"
@@ -65,15 +65,6 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def read_run_file(path: str) -> dict | None:
-    """A checkpoint's run.json, or None for checkpoints written before fastbert recorded it."""
-    file = os.path.join(path, RUN_FILE)
-    if not os.path.isfile(file):
-        return None
-    with open(file, encoding="utf-8") as f:
-        return json.load(f)
 
 
 class HostCopy:

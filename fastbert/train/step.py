@@ -13,6 +13,7 @@ import math
 import re
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,7 +21,9 @@ from fastbert.data.examples import MLM_NSP
 from fastbert.data.masking import IGNORE_INDEX
 from fastbert.train import distributed
 from fastbert.train.metrics import training_flops
-from fastbert.train.run import Run
+
+if TYPE_CHECKING:  # run.py is above this module (it plans micro-batches with the memory plan, which runs steps)
+    from fastbert.train.run import Run
 
 
 @dataclass

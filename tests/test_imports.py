@@ -1,0 +1,88 @@
+"""Imports go one way, down (DESIGN.md's layers): no module of fastbert imports, directly or through others,
+a module that imports it back. Every import counts, also those inside functions (a lazy import is a circle
+put off, not removed); only `if TYPE_CHECKING:` imports, which never run, are left out."""
+import ast
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def module_files() -> dict[str, pathlib.Path]:
+    """fastbert's module names -> files (kernels/ is installed as fastbert.kernels)."""
+    files = {}
+    for folder, package in (("fastbert", "fastbert"), ("kernels", "fastbert.kernels")):
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            files[name] = path
+    return files
+
+
+def imported_modules(name: str, path: pathlib.Path, modules: set[str]) -> set[str]:
+    """The fastbert modules `name` imports (a package's __init__ only where a name is not a submodule)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {id(node) for block in ast.walk(tree)
+                   if isinstance(block, ast.If) and getattr(block.test, "id", "") == "TYPE_CHECKING"
+                   for statement in block.body for node in ast.walk(statement)}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+            submodules = [f"{base}.{alias.name}" for alias in node.names]
+            targets = [t for t in submodules if t in modules] or [base]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target not in (name, "fastbert"):
+                found.add(target)
+    return found
+
+
+def import_cycles() -> list[list[str]]:
+    files = module_files()
+    graph = {name: imported_modules(name, path, set(files)) for name, path in files.items()}
+    state, stack, cycles = {}, [], []
+
+    def visit(module):
+        state[module] = "open"
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                cycles.append(stack[stack.index(target):] + [target])
+            elif target not in state:
+                visit(target)
+        stack.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    return cycles
+
+
+def test_the_import_graph_has_no_circle():
+    assert import_cycles() == []
+
+
+def test_the_check_sees_a_circle_and_a_lazy_import(tmp_path, monkeypatch):
+    """The checker itself: two modules importing each other, one of them inside a function, are a circle."""
+    for folder in ("fastbert", "kernels"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "fastbert" / "__init__.py").write_text("")
+    (tmp_path / "fastbert" / "low.py").write_text("def f():\n    from fastbert import high\n")
+    (tmp_path / "fastbert" / "high.py").write_text("from fastbert.low import f\n")
+    (tmp_path / "fastbert" / "typed.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fastbert import high\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    cycles = import_cycles()
+    assert cycles == [["fastbert.high", "fastbert.low", "fastbert.high"]]
