@@ -3,6 +3,7 @@
 model on them with a new mask every epoch, resumes exactly, and neither objective takes the other's data
 or checkpoints silently."""
 import json
+import logging
 import os
 import random
 
@@ -152,7 +153,7 @@ def records(out):
 
 
 @pytest.mark.parametrize("architecture", ["bert", "roberta"])
-def test_mlm_pretraining_learns_without_nsp(data, tmp_path, monkeypatch, architecture):
+def test_mlm_pretraining_learns_without_nsp(data, tmp_path, monkeypatch, caplog, architecture):
     if architecture == "bert":
         model, overrides, trained, hf_class = "tiny", {**SMALL, **NO_DROPOUT}, BertForMaskedLM, "BertForMaskedLM"
     else:
@@ -162,9 +163,11 @@ def test_mlm_pretraining_learns_without_nsp(data, tmp_path, monkeypatch, archite
     monkeypatch.setattr(pretrain, "train_step",
                         lambda run, *args: budgets.append(run.model.config.max_predictions_per_seq) or step(run, *args))
     out = tmp_path / "run"
+    caplog.set_level(logging.INFO, "fastbert.train")
     result = pretrain.train(config(data, out, model=model, steps=24, seq_lengths="16", phase_fractions="1", lr=5e-3,
                                    warmup=2), overrides)
     assert type(result["model"]) is trained
+    assert f"pretraining {'BERT' if architecture == 'bert' else 'RoBERTa'} (mlm, {trained.__name__}; " in caplog.text
     assert budgets == [3] * 24  # the static label budget: ceil(0.15 x 16) rows per sequence, whatever the batch
     lines = records(out)
     assert [r["step"] for r in lines] == list(range(1, 25))

@@ -279,10 +279,10 @@ def _result(run: Run, progress: state.Progress, path: str | None, stopped: str |
 
 def _log_start(run: Run) -> None:
     config, cfg = run.config, run.cfg
-    run.info(f"pretraining {type(run.model).__name__} ({cfg.objective}; {config.num_hidden_layers} layers, hidden "
-             f"{config.hidden_size}, vocab {config.vocab_size}) on {run.env.world_size} x {run.env.device.type}, "
-             f"{run.dtype}, {cfg.steps} steps of {cfg.batch_size} sequences, phases "
-             f"{[(p.seq_length, p.end - p.start) for p in run.phases]}")
+    run.info(f"pretraining {config.architecture} ({cfg.objective}, {type(run.model).__name__}; "
+             f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}) on "
+             f"{run.env.world_size} x {run.env.device.type}, {run.dtype}, {cfg.steps} steps of {cfg.batch_size} "
+             f"sequences, phases {[(p.seq_length, p.end - p.start) for p in run.phases]}")
     run.info(f"output: {os.path.abspath(run.out)} (metrics.jsonl, checkpoints/)")
 
 
