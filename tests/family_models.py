@@ -16,11 +16,14 @@ VOCAB, SEQ, LENGTHS, NUM_LABELS, CHOICES = 64, 13, (13, 6, 1), 2, 2  # transform
 # RoBERTa-type models and MPNet count positions from pad_token_id + 1: 40 positions hold SEQ tokens either way
 SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
              max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+# the Triton attention takes head dims of 32, 64 and 128
+TRITON_SIZES = dict(hidden_size=64, intermediate_size=128)
 
 
 def hf_config(arch: str, **overrides):
-    """transformers' config of `arch` at the tiny sizes (DistilBERT under its own names), no dropout."""
-    values = dict(SIZES, vocab_size=VOCAB)
+    """transformers' config of `arch` at the tiny sizes, no dropout; overrides by BertConfig's names (DistilBERT's
+    config gets them under its own)."""
+    values = dict(SIZES, vocab_size=VOCAB, **overrides)
     if arch == "distilbert":
         names = {"hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
                  "intermediate_size": "hidden_dim", "hidden_dropout_prob": "dropout",
@@ -31,7 +34,7 @@ def hf_config(arch: str, **overrides):
         values["type_vocab_size"] = 1  # as roberta-base's config.json
     if arch == "electra":
         values["embedding_size"] = 16  # the discriminator's narrower tables, projected by embeddings_project
-    return getattr(transformers, PREFIXES[arch] + "Config")(**{**values, **overrides})
+    return getattr(transformers, PREFIXES[arch] + "Config")(**values)
 
 
 def head_class(arch: str, head: str):

@@ -1,0 +1,86 @@
+"""The family's base models accelerated by `fastbert.apply(model, backend="triton")`, on the Triton kernels
+(the interpreter on CPU): every hidden state, the pooled output and every parameter's gradient within
+DESIGN.md's tolerance rule against transformers run in float64, in fp32 and bf16, padded and unpad=True; and
+packed inputs (cu_seqlens, as DataCollatorWithFlattening gives them) equal the padded batch on real tokens,
+with RoBERTa-type and MPNet positions restarting at pad_token_id + 1 in each sequence."""
+import copy
+
+import pytest
+import torch
+from family_models import ARCHITECTURES, LENGTHS, TRITON_SIZES, base_loss, hf_model, padded_batch
+from tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, assert_within_rule
+
+import fastbert
+
+transformers = pytest.importorskip("transformers")
+
+
+def run(model, inputs, mask):
+    """The model's outputs with every hidden state, and the gradients of base_loss (all parameters)."""
+    output = model(**inputs, output_hidden_states=True)
+    base_loss(output, mask).backward()
+    return output, {name: param.grad for name, param in model.named_parameters()}
+
+
+@pytest.mark.parametrize("unpad", [False, True], ids=["padded", "unpadded"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_triton_path_within_the_rule_against_float64(arch, dtype, unpad):
+    exact = hf_model(arch, **TRITON_SIZES).double()
+    in_dtype = copy.deepcopy(exact).to(dtype)
+    kernels = fastbert.apply(copy.deepcopy(in_dtype), backend="triton", unpad=unpad)
+    fast = vars(kernels)[fastbert.in_place.ACCELERATED]
+    assert fast.config.backend == "triton" and fast.config.unpad is unpad
+    inputs = padded_batch(exact.config)
+    mask = inputs["attention_mask"]
+    real = mask.bool()
+    (out, grads), (torch_out, torch_grads), (exact_out, exact_grads) = (
+        run(model, inputs, mask) for model in (kernels, in_dtype, exact))
+    assert len(out.hidden_states) == exact.config.num_hidden_layers + 1
+    for layer, states in enumerate(zip(out.hidden_states, torch_out.hidden_states, exact_out.hidden_states)):
+        assert_within_rule(f"hidden state {layer}", *(state[real] for state in states), FORWARD_FACTOR)
+    if exact_out.get("pooler_output") is not None:
+        assert_within_rule("pooler_output", out.pooler_output, torch_out.pooler_output, exact_out.pooler_output,
+                           FORWARD_FACTOR)
+    for name, grad in exact_grads.items():
+        assert grad is not None and grads[name] is not None, name
+        assert_within_rule(f"d {name}", grads[name], torch_grads[name], grad, GRADIENT_FACTOR)
+
+
+def flattened(inputs, start: int) -> dict:
+    """The padded batch packed as transformers' DataCollatorWithFlattening packs it: input_ids [1, T],
+    position_ids restarting at `start` in each sequence, cu_seq_lens_q / max_length_q (and _k)."""
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, position_ids_start=start)
+    rows = [{"input_ids": ids[mask.bool()].tolist()} for ids, mask in zip(inputs["input_ids"],
+                                                                           inputs["attention_mask"])]
+    packed = collator(rows)
+    del packed["labels"]
+    return packed
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_packed_inputs_equal_the_padded_batch(arch):
+    model = fastbert.apply(hf_model(arch, **TRITON_SIZES), backend="triton")
+    config = model.config
+    inputs = padded_batch(config)
+    mask = inputs["attention_mask"]
+    padded = model(**inputs)
+    base_loss(padded, mask).backward()
+    expected_grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+    # transformers' RoBERTa and MPNet count positions from pad_token_id + 1 (RobertaEmbeddings)
+    start = config.pad_token_id + 1 if arch in ("roberta", "xlm-roberta", "camembert", "mpnet") else 0
+    packed = flattened(inputs, start)
+    assert packed["cu_seq_lens_q"].tolist() == [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
+    for with_positions in (True, False):  # fastbert's default positions restart at the same offset
+        model.zero_grad()
+        given = packed if with_positions else {k: v for k, v in packed.items() if k != "position_ids"}
+        out = model(**given)
+        assert out.last_hidden_state.shape == (1, sum(LENGTHS), config.hidden_size)
+        torch.testing.assert_close(out.last_hidden_state[0], padded.last_hidden_state[mask.bool()], atol=1e-5,
+                                   rtol=1e-5)
+        if padded.get("pooler_output") is not None:
+            torch.testing.assert_close(out.pooler_output, padded.pooler_output, atol=1e-5, rtol=1e-5)
+        base_loss(out, torch.ones(out.last_hidden_state.shape[:2])).backward()
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.grad, expected_grads[name], atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"d {name}: {m}")
