@@ -230,6 +230,13 @@ def test_each_objective_refuses_the_others_data_and_checkpoint(data, nsp_data, t
         pretrain.train(config(nsp_data, out, objective=MLM_NSP), SMALL)
 
 
+def test_a_checkpoint_of_another_architecture_is_not_resumed(data, tmp_path):
+    out = tmp_path / "run"
+    pretrain.train(config(data, out, stop_at=1), {**SMALL, "max_position_embeddings": 34})
+    with pytest.raises(ValueError, match="differs in shape \\(--model.model_type: checkpoint 'bert', now 'roberta'"):
+        pretrain.train(config(data, out, model=roberta_model(tmp_path), accept_changes=True), {})
+
+
 @pytest.mark.parametrize("before,after", [(MLM_NSP, MLM), (MLM, MLM_NSP)])
 def test_accept_changes_goes_on_under_the_other_objective(data, nsp_data, tmp_path, caplog, monkeypatch, before,
                                                          after):
