@@ -1,0 +1,80 @@
+"""fastbert's own classes of the family (XModel, XForMaskedLM, ELECTRA's ForPreTraining) against transformers'
+on the same tiny random weights: from_pretrained of a directory transformers saved, save_pretrained read back by
+transformers' class (identical state_dicts, equal outputs, loss and gradients both ways), from_hf / to_hf."""
+import pytest
+import torch
+from family_models import PREFIXES, head_inputs, hf_model, named_outputs, real_tokens
+
+import fastbert
+from fastbert.family import FAMILY_CLASSES
+
+transformers = pytest.importorskip("transformers")
+
+NATIVE = [(arch, head) for arch in PREFIXES for head in ("Model", "ForMaskedLM", "ForPreTraining")
+          if PREFIXES[arch] + head in FAMILY_CLASSES]
+
+
+def fast_class(arch, head):
+    return getattr(fastbert, PREFIXES[arch] + head)
+
+
+def assert_same_state(ours, theirs):
+    ours, theirs = ours.state_dict(), theirs.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), name
+
+
+def assert_same_results(ours, theirs, head):
+    """Outputs (real tokens), the loss and every parameter's gradient on the head's batch."""
+    inputs = head_inputs(theirs.config, head)
+    mask = inputs["attention_mask"]
+    expected, actual = theirs(**inputs), ours(**inputs)
+    expected_fields, actual_fields = named_outputs(expected), named_outputs(actual)
+    assert expected_fields.keys() <= actual_fields.keys()  # fastbert's MLM heads add their accuracy
+    for name, value in expected_fields.items():
+        torch.testing.assert_close(real_tokens(actual_fields[name], mask), real_tokens(value, mask), atol=1e-5,
+                                   rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    if head == "Model":
+        expected, actual = (out.last_hidden_state[mask.bool()].sum() for out in (expected, actual))
+    else:
+        assert expected.loss is not None
+        expected, actual = expected.loss, actual.loss
+    expected.backward()
+    actual.backward()
+    # tied parameters under every name: transformers' XLM-R lists lm_head before the embeddings it is tied to
+    grads = dict(ours.named_parameters(remove_duplicate=False))
+    for name, param in theirs.named_parameters(remove_duplicate=False):
+        torch.testing.assert_close(grads[name].grad, param.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"d {name}: {m}")
+    ours.zero_grad(), theirs.zero_grad()
+
+
+@pytest.mark.parametrize("arch,head", NATIVE, ids=[f"{a}-{h}" for a, h in NATIVE])
+def test_from_pretrained_and_save_pretrained_both_ways(arch, head, tmp_path):
+    theirs = hf_model(arch, head)
+    theirs.save_pretrained(tmp_path / "transformers")
+    ours = fast_class(arch, head).from_pretrained(tmp_path / "transformers").eval()
+    assert type(ours.config) is getattr(fastbert, PREFIXES[arch] + "Config")
+    assert_same_state(ours, theirs)
+    assert_same_results(ours, theirs, head)
+    if head == "ForMaskedLM":  # the decoder stays tied to the word embeddings, as in transformers
+        assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
+
+    ours.save_pretrained(tmp_path / "fastbert")
+    again = type(theirs).from_pretrained(tmp_path / "fastbert").eval()
+    assert_same_state(again, theirs)
+    assert_same_results(ours, again, head)
+    assert again.config.model_type == theirs.config.model_type
+
+
+@pytest.mark.parametrize("arch,head", NATIVE, ids=[f"{a}-{h}" for a, h in NATIVE])
+def test_from_hf_and_to_hf_round_trip(arch, head):
+    theirs = hf_model(arch, head)
+    ours = fastbert.from_hf(theirs)
+    assert type(ours) is fast_class(arch, head) and not ours.training
+    assert_same_state(ours, theirs)
+    assert_same_results(ours, theirs, head)
+    back = ours.to_hf()
+    assert type(back) is type(theirs)
+    assert_same_state(back, theirs)
+    assert_same_results(ours, back, head)
