@@ -173,6 +173,13 @@ class ElectraForPreTraining(BertPreTrainedModel):
         return self._outputs(result, return_dict)
 
 
+def no_token_types(kwargs: dict) -> dict:
+    """kwargs without token_type_ids, which transformers' DistilBERT and MPNet take and ignore (they have no
+    token types; tokenizers and clients may pass them)."""
+    kwargs.pop("token_type_ids", None)
+    return kwargs
+
+
 # DistilBERT: its own names (q_lin, sa_layer_norm, ffn.lin1, ...); no token types, no pooler -----------------
 
 class DistilBertSelfAttention(SelfAttention):
@@ -264,7 +271,8 @@ class DistilBertModel(DistilBertPreTrainedModel, BertModel):
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, position_ids=None, **kwargs):
         """transformers' DistilBertModel arguments (no token types); the rest as BertModel.forward."""
-        return BertModel.forward(self, input_ids, attention_mask, None, position_ids, inputs_embeds, **kwargs)
+        return BertModel.forward(self, input_ids, attention_mask, None, position_ids, inputs_embeds,
+                                 **no_token_types(kwargs))
 
 
 class DistilBertForMaskedLM(DistilBertPreTrainedModel, BertForMaskedLM):
@@ -288,7 +296,7 @@ class DistilBertForMaskedLM(DistilBertPreTrainedModel, BertForMaskedLM):
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None, **kwargs):
         return BertForMaskedLM.forward(self, input_ids, attention_mask, None, kwargs.pop("position_ids", None),
-                                       inputs_embeds, labels, **kwargs)
+                                       inputs_embeds, labels, **no_token_types(kwargs))
 
 
 # MPNet: BERT's FFN names, its own attention names, and the relative-position bias ---------------------------
@@ -354,7 +362,8 @@ class MPNetModel(MPNetPreTrainedModel, BertModel):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
         """transformers' MPNetModel arguments (no token types); the rest as BertModel.forward."""
-        return BertModel.forward(self, input_ids, attention_mask, None, position_ids, inputs_embeds, **kwargs)
+        return BertModel.forward(self, input_ids, attention_mask, None, position_ids, inputs_embeds,
+                                 **no_token_types(kwargs))
 
 
 class MPNetForMaskedLM(MPNetPreTrainedModel, RobertaForMaskedLM):
@@ -365,7 +374,7 @@ class MPNetForMaskedLM(MPNetPreTrainedModel, RobertaForMaskedLM):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 **kwargs):
         return BertForMaskedLM.forward(self, input_ids, attention_mask, None, position_ids, inputs_embeds, labels,
-                                       **kwargs)
+                                       **no_token_types(kwargs))
 
 
 # the model classes of each architecture, by transformers' class name

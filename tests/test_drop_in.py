@@ -166,3 +166,16 @@ def test_apply_and_build_take_a_config_without_pad_token_id():
         torch.testing.assert_close(edited(input_ids=ids).last_hidden_state, theirs(input_ids=ids).last_hidden_state,
                                    atol=1e-5, rtol=1e-5)
     assert fastbert.BertModel(fastbert.BertConfig.tiny(pad_token_id=None)).embeddings.word_embeddings.padding_idx is None
+
+
+@pytest.mark.parametrize("name", ["DistilBertForMaskedLM", "MPNetForMaskedLM", "MPNetModel", "DistilBertModel"])
+def test_models_without_token_types_take_and_ignore_them_as_transformers(name):
+    """transformers' DistilBERT and MPNet accept token_type_ids and ignore them (a tokenizer's or client's
+    batch may carry them); fastbert's classes of the same name give the result without them."""
+    prefix = "DistilBert" if name.startswith("DistilBert") else "MPNet"
+    model = getattr(fastbert, name)(getattr(fastbert, prefix + "Config").tiny()).eval()
+    ids = torch.randint(2, 1024, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(input_ids=ids)[0]
+        given = model(input_ids=ids, token_type_ids=torch.ones_like(ids))[0]
+    assert torch.equal(plain, given)
