@@ -190,6 +190,9 @@ def test_tagging_labels_sit_on_each_words_first_piece(checkpoints):
         assert packer.tokenizer.decode([ids[position]]).strip() == sentence.words[word][:len(
             packer.tokenizer.decode([ids[position]]).strip())]
     assert sum(label != -100 for label in labels) == 3
+    # the words' pieces are those of running text, each word with its leading space (Ġ), as transformers'
+    # add_prefix_space=True splits them
+    assert ids[1:-1] == packer.tokenize([" john saw paris"])[0]
 
 
 def test_question_answering_positions_hold_the_answer(checkpoints):
@@ -398,7 +401,7 @@ def test_every_task_family(checkpoints, task, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- embed
-@pytest.mark.parametrize("arch", ["roberta", "mpnet"])
+@pytest.mark.parametrize("arch", sorted(TOKENIZER_KIND))
 def test_embed_matches_transformers(checkpoints, arch, tmp_path):
     lines = ["john saw a red fox in paris", "the movie was good ||| the plot was bad"]
     source = tmp_path / "input.txt"
@@ -414,7 +417,8 @@ def test_embed_matches_transformers(checkpoints, arch, tmp_path):
     assert features.shape == (2, max(map(len, tokens)), 2 * model.config.hidden_size)
     for row, token_list, line in zip(features, tokens, lines):
         encoded = tokenizer(*line.split(" ||| "), return_tensors="pt")
-        assert token_list == tokenizer.convert_ids_to_tokens(encoded["input_ids"][0]) and token_list[0] == "<s>"
+        assert token_list == tokenizer.convert_ids_to_tokens(encoded["input_ids"][0])
+        assert token_list[0] == ("[CLS]" if arch in ("distilbert", "electra") else "<s>")
         with torch.no_grad():
             states = model(**encoded, output_hidden_states=True).hidden_states
         n = len(token_list)

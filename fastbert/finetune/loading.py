@@ -59,10 +59,13 @@ def load_config(path: str, flag: str = "--model"):
     from fastbert import architectures
 
     config = os.path.join(checkpoint_directory(path, flag), "config.json")
+    with open(config, encoding="utf-8") as f:
+        model_type = json.load(f).get("model_type", "bert")
     try:
-        return architectures.load_config(config)
+        cls = architectures.config_class(model_type)
     except ValueError as exc:
         raise ValueError(f"{flag} {config}: {exc}") from None
+    return cls.from_json(config)  # its errors name the file
 
 
 def transformers_class(config, head: str) -> type:

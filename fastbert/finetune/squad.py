@@ -148,7 +148,8 @@ class QuestionAnsweringTask(Task):
             if span is None or (self.version_2 and null_score - span[0] > self.null_score_diff_threshold):
                 answers.append("")
             else:
-                answers.append(example.context[span[1]:span[2]])
+                # .strip(): a byte-level or SentencePiece piece's offsets include the space before its word
+                answers.append(example.context[span[1]:span[2]].strip())
         return answers
 
     def best_span(self, window: Window, start_logits: np.ndarray, end_logits: np.ndarray):

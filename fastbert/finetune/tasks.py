@@ -211,8 +211,15 @@ class TokenTask(Task):
         ids = self.label_ids
         budget = self.packer.max_seq_length - self.packer.special_tokens(pair=False)
         first = self.packer.start(0)  # position of the first word piece, after [CLS] / <s>
-        encodings = self.packer.tokenizer.encode_batch([s.words for s in examples], is_pretokenized=True,
-                                                       add_special_tokens=False)
+        from tokenizers.pre_tokenizers import ByteLevel
+
+        tokenizer = self.packer.tokenizer
+        words = [s.words for s in examples]
+        if isinstance(tokenizer.pre_tokenizer, ByteLevel):
+            # byte-level BPE (RoBERTa) carries a word's leading space in its first piece ("Ġsaw"): words read
+            # one by one get it as in running text (transformers' add_prefix_space=True for split words)
+            words = [[" " + w for w in sentence] for sentence in words]
+        encodings = tokenizer.encode_batch(words, is_pretokenized=True, add_special_tokens=False)
         inputs, meta = [], []
         for sentence, encoding in zip(examples, encodings):
             for word, tag in enumerate(sentence.tags):
