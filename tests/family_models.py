@@ -110,6 +110,17 @@ def head_inputs(config, head: str, seed: int = 0) -> dict:
     return inputs
 
 
+def flattened(inputs, start: int) -> dict:
+    """The padded batch packed as transformers' DataCollatorWithFlattening packs it: input_ids [1, T],
+    position_ids restarting at `start` in each sequence, cu_seq_lens_q / max_length_q (and _k)."""
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, position_ids_start=start)
+    rows = [{"input_ids": ids[mask.bool()].tolist()} for ids, mask in zip(inputs["input_ids"],
+                                                                           inputs["attention_mask"])]
+    packed = collator(rows)
+    del packed["labels"]
+    return packed
+
+
 def real_tokens(output: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The entries of a per-token output [..., S, ...] (leading dims those of mask) on real tokens."""
     return output[mask.bool()] if tuple(output.shape[:mask.dim()]) == tuple(mask.shape) else output

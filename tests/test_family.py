@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-from family_models import (ARCHITECTURES, SIZES, VOCAB, arch_heads, base_loss, head_inputs, hf_config, hf_model, named_outputs,
-                           real_tokens)
+from family_models import (ARCHITECTURES, SIZES, VOCAB, arch_heads, base_loss, flattened, head_inputs, hf_config,
+                           hf_model, named_outputs, padded_batch, real_tokens)
 
 import fastbert
 from fastbert.in_place import ACCELERATED
@@ -102,3 +102,50 @@ def test_apply_twice_changes_nothing_and_shares_parameters(arch):
     assert vars(model.base_model)[ACCELERATED] is fast
     after = dict(model.named_parameters())
     assert after.keys() == before.keys() and all(after[n] is p for n, p in before.items())
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_hidden_states_attentions_inputs_embeds_and_no_mask_equal_transformers(arch):
+    """transformers' eager attention returns the probabilities (MPNet's with its relative-position bias)."""
+    theirs = hf_model(arch, attn_implementation="eager")
+    ours = fastbert.apply(copy.deepcopy(theirs))
+    inputs = padded_batch(theirs.config)
+    real = inputs["attention_mask"].bool()
+    expected, actual = (model(**inputs, output_hidden_states=True, output_attentions=True) for model in (theirs, ours))
+    assert len(actual.hidden_states) == len(expected.hidden_states) == theirs.config.num_hidden_layers + 1
+    for layer, (a, b) in enumerate(zip(actual.hidden_states, expected.hidden_states)):
+        torch.testing.assert_close(a[real], b[real], atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"hidden state {layer}: {m}")
+    assert len(actual.attentions) == len(expected.attentions) == theirs.config.num_hidden_layers
+    for layer, (a, b) in enumerate(zip(actual.attentions, expected.attentions)):  # [B, heads, S, S]
+        queries = real[:, None, :, None].expand_as(a)  # padded query rows are not meaningful
+        torch.testing.assert_close(a[queries], b[queries], atol=1e-6, rtol=1e-5,
+                                   msg=lambda m: f"attention {layer}: {m}")
+    # inputs_embeds at the embedding width (ELECTRA's narrower tables), positions counted without input_ids
+    embeds = theirs.get_input_embeddings()(inputs["input_ids"]).detach()
+    expected, actual = (model(inputs_embeds=embeds, attention_mask=inputs["attention_mask"]).last_hidden_state
+                        for model in (theirs, ours))
+    torch.testing.assert_close(actual[real], expected[real], atol=1e-5, rtol=1e-5)
+    expected, actual = (model(input_ids=inputs["input_ids"]).last_hidden_state for model in (theirs, ours))
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)  # no mask: every position a token
+
+
+def test_long_position_table_padded_unpadded_and_packed():
+    """bge-m3's table: 8,194 positions from the padding index, a sequence past 1,024 tokens."""
+    theirs = hf_model("xlm-roberta", max_position_embeddings=8194)
+    inputs = padded_batch(theirs.config, lengths=(1100, 517, 1), seq=1100)
+    real = inputs["attention_mask"].bool()
+    expected = theirs(**inputs).last_hidden_state[real]
+    for unpad in (False, True):
+        ours = fastbert.apply(copy.deepcopy(theirs), unpad=unpad)
+        torch.testing.assert_close(ours(**inputs).last_hidden_state[real], expected, atol=1e-5, rtol=1e-5)
+    packed = flattened(inputs, theirs.config.pad_token_id + 1)
+    torch.testing.assert_close(ours(**packed).last_hidden_state[0], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["roberta", "mpnet"])
+def test_sequence_past_the_position_table_is_an_error_naming_it(arch):
+    model = fastbert.apply(hf_model(arch))  # 40 positions, the first token at pad_token_id + 1 = 2: 38 tokens
+    model(**padded_batch(model.config, lengths=(38,), seq=38))
+    with pytest.raises(ValueError, match=r"sequence length 39 is longer than max_position_embeddings \(40 less"):
+        model(**padded_batch(model.config, lengths=(39,), seq=39))

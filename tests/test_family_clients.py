@@ -106,8 +106,8 @@ def test_trainer_step_on_an_applied_roberta_classifier(tmp_path, one_thread):
     assert vars(ours.roberta)[ACCELERATED].encoder.gradient_checkpointing  # the Trainer's switch reached fastbert
     their_loss, loss = ([row["loss"] for row in t.state.log_history if "loss" in row] for t in trainers)
     assert len(loss) == 1 and loss == pytest.approx(their_loss, rel=1e-5)
-    moved = dict(theirs.named_parameters())["roberta.encoder.layer.0.attention.self.query.weight"]
-    assert not torch.equal(moved, dict(before.named_parameters())["roberta.encoder.layer.0.attention.self.query.weight"])
+    query = "roberta.encoder.layer.0.attention.self.query.weight"
+    assert not torch.equal(dict(theirs.named_parameters())[query], dict(before.named_parameters())[query])
     assert_same_parameters(ours, theirs)
 
 
@@ -152,4 +152,5 @@ def test_lora_on_the_default_targets_equals_plain_lora(arch, order):
     assert trained == {name for name, grad in their_grads.items() if grad is not None}
     for name, param in ours.named_parameters():
         if param.grad is not None:
-            torch.testing.assert_close(param.grad, their_grads[name], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(param.grad, their_grads[name], atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"{name}: {m}")

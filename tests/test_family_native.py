@@ -78,3 +78,17 @@ def test_from_hf_and_to_hf_round_trip(arch, head):
     assert type(back) is type(theirs)
     assert_same_state(back, theirs)
     assert_same_results(ours, back, head)
+
+
+def test_distilbert_sinusoidal_positions_as_transformers(tmp_path):
+    """sinusoidal_pos_embds: fastbert's model builds transformers' fixed table, and loads and saves it."""
+    theirs = hf_model("distilbert", sinusoidal_pos_embds=True)
+    fresh = fastbert.DistilBertModel(fastbert.DistilBertConfig(**theirs.config.to_dict()))
+    table = fresh.embeddings.position_embeddings.weight
+    assert table[1:].abs().max() > 0.5  # sin / cos values, not transformers' N(0, 0.02) initialisation
+    torch.testing.assert_close(table, transformers.DistilBertModel(theirs.config).embeddings.position_embeddings.weight,
+                               atol=1e-6, rtol=0)
+    theirs.save_pretrained(tmp_path)
+    ours = fastbert.DistilBertModel.from_pretrained(tmp_path).eval()
+    assert_same_state(ours, theirs)
+    assert_same_results(ours, theirs, "Model")

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from family_models import ARCHITECTURES, LENGTHS, TRITON_SIZES, base_loss, hf_model, padded_batch
+from family_models import ARCHITECTURES, LENGTHS, TRITON_SIZES, base_loss, flattened, hf_model, padded_batch
 from tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, assert_within_rule
 
 import fastbert
@@ -45,17 +45,6 @@ def test_triton_path_within_the_rule_against_float64(arch, dtype, unpad):
     for name, grad in exact_grads.items():
         assert grad is not None and grads[name] is not None, name
         assert_within_rule(f"d {name}", grads[name], torch_grads[name], grad, GRADIENT_FACTOR)
-
-
-def flattened(inputs, start: int) -> dict:
-    """The padded batch packed as transformers' DataCollatorWithFlattening packs it: input_ids [1, T],
-    position_ids restarting at `start` in each sequence, cu_seq_lens_q / max_length_q (and _k)."""
-    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, position_ids_start=start)
-    rows = [{"input_ids": ids[mask.bool()].tolist()} for ids, mask in zip(inputs["input_ids"],
-                                                                           inputs["attention_mask"])]
-    packed = collator(rows)
-    del packed["labels"]
-    return packed
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
