@@ -14,7 +14,6 @@ import argparse
 import json
 import logging
 import os
-import pickle
 import shutil
 
 import torch
@@ -22,7 +21,7 @@ import torch
 from fastbert.architectures import MODEL_CLASSES, model_class
 from fastbert.command import run_command
 from fastbert.files import output_lock, replaced_directory
-from fastbert.finetune.loading import checkpoint_directory, load_checkpoint, load_config
+from fastbert.finetune.loading import checkpoint_directory, load_checkpoint, load_config, weight_errors
 from fastbert.hub import TOKENIZER_FILES
 
 CHECK_TOLERANCE = 1e-4  # fp32, absolute, on real (non-padding) tokens
@@ -58,7 +57,7 @@ def load_source(name: str, src: str):
         return load_checkpoint(MODEL_CLASSES[name], src, "SRC")
     try:
         return _transformers_class(name).from_pretrained(src, output_loading_info=True)
-    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, KeyError) as exc:
+    except weight_errors() as exc:
         raise ValueError(f"SRC {src}: transformers cannot load the weights as {name} ({type(exc).__name__}: "
                          f"{str(exc).strip()[:500]}); the files are damaged or do not match config.json") from None
 

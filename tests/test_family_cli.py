@@ -250,6 +250,23 @@ def test_convert_a_head_fastbert_runs_through_apply(tmp_path, capsys):
     assert ours["classifier.out_proj.weight"].shape[0] == 3
 
 
+def test_damaged_weights_of_a_family_head_are_a_message(tmp_path, capsys):
+    """transformers' loader (convert of a head fastbert runs through apply, and fine-tuning) reports damaged
+    weights as a message naming the directory; DST is not written."""
+    src = make_checkpoint(tmp_path / "src", "roberta", "ForSequenceClassification")
+    weights = tmp_path / "src" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert cli.main(["convert", src, str(tmp_path / "dst"), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert f"SRC {src}: transformers cannot load the weights as RobertaForSequenceClassification" in err, err
+    assert "Traceback" not in err and not (tmp_path / "dst").exists()
+    write_pairs(tmp_path / "train.tsv", 4, seed=0)
+    argv = ["finetune", "--task", "classification", "--model", src, "--train", str(tmp_path / "train.tsv"),
+            "--text-column", "sentence1", "--out", str(tmp_path / "out"), "--no-progress"]
+    assert cli.main(argv) == 2
+    assert f"--model {src}: transformers cannot load the weights" in capsys.readouterr().err
+
+
 def test_convert_refuses_model_class_of_another_architecture(checkpoints, tmp_path, capsys):
     assert cli.main(["convert", checkpoints["mpnet"], str(tmp_path / "dst"), "--model-class", "RobertaModel"]) == 2
     assert "model_type 'mpnet' is not RoBERTa" in capsys.readouterr().err

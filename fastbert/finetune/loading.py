@@ -8,9 +8,18 @@ import pickle
 
 import torch
 
-ACCEPTED = ("it takes a BERT checkpoint directory (config.json with model.safetensors or pytorch_model.bin, "
-            "sharded or not, as transformers' save_pretrained, `fastbert finetune` and `fastbert pretrain` "
-            "(runs/NAME/checkpoints/step_N/model) write it) or a hub id")
+ACCEPTED = ("it takes a BERT checkpoint directory or one of the family's (RoBERTa, XLM-RoBERTa, CamemBERT, "
+            "ELECTRA, DistilBERT, MPNet): config.json with model.safetensors or pytorch_model.bin, sharded or not, "
+            "as transformers' save_pretrained, `fastbert finetune` and `fastbert pretrain` "
+            "(runs/NAME/checkpoints/step_N/model) write it; or a hub id")
+
+
+def weight_errors() -> tuple[type[Exception], ...]:
+    """What reading damaged weights raises (a truncated or foreign safetensors file, a damaged .bin or index,
+    shapes that disagree with config.json), in fastbert's loader and in transformers'."""
+    from safetensors import SafetensorError
+
+    return SafetensorError, RuntimeError, pickle.UnpicklingError, EOFError, KeyError
 
 
 def checkpoint_directory(path: str, flag: str = "--model") -> str:
@@ -43,12 +52,10 @@ def load_checkpoint(cls, path: str, flag: str = "--model", **overrides):
     """(model, loading info) of `cls` from the checkpoint directory `path`. Unreadable weights (truncated
     or not safetensors, a damaged .bin or index, tensors whose shapes disagree with config.json) are a
     ValueError naming the directory; missing and unexpected keys are logged (fastbert.hf) and returned."""
-    from safetensors import SafetensorError
-
     path = checkpoint_directory(path, flag)
     try:
         return cls.from_pretrained(path, output_loading_info=True, **overrides)
-    except (SafetensorError, RuntimeError, pickle.UnpicklingError, EOFError, KeyError) as exc:
+    except weight_errors() as exc:
         raise ValueError(f"{flag} {path}: the weights cannot be loaded ({type(exc).__name__}: "
                          f"{str(exc).strip()[:500]}); the files are damaged or do not match config.json") from None
 
@@ -78,9 +85,9 @@ def transformers_class(config, head: str) -> type:
     return getattr(transformers, name)
 
 
-# the dropouts of transformers' config of each architecture, hidden, attention and the head's; those a
-# config lacks are left out
-DROPOUT_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "summary_last_dropout",  # BERT's names
+# the dropouts in transformers' configs of the family, hidden, attention and the head's (a config has some of them)
+DROPOUT_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob",  # BERT's names, which most keep
+                  "summary_last_dropout",  # ELECTRA's multiple-choice head
                   "dropout", "attention_dropout", "seq_classif_dropout", "qa_dropout")  # DistilBERT's
 
 
@@ -111,7 +118,7 @@ def load_task_model(config, head: str, path: str, dropout: float, backend: str |
         setattr(hf_config, name, value)
     try:
         model = cls.from_pretrained(path, config=hf_config)
-    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, KeyError) as exc:
+    except weight_errors() as exc:
         raise ValueError(f"--model {path}: transformers cannot load the weights as {cls.__name__} "
                          f"({type(exc).__name__}: {str(exc).strip()[:500]})") from None
     return apply(model, **({"backend": backend} if backend else {}))
