@@ -46,6 +46,7 @@ class ElectraConfig(BertConfig):
 # transformers' MPNet buckets key-minus-query distances into 32 buckets up to 128 tokens apart, whatever
 # relative_attention_num_buckets says (its compute_position_bias keeps its defaults)
 MPNET_BUCKETS, MPNET_MAX_DISTANCE = 32, 128
+MPNET_PADDING_INDEX = 1  # transformers' MPNetEmbeddings.padding_idx, a constant there
 
 
 class MPNetConfig(BertConfig):
@@ -61,6 +62,13 @@ class MPNetConfig(BertConfig):
 
     def validate(self) -> None:
         super().validate()
+        # transformers' MPNetEmbeddings fixes its padding index at 1 (word and position tables, position ids from
+        # 2) whatever pad_token_id says; fastbert's embeddings read pad_token_id, so another value would count
+        # positions from elsewhere
+        if self.pad_token_id != MPNET_PADDING_INDEX:
+            raise ValueError(f"MPNetConfig.pad_token_id must be {MPNET_PADDING_INDEX} (transformers' MPNet counts "
+                             f"positions from padding index {MPNET_PADDING_INDEX} whatever pad_token_id says), "
+                             f"got {self.pad_token_id!r}")
         if self.relative_attention_num_buckets < MPNET_BUCKETS:
             raise ValueError(f"MPNetConfig.relative_attention_num_buckets must be >= {MPNET_BUCKETS} (the buckets "
                              f"transformers' MPNet computes), got {self.relative_attention_num_buckets}")
