@@ -31,9 +31,9 @@ def hf_config(arch: str, **overrides):
         values = {names.get(k, k): v for k, v in values.items()}
         values.update(qa_dropout=0.0, seq_classif_dropout=0.0)
     if arch in ("roberta", "xlm-roberta", "camembert"):
-        values["type_vocab_size"] = 1  # as roberta-base's config.json
+        values.setdefault("type_vocab_size", 1)  # as roberta-base's config.json
     if arch == "electra":
-        values["embedding_size"] = 16  # the discriminator's narrower tables, projected by embeddings_project
+        values.setdefault("embedding_size", 16)  # the discriminator's narrower tables, projected by embeddings_project
     return getattr(transformers, PREFIXES[arch] + "Config")(**values)
 
 

@@ -149,3 +149,35 @@ def test_sequence_past_the_position_table_is_an_error_naming_it(arch):
     model(**padded_batch(model.config, lengths=(38,), seq=38))
     with pytest.raises(ValueError, match=r"sequence length 39 is longer than max_position_embeddings \(40 less"):
         model(**padded_batch(model.config, lengths=(39,), seq=39))
+
+
+def test_mpnet_pad_token_id_other_than_1_is_an_error_naming_it(tmp_path):
+    """transformers' MPNet counts positions from padding index 1 whatever config.pad_token_id says."""
+    model = hf_model("mpnet", pad_token_id=3)
+    with pytest.raises(ValueError, match=r"MPNetConfig.pad_token_id must be 1 .* got 3"):
+        fastbert.apply(model)
+    assert ACCELERATED not in vars(model)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="pad_token_id"):
+        fastbert.MPNetForMaskedLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("arch,overrides,seq", [
+    ("mpnet", dict(relative_attention_num_buckets=64, max_position_embeddings=260), 200),  # distances past 128
+    ("roberta", dict(pad_token_id=3, type_vocab_size=2), 13),  # positions from 4; two token types
+    ("electra", dict(embedding_size=32), 13),  # tables as wide as the hidden size: no embeddings_project
+], ids=["mpnet-64-buckets-long", "roberta-pad-3-two-types", "electra-no-projection"])
+def test_other_configurations_equal_transformers(arch, overrides, seq):
+    theirs = hf_model(arch, **overrides)
+    ours = fastbert.apply(copy.deepcopy(theirs))
+    inputs = padded_batch(theirs.config, lengths=(seq, seq // 2 + 1, 1), seq=seq)
+    if getattr(theirs.config, "type_vocab_size", 0) == 2:
+        inputs["token_type_ids"] = ((torch.arange(seq) > seq // 3).long() * inputs["attention_mask"]).contiguous()
+    real = inputs["attention_mask"].bool()
+    expected, actual = theirs(**inputs), ours(**inputs)
+    torch.testing.assert_close(actual.last_hidden_state[real], expected.last_hidden_state[real], atol=1e-5, rtol=1e-5)
+    base_loss(expected, inputs["attention_mask"]).backward()
+    base_loss(actual, inputs["attention_mask"]).backward()
+    grads = dict(ours.named_parameters())
+    for name, param in theirs.named_parameters():
+        torch.testing.assert_close(grads[name].grad, param.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"d {name}: {m}")
