@@ -136,21 +136,27 @@ def _check_dropout(dropout_p: float, name: str = "dropout_p") -> None:
 
 
 def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, training=True, backend=None,
-               save="output"):
+               save="output", return_residual=False):
     """LayerNorm(dropout(x) + residual) over the last dim (residual=None: LayerNorm(dropout(x))).
 
-    x, residual [..., H]; weight, bias [H]. Returns [..., H] in x's dtype promoted with residual's; under
-    CUDA autocast in fp32 on the torch path (as F.layer_norm) and in the autocast dtype on the Triton path
-    (see the autocast note above). save (Triton path): "output" keeps the output and rstd for the backward
+    x, residual [..., H]; weight [H]; bias [H] or None (no bias, as nn.LayerNorm(bias=False)). Returns
+    [..., H] in x's dtype promoted with residual's; under CUDA autocast in fp32 on the torch path (as
+    F.layer_norm) and in the autocast dtype on the Triton path (see the autocast note above).
+    return_residual=True (needs a residual) returns (normed, summed): summed = dropout(x) + residual
+    [..., H] in x's dtype promoted with residual's, the pre-LN residual stream, and normed its LayerNorm;
+    both are differentiable. save (Triton path): "output" keeps the output and rstd for the backward
     (exact unless more than 8 weights are below 1/4 in magnitude: then NaN gradients, see
-    kernels/layer_norm.py); "input" keeps x and the residual, exact for any weight. Raises ValueError
-    naming a bad argument.
+    kernels/layer_norm.py); "input" keeps x and the residual (with return_residual: summed instead),
+    exact for any weight. Raises ValueError naming a bad argument.
     """
     hidden = x.shape[-1]
     _check_last_dim("weight", weight, hidden, "x's hidden size")
-    _check_last_dim("bias", bias, hidden, "x's hidden size")
+    if bias is not None:
+        _check_last_dim("bias", bias, hidden, "x's hidden size")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual has shape {tuple(residual.shape)}, expected x's shape {tuple(x.shape)}")
+    if return_residual and residual is None:
+        raise ValueError("return_residual=True needs a residual (summed = dropout(x) + residual), got residual=None")
     _check_dropout(dropout_p)
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps!r}")
@@ -159,8 +165,8 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
     if resolve_backend(backend, x, weight, bias, residual) == "triton":
         x, weight, bias, residual, out_dtype = _layer_norm_inputs(x, weight, bias, residual)
         return KERNELS["layer_norm"].layer_norm(x, weight, bias, eps, residual, dropout_p, training, out_dtype,
-                                                save)
-    return reference.layer_norm(x, weight, bias, eps, residual, dropout_p, training)
+                                                save, return_residual)
+    return reference.layer_norm(x, weight, bias, eps, residual, dropout_p, training, return_residual)
 
 
 def bias_gelu(x, bias, approximate="none", backend=None):

@@ -9,12 +9,14 @@ import torch
 import torch.nn.functional as F
 
 
-def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, training=True):
-    """LayerNorm(dropout(x) + residual) over the last dim. x, residual [..., H]; weight, bias [H]."""
+def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, training=True, return_residual=False):
+    """LayerNorm(dropout(x) + residual) over the last dim. x, residual [..., H]; weight [H]; bias [H] or None.
+    return_residual: (LayerNorm(summed), summed) with summed = dropout(x) + residual, the pre-LN stream."""
     h = F.dropout(x, dropout_p, training) if dropout_p > 0 else x
     if residual is not None:
         h = h + residual
-    return F.layer_norm(h, (h.shape[-1],), weight, bias, eps)
+    normed = F.layer_norm(h, (h.shape[-1],), weight, bias, eps)
+    return (normed, h) if return_residual else normed
 
 
 def dropout(x, p, training=True):

@@ -1,7 +1,11 @@
 # Fused residual + dropout + LayerNorm: y = LayerNorm(dropout(x) + residual) * weight + bias over the
 # last dimension, forward and backward, as used after the attention output and the FFN of a (post-LN)
 # BERT layer; with residual=None and no dropout it is the plain LayerNorm of the embeddings and the MLM
-# transform.
+# transform. Two switches serve pre-LN encoders (ModernBERT): bias=None (HAS_BIAS off: y = xhat * weight,
+# dbias not computed), and return_residual, where the forward also writes the pre-LN residual stream
+# summed = dropout(x) + residual (x's dtype) and y is the LayerNorm of summed AS STORED (h is rounded to
+# x's dtype before the statistics, as transformers' `hidden = hidden + attn_out; norm(hidden)` computes
+# it); the backward then adds the incoming gradient of summed to dh before it becomes dresidual and dx.
 #
 # Algorithm. Each program works on tiles of BLOCK_ROWS whole rows, [BLOCK_ROWS, BLOCK_H] in registers
 # (BLOCK_H is the next power of two of H; several rows per tile keep small hidden sizes from leaving
@@ -15,7 +19,7 @@
 # The backward works, by default (save="output"), from the saved OUTPUT (apex's memory-efficient
 # LayerNorm): xhat = (y - bias) / weight, so it needs y, weight, bias, rstd and the seed, and never x or
 # the residual. y is what the next op (a matmul) saves anyway, so a LayerNorm adds only rstd (4 bytes a
-# row) and a small side buffer (below) to what a layer keeps. Precision: xhat carries y's rounding
+# row) and a small side buffer (below) to what a layer keeps. Without a bias, xhat = y / weight. Precision: xhat carries y's rounding
 # (half an ulp of |w * xhat + b|) divided by |weight|, where PyTorch's backward has xhat exact from x;
 # for |weight| >= MIN_WEIGHT (1/4) the gradients stay within the tolerance rule in fp32, fp16 and bf16
 # (with 1/8, one bf16 single-row case of 60 drawn broke it: 6.5e-2 for a limit of 6.2e-2, a column
@@ -30,6 +34,13 @@
 # non-finite check reports (fastbert's skips the step and stops after max_bad_steps in a row), and
 # save="input" (keep x, the residual and the mean, recompute the pre-norm rows: 2 more activations)
 # is exact for any weights.
+#
+# What autograd keeps for the backward, besides weight, bias and (with dropout) the int64 seed:
+#   save="output":                      y, rstd [rows], side [rows, SIDE_COLUMNS]   (with or without
+#                                       return_residual: summed is not needed)
+#   save="input":                       x, residual (if any), mean and rstd [rows]
+#   save="input", return_residual:      summed (instead of x and residual: one activation, not two; the
+#                                       backward reads the pre-norm rows from it), mean and rstd
 #
 # dx and dresidual follow from xhat and the regenerated mask. dweight and dbias are reduced without atomics: each
 # backward program owns a contiguous chunk of rows, accumulates their partial sums in fp32 registers and
@@ -129,16 +140,17 @@ def _layer_norm_fwd_kernel(
     X,  # [rows, H] input, strides (stride_x_row, stride_x_col)
     R,  # [rows, H] residual, X's dtype; read only when HAS_RESIDUAL
     W,  # [H] weight
-    B,  # [H] bias
+    B,  # [H] bias; read only when HAS_BIAS
     Y,  # [rows, H] output, contiguous, fp32, fp16 or bf16
+    SUM,  # [rows, H] contiguous, X's dtype: the pre-norm rows dropout(x) + residual; written when STORE_SUM
     MEAN,  # [rows] fp32 mean of each pre-norm row
     RSTD,  # [rows] fp32 1 / sqrt(var + eps) of each pre-norm row
     SEED,  # [1] int64 Philox seed; read only when HAS_DROPOUT
     SIDE,  # [rows, SIDE_COLUMNS] fp32 xhat of the small-weight columns (_side_slots); written when SAVE_SIDE
     stride_x_row, stride_x_col, stride_r_row, stride_r_col,
     n_rows, H, eps, dropout_p, dropout_scale, min_weight,
-    HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, SAVE_SIDE: tl.constexpr, SIDE_COLUMNS: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_SUM: tl.constexpr,
+    SAVE_SIDE: tl.constexpr, SIDE_COLUMNS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_H)
@@ -147,13 +159,20 @@ def _layer_norm_fwd_kernel(
     in_tile = row_exists[:, None] & col_exists[None, :]
     h, _ = _pre_norm_tile(X, R, SEED, rows, cols, in_tile, stride_x_row, stride_x_col, stride_r_row,
                           stride_r_col, H, dropout_p, dropout_scale, HAS_RESIDUAL, HAS_DROPOUT)
+    if STORE_SUM:
+        # the stream as stored is what gets normalised, so y = LayerNorm(summed) holds bit for bit and a
+        # backward from the saved summed recomputes exactly this h
+        h = cast(h, SUM.dtype.element_ty)
+        tl.store(SUM + rows[:, None] * H + cols[None, :], h, mask=in_tile)
+        h = cast(h, tl.float32)
     mean = tl.sum(h, axis=1) / H  # [BLOCK_ROWS]
     centred = tl.where(in_tile, h - mean[:, None], 0.0)
     var = tl.sum(centred * centred, axis=1) / H
     rstd = 1.0 / tl.sqrt(var + eps)
     w = cast(tl.load(W + cols, mask=col_exists, other=0.0), tl.float32)
-    b = cast(tl.load(B + cols, mask=col_exists, other=0.0), tl.float32)
-    y = centred * rstd[:, None] * w[None, :] + b[None, :]
+    y = centred * rstd[:, None] * w[None, :]
+    if HAS_BIAS:
+        y += cast(tl.load(B + cols, mask=col_exists, other=0.0), tl.float32)[None, :]
     tl.store(Y + rows[:, None] * H + cols[None, :], cast(y, Y.dtype.element_ty), mask=in_tile)
     tl.store(MEAN + rows, mean, mask=row_exists)
     tl.store(RSTD + rows, rstd, mask=row_exists)
@@ -166,11 +185,13 @@ def _layer_norm_fwd_kernel(
 @triton.jit
 def _layer_norm_bwd_kernel(
     DY,  # [rows, H] gradient of y, strides (stride_dy_row, stride_dy_col)
-    X,  # [rows, H] forward input, strides (stride_x_row, stride_x_col); read only when not FROM_OUTPUT
-    R,  # [rows, H] forward residual; read only when HAS_RESIDUAL and not FROM_OUTPUT
+    DSUM,  # [rows, H] gradient of the forward's summed, strides (stride_ds_row, stride_ds_col); read when HAS_DSUM
+    X,  # [rows, H] forward input (X_IS_SUM: its summed), strides (stride_x_row, stride_x_col); read only when
+        # not FROM_OUTPUT
+    R,  # [rows, H] forward residual; read only when HAS_RESIDUAL and not FROM_OUTPUT and not X_IS_SUM
     Y,  # [rows, H] forward output, contiguous; read only when FROM_OUTPUT
     W,  # [H] weight
-    B,  # [H] bias; read only when FROM_OUTPUT
+    B,  # [H] bias; read only when FROM_OUTPUT and HAS_BIAS
     MEAN,  # [rows] fp32, from the forward; read only when not FROM_OUTPUT
     RSTD,  # [rows] fp32, from the forward
     SEED,  # [1] int64, the forward's Philox seed; read only when HAS_DROPOUT
@@ -178,24 +199,29 @@ def _layer_norm_bwd_kernel(
     DX,  # [rows, H] gradient of x, contiguous, x's dtype
     DR,  # [rows, H] gradient of the residual, contiguous; written only when HAS_RESIDUAL
     DW_PARTIAL,  # [programs, H] fp32 partial sums of dweight, one row per program
-    DB_PARTIAL,  # [programs, H] fp32 partial sums of dbias, one row per program
-    stride_dy_row, stride_dy_col, stride_x_row, stride_x_col, stride_r_row, stride_r_col,
-    n_rows, rows_per_program, H, dropout_p, dropout_scale, min_weight,
-    HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, FROM_OUTPUT: tl.constexpr, SIDE_COLUMNS: tl.constexpr,
+    DB_PARTIAL,  # [programs, H] fp32 partial sums of dbias, one row per program; written only when HAS_BIAS
+    stride_dy_row, stride_dy_col, stride_ds_row, stride_ds_col, stride_x_row, stride_x_col, stride_r_row,
+    stride_r_col, n_rows, rows_per_program, H, dropout_p, dropout_scale, min_weight,
+    HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DSUM: tl.constexpr,
+    X_IS_SUM: tl.constexpr, FROM_OUTPUT: tl.constexpr, SIDE_COLUMNS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     # With h = dropout(x) + residual, xhat = (h - mean) * rstd, y = xhat * w + b and g = dy * w, per row:
     #   xhat = (y - b) / w   when FROM_OUTPUT, where |w| >= min_weight; the forward's side buffer for the
     #                        first SIDE_COLUMNS columns with a smaller |w|; NaN for any further one
-    #   dh = rstd * (g - mean_H(g) - xhat * mean_H(g * xhat))
+    #   dh = rstd * (g - mean_H(g) - xhat * mean_H(g * xhat))  [+ dsummed, the gradient of h itself, when
+    #        the forward returned h as summed (HAS_DSUM)]
     #   dresidual = dh;  dx = dh * keep / (1 - p)  (dx = dh without dropout)
-    #   dweight = sum_rows(dy * xhat);  dbias = sum_rows(dy)
+    #   dweight = sum_rows(dy * xhat);  dbias = sum_rows(dy)  (only when HAS_BIAS)
+    #   xhat = y / w without a bias; from the input, h = the saved summed when X_IS_SUM
     program = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     col_exists = cols < H
     w = cast(tl.load(W + cols, mask=col_exists, other=1.0), tl.float32)
     if FROM_OUTPUT:
-        b = cast(tl.load(B + cols, mask=col_exists, other=0.0), tl.float32)
+        b = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        if HAS_BIAS:
+            b = cast(tl.load(B + cols, mask=col_exists, other=0.0), tl.float32)
         # one division per column, not per element; NaN, not a huge finite xhat, where w is too small (its
         # division by 1 only keeps a zero weight from dividing by zero)
         large = tl.abs(w) >= min_weight
@@ -218,8 +244,10 @@ def _layer_norm_bwd_kernel(
             side = tl.load(SIDE + rows[:, None] * SIDE_COLUMNS + slot[None, :], mask=in_side, other=0.0)
             xhat = tl.where(in_side, side, tl.where(in_tile, (y - b[None, :]) * w_inverse[None, :], 0.0))
         else:
+            # X_IS_SUM: X holds the pre-norm rows themselves, nothing to add or drop
             h, _ = _pre_norm_tile(X, R, SEED, rows, cols, in_tile, stride_x_row, stride_x_col, stride_r_row,
-                                  stride_r_col, H, dropout_p, dropout_scale, HAS_RESIDUAL, HAS_DROPOUT)
+                                  stride_r_col, H, dropout_p, dropout_scale, HAS_RESIDUAL and not X_IS_SUM,
+                                  HAS_DROPOUT and not X_IS_SUM)
             mean = tl.load(MEAN + rows, mask=row_exists, other=0.0)
             xhat = tl.where(in_tile, (h - mean[:, None]) * rstd[:, None], 0.0)
         dy_offsets = rows[:, None] * stride_dy_row + cols[None, :] * stride_dy_col
@@ -228,19 +256,24 @@ def _layer_norm_bwd_kernel(
         mean_g = tl.sum(g, axis=1) / H
         mean_gx = tl.sum(g * xhat, axis=1) / H
         dh = (g - mean_g[:, None] - xhat * mean_gx[:, None]) * rstd[:, None]
+        if HAS_DSUM:
+            ds_offsets = rows[:, None] * stride_ds_row + cols[None, :] * stride_ds_col
+            dh += cast(tl.load(DSUM + ds_offsets, mask=in_tile, other=0.0), tl.float32)
         if HAS_RESIDUAL:
             tl.store(DR + out_offsets, cast(dh, DR.dtype.element_ty), mask=in_tile)
         if HAS_DROPOUT:
             dh = tl.where(_keep_mask(SEED, rows, cols, H, dropout_p), dh * dropout_scale, 0.0)
         tl.store(DX + out_offsets, cast(dh, DX.dtype.element_ty), mask=in_tile)
         dw += dy * xhat
-        db += dy
+        if HAS_BIAS:
+            db += dy
     tl.store(DW_PARTIAL + program * H + cols, tl.sum(dw, axis=0), mask=col_exists)
-    tl.store(DB_PARTIAL + program * H + cols, tl.sum(db, axis=0), mask=col_exists)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + program * H + cols, tl.sum(db, axis=0), mask=col_exists)
 
 
 def _check_inputs(x, weight, bias, residual, out_dtype) -> None:
-    """Raise ValueError for what the kernels do not support, before anything is launched."""
+    """Raise ValueError for what the kernels do not support, before anything is launched (bias may be None)."""
     hidden = x.shape[-1] if x.dim() else 0
     if not 1 <= hidden <= MAX_HIDDEN:
         raise ValueError(f"x has hidden size (last dimension) {hidden}; the Triton LayerNorm supports "
@@ -251,7 +284,7 @@ def _check_inputs(x, weight, bias, residual, out_dtype) -> None:
         if tensor is not None and tensor.device != x.device:
             raise ValueError(f"{name} is on {tensor.device}, x on {x.device}; all must share one device")
     for name, tensor in (("weight", weight), ("bias", bias)):
-        if tuple(tensor.shape) != (hidden,):
+        if tensor is not None and tuple(tensor.shape) != (hidden,):
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected ({hidden},) (x's hidden size)")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual has shape {tuple(residual.shape)}, expected x's shape {tuple(x.shape)}")
@@ -288,15 +321,18 @@ def _backward_split(device: torch.device, rows: int, block_rows: int) -> tuple[i
 
 
 @torch.library.custom_op("fastbert::layer_norm_fwd", mutates_args=())
-def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: Optional[torch.Tensor],
-                   seed: Optional[torch.Tensor], eps: float, dropout_p: float, out_dtype: torch.dtype,
-                   save_output: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x, residual [rows, H] (any strides); weight, bias [H]; seed int64 [1] or None (no dropout).
+def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   residual: Optional[torch.Tensor], seed: Optional[torch.Tensor], eps: float, dropout_p: float,
+                   out_dtype: torch.dtype, save_output: bool, store_sum: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, residual [rows, H] (any strides); weight [H]; bias [H] or None; seed int64 [1] or None (no dropout).
 
     Returns y [rows, H] contiguous in out_dtype, the fp32 mean [rows] and rstd [rows] of the pre-norm
-    rows, and with save_output the fp32 side buffer [rows, SIDE_COLUMNS] (xhat of the columns whose
-    |weight| < MIN_WEIGHT), else an empty [0]. save_output chooses what autograd keeps for the backward
-    (see `layer_norm`). Raises ValueError for unsupported sizes or dtypes.
+    rows, with save_output the fp32 side buffer [rows, SIDE_COLUMNS] (xhat of the columns whose
+    |weight| < MIN_WEIGHT), else an empty [0], and with store_sum the pre-norm rows summed =
+    dropout(x) + residual [rows, H] contiguous in x's dtype (y is then their LayerNorm as stored), else
+    an empty [0]. save_output chooses what autograd keeps for the backward (see `layer_norm`). Raises
+    ValueError for unsupported sizes or dtypes.
     """
     _check_inputs(x, weight, bias, residual, out_dtype)
     rows, hidden = x.shape
@@ -307,45 +343,57 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, re
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     # zero-filled: slots without a small-weight column are never written, but are part of the op's output
     side = torch.zeros(_side_shape(rows, save_output), dtype=torch.float32, device=x.device)
+    summed = torch.empty(_sum_shape(x, store_sum), dtype=x.dtype, device=x.device)
     if rows == 0:
-        return y, mean, rstd, side
+        return y, mean, rstd, side, summed
     block_rows, block_h, num_warps = _tile(hidden)
     res = x if residual is None else residual  # a placeholder pointer when there is no residual
+    # placeholder pointers (never read or written) for the buffers a flag leaves out
     _layer_norm_fwd_kernel[(triton.cdiv(rows, block_rows),)](
-        x, res, weight.contiguous(), bias.contiguous(), y, mean, rstd, x if seed is None else seed,
-        side if save_output else rstd, x.stride(0), x.stride(1), res.stride(0), res.stride(1),
+        x, res, weight.contiguous(), weight if bias is None else bias.contiguous(), y, summed if store_sum else y,
+        mean, rstd, x if seed is None else seed, side if save_output else rstd,
+        x.stride(0), x.stride(1), res.stride(0), res.stride(1),
         rows, hidden, eps, dropout_p, 1.0 / (1.0 - dropout_p), MIN_WEIGHT,
-        HAS_RESIDUAL=residual is not None, HAS_DROPOUT=seed is not None, SAVE_SIDE=save_output,
-        SIDE_COLUMNS=SIDE_COLUMNS, BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, HAS_DROPOUT=seed is not None, HAS_BIAS=bias is not None,
+        STORE_SUM=store_sum, SAVE_SIDE=save_output, SIDE_COLUMNS=SIDE_COLUMNS, BLOCK_ROWS=block_rows,
+        BLOCK_H=block_h, num_warps=num_warps,
     )
-    return y, mean, rstd, side
+    return y, mean, rstd, side, summed
 
 
 def _side_shape(rows: int, save_output: bool) -> tuple[int, ...]:
     return (rows, SIDE_COLUMNS) if save_output else (0,)
 
 
+def _sum_shape(x: torch.Tensor, store_sum: bool) -> tuple[int, ...]:
+    return tuple(x.shape) if store_sum else (0,)
+
+
 @layer_norm_fwd.register_fake
-def _(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output):
+def _(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output, store_sum=False):
     _check_inputs(x, weight, bias, residual, out_dtype)
     rows = x.shape[0]
     return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(rows, dtype=torch.float32),
-            x.new_empty(rows, dtype=torch.float32), x.new_empty(_side_shape(rows, save_output), dtype=torch.float32))
+            x.new_empty(rows, dtype=torch.float32), x.new_empty(_side_shape(rows, save_output), dtype=torch.float32),
+            x.new_empty(_sum_shape(x, store_sum)))
 
 
 @torch.library.custom_op("fastbert::layer_norm_bwd", mutates_args=())
 def layer_norm_bwd(dy: torch.Tensor, x: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                    y: Optional[torch.Tensor], side: Optional[torch.Tensor], weight: torch.Tensor,
-                   bias: torch.Tensor, seed: Optional[torch.Tensor], mean: Optional[torch.Tensor], rstd: torch.Tensor,
-                   dropout_p: float, x_dtype: torch.dtype,
-                   has_residual: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   bias: Optional[torch.Tensor], seed: Optional[torch.Tensor], mean: Optional[torch.Tensor],
+                   rstd: torch.Tensor, dropout_p: float, x_dtype: torch.dtype, has_residual: bool,
+                   dsum: Optional[torch.Tensor] = None, x_is_sum: bool = False,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `layer_norm_fwd` from its output y (contiguous [rows, H]) and side buffer when y is
-    given, else from its inputs x and residual and the mean; with weight, bias, rstd and the seed.
+    given, else from its inputs x and residual and the mean (x_is_sum: x is the forward's summed and
+    residual None); with weight, bias (or None), rstd and the seed. dsum [rows, H] (any strides), the
+    gradient of the forward's summed, or None.
 
     dy, x, residual [rows, H] (any strides). Returns dx [rows, H] in x_dtype, dresidual [rows, H] in
-    x_dtype (empty [0] without a residual), and fp32 dweight [H] and dbias [H]. From y, more than
-    SIDE_COLUMNS weight elements with |w| < MIN_WEIGHT make dweight of the further ones and every dx NaN
-    (the kernel header says why).
+    x_dtype (empty [0] without a residual), and fp32 dweight [H] and dbias [H] (empty [0] without a bias).
+    From y, more than SIDE_COLUMNS weight elements with |w| < MIN_WEIGHT make dweight of the further ones
+    and every dx NaN (the kernel header says why).
     """
     from_output = y is not None
     like = y if from_output else x
@@ -353,73 +401,96 @@ def layer_norm_bwd(dy: torch.Tensor, x: Optional[torch.Tensor], residual: Option
     dx = torch.empty((rows, hidden), dtype=x_dtype, device=like.device)
     dres = torch.empty((rows, hidden) if has_residual else (0,), dtype=x_dtype, device=like.device)
     if rows == 0:
-        zeros = torch.zeros(hidden, dtype=torch.float32, device=like.device)
-        return dx, dres, zeros, zeros.clone()
+        return (dx, dres, torch.zeros(hidden, dtype=torch.float32, device=like.device),
+                torch.zeros(_dbias_shape(bias), dtype=torch.float32, device=like.device))
     block_rows, block_h, num_warps = _tile(hidden)
     dy = _with_int32_columns(dy)
+    dsum = None if dsum is None else _with_int32_columns(dsum)
+    ds = dy if dsum is None else dsum  # a placeholder pointer without dsum
     x = like if x is None else _with_int32_columns(x)  # a placeholder pointer when reading y
     res = x if residual is None else _with_int32_columns(residual)
     programs, rows_per_program = _backward_split(like.device, rows, block_rows)
     # every program writes its whole row of partial sums, so no zero-fill is needed
     dw_partial = torch.empty((programs, hidden), dtype=torch.float32, device=like.device)
-    db_partial = torch.empty((programs, hidden), dtype=torch.float32, device=like.device)
+    db_partial = torch.empty((programs, hidden) if bias is not None else (0,), dtype=torch.float32,
+                             device=like.device)
     _layer_norm_bwd_kernel[(programs,)](
-        dy, x, res, like, weight.contiguous(), bias.contiguous(), rstd if mean is None else mean, rstd,
-        like if seed is None else seed, rstd if side is None else side, dx, dres, dw_partial, db_partial,
-        dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), res.stride(0), res.stride(1),
-        rows, rows_per_program, hidden, dropout_p, 1.0 / (1.0 - dropout_p), MIN_WEIGHT,
-        HAS_RESIDUAL=has_residual, HAS_DROPOUT=seed is not None, FROM_OUTPUT=from_output,
+        dy, ds, x, res, like, weight.contiguous(), weight if bias is None else bias.contiguous(),
+        rstd if mean is None else mean, rstd, like if seed is None else seed, rstd if side is None else side,
+        dx, dres, dw_partial, dw_partial if bias is None else db_partial,
+        dy.stride(0), dy.stride(1), ds.stride(0), ds.stride(1), x.stride(0), x.stride(1), res.stride(0),
+        res.stride(1), rows, rows_per_program, hidden, dropout_p, 1.0 / (1.0 - dropout_p), MIN_WEIGHT,
+        HAS_RESIDUAL=has_residual, HAS_DROPOUT=seed is not None, HAS_BIAS=bias is not None,
+        HAS_DSUM=dsum is not None, X_IS_SUM=x_is_sum, FROM_OUTPUT=from_output,
         SIDE_COLUMNS=SIDE_COLUMNS, BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=num_warps,
     )
-    return dx, dres, dw_partial.sum(dim=0), db_partial.sum(dim=0)
+    return dx, dres, dw_partial.sum(dim=0), db_partial.sum(dim=0) if bias is not None else db_partial
+
+
+def _dbias_shape(bias: Optional[torch.Tensor]) -> tuple[int, ...]:
+    return (0,) if bias is None else tuple(bias.shape)
 
 
 @layer_norm_bwd.register_fake
-def _(dy, x, residual, y, side, weight, bias, seed, mean, rstd, dropout_p, x_dtype, has_residual):
+def _(dy, x, residual, y, side, weight, bias, seed, mean, rstd, dropout_p, x_dtype, has_residual, dsum=None,
+      x_is_sum=False):
     hidden = dy.shape[1]
     dres = dy.new_empty(dy.shape if has_residual else (0,), dtype=x_dtype)
     return (dy.new_empty(dy.shape, dtype=x_dtype), dres, dy.new_empty(hidden, dtype=torch.float32),
-            dy.new_empty(hidden, dtype=torch.float32))
+            dy.new_empty(_dbias_shape(bias), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output = inputs
-    y, mean, rstd, side = output
-    # from the output, nothing of x's size beyond y, which the next op keeps anyway (see the header)
-    saved = (None, None, y, side, None) if save_output else (x, residual, None, None, mean)
+    x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output, store_sum = inputs
+    y, mean, rstd, side, summed = output
+    # from the output, nothing of x's size beyond y, which the next op keeps anyway; from the input, summed
+    # when it was written (one activation instead of x and the residual); see the header
+    if save_output:
+        saved = (None, None, y, side, None)
+    else:
+        saved = (summed, None, None, None, mean) if store_sum else (x, residual, None, None, mean)
     ctx.save_for_backward(*saved, weight, bias, seed, rstd)
     ctx.dropout_p = dropout_p
     ctx.x_dtype = x.dtype
     ctx.has_residual = residual is not None
+    ctx.store_sum = store_sum
     ctx.mark_non_differentiable(mean, rstd, side)
 
 
-def _backward(ctx, dy, dmean, drstd, dside):
+def _backward(ctx, dy, dmean, drstd, dside, dsum):
     x, residual, y, side, mean, weight, bias, seed, rstd = ctx.saved_tensors
+    # without store_sum, dsum is the zeros autograd makes for the unused empty output: not read
     dx, dres, dw, db = layer_norm_bwd(dy, x, residual, y, side, weight, bias, seed, mean, rstd, ctx.dropout_p,
-                                      ctx.x_dtype, ctx.has_residual)
-    return (dx, dw.to(weight.dtype), db.to(bias.dtype), dres if ctx.has_residual else None,
-            None, None, None, None, None)
+                                      ctx.x_dtype, ctx.has_residual, dsum if ctx.store_sum else None,
+                                      ctx.store_sum and y is None)
+    return (dx, dw.to(weight.dtype), None if bias is None else db.to(bias.dtype),
+            dres if ctx.has_residual else None, None, None, None, None, None, None)
 
 
 layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, training=True, out_dtype=None,
-               save="output"):
+               save="output", return_residual=False):
     """LayerNorm(dropout(x) + residual) * weight + bias over the last dimension.
 
-    x, residual [..., H] (any strides; residual may be None); weight, bias [H]. Dropout applies only
+    x, residual [..., H] (any strides; residual may be None); weight [H]; bias [H] or None (no bias).
+    return_residual (needs a residual) returns (y, summed): summed = dropout(x) + residual [..., H] in x's
+    dtype, the pre-LN residual stream, and y the LayerNorm of summed as stored; both are differentiable
+    (the backward adds summed's gradient to what reaches x and the residual). Dropout applies only
     when training and dropout_p > 0; its seed is drawn from torch's generator on x's device, so
     torch.manual_seed reproduces the mask. Returns [..., H] in out_dtype (None: x's dtype),
     differentiable in x, residual, weight and bias. save="output": the backward keeps the output, rstd
     [rows], the seed and an fp32 [rows, SIDE_COLUMNS] side buffer, nothing else of x's size, and takes at
     most SIDE_COLUMNS weights with |weight| < MIN_WEIGHT (more give NaN gradients); save="input": it
-    keeps x, the residual, mean and rstd, exact for any weight.
-    Raises ValueError for unsupported sizes, dtypes, devices or `save`.
+    keeps x, the residual, mean and rstd, exact for any weight (with return_residual: summed instead of
+    x and the residual).
+    Raises ValueError for unsupported sizes, dtypes, devices or `save`, or return_residual without a residual.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     _check_inputs(x, weight, bias, residual, out_dtype)
+    if return_residual and residual is None:
+        raise ValueError("return_residual=True needs a residual (summed = dropout(x) + residual), got residual=None")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     if save not in SAVE_CHOICES:
@@ -429,8 +500,8 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
     seed = philox_seed(x.device) if use_dropout else None
     # the side buffer only when a backward can follow (not at inference)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, residual))
-    y, _, _, _ = layer_norm_fwd(x.reshape(-1, hidden), weight, bias,
-                                None if residual is None else residual.reshape(-1, hidden),
-                                seed, float(eps), float(dropout_p) if use_dropout else 0.0, out_dtype,
-                                save == "output" and needs_grad)
-    return y.view(x.shape)
+    y, _, _, _, summed = layer_norm_fwd(x.reshape(-1, hidden), weight, bias,
+                                        None if residual is None else residual.reshape(-1, hidden),
+                                        seed, float(eps), float(dropout_p) if use_dropout else 0.0, out_dtype,
+                                        save == "output" and needs_grad, return_residual)
+    return (y.view(x.shape), summed.view(x.shape)) if return_residual else y.view(x.shape)
