@@ -346,6 +346,28 @@ def test_task_models_are_transformers_heads_on_fastbert(checkpoints, tmp_path):
         load_task_model(config, "ForPreTraining", checkpoints["distilbert"], 0.1, None)
 
 
+@pytest.mark.parametrize("arch", ["roberta", "mpnet"])
+def test_classification_on_fastbert_kernels(arch, tmp_path):
+    """--backend triton: fine-tuning runs the family on fastbert's Triton kernels (under the interpreter on a
+    CPU; MPNet's relative-position bias inside the flash attention), and plain transformers reproduces the
+    eval loss of the checkpoint it saved."""
+    from family_models import TRITON_SIZES
+
+    model = make_checkpoint(tmp_path / "model", arch, "ForMaskedLM", **TRITON_SIZES)
+    write_pairs(tmp_path / "train.tsv", 8, seed=1)
+    write_pairs(tmp_path / "dev.tsv", 4, seed=2)
+    best, out = finetune_run(tmp_path, model, "classification", tmp_path / "train.tsv", tmp_path / "dev.tsv",
+                             text_column="sentence1", text_pair_column="sentence2", backend="triton",
+                             max_seq_length=16)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    reloaded = head_class(arch, "ForSequenceClassification").from_pretrained(out).eval()
+    a, b, labels = read_pairs(tmp_path / "dev.tsv")
+    batch = tokenizer(a, b, padding=True, truncation=True, max_length=16, return_tensors="pt")
+    with torch.no_grad():
+        loss = reloaded(**batch, labels=torch.tensor([reloaded.config.label2id[y] for y in labels])).loss
+    assert loss.item() == pytest.approx(best["loss"], abs=1e-5)
+
+
 def write_scores(path, n, seed):
     rng = np.random.default_rng(seed)
     with open(path, "w") as f:
