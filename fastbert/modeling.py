@@ -293,26 +293,33 @@ class BertEncoder(nn.Module):
         self._gradient_checkpointing_func = None
 
     def forward(self, hidden, layout: AttentionLayout, output_hidden_states=False, output_attentions=False):
-        """(last hidden state, hidden states or None, attention probabilities or None); output_hidden_states
-        is a flag or transformers' index / indices: unselected hidden states come back as None."""
-        kept = selected_hidden_states(output_hidden_states, len(self.layer) + 1) if output_hidden_states else None
-        all_hidden = [hidden if kept is None or 0 in kept else None] if output_hidden_states else None
-        all_probs = [] if output_attentions else None
-        recompute = self._gradient_checkpointing_func or _recompute
-        checkpointing = "full" if self.gradient_checkpointing else self.config.activation_checkpointing
-        if not (self.training and torch.is_grad_enabled()):
-            checkpointing = "none"  # no backward: nothing to keep
-        for layer in self.layer:
-            if checkpointing == "full":
-                # Layer inputs are kept, activations recomputed in the backward (see _recompute on dropout).
-                hidden, probs = recompute(layer, hidden, layout, output_attentions)
-            else:
-                hidden, probs = layer(hidden, layout, output_attentions, checkpointing)
-            if output_hidden_states:
-                all_hidden.append(hidden if kept is None or len(all_hidden) in kept else None)
-            if output_attentions:
-                all_probs.append(probs)
-        return hidden, all_hidden, all_probs
+        return run_layers(self, self.layer, hidden, layout, output_hidden_states, output_attentions)
+
+
+def run_layers(owner: nn.Module, layers, hidden, layout: AttentionLayout, output_hidden_states=False,
+               output_attentions=False):
+    """Run the encoder layers: (last hidden state, hidden states or None, attention probabilities or None).
+    output_hidden_states is a flag or transformers' index / indices: unselected hidden states come back as
+    None. `owner` holds the checkpointing switches (gradient_checkpointing, _gradient_checkpointing_func)
+    and the config (BertEncoder, or a model whose layers are its own ModuleList: ModernBERT)."""
+    kept = selected_hidden_states(output_hidden_states, len(layers) + 1) if output_hidden_states else None
+    all_hidden = [hidden if kept is None or 0 in kept else None] if output_hidden_states else None
+    all_probs = [] if output_attentions else None
+    recompute = owner._gradient_checkpointing_func or _recompute
+    checkpointing = "full" if owner.gradient_checkpointing else owner.config.activation_checkpointing
+    if not (owner.training and torch.is_grad_enabled()):
+        checkpointing = "none"  # no backward: nothing to keep
+    for layer in layers:
+        if checkpointing == "full":
+            # Layer inputs are kept, activations recomputed in the backward (see _recompute on dropout).
+            hidden, probs = recompute(layer, hidden, layout, output_attentions)
+        else:
+            hidden, probs = layer(hidden, layout, output_attentions, checkpointing)
+        if output_hidden_states:
+            all_hidden.append(hidden if kept is None or len(all_hidden) in kept else None)
+        if output_attentions:
+            all_probs.append(probs)
+    return hidden, all_hidden, all_probs
 
 
 def selected_hidden_states(output_hidden_states, count: int) -> set[int] | None:
