@@ -200,7 +200,7 @@ def linear_bias_gelu(x, weight, bias, approximate="none", backend=None):
 def qkv_projection(x, weight, bias, num_heads, backend=None):
     """x [B, S, H] -> (q, k, v) each [B, heads, S, H/heads]; packed x [T, H] -> each [T, heads, H/heads].
 
-    weight [3H, H] (query, key, value rows in that order), bias [3H].
+    weight [3H, H] (query, key, value rows in that order), bias [3H] or None (no bias).
     """
     hidden = x.shape[-1]
     if x.dim() not in (2, 3):
@@ -209,7 +209,7 @@ def qkv_projection(x, weight, bias, num_heads, backend=None):
         raise ValueError(f"num_heads ({num_heads}) must be positive and divide the hidden size {hidden}")
     if tuple(weight.shape) != (3 * hidden, hidden):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {(3 * hidden, hidden)}")
-    if tuple(bias.shape) != (3 * hidden,):
+    if bias is not None and tuple(bias.shape) != (3 * hidden,):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(3 * hidden,)}")
     if resolve_backend(backend, x, weight, bias) == "triton":
         x, weight, bias = _matmul_inputs(x, weight, bias)
@@ -333,27 +333,58 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     return reference.linear_cross_entropy(x, weight, bias, target, ignore_index, reduction, label_smoothing)
 
 
+def _check_feed_forward_args(x, w1, b1, w2, b2, approximate, gated) -> None:
+    if w1.dim() != 2 or w2.dim() != 2:
+        raise ValueError(f"w1 and w2 must be 2-D, got shapes {tuple(w1.shape)} and {tuple(w2.shape)}")
+    _check_last_dim("w1", w1, x.shape[-1], "x's last dimension")
+    if gated and w1.shape[0] % 2:
+        raise ValueError(f"w1 has {w1.shape[0]} rows; the GeGLU's w1 is [2I, K] (input rows, then gate rows), "
+                         f"so they must be even")
+    inner = w1.shape[0] // 2 if gated else w1.shape[0]
+    if b1 is not None:
+        _check_last_dim("b1", b1, w1.shape[0], "w1's output size")
+    _check_last_dim("w2", w2, inner, "w1's output size halved (I)" if gated else "w1's output size")
+    if b2 is not None:
+        _check_last_dim("b2", b2, w2.shape[0], "w2's output size")
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
+
+
 def feed_forward(x, w1, b1, w2, b2, approximate="none", recompute_pre=False, backend=None):
     """gelu(x @ w1.T + b1) @ w2.T + b2, BERT's FFN, whose backward keeps the pre-activation
     x @ w1.T + b1 but not the GELU output (recomputed from it): kernels/ffn.py.
 
-    x [..., K]; w1 [N, K]; b1 [N]; w2 [K2, N]; b2 [K2]. Returns [..., K2] in the matmul dtype (the autocast
-    dtype under autocast). recompute_pre (`--activation-checkpointing ffn`) keeps only x: the Triton path
-    reruns the up-projection in the backward, the reference (no fused op to ask) reruns the whole FFN
-    under torch.utils.checkpoint. Raises ValueError naming a mismatched argument or the approximation.
+    x [..., K]; w1 [N, K]; b1 [N] or None; w2 [K2, N]; b2 [K2] or None. Returns [..., K2] in the matmul
+    dtype (the autocast dtype under autocast). recompute_pre (`--activation-checkpointing ffn`) keeps only
+    x: the Triton path reruns the up-projection in the backward, the reference (no fused op to ask) reruns
+    the whole FFN under torch.utils.checkpoint. Raises ValueError naming a mismatched argument or the
+    approximation.
     """
-    _check_last_dim("w1", w1, x.shape[-1], "x's last dimension")
-    _check_last_dim("b1", b1, w1.shape[0], "w1's output size")
-    _check_last_dim("w2", w2, w1.shape[0], "w1's output size")
-    _check_last_dim("b2", b2, w2.shape[0], "w2's output size")
-    if approximate not in GELU_APPROXIMATIONS:
-        raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
+    _check_feed_forward_args(x, w1, b1, w2, b2, approximate, gated=False)
     if resolve_backend(backend, x, w1, b1, w2, b2) == "triton":
         x, w1, b1, w2, b2 = _matmul_inputs(x, w1, b1, w2, b2)
         return KERNELS["ffn"].feed_forward(x, w1, b1, w2, b2, approximate, recompute_pre)
     if recompute_pre and torch.is_grad_enabled():
         return checkpoint(reference.feed_forward, x, w1, b1, w2, b2, approximate, use_reentrant=False)
     return reference.feed_forward(x, w1, b1, w2, b2, approximate)
+
+
+def feed_forward_geglu(x, w1, b1, w2, b2, approximate="none", recompute_pre=False, backend=None):
+    """(gelu(h[..., :I]) * h[..., I:]) @ w2.T + b2 with h = x @ w1.T + b1: ModernBERT's GeGLU FFN
+    (transformers' ModernBertMLP without its dropout), whose backward keeps h (both halves) but not the
+    GeGLU output: kernels/ffn.py, gated.
+
+    x [..., K]; w1 [2I, K] (the input rows, then the gate rows: transformers' Wi.weight); b1 [2I] or None;
+    w2 [K2, I]; b2 [K2] or None. Returns [..., K2] in the matmul dtype (the autocast dtype under autocast).
+    recompute_pre as in `feed_forward`. Raises ValueError naming a mismatched argument or the approximation.
+    """
+    _check_feed_forward_args(x, w1, b1, w2, b2, approximate, gated=True)
+    if resolve_backend(backend, x, w1, b1, w2, b2) == "triton":
+        x, w1, b1, w2, b2 = _matmul_inputs(x, w1, b1, w2, b2)
+        return KERNELS["ffn"].feed_forward_geglu(x, w1, b1, w2, b2, approximate, recompute_pre)
+    if recompute_pre and torch.is_grad_enabled():
+        return checkpoint(reference.feed_forward_geglu, x, w1, b1, w2, b2, approximate, use_reentrant=False)
+    return reference.feed_forward_geglu(x, w1, b1, w2, b2, approximate)
 
 
 def dropout(x, p, training=True, backend=None):

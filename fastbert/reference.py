@@ -35,8 +35,15 @@ def linear_bias_gelu(x, weight, bias, approximate="none"):
 
 
 def feed_forward(x, w1, b1, w2, b2, approximate="none"):
-    """gelu(x @ w1.T + b1) @ w2.T + b2: BERT's FFN. w1 [N, K], w2 [K2, N]."""
+    """gelu(x @ w1.T + b1) @ w2.T + b2: BERT's FFN. w1 [N, K], w2 [K2, N]; b1, b2 may be None."""
     return F.linear(linear_bias_gelu(x, w1, b1, approximate), w2, b2)
+
+
+def feed_forward_geglu(x, w1, b1, w2, b2, approximate="none"):
+    """(gelu(a) * b) @ w2.T + b2 with [a, b] = (x @ w1.T + b1).chunk(2): ModernBERT's GeGLU FFN (transformers'
+    ModernBertMLP: Wi, chunk, act(input) * gate, Wo). w1 [2I, K], w2 [K2, I]; b1, b2 may be None."""
+    a, b = F.linear(x, w1, b1).chunk(2, dim=-1)
+    return F.linear(F.gelu(a, approximate=approximate) * b, w2, b2)
 
 
 def qkv_projection(x, weight, bias, num_heads):
@@ -44,7 +51,7 @@ def qkv_projection(x, weight, bias, num_heads):
 
     x [B, S, H] -> q, k, v each [B, heads, S, d]; x [T, H] (packed tokens) -> each [T, heads, d].
     weight [3H, H] holds the query, key and value rows in that order (HF's three Linear layers
-    concatenated); bias [3H].
+    concatenated); bias [3H] or None.
     """
     hidden = x.shape[-1]
     head_dim = hidden // num_heads

@@ -20,6 +20,13 @@
 # write h and y); cuBLAS's matmul may still be the faster on a given GPU. The benchmark (see
 # PERF.md) measures both (`form=` picks one per call), and LINEAR_BIAS_GELU_FORM records the verdict.
 #
+# The GeGLU (ModernBERT's FFN, kernels/ffn.py) runs the same two kernels with GATED: the forward reads
+# h = [a, b] [M, 2N] and writes gelu(a) * b [M, N] (the backward's recomputation of the epilogue's
+# output), the backward reads dy = dg [M, N] and h and writes dh = [da, db] [M, 2N] with
+#   da = dg * b * gelu'(a),   db = dg * gelu(a),
+# and, when the up-projection has a bias, the column sums of both halves (SUM_COLUMNS: without a bias
+# nothing is summed).
+#
 # Limits: fp32, fp16, bf16; x and dy of any strides (leading dims that cannot be merged into one are
 # copied by reshape); any number of rows; N >= 1. Math in fp32, one rounding to the output dtype.
 # Sources: Megatron-LM's fused bias_gelu, Liger-Kernel's GEGLU/elementwise kernels.
@@ -45,12 +52,13 @@ _BWD_WARPS = 8
 
 @triton.jit
 def _bias_gelu_fwd_kernel(
-    x_ptr,  # [M, N]
+    x_ptr,  # [M, N]; [M, 2N] when GATED (a, then b)
     bias_ptr,  # [N] (read when HAS_BIAS)
     y_ptr,  # [M, N] contiguous
     M, N,
     stride_xm, stride_xn,
     HAS_BIAS: tl.constexpr,  # False: y = gelu(x), the FFN's backward recomputing gelu(pre) (kernels/ffn.py)
+    GATED: tl.constexpr,  # y = gelu(a) * b, the GeGLU FFN's backward recomputing its epilogue's output
     APPROXIMATE: tl.constexpr,  # "none" or "tanh"
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -62,43 +70,64 @@ def _bias_gelu_fwd_kernel(
     if HAS_BIAS:
         x += cast(tl.load(bias_ptr + cols, mask=cols < N, other=0.0), tl.float32)[None, :]
     y = gelu(x, APPROXIMATE)
+    if GATED:
+        gate_offsets = rows[:, None] * stride_xm + (cols + N)[None, :] * stride_xn
+        y *= cast(tl.load(x_ptr + gate_offsets, mask=mask, other=0.0), tl.float32)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], cast(y, y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _bias_gelu_bwd_kernel(
     dy_ptr,  # [M, N]
-    x_ptr,  # [M, N]
+    x_ptr,  # [M, N]; [M, 2N] when GATED (a, then b)
     bias_ptr,  # [N] (read when HAS_BIAS)
-    dx_ptr,  # [M, N] contiguous
-    dbias_partial_ptr,  # [num_row_groups, N] fp64: column sums of dx over each group's rows
+    dx_ptr,  # [M, N] contiguous; [M, 2N] when GATED
+    dbias_partial_ptr,  # [num_row_groups, N] ([.., 2N] GATED) fp64: column sums of dx over each group's rows,
+                        # written when SUM_COLUMNS
     M, N, rows_per_group,
     stride_dym, stride_dyn, stride_xm, stride_xn,
     HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    SUM_COLUMNS: tl.constexpr,
     APPROXIMATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # y = gelu(z), z = x + bias:  dx = dy * gelu'(z);  dbias = sum over rows of dx.
+    # GATED, y = gelu(a) * b with x = [a, b]:  da = dy * b * gelu'(a);  db = dy * gelu(a);  dx = [da, db].
     group = tl.program_id(0).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # times a column stride: past 2**31
     col_mask = cols < N
     b = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         b = cast(tl.load(bias_ptr + cols, mask=col_mask, other=0.0), tl.float32)
+    dx_row = 2 * N if GATED else N  # dx's and the partial sums' row length
     dbias = tl.zeros((BLOCK_N,), dtype=tl.float64)
+    dbias_gate = tl.zeros((BLOCK_N,), dtype=tl.float64)
     first = group * rows_per_group
     last = tl.minimum(first + rows_per_group, M)
     for start in range(first, last, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         mask = (rows[:, None] < last) & col_mask[None, :]
-        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=mask, other=0.0)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
-        dx = cast(dy, tl.float32) * gelu_grad(cast(x, tl.float32) + b[None, :], APPROXIMATE)
-        dx = cast(dx, dx_ptr.dtype.element_ty)
-        tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dx, mask=mask)
-        # Sum the rounded dx, as autograd does for an unfused x + bias.
-        dbias += tl.sum(tl.where(mask, cast(dx, tl.float64), 0.0), axis=0)
-    tl.store(dbias_partial_ptr + group * N + cols, dbias, mask=col_mask)
+        dy = cast(tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=mask, other=0.0),
+                  tl.float32)
+        z = cast(tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0),
+                 tl.float32) + b[None, :]
+        if GATED:
+            gate = tl.load(x_ptr + rows[:, None] * stride_xm + (cols + N)[None, :] * stride_xn, mask=mask, other=0.0)
+            dgate = cast(dy * gelu(z, APPROXIMATE), dx_ptr.dtype.element_ty)
+            tl.store(dx_ptr + rows[:, None] * dx_row + N + cols[None, :], dgate, mask=mask)
+            if SUM_COLUMNS:
+                dbias_gate += tl.sum(tl.where(mask, cast(dgate, tl.float64), 0.0), axis=0)
+            dy = dy * cast(gate, tl.float32)
+        dx = cast(dy * gelu_grad(z, APPROXIMATE), dx_ptr.dtype.element_ty)
+        tl.store(dx_ptr + rows[:, None] * dx_row + cols[None, :], dx, mask=mask)
+        if SUM_COLUMNS:
+            # Sum the rounded dx, as autograd does for an unfused x + bias.
+            dbias += tl.sum(tl.where(mask, cast(dx, tl.float64), 0.0), axis=0)
+    if SUM_COLUMNS:
+        tl.store(dbias_partial_ptr + group * dx_row + cols, dbias, mask=col_mask)
+        if GATED:
+            tl.store(dbias_partial_ptr + group * dx_row + N + cols, dbias_gate, mask=col_mask)
 
 
 def _blocks(cols: int) -> tuple[int, int]:
@@ -138,19 +167,21 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str =
     grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
     # the kernels index the bias as contiguous: a strided one (a slice) is copied, N elements
     _bias_gelu_fwd_kernel[grid](x2, x2 if bias is None else bias.contiguous(), y, rows, cols,
-                                x2.stride(0), x2.stride(1), HAS_BIAS=bias is not None,
+                                x2.stride(0), x2.stride(1), HAS_BIAS=bias is not None, GATED=False,
                                 APPROXIMATE=approximate, BLOCK_M=block_m, BLOCK_N=block_n)
     return y
 
 
 def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
-                  approximate: str = "none", in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  approximate: str = "none", in_place: bool = False,
+                  sum_columns: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients of y = gelu(x + bias) (bias None: y = gelu(x)).
 
     dy, x [..., N] (any strides), bias [N] or None. Returns (dx [..., N] contiguous in x's dtype,
-    dbias [N] in x's dtype, the column sums of dx). in_place writes dx over dy, which must then be
-    contiguous (the FFN's backward: one [M, N] buffer less at its peak); each element is read before it is
-    written. Raises ValueError on mismatched shapes or dtypes, or a strided dy to overwrite.
+    dbias [N] in x's dtype, the column sums of dx; None without sum_columns: no bias to take them). in_place
+    writes dx over dy, which must then be contiguous (the FFN's backward: one [M, N] buffer less at its
+    peak); each element is read before it is written. Raises ValueError on mismatched shapes or dtypes, or
+    a strided dy to overwrite.
     """
     _check(x, bias, approximate)
     if dy.shape != x.shape or dy.dtype != x.dtype:
@@ -160,18 +191,61 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
     x2, dy2 = _as_rows(x), _as_rows(dy)
     rows, cols = x2.shape
     dx = dy if in_place else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return dx, _gelu_bwd_launch(dy2, x2, bias, dx, rows, cols, approximate, False, sum_columns)
+
+
+def _gelu_bwd_launch(dy2, x2, bias, dx, rows, cols, approximate, gated, sum_columns):
+    """Launch _bias_gelu_bwd_kernel over dy2 [rows, cols] into dx; returns the column sums of dx in dx's
+    dtype ([2 * cols] when gated), or None without sum_columns."""
+    sums = 2 * cols if gated else cols
     if rows == 0:
-        return dx, torch.zeros(cols, dtype=x.dtype, device=x.device)
+        return torch.zeros(sums, dtype=dx.dtype, device=dx.device) if sum_columns else None
     block_m, block_n = _blocks(cols)
     col_blocks = triton.cdiv(cols, block_n)
-    groups, rows_per_group = row_groups(rows, col_blocks, block_m, x.device)
-    partial = torch.empty((groups, cols), dtype=torch.float64, device=x.device)
+    groups, rows_per_group = row_groups(rows, col_blocks, block_m, dx.device)
+    partial = torch.empty((groups, sums) if sum_columns else (0,), dtype=torch.float64, device=dx.device)
     _bias_gelu_bwd_kernel[(groups, col_blocks)](
         dy2, x2, x2 if bias is None else bias.contiguous(), dx, partial, rows, cols, rows_per_group,
         dy2.stride(0), dy2.stride(1), x2.stride(0), x2.stride(1),
-        HAS_BIAS=bias is not None, APPROXIMATE=approximate, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=_BWD_WARPS)
-    return dx, partial.sum(dim=0).to(x.dtype)
+        HAS_BIAS=bias is not None, GATED=gated, SUM_COLUMNS=sum_columns, APPROXIMATE=approximate,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_BWD_WARPS)
+    return partial.sum(dim=0).to(dx.dtype) if sum_columns else None
+
+
+def _check_gated(dy: torch.Tensor | None, h: torch.Tensor, approximate: str) -> None:
+    _check(h, None, approximate)
+    if h.shape[-1] % 2:
+        raise ValueError(f"h has last dimension {h.shape[-1]}; the GeGLU splits it in two halves, so it must be even")
+    if dy is not None and (dy.shape != (*h.shape[:-1], h.shape[-1] // 2) or dy.dtype != h.dtype):
+        raise ValueError(f"dy is {dy.dtype} {tuple(dy.shape)}, expected h's {h.dtype} "
+                         f"{(*h.shape[:-1], h.shape[-1] // 2)}")
+
+
+def geglu_fwd(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """gelu(a) * b with [a, b] = h split in halves: h [..., 2N] (any strides) -> contiguous [..., N] in h's
+    dtype. Raises ValueError on an odd last dimension, a dtype or an approximation."""
+    _check_gated(None, h, approximate)
+    h2 = _as_rows(h)
+    rows, cols = h2.shape[0], h2.shape[1] // 2
+    y = torch.empty((*h.shape[:-1], cols), dtype=h.dtype, device=h.device)
+    if rows == 0:
+        return y
+    block_m, block_n = _blocks(cols)
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
+    _bias_gelu_fwd_kernel[grid](h2, h2, y, rows, cols, h2.stride(0), h2.stride(1), HAS_BIAS=False, GATED=True,
+                                APPROXIMATE=approximate, BLOCK_M=block_m, BLOCK_N=block_n)
+    return y
+
+
+def geglu_bwd(dy: torch.Tensor, h: torch.Tensor, approximate: str = "none",
+              sum_columns: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients of y = gelu(a) * b, [a, b] = h split in halves. dy [..., N], h [..., 2N] (any strides).
+    Returns (dh [..., 2N] contiguous in h's dtype, its column sums [2N] (the bias gradient of the
+    up-projection) or None without sum_columns). Raises ValueError on mismatched shapes or dtypes."""
+    _check_gated(dy, h, approximate)
+    h2, dy2 = _as_rows(h), _as_rows(dy)
+    dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    return dh, _gelu_bwd_launch(dy2, h2, None, dh, h2.shape[0], dy2.shape[1], approximate, True, sum_columns)
 
 
 # ---- custom ops: autograd and fake registrations so torch.compile traces through them ----
@@ -212,15 +286,17 @@ def _bias_gelu_backward(ctx, dy):
 _bias_gelu_op.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_setup)
 
 
-def linear_bias_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                         approximate: str, store_pre: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def linear_bias_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         approximate: str, store_pre: bool = True,
+                         gated: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(gelu(h), h) with h = x @ weight.T + bias, both contiguous [M, N], from one epilogue matmul; h is
-    None (never written) without store_pre. x [M, K], weight [N, K], bias [N], one dtype. Raises
-    ValueError on mismatched shapes or dtypes."""
+    None (never written) without store_pre. x [M, K], weight [N, K], bias [N] or None, one dtype.
+    gated (GeGLU): weight [2N, K], bias [2N], returns (gelu(a) * b [M, N], h = [a, b] [M, 2N]).
+    Raises ValueError on mismatched shapes or dtypes."""
     check_operands(x, weight, bias)
-    y = x.new_empty((x.shape[0], weight.shape[0]))
-    pre = torch.empty_like(y) if store_pre else None
-    matmul_fwd(x, weight, bias, y, "gelu_tanh" if approximate == "tanh" else "gelu", pre)
+    y = x.new_empty((x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0]))
+    pre = x.new_empty((x.shape[0], weight.shape[0])) if store_pre else None
+    matmul_fwd(x, weight, bias, y, "gelu_tanh" if approximate == "tanh" else "gelu", pre, gated)
     return y, pre
 
 

@@ -23,17 +23,35 @@
 # tolerance rule, tests/test_ffn.py), while the forward is bitwise kernels/bias_gelu.py's epilogue form.
 # Both recompute settings run the same kernels on the same inputs, so their gradients are bitwise equal.
 #
-# Limits: as kernels/matmul.py and kernels/bias_gelu.py: x [M, K], w1 [N, K], b1 [N], w2 [K2, N],
-# b2 [K2] of one dtype (fp32, fp16, bf16), any strides, M >= 0.
+# GeGLU (gated, ModernBERT): out = (gelu(a) * b) @ w2.T + b2 with [a, b] = h = x @ w1.T + b1 split in
+# halves, w1 [2N, K] (transformers' Wi: the input rows, then the gate rows), w2 [K2, N]. The same steps,
+# each with its gated form:
+# Forward:  g, h = the gated epilogue matmul (kernels/matmul.py GATED: one tile of a and b per program,
+#                  g = gelu(a) * b; h [M, 2N] stored if kept)
+#           out  = g @ w2.T + b2; g freed
+# Backward: [recompute_pre: h = the same gated epilogue matmul]
+#           g    = gelu(a) * b             dw2 = dout^T g;  db2 = sum_rows dout;  g freed
+#           dg   = dout w2
+#           dh   = [dg * b * gelu'(a), dg * gelu(a)], db1 = sum_rows dh   (bias_gelu.py's backward kernel,
+#                  GATED; a new [M, 2N], dg being half its size)
+#           dx   = dh w1;  dw1 = dh^T x
+# Saved: x, w1, w2 and h ([M, 2N]: both halves, never g); with recompute_pre x, w1, w2 and b1.
+#
+# Biases are optional (b1, b2 None: ModernBERT's mlp_bias=False): the epilogue adds none and the
+# backward sums no columns for them.
+#
+# Limits: as kernels/matmul.py and kernels/bias_gelu.py: x [M, K], w1 [N, K] ([2N, K] gated), b1 [N] ([2N])
+# or None, w2 [K2, N], b2 [K2] or None, of one dtype (fp32, fp16, bf16), any strides, M >= 0.
 # Sources: Megatron-LM's fused bias-GELU with recomputation; Korthikanti et al. 2022 (selective
 # activation recomputation).
 import torch
 
-from fastbert.kernels.bias_gelu import APPROXIMATIONS, bias_gelu_bwd, bias_gelu_fwd, linear_bias_gelu_fwd
+from fastbert.kernels.bias_gelu import (APPROXIMATIONS, bias_gelu_bwd, bias_gelu_fwd, geglu_bwd, geglu_fwd,
+                                        linear_bias_gelu_fwd)
 from fastbert.kernels.matmul import DTYPES
 
 
-def _check(x, w1, b1, w2, b2, approximate) -> None:
+def _check(x, w1, b1, w2, b2, approximate, gated=False) -> None:
     if approximate not in APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
     if x.dtype not in DTYPES:
@@ -41,92 +59,125 @@ def _check(x, w1, b1, w2, b2, approximate) -> None:
     for name, t in (("w1", w1), ("w2", w2)):
         if t.dim() != 2:
             raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
-    inner, out_features = w1.shape[0], w2.shape[0]
-    expected = {"w1": (inner, x.shape[1]), "b1": (inner,), "w2": (out_features, inner), "b2": (out_features,)}
+    if gated and w1.shape[0] % 2:
+        raise ValueError(f"w1 has {w1.shape[0]} rows; the GeGLU's w1 holds two halves [2I, K], so they must be even")
+    projected, out_features = w1.shape[0], w2.shape[0]
+    inner = projected // 2 if gated else projected
+    expected = {"w1": (projected, x.shape[1]), "b1": (projected,), "w2": (out_features, inner), "b2": (out_features,)}
     for name, t in (("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)):
+        if t is None:
+            continue
         if tuple(t.shape) != expected[name]:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected[name]}")
         if t.dtype != x.dtype or t.device != x.device:
             raise ValueError(f"{name} has dtype {t.dtype} on {t.device}, expected x's {x.dtype} on {x.device}")
 
 
-def feed_forward_fwd(x, w1, b1, w2, b2, approximate, keep_pre=True):
-    """(out, h): out = gelu(h) @ w2.T + b2 [M, K2], h = x @ w1.T + b1 [M, N], both contiguous; without
-    keep_pre h is never written (an empty [0, N] stands for it): nothing will read it."""
-    g, pre = linear_bias_gelu_fwd(x, w1, b1, approximate, store_pre=keep_pre)
-    return torch.addmm(b2, g, w2.t()), x.new_empty((0, w1.shape[0])) if pre is None else pre
+def feed_forward_fwd(x, w1, b1, w2, b2, approximate, keep_pre=True, gated=False):
+    """(out, h): out = gelu(h) @ w2.T + b2 [M, K2] (gated: (gelu(a) * b) @ w2.T + b2), h = x @ w1.T + b1
+    [M, N] ([M, 2N] gated), both contiguous; without keep_pre h is never written (an empty [0, N] stands for
+    it): nothing will read it. b1, b2 may be None."""
+    g, pre = linear_bias_gelu_fwd(x, w1, b1, approximate, store_pre=keep_pre, gated=gated)
+    out = g @ w2.t() if b2 is None else torch.addmm(b2, g, w2.t())
+    return out, x.new_empty((0, w1.shape[0])) if pre is None else pre
 
 
-def feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate):
+def feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate, gated=False, has_b1=True, has_b2=True):
     """Gradients (dx, dw1, db1, dw2, db2) of feed_forward_fwd's out; pre None recomputes h from x and b1
-    (b1 is read only then)."""
+    (b1 is read only then). db1, db2 are None where has_b1, has_b2 say there is no bias."""
     if pre is None:
-        _, pre = linear_bias_gelu_fwd(x, w1, b1, approximate)
-    g = bias_gelu_fwd(pre, None, approximate)  # [M, N]
+        _, pre = linear_bias_gelu_fwd(x, w1, b1, approximate, gated=gated)
+    g = geglu_fwd(pre, approximate) if gated else bias_gelu_fwd(pre, None, approximate)  # [M, N]
     dw2 = dout.t() @ g
     del g
-    db2 = dout.sum(dim=0)
-    dpre, db1 = bias_gelu_bwd(dout @ w2, pre, None, approximate, in_place=True)  # [M, N] over dg, [N]
+    db2 = dout.sum(dim=0) if has_b2 else None
+    dg = dout @ w2  # [M, N]
+    if gated:  # dh is twice dg's size: a new buffer
+        dpre, db1 = geglu_bwd(dg, pre, approximate, sum_columns=has_b1)  # [M, 2N], [2N]
+    else:
+        dpre, db1 = bias_gelu_bwd(dg, pre, None, approximate, in_place=True, sum_columns=has_b1)  # over dg
+    del dg
     return dpre @ w1, dpre.t() @ x, db1, dw2, db2
 
 
 # ---- custom ops: autograd and fake registrations so torch.compile traces through them ----
 
 @torch.library.custom_op("fastbert::feed_forward", mutates_args=())
-def _feed_forward_op(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
-                     approximate: str, keep_pre: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _feed_forward_op(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
+                     b2: torch.Tensor | None, approximate: str, keep_pre: bool,
+                     gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, h); h is internal: kept for the backward with keep_pre, else empty and the backward
     (if any) reruns the up-projection."""
-    return feed_forward_fwd(x, w1, b1, w2, b2, approximate, keep_pre)
+    return feed_forward_fwd(x, w1, b1, w2, b2, approximate, keep_pre, gated)
 
 
 @_feed_forward_op.register_fake
-def _(x, w1, b1, w2, b2, approximate, keep_pre):
+def _(x, w1, b1, w2, b2, approximate, keep_pre, gated=False):
     return x.new_empty((x.shape[0], w2.shape[0])), x.new_empty((x.shape[0] if keep_pre else 0, w1.shape[0]))
 
 
 @torch.library.custom_op("fastbert::feed_forward_bwd", mutates_args=())
 def _feed_forward_bwd_op(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
-                         w2: torch.Tensor, pre: torch.Tensor | None, approximate: str
+                         w2: torch.Tensor, pre: torch.Tensor | None, approximate: str, gated: bool = False,
+                         has_b1: bool = True, has_b2: bool = True
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate)
+    """feed_forward_bwd with an empty [0] for each bias gradient that has no bias (a custom op returns tensors)."""
+    dx, dw1, db1, dw2, db2 = feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate, gated, has_b1, has_b2)
+    return dx, dw1, _or_empty(db1, dout), dw2, _or_empty(db2, dout)
+
+
+def _or_empty(t, like):
+    return like.new_empty(0) if t is None else t
 
 
 @_feed_forward_bwd_op.register_fake
-def _(dout, x, w1, b1, w2, pre, approximate):
-    return (torch.empty_like(x), torch.empty_like(w1), w1.new_empty(w1.shape[:1]), torch.empty_like(w2),
-            w2.new_empty(w2.shape[:1]))
+def _(dout, x, w1, b1, w2, pre, approximate, gated=False, has_b1=True, has_b2=True):
+    return (torch.empty_like(x), torch.empty_like(w1), w1.new_empty(w1.shape[:1] if has_b1 else (0,)),
+            torch.empty_like(w2), w2.new_empty(w2.shape[:1] if has_b2 else (0,)))
 
 
 def _feed_forward_setup(ctx, inputs, output):
-    x, w1, b1, w2, _, approximate, keep_pre = inputs
+    x, w1, b1, w2, b2, approximate, keep_pre, gated = inputs
     # h, or b1 to rerun the up-projection
     ctx.save_for_backward(x, w1, w2, *((None, output[1]) if keep_pre else (b1, None)))
     ctx.approximate = approximate
+    ctx.gated = gated
+    ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
 
 
 def _feed_forward_backward(ctx, dout, dpre):
     # h is internal (feed_forward returns out only), so dpre is None.
     x, w1, w2, b1, pre = ctx.saved_tensors
-    dx, dw1, db1, dw2, db2 = _feed_forward_bwd_op(dout, x, w1, b1, w2, pre, ctx.approximate)
-    return dx, dw1, db1, dw2, db2, None, None
+    dx, dw1, db1, dw2, db2 = _feed_forward_bwd_op(dout, x, w1, b1, w2, pre, ctx.approximate, ctx.gated,
+                                                  ctx.has_b1, ctx.has_b2)
+    return (dx, dw1, db1 if ctx.has_b1 else None, dw2, db2 if ctx.has_b2 else None, None, None, None)
 
 
 _feed_forward_op.register_autograd(_feed_forward_backward, setup_context=_feed_forward_setup)
 
 
-def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
-                 approximate: str = "none", recompute_pre: bool = False) -> torch.Tensor:
-    """gelu(x @ w1.T + b1) @ w2.T + b2, differentiable in all five tensors.
+def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
+                 b2: torch.Tensor | None, approximate: str = "none", recompute_pre: bool = False,
+                 gated: bool = False) -> torch.Tensor:
+    """gelu(x @ w1.T + b1) @ w2.T + b2, differentiable in all five tensors; gated (GeGLU):
+    (gelu(a) * b) @ w2.T + b2 with [a, b] = x @ w1.T + b1 split in halves.
 
-    x [..., K] (any strides), w1 [N, K], b1 [N], w2 [K2, N], b2 [K2], one dtype (fp32, fp16, bf16).
-    Returns [..., K2]. The backward keeps x and the weights, plus h [M, N] unless recompute_pre (then it
-    reruns the up-projection). Raises ValueError on mismatched shapes, dtypes or an unknown approximation.
+    x [..., K] (any strides), w1 [N, K] ([2N, K] gated), b1 [N] ([2N]) or None, w2 [K2, N], b2 [K2] or
+    None, one dtype (fp32, fp16, bf16). Returns [..., K2]. The backward keeps x and the weights, plus h
+    [M, N] ([M, 2N]) unless recompute_pre (then it reruns the up-projection). Raises ValueError on
+    mismatched shapes, dtypes or an unknown approximation.
     """
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]: a view whenever the leading dims merge
-    _check(x2, w1, b1, w2, b2, approximate)
+    _check(x2, w1, b1, w2, b2, approximate, gated)
     # h is written only for a backward that reads it: an inference forward never holds it beside the GELU
     # output while the second matmul runs (one [M, N] less at its peak), and recompute_pre reruns it anyway
-    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (x2, w1, b1, w2, b2))
-    out, _ = _feed_forward_op(x2, w1, b1, w2, b2, approximate, backward and not recompute_pre)
+    backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, w1, b1, w2, b2))
+    out, _ = _feed_forward_op(x2, w1, b1, w2, b2, approximate, backward and not recompute_pre, gated)
     return out.view(*x.shape[:-1], w2.shape[0])
+
+
+def feed_forward_geglu(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
+                       b2: torch.Tensor | None, approximate: str = "none", recompute_pre: bool = False) -> torch.Tensor:
+    """ModernBERT's FFN: (gelu(h[..., :I]) * h[..., I:]) @ w2.T + b2 with h = x @ w1.T + b1; w1 [2I, K],
+    b1 [2I] or None, w2 [K2, I], b2 [K2] or None. `feed_forward` with gated=True."""
+    return feed_forward(x, w1, b1, w2, b2, approximate, recompute_pre, gated=True)

@@ -3,6 +3,11 @@
 #
 #   - the FFN up-projection (kernels/bias_gelu.py): bias + GELU in the epilogue, optionally also
 #     storing the pre-activation x @ weight.T + bias that the backward needs;
+#   - the GeGLU up-projection (GATED, ModernBERT): weight [2N, K] holds the input rows 0..N-1 and the gate
+#     rows N..2N-1; a program computes the same [BLOCK_M, BLOCK_N] output tile for both halves, two
+#     accumulators over the one x tile it loads (weight rows n and N + n: the two halves of a tile sit
+#     N rows apart in the weight), and writes out = gelu(a) * b [M, N], and when asked the pre-activation
+#     h = [a, b] [M, 2N] (a in columns 0..N-1, b in N..2N-1, as transformers' chunk(2) reads them);
 #   - the QKV projection (kernels/qkv.py): the bias, then a store that scatters the [M, 3H] tile
 #     straight into the attention layout [3, B, heads, S, d], so no transpose/contiguous follows.
 #
@@ -21,7 +26,10 @@
 # Tiles are autotuned per (N, K, dtype, epilogue), not per M: with packed tokens M changes every
 # batch, and a retune per batch would cost more than any tile choice gains.
 #
-# Limits: x [M, K] and weight [N, K] of one dtype (fp32, fp16 or bf16), any strides; M >= 0; N, K >= 1.
+# The bias is optional (HAS_BIAS; ModernBERT's projections have none).
+#
+# Limits: x [M, K] and weight [N, K] ([2N, K] gated) of one dtype (fp32, fp16 or bf16), any strides; M >= 0;
+# N, K >= 1.
 # Offsets are int64 (M * N passes 2**31 for large batches).
 # Sources: Triton tutorial 03-matrix-multiplication; Liger-Kernel's fused linear epilogues.
 import functools
@@ -113,7 +121,12 @@ def _configs():
     shapes = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 32, 4, 4), (128, 64, 64, 4, 4),
               (64, 128, 64, 4, 4), (64, 64, 64, 4, 4)]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
-            for bm, bn, bk, s, w in shapes]
+            for bm, bn, bk, s, w in shapes + list(_GATED_ONLY_SHAPES)]
+
+
+# Tiles only the GeGLU epilogue may pick: its two accumulators leave it few of the shapes above (see
+# _prune), and a 128-row tile on two warpgroups keeps its warpgroup MMA at full height.
+_GATED_ONLY_SHAPES = ((128, 64, 64, 4, 8),)
 
 
 # The GELU epilogue's own temporaries need about half the registers: with more than 64 fp32 accumulator
@@ -121,30 +134,42 @@ def _configs():
 _GELU_EPILOGUE_ACCUMULATOR_PER_THREAD = 64
 
 
+def _shape(config) -> tuple[int, int, int, int, int]:
+    return (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"], config.num_stages,
+            config.num_warps)
+
+
 def _prune(configs, named_args, **kwargs):
     """The configs whose pipeline fits the GPU's shared memory (A (BLOCK_M x BLOCK_K) and B (BLOCK_K x
-    BLOCK_N) tiles per stage; the epilogue reuses them) and, with a GELU epilogue, whose accumulator leaves
-    the GELU its registers."""
+    BLOCK_N) tiles per stage, two B tiles when GATED; the epilogue reuses them) and, with a GELU epilogue,
+    whose accumulators (two when GATED) leave the GELU its registers; the gated-only tiles for GATED alone."""
     driver = triton.runtime.driver.active
     shared = driver.utils.get_device_properties(driver.get_current_device())["max_shared_mem"]
     element = named_args["x_ptr"].element_size()
     gelu_epilogue = kwargs["ACTIVATION"] != "none"
-    fitting = [c for c in configs
-               if (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * element * c.num_stages <= shared
-               and not (gelu_epilogue and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] // (32 * c.num_warps)
-                        > _GELU_EPILOGUE_ACCUMULATOR_PER_THREAD)]
-    return fitting or configs[-1:]
+    gated = kwargs["GATED"]
+    accumulators = 2 if gated else 1
+
+    def fits(c):
+        block_m, block_n, block_k, stages, warps = _shape(c)
+        return ((block_m + accumulators * block_n) * block_k * element * stages <= shared
+                and not (gelu_epilogue and accumulators * block_m * block_n // (32 * warps)
+                         > _GELU_EPILOGUE_ACCUMULATOR_PER_THREAD)
+                and (gated or _shape(c) not in _GATED_ONLY_SHAPES))
+
+    fitting = [c for c in configs if fits(c)]
+    return fitting or [c for c in configs if gated or _shape(c) not in _GATED_ONLY_SHAPES][-1:]
 
 
-@triton.autotune(configs=_configs(), key=["N", "K", "SPLIT_HEADS", "ACTIVATION", "STORE_PRE"],
+@triton.autotune(configs=_configs(), key=["N", "K", "SPLIT_HEADS", "ACTIVATION", "STORE_PRE", "GATED"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _matmul_fwd_kernel(
     x_ptr,  # [M, K]
-    w_ptr,  # [N, K]
-    bias_ptr,  # [N]
+    w_ptr,  # [N, K]; [2N, K] when GATED (input rows, then gate rows)
+    bias_ptr,  # [N] ([2N] when GATED); read only when HAS_BIAS
     out_ptr,  # [M, N], or [3, B, heads, S, d] with M = B * S and N = 3 * heads * d when SPLIT_HEADS
-    pre_ptr,  # [M, N] contiguous: x @ w.T + bias before the activation (written when STORE_PRE)
+    pre_ptr,  # [M, N] ([M, 2N] when GATED) contiguous: x @ w.T + bias before the activation (when STORE_PRE)
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk,
     seqlen,  # S: row m is token (m // S, m % S) of the output; S = M for a plain [M, N] output
@@ -155,6 +180,8 @@ def _matmul_fwd_kernel(
     SPLIT_HEADS: tl.constexpr,
     ACTIVATION: tl.constexpr,  # "none", "gelu" (erf) or "gelu_tanh"
     STORE_PRE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,  # out = act(a) * b with a, b the two halves of x @ w.T + bias (the GeGLU)
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (kernels/numerics.py dot_precision)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -182,25 +209,41 @@ def _matmul_fwd_kernel(
     x_step = tl.cast(stride_xk, tl.int64) * BLOCK_K
     w_step = tl.cast(stride_wk, tl.int64) * BLOCK_K
 
+    # the gate half's rows of the same tile, N weight rows further on
+    gate_offset = tl.cast(stride_wn, tl.int64) * N
+
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED:
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         acc = dot(a, b, acc, INPUT_PRECISION)
+        if GATED:
+            b_gate = tl.load(w_ptrs + gate_offset, mask=offs_k[:, None] < k_left, other=0.0)
+            acc_gate = dot(a, b_gate, acc_gate, INPUT_PRECISION)
         x_ptrs += x_step
         w_ptrs += w_step
 
-    acc += cast(tl.load(bias_ptr + cols), tl.float32)[None, :]
+    if HAS_BIAS:
+        acc += cast(tl.load(bias_ptr + cols), tl.float32)[None, :]
+        if GATED:
+            acc_gate += cast(tl.load(bias_ptr + N + cols), tl.float32)[None, :]
     out_rows = offs_m.to(tl.int64)
     out_cols = offs_n.to(tl.int64)
     mask = (out_rows[:, None] < M) & (out_cols[None, :] < N)
     if STORE_PRE:
-        tl.store(pre_ptr + out_rows[:, None] * N + out_cols[None, :], cast(acc, pre_ptr.dtype.element_ty), mask=mask)
+        pre_row = pre_ptr + out_rows[:, None] * (2 * N if GATED else N)  # [BLOCK_M, 1]
+        tl.store(pre_row + out_cols[None, :], cast(acc, pre_ptr.dtype.element_ty), mask=mask)
+        if GATED:
+            tl.store(pre_row + N + out_cols[None, :], cast(acc_gate, pre_ptr.dtype.element_ty), mask=mask)
     if ACTIVATION == "gelu":
         acc = gelu(acc, "none")
     elif ACTIVATION == "gelu_tanh":
         acc = gelu(acc, "tanh")
+    if GATED:
+        acc = acc * acc_gate
 
     # The divisions stay in int32 (indices below M, N < 2**31), widened only to multiply the strides: an
     # int64 division is a subroutine call on the GPU, and a call sends the live accumulator to local
@@ -216,11 +259,13 @@ def _matmul_fwd_kernel(
     tl.store(out_ptr + row_off[:, None] + col_off[None, :], cast(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
-def check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
-    """Raise ValueError unless x [M, K], weight [N, K], bias [N] share a supported dtype and device."""
+def check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Raise ValueError unless x [M, K], weight [N, K], bias [N] (or None) share a supported dtype and device."""
     if x.dtype not in DTYPES:
         raise ValueError(f"x has dtype {x.dtype}; supported dtypes are {DTYPES}")
     for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
         if t.dtype != x.dtype:
             raise ValueError(f"{name} has dtype {t.dtype}, expected x's dtype {x.dtype}")
         if t.device != x.device:
@@ -228,17 +273,19 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[1] == 0:
         raise ValueError(f"x [M, K] and weight [N, K] must share K >= 1, "
                          f"got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if tuple(bias.shape) != (weight.shape[0],):
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(weight.shape[0],)}")
 
 
-def matmul_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
-               activation: str = "none", pre: torch.Tensor | None = None) -> None:
-    """Write act(x @ weight.T + bias) into `out`.
+def matmul_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+               activation: str = "none", pre: torch.Tensor | None = None, gated: bool = False) -> None:
+    """Write act(x @ weight.T + bias) into `out` (bias None: no bias).
 
     x [M, K], weight [N, K], bias [N], any strides, one dtype. `out` is [M, N] (any strides), or
     [3, B, heads, S, d] (any strides) with B * S = M and 3 * heads * d = N: the head-split store.
     `pre`, if given, is a contiguous [M, N] that receives x @ weight.T + bias before the activation.
+    gated (the GeGLU): weight [2N, K], bias [2N], out [M, N] = act(a) * b with [a, b] = x @ weight.T + bias
+    split in halves, pre [M, 2N]; the activation must be a GELU.
     Raises ValueError on mismatched shapes, dtypes or an unknown activation.
     """
     check_operands(x, weight, bias)
@@ -246,6 +293,11 @@ def matmul_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: t
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     rows, inner = x.shape
     cols = weight.shape[0]
+    if gated:
+        if activation == "none" or out.dim() != 2 or cols % 2:
+            raise ValueError(f"a gated matmul needs a GELU activation (got {activation!r}), a 2-D out (got "
+                             f"{out.dim()}-D) and an even number of weight rows (got {cols})")
+        cols //= 2
     if out.dim() == 5:
         three, batch, heads, seqlen, head_dim = out.shape
         if three != 3 or batch * seqlen != rows or 3 * heads * head_dim != cols:
@@ -258,8 +310,9 @@ def matmul_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: t
         stride_os, stride_od = out.stride()
     else:
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {(rows, cols)} or [3, B, heads, S, d]")
-    if pre is not None and (tuple(pre.shape) != (rows, cols) or not pre.is_contiguous()):
-        raise ValueError(f"pre must be a contiguous {(rows, cols)} tensor, got {tuple(pre.shape)}")
+    pre_shape = (rows, 2 * cols if gated else cols)
+    if pre is not None and (tuple(pre.shape) != pre_shape or not pre.is_contiguous()):
+        raise ValueError(f"pre must be a contiguous {pre_shape} tensor, got {tuple(pre.shape)}")
     if rows == 0:
         return
 
@@ -267,11 +320,12 @@ def matmul_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: t
         return (triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(cols, meta["BLOCK_N"]),)
 
     _matmul_fwd_kernel[grid](
-        x, weight, bias.contiguous(), out, out if pre is None else pre,  # the kernel reads the bias as contiguous
+        # the kernel reads the bias as contiguous; weight stands in for a missing bias (never read)
+        x, weight, weight if bias is None else bias.contiguous(), out, out if pre is None else pre,
         rows, cols, inner,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         seqlen, heads, stride_ob, stride_os, stride_o3, stride_oh, stride_od,
         HEAD_DIM=head_dim if out.dim() == 5 else 1, SPLIT_HEADS=out.dim() == 5,
-        ACTIVATION=activation, STORE_PRE=pre is not None,
+        ACTIVATION=activation, STORE_PRE=pre is not None, HAS_BIAS=bias is not None, GATED=gated,
         INPUT_PRECISION=dot_precision(x.dtype),
     )

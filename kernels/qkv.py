@@ -13,6 +13,9 @@
 # atomics, so dbias is reproducible; in fp64, a few conversions in a memory-bound pass, so the only
 # error left is the final rounding); the two matmuls are cuBLAS's.
 #
+# The bias is optional (None: no bias in the epilogue and no column sums in the backward; ModernBERT's Wqkv
+# has none).
+#
 # Limits: fp32, fp16, bf16; hidden size H >= 1 divisible by num_heads; any number of tokens; x of
 # any strides (a [B, S, H] whose B and S do not merge is copied by reshape). Offsets are int64.
 # Sources: Megatron-LM's fused QKV layout, flash-attention's qkv-packed interface.
@@ -32,10 +35,11 @@ _MAX_BLOCK_N = 256
 def _qkv_bwd_kernel(
     grad_ptr,  # [B, heads, S, d]: dq, dk or dv (packed tokens: [1, heads, T, d])
     dqkv_ptr,  # [M, 3H] contiguous; this launch fills columns [col_offset, col_offset + H)
-    dbias_partial_ptr,  # [num_row_groups, 3H] fp64: column sums of dqkv over each group's rows
+    dbias_partial_ptr,  # [num_row_groups, 3H] fp64: column sums of dqkv over each group's rows (SUM_COLUMNS)
     M, H, seqlen, col_offset, rows_per_group,
     stride_b, stride_h, stride_s, stride_d,
     HEAD_DIM: tl.constexpr,
+    SUM_COLUMNS: tl.constexpr,  # False without a bias: nothing to sum
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # dQKV[m, col_offset + c] = grad[m // S, c // d, m % S, c % d];  dbias[col_offset + c] = sum_m of it.
@@ -52,11 +56,13 @@ def _qkv_bwd_kernel(
         row_off = (rows // seqlen) * stride_b + (rows % seqlen) * stride_s  # [BLOCK_M]
         g = tl.load(grad_ptr + row_off[:, None] + col_off[None, :], mask=mask, other=0.0)
         tl.store(dqkv_ptr + rows[:, None] * (3 * H) + col_offset + cols[None, :], g, mask=mask)
-        dbias += tl.sum(cast(g, tl.float64), axis=0)
-    tl.store(dbias_partial_ptr + group * (3 * H) + col_offset + cols, dbias, mask=col_mask)
+        if SUM_COLUMNS:
+            dbias += tl.sum(cast(g, tl.float64), axis=0)
+    if SUM_COLUMNS:
+        tl.store(dbias_partial_ptr + group * (3 * H) + col_offset + cols, dbias, mask=col_mask)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, num_heads: int) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int) -> None:
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be [B, S, H] or [T, H], got shape {tuple(x.shape)}")
     hidden = x.shape[-1]
@@ -66,10 +72,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, num_heads:
         raise ValueError(f"num_heads ({num_heads}) must be positive and divide the hidden size {hidden}")
     if tuple(weight.shape) != (3 * hidden, hidden):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {(3 * hidden, hidden)}")
-    if tuple(bias.shape) != (3 * hidden,):
+    if bias is not None and tuple(bias.shape) != (3 * hidden,):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(3 * hidden,)}")
     for name, t in (("weight", weight), ("bias", bias)):
-        if t.dtype != x.dtype or t.device != x.device:
+        if t is not None and (t.dtype != x.dtype or t.device != x.device):
             raise ValueError(f"{name} is {t.dtype} on {t.device}, expected x's {x.dtype} on {x.device}")
 
 
@@ -79,10 +85,11 @@ def _heads_view(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 4 else t.unsqueeze(0).transpose(1, 2)
 
 
-def qkv_projection_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, num_heads: int) -> torch.Tensor:
+def qkv_projection_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       num_heads: int) -> torch.Tensor:
     """x [B, S, H] -> qkv [3, B, heads, S, d]; x [T, H] -> qkv [3, T, heads, d]; contiguous.
 
-    weight [3H, H] (query, key, value rows in that order), bias [3H], one dtype; x any strides.
+    weight [3H, H] (query, key, value rows in that order), bias [3H] or None, one dtype; x any strides.
     Raises ValueError on mismatched shapes or dtypes.
     """
     _check(x, weight, bias, num_heads)
@@ -99,8 +106,9 @@ def qkv_projection_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor,
-                       weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv shaped like q, k, v (any strides) -> (dx like x, dweight [3H, H], dbias [3H])."""
+                       weight: torch.Tensor, has_bias: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv shaped like q, k, v (any strides) -> (dx like x, dweight [3H, H], dbias [3H]; an empty [0]
+    dbias without has_bias)."""
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)
     rows = x2.shape[0]
@@ -111,24 +119,25 @@ def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: 
                              f"{x.dtype} {tuple(x.shape)}")
     dqkv = x.new_empty((rows, 3 * hidden))
     if rows == 0:
-        return torch.zeros_like(x), torch.zeros_like(weight), x.new_zeros(3 * hidden)
+        return torch.zeros_like(x), torch.zeros_like(weight), x.new_zeros(3 * hidden if has_bias else 0)
     block_n = min(triton.next_power_of_2(hidden), _MAX_BLOCK_N)
     block_m = _TILE_ELEMENTS // block_n
     col_blocks = triton.cdiv(hidden, block_n)
     groups, rows_per_group = row_groups(rows, 3 * col_blocks, block_m, x.device)  # 3 launches share the GPU
-    partial = torch.empty((groups, 3 * hidden), dtype=torch.float64, device=x.device)
+    partial = torch.empty((groups, 3 * hidden) if has_bias else (0,), dtype=torch.float64, device=x.device)
     for which, g in enumerate(grads):
         _qkv_bwd_kernel[(groups, col_blocks)](
             g, dqkv, partial, rows, hidden, g.shape[2], which * hidden, rows_per_group, *g.stride(),
-            HEAD_DIM=g.shape[3], BLOCK_M=block_m, BLOCK_N=block_n)
+            HEAD_DIM=g.shape[3], SUM_COLUMNS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n)
     dx = (dqkv @ weight).view(x.shape)
-    return dx, dqkv.t() @ x2, partial.sum(dim=0).to(x.dtype)
+    return dx, dqkv.t() @ x2, partial.sum(dim=0).to(x.dtype) if has_bias else partial.to(x.dtype)
 
 
 # ---- custom ops: autograd and fake registrations so torch.compile traces through them ----
 
 @torch.library.custom_op("fastbert::qkv_projection", mutates_args=())
-def _qkv_projection_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _qkv_projection_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       num_heads: int) -> torch.Tensor:
     return qkv_projection_fwd(x, weight, bias, num_heads)
 
 
@@ -142,13 +151,13 @@ def _(x, weight, bias, num_heads):
 
 @torch.library.custom_op("fastbert::qkv_projection_bwd", mutates_args=())
 def _qkv_projection_bwd_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor,
-                           weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return qkv_projection_bwd(dq, dk, dv, x, weight)
+                           weight: torch.Tensor, has_bias: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return qkv_projection_bwd(dq, dk, dv, x, weight, has_bias)
 
 
 @_qkv_projection_bwd_op.register_fake
-def _(dq, dk, dv, x, weight):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty(weight.shape[:1])
+def _(dq, dk, dv, x, weight, has_bias=True):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty(weight.shape[:1] if has_bias else (0,))
 
 
 class _QKVProjection(torch.autograd.Function):
@@ -158,20 +167,21 @@ class _QKVProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, num_heads):
         ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
         return _qkv_projection_op(x, weight, bias, num_heads).unbind(0)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         x, weight = ctx.saved_tensors
-        dx, dweight, dbias = _qkv_projection_bwd_op(dq, dk, dv, x, weight)
-        return dx, dweight, dbias, None
+        dx, dweight, dbias = _qkv_projection_bwd_op(dq, dk, dv, x, weight, ctx.has_bias)
+        return dx, dweight, dbias if ctx.has_bias else None, None
 
 
-def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, num_heads: int):
+def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int):
     """x [B, S, H] -> (q, k, v) each [B, heads, S, H/heads]; x [T, H] -> each [T, heads, H/heads].
 
     Contiguous outputs (three slices of one buffer), differentiable in x, weight and bias.
-    weight [3H, H], bias [3H]. Raises ValueError on mismatched shapes, dtypes or num_heads.
+    weight [3H, H], bias [3H] or None. Raises ValueError on mismatched shapes, dtypes or num_heads.
     """
     _check(x, weight, bias, num_heads)
     return _QKVProjection.apply(x, weight, bias, num_heads)
