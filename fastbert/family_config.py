@@ -115,5 +115,92 @@ class DistilBertConfig(BertConfig):
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
 
+
+
+# ModernBERT's config.json names -> BertConfig's (the fields the two share)
+MODERNBERT_NAMES = {"hidden_activation": "hidden_act", "norm_eps": "layer_norm_eps"}
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+
+
+class ModernBertConfig(BertConfig):
+    """ModernBERT (Warner et al., 2024): pre-LayerNorm without biases, rotary positions, a GeGLU feed-forward,
+    global attention every global_attn_every_n_layers-th layer and a sliding window of local_attention tokens
+    (|i - j| <= local_attention / 2) on the others. transformers' names and defaults; its config.json's
+    global_rope_theta / local_rope_theta (older checkpoints) or rope_parameters (transformers 5) both read.
+    Always unpadded (unpad=True)."""
+
+    model_type = "modernbert"
+    architecture = "ModernBERT"
+    defaults = {"vocab_size": 50368, "hidden_size": 768, "intermediate_size": 1152, "num_hidden_layers": 22,
+                "max_position_embeddings": 8192, "layer_norm_eps": 1e-5, "pad_token_id": 50283,
+                "eos_token_id": 50282, "bos_token_id": 50281, "cls_token_id": 50281, "sep_token_id": 50282,
+                "type_vocab_size": 0, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+                "classifier_dropout": 0.0, "initializer_cutoff_factor": 2.0, "norm_bias": False,
+                "attention_bias": False, "attention_dropout": 0.0, "local_attention": 128, "embedding_dropout": 0.0,
+                "mlp_bias": False, "mlp_dropout": 0.0, "decoder_bias": True, "classifier_pooling": "cls",
+                "classifier_bias": False, "classifier_activation": "gelu", "deterministic_flash_attn": False,
+                "sparse_prediction": False, "sparse_pred_ignore_index": -100, "layer_types": None,
+                "rope_parameters": None, "unpad": True}
+    absent_fields = ("type_vocab_size", "hidden_dropout_prob", "attention_probs_dropout_prob")
+
+    def __init__(self, **kwargs: Any):
+        every = kwargs.pop("global_attn_every_n_layers", 3)
+        global_theta = kwargs.pop("global_rope_theta", 160000.0)
+        local_theta = kwargs.pop("local_rope_theta", 10000.0)
+        super().__init__(**self.from_hf_names(kwargs))
+        if self.layer_types is None:
+            self.layer_types = [FULL_ATTENTION if i % every == 0 else SLIDING_ATTENTION
+                                for i in range(self.num_hidden_layers)]
+        if self.rope_parameters is None:
+            self.rope_parameters = {SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": local_theta},
+                                    FULL_ATTENTION: {"rope_type": "default", "rope_theta": global_theta}}
+
+    def convert_rope_params_to_dict(self, **kwargs: Any) -> dict[str, Any]:
+        """transformers' PreTrainedConfig would flatten rope_parameters to one layer type here; __init__ above
+        reads ModernBERT's two."""
+        return kwargs
+
+    @classmethod
+    def from_hf_names(cls, values: dict[str, Any]) -> dict[str, Any]:
+        return {MODERNBERT_NAMES.get(k, k): v for k, v in values.items()}
+
+    def to_hf_names(self, values: dict[str, Any]) -> dict[str, Any]:
+        ours = {v: k for k, v in MODERNBERT_NAMES.items()}
+        return {ours.get(k, k): v for k, v in values.items()}
+
+    def __getattr__(self, name: str):
+        if name in MODERNBERT_NAMES:  # transformers' spelling, only reached for names the instance lacks
+            return getattr(self, MODERNBERT_NAMES[name])
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    @property
+    def sliding_window(self) -> int:
+        """A local layer's half window: keys with |i - j| <= sliding_window (transformers' own attribute)."""
+        return self.local_attention // 2
+
+    def layer_rope_base(self, layer: int) -> float:
+        return float(self.rope_parameters[self.layer_types[layer]]["rope_theta"])
+
+    def layer_window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+
+    def validate(self) -> None:
+        super().validate()
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {FULL_ATTENTION,
+                                                                                           SLIDING_ATTENTION}:
+            raise ValueError(f"ModernBertConfig.layer_types must hold num_hidden_layers={self.num_hidden_layers} "
+                             f"of {FULL_ATTENTION!r} / {SLIDING_ATTENTION!r}, got {self.layer_types!r}")
+        for layer_type, parameters in self.rope_parameters.items():
+            if parameters.get("rope_type", "default") != "default":
+                raise ValueError(f"ModernBertConfig.rope_parameters[{layer_type!r}] rope_type "
+                                 f"{parameters['rope_type']!r} is not supported: fastbert rotates with the default "
+                                 "RoPE")
+        if self.classifier_activation not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"ModernBertConfig.classifier_activation must be a GELU, got "
+                             f"{self.classifier_activation!r}")
+        if not self.unpad:
+            raise ValueError("ModernBertConfig.unpad must be True: fastbert always runs ModernBERT unpadded")
+
+
 FAMILY_CONFIGS = (BertConfig, RobertaConfig, XLMRobertaConfig, CamembertConfig, ElectraConfig, MPNetConfig,
-                  DistilBertConfig)
+                  DistilBertConfig, ModernBertConfig)
