@@ -59,12 +59,13 @@ def is_plain_linear(module: nn.Module) -> bool:
     return is_unhooked(module, nn.Linear)
 
 
-def _gelu_linear(dense: nn.Module, hidden: torch.Tensor, config: BertConfig) -> torch.Tensor:
-    """gelu(dense(hidden)): fused with the matmul for a plain Linear, else after calling the module."""
+def _gelu_linear(dense: nn.Module, hidden: torch.Tensor, config: BertConfig, approximate: str | None = None):
+    """gelu(dense(hidden)): fused with the matmul for a plain Linear, else after calling the module.
+    approximate: GELU's form, config.gelu_approximate unless given."""
+    approximate = config.gelu_approximate if approximate is None else approximate
     if is_plain_linear(dense) and dense.bias is not None:
-        return ops.linear_bias_gelu(hidden, dense.weight, dense.bias, config.gelu_approximate,
-                                    backend=config.backend)
-    return F.gelu(dense(hidden), approximate=config.gelu_approximate)
+        return ops.linear_bias_gelu(hidden, dense.weight, dense.bias, approximate, backend=config.backend)
+    return F.gelu(dense(hidden), approximate=approximate)
 
 
 class BertEmbeddings(nn.Module):
@@ -566,9 +567,9 @@ class BertPredictionHeadTransform(nn.Module):
         return gelu_dense_norm(self.config, self.dense, self.LayerNorm, hidden)
 
 
-def gelu_dense_norm(config: BertConfig, dense: nn.Module, norm: nn.LayerNorm, hidden):
-    """norm(gelu(dense(hidden))): the transform of the family's masked-LM heads."""
-    hidden = _gelu_linear(dense, hidden, config)
+def gelu_dense_norm(config: BertConfig, dense: nn.Module, norm: nn.LayerNorm, hidden, approximate: str | None = None):
+    """norm(gelu(dense(hidden))): the transform of the family's masked-LM heads (GELU's form as _gelu_linear)."""
+    hidden = _gelu_linear(dense, hidden, config, approximate)
     return ops.layer_norm(hidden, norm.weight, norm.bias, config.layer_norm_eps, backend=config.backend,
                           save=config.layer_norm_backward)
 
@@ -885,29 +886,35 @@ class BertForSequenceClassification(BertPreTrainedModel):
                          output_hidden_states=output_hidden_states, output_attentions=output_attentions,
                          return_dict=True, validate=validate, **kwargs)
         logits = self.classifier(self.dropout(base.pooler_output))  # [B, num_labels]
-        loss = None
-        if labels is not None:
-            if self.config.problem_type is None:
-                if self.num_labels == 1:
-                    self.config.problem_type = "regression"
-                elif not labels.is_floating_point():
-                    self.config.problem_type = "single_label_classification"
-                else:
-                    self.config.problem_type = "multi_label_classification"
-            if self.config.problem_type == "regression":
-                loss = F.mse_loss(logits.squeeze(-1), labels.to(logits.dtype).reshape(logits.shape[:1]))
-            elif self.config.problem_type == "single_label_classification":
-                check_labels("labels", labels.reshape(-1), logits.shape[:1], self.num_labels, "num_labels",
-                             validate)
-                loss = F.cross_entropy(logits, labels.reshape(-1))
-            else:
-                if tuple(labels.shape) != tuple(logits.shape):
-                    raise ValueError(f"labels has shape {tuple(labels.shape)}, expected {tuple(logits.shape)} "
-                                     "for multi-label classification")
-                loss = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
+        loss = sequence_classification_loss(self.config, logits, labels, validate)
         result = outputs.SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=base.hidden_states,
                                                   attentions=base.attentions)
         return self._outputs(result, return_dict)
+
+
+def sequence_classification_loss(config: BertConfig, logits, labels, validate: bool):
+    """The loss transformers chooses by config.problem_type (set from the first labels it sees, as
+    transformers does): MSE for one label, cross entropy for integer labels, BCE-with-logits for float
+    multi-labels; None without labels. logits [B, num_labels]."""
+    if labels is None:
+        return None
+    num_labels = logits.shape[-1]
+    if config.problem_type is None:
+        if num_labels == 1:
+            config.problem_type = "regression"
+        elif not labels.is_floating_point():
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+    if config.problem_type == "regression":
+        return F.mse_loss(logits.squeeze(-1), labels.to(logits.dtype).reshape(logits.shape[:1]))
+    if config.problem_type == "single_label_classification":
+        check_labels("labels", labels.reshape(-1), logits.shape[:1], num_labels, "num_labels", validate)
+        return F.cross_entropy(logits, labels.reshape(-1))
+    if tuple(labels.shape) != tuple(logits.shape):
+        raise ValueError(f"labels has shape {tuple(labels.shape)}, expected {tuple(logits.shape)} "
+                         "for multi-label classification")
+    return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
 
 
 class BertForTokenClassification(BertPreTrainedModel):
@@ -929,17 +936,23 @@ class BertForTokenClassification(BertPreTrainedModel):
                          output_hidden_states=output_hidden_states, output_attentions=output_attentions,
                          return_dict=True, validate=validate, **kwargs)
         logits = self.classifier(self.dropout(base.last_hidden_state))  # [B, S, num_labels]
-        check_labels("labels", labels, logits.shape[:2], self.num_labels, "num_labels", validate)
-        loss = None
-        if labels is not None:
-            mask = key_padding_mask(attention_mask, validate=False)
-            if mask is not None:
-                labels = labels.masked_fill(~mask.bool(), IGNORE_INDEX)
-            loss = F.cross_entropy(logits.reshape(-1, self.num_labels), labels.reshape(-1),
-                                   ignore_index=IGNORE_INDEX)
+        loss = token_classification_loss(logits, labels, attention_mask, validate)
         result = outputs.TokenClassifierOutput(loss=loss, logits=logits, hidden_states=base.hidden_states,
                                                attentions=base.attentions)
         return self._outputs(result, return_dict)
+
+
+def token_classification_loss(logits, labels, attention_mask, validate: bool):
+    """Cross entropy of logits [B, S, num_labels] over labels [B, S] (-100 ignored), padding never a token
+    whatever its label; None without labels."""
+    num_labels = logits.shape[-1]
+    check_labels("labels", labels, logits.shape[:2], num_labels, "num_labels", validate)
+    if labels is None:
+        return None
+    mask = key_padding_mask(attention_mask, validate=False)
+    if mask is not None:
+        labels = labels.masked_fill(~mask.bool(), IGNORE_INDEX)
+    return F.cross_entropy(logits.reshape(-1, num_labels), labels.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
 def _refuse_packed(name: str, kwargs: dict) -> None:
