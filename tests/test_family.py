@@ -181,3 +181,18 @@ def test_other_configurations_equal_transformers(arch, overrides, seq):
     grads = dict(ours.named_parameters())
     for name, param in theirs.named_parameters():
         torch.testing.assert_close(grads[name].grad, param.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"d {name}: {m}")
+
+
+@pytest.mark.parametrize("arch", [arch for arch in ARCHITECTURES if arch != "mpnet"])  # transformers' MPNet has none
+def test_gradient_checkpointing_enable_reaches_fastbert(arch):
+    theirs = hf_model(arch, "ForSequenceClassification").train()
+    ours = fastbert.apply(copy.deepcopy(theirs))
+    ours.gradient_checkpointing_enable()
+    fast = vars(ours.base_model)[ACCELERATED]
+    assert getattr(fast, fast.encoder_name).gradient_checkpointing
+    inputs = head_inputs(theirs.config, "ForSequenceClassification")
+    theirs(**inputs).loss.backward()
+    ours(**inputs).loss.backward()
+    grads = dict(ours.named_parameters())
+    for name, param in theirs.named_parameters():
+        torch.testing.assert_close(grads[name].grad, param.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"d {name}: {m}")
