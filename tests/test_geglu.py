@@ -1,0 +1,244 @@
+"""The GeGLU FFN (issue 20, ModernBERT): kernels/ffn.py gated, (gelu(a) * b) @ w2.T + b2 with [a, b] = x @ w1.T
++ b1, against a float64 reference with the tolerance rule in fp32 / fp16 / bf16 (odd sizes, with and without
+biases, both GELUs, recompute_pre, non-contiguous inputs), equal to transformers' ModernBertMLP on the same
+tensors, determinism, torch.compile, the ops dispatch and its argument checks; and the bias-less projections
+(qkv_projection and feed_forward with bias None) on both paths. What the GeGLU saves for the backward is
+counted in tests/test_saved_tensors.py."""
+import pytest
+import torch
+from tolerance import GRADIENT_FACTOR, assert_within_rule
+
+from fastbert import ops, reference
+from fastbert.kernels import bias_gelu, ffn as kernel
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+NAMES = ["dx", "dw1", "db1", "dw2", "db2"]
+
+
+def _inputs(rows, hidden, inner, dtype, seed=0, with_bias=True, gated=True):
+    """x [rows, hidden], w1 [2 * inner, hidden] ([inner, hidden] not gated), b1, w2 [hidden, inner], b2 (None
+    without bias), scaled so the pre-activation is O(1)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype)
+
+    projected = 2 * inner if gated else inner
+    w1, b1 = randn(projected, hidden, scale=hidden ** -0.5), randn(projected)
+    w2, b2 = randn(hidden, inner, scale=inner ** -0.5), randn(hidden)
+    return [randn(rows, hidden), w1, b1 if with_bias else None, w2, b2 if with_bias else None]
+
+
+def _run(fn, inputs, grad_out):
+    """fn(*inputs) and the gradients of <fn(...), grad_out> w.r.t. every input that is not None."""
+    leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad_out.to(out.dtype))
+    return out.detach(), [None if t is None else t.grad for t in leaves]
+
+
+def _check_against_reference(fn, inputs, grad_out, approximate, ref=reference.feed_forward_geglu):
+    out, grads = _run(fn, inputs, grad_out)
+    exact = [None if t is None else t.double() for t in inputs]
+    torch_out, torch_grads = _run(lambda *t: ref(*t, approximate), inputs, grad_out)
+    exact_out, exact_grads = _run(lambda *t: ref(*t, approximate), exact, grad_out.double())
+    assert out.dtype == inputs[0].dtype
+    assert_within_rule("forward", out, torch_out, exact_out)
+    for name, g, tg, eg in zip(NAMES, grads, torch_grads, exact_grads):
+        assert (g is None) == (tg is None), name
+        if g is not None:
+            assert_within_rule(name, g, tg, eg, GRADIENT_FACTOR)
+
+
+@pytest.mark.parametrize("recompute_pre", [False, True], ids=["keep_pre", "recompute_pre"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows, hidden, inner, approximate, with_bias",
+                         [(1, 64, 96, "none", False), (7, 37, 29, "tanh", True), (37, 129, 97, "none", True),
+                          (37, 48, 300, "tanh", False)])
+def test_matches_reference(rows, hidden, inner, approximate, with_bias, dtype, recompute_pre, device):
+    """Odd sizes: I not a multiple of any tile (the gate half then starts mid-tile in w1), K below and above
+    one BLOCK_K."""
+    inputs = _inputs(rows, hidden, inner, dtype, seed=rows, with_bias=with_bias)
+    grad_out = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows + 1)).to(dtype)
+    _check_against_reference(lambda *t: kernel.feed_forward_geglu(*t, approximate, recompute_pre), inputs,
+                             grad_out, approximate)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_noncontiguous_inputs(dtype, device):
+    """x [B, S, H] transposed from [S, B, H], column-major weights, biases read every other element, a
+    strided output gradient."""
+    x, w1, b1, w2, b2 = _inputs(3 * 37, 64, 80, dtype, seed=5)
+    inputs = [x.view(37, 3, 64).transpose(0, 1), w1.t().contiguous().t(), torch.stack([b1, b1], 1)[:, 0],
+              w2.t().contiguous().t(), torch.stack([b2, b2], 1)[:, 0]]
+    assert not any(t.is_contiguous() for t in inputs)
+    grad_out = torch.randn(3, 37, 128, generator=torch.Generator().manual_seed(6)).to(dtype)[..., ::2]
+    _check_against_reference(lambda *t: kernel.feed_forward_geglu(*t, "none"), inputs, grad_out, "none")
+
+
+@pytest.mark.parametrize("mlp_bias", [False, True], ids=["no_bias", "bias"])
+def test_equals_transformers_modernbert_mlp(mlp_bias, device):
+    """transformers' ModernBertMLP (Wi -> chunk(2) -> gelu(input) * gate -> Wo, dropout 0) on the same weights:
+    the reference path gives its output and gradients bit for bit, the Triton path within the rule against it
+    in float64, in fp32 and bf16."""
+    from transformers import ModernBertConfig
+    from transformers.models.modernbert.modeling_modernbert import ModernBertMLP
+
+    config = ModernBertConfig(hidden_size=64, intermediate_size=96, mlp_bias=mlp_bias, hidden_activation="gelu",
+                              mlp_dropout=0.0)
+    torch.manual_seed(7)
+    mlp = ModernBertMLP(config).eval()
+    params = [mlp.Wi.weight, mlp.Wi.bias, mlp.Wo.weight, mlp.Wo.bias]
+    x = torch.randn(2, 37, 64)
+    grad_out = torch.randn(2, 37, 64)
+
+    def grads_of(fn, x_in, g_in):
+        leaf = x_in.detach().requires_grad_()
+        out = fn(leaf)
+        present = [p for p in params if p is not None]
+        grads = torch.autograd.grad(out, [leaf] + present, g_in)
+        return out.detach(), grads
+
+    mlp_out, mlp_grads = grads_of(mlp, x, grad_out)
+    ref_out, ref_grads = grads_of(lambda t: ops.feed_forward_geglu(t, *params, backend="torch"), x, grad_out)
+    assert torch.equal(ref_out, mlp_out) and all(torch.equal(a, b) for a, b in zip(ref_grads, mlp_grads))
+    for dtype in (torch.float32, torch.bfloat16):
+        mlp.to(dtype)
+        params = [mlp.Wi.weight, mlp.Wi.bias, mlp.Wo.weight, mlp.Wo.bias]
+        out, grads = grads_of(lambda t: ops.feed_forward_geglu(t, *params, backend="triton"), x.to(dtype),
+                              grad_out.to(dtype))
+        torch_out, torch_grads = grads_of(mlp, x.to(dtype), grad_out.to(dtype))
+        mlp.double()
+        params = [mlp.Wi.weight, mlp.Wi.bias, mlp.Wo.weight, mlp.Wo.bias]
+        exact_out, exact_grads = grads_of(mlp, x.double(), grad_out.double())
+        assert_within_rule(f"{dtype} output", out, torch_out, exact_out)
+        for name, g, tg, eg in zip(NAMES, grads, torch_grads, exact_grads):
+            assert_within_rule(f"{dtype} {name}", g, tg, eg, GRADIENT_FACTOR)
+
+
+def test_recompute_pre_gives_bitwise_equal_gradients(device):
+    """The backward reruns the forward's gated epilogue matmul on the same inputs: the same h, hence the
+    same gradients, on the kernel path and on the reference's checkpoint."""
+    inputs = _inputs(97, 64, 96, torch.bfloat16, seed=8, with_bias=False)
+    grad_out = torch.randn(97, 64, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    for backend in ("triton", "torch"):
+        kept, recomputed = (_run(lambda *t: ops.feed_forward_geglu(*t, "tanh", recompute_pre=flag, backend=backend),
+                                 inputs, grad_out) for flag in (False, True))
+        assert torch.equal(kept[0], recomputed[0])
+        assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(kept[1], recomputed[1])), backend
+
+
+def test_deterministic(device):
+    inputs = _inputs(113, 64, 96, torch.float16, seed=10)
+    grad_out = torch.randn(113, 64, generator=torch.Generator().manual_seed(11)).to(torch.float16)
+    first, second = (_run(lambda *t: kernel.feed_forward_geglu(*t, "none"), inputs, grad_out) for _ in range(2))
+    assert torch.equal(first[0], second[0])
+    assert all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
+
+
+def test_gated_elementwise_kernels(device):
+    """bias_gelu.py's GATED kernels alone: geglu_fwd is gelu(a) * b, geglu_bwd gives [dg * b * gelu'(a),
+    dg * gelu(a)] and their column sums (None without sum_columns), against float64 autograd within the rule;
+    h strided (a column slice)."""
+    generator = torch.Generator().manual_seed(12)
+    for dtype in DTYPES:
+        h = torch.randn(37, 2 * 301, generator=generator).to(dtype)
+        h = torch.cat([h, h], dim=1)[:, :2 * 301]
+        dg = torch.randn(37, 301, generator=generator).to(dtype)
+
+        def torch_geglu(t):
+            a, b = t.chunk(2, dim=-1)
+            return torch.nn.functional.gelu(a) * b
+
+        def grads(fn, t, g):
+            leaf = t.detach().requires_grad_()
+            out = fn(leaf)
+            return out.detach(), torch.autograd.grad(out, leaf, g)[0]
+
+        torch_y, torch_dh = grads(torch_geglu, h, dg)
+        exact_y, exact_dh = grads(torch_geglu, h.double(), dg.double())
+        assert_within_rule(f"{dtype} y", bias_gelu.geglu_fwd(h), torch_y, exact_y)
+        dh, sums = bias_gelu.geglu_bwd(dg, h)
+        assert_within_rule(f"{dtype} dh", dh, torch_dh, exact_dh, GRADIENT_FACTOR)
+        assert_within_rule(f"{dtype} sums", sums, torch_dh.sum(0), exact_dh.sum(0), GRADIENT_FACTOR)
+        unsummed, none = bias_gelu.geglu_bwd(dg, h, sum_columns=False)
+        assert none is None and torch.equal(unsummed, dh)
+
+
+def test_torch_compile(device):
+    """aot_eager traces forward and backward through the fake registrations: the eager bits."""
+    inputs = [t.requires_grad_() for t in _inputs(7, 64, 96, torch.float32, seed=13, with_bias=False)
+              if t is not None]
+
+    def block(x, w1, w2):
+        return kernel.feed_forward_geglu(x, w1, None, w2, None, "tanh").square().sum()
+
+    torch._dynamo.reset()
+    torch.compile(block, backend="aot_eager", fullgraph=True)(*inputs).backward()
+    compiled = [t.grad.clone() for t in inputs]
+    for t in inputs:
+        t.grad = None
+    block(*inputs).backward()
+    assert all(torch.equal(c, t.grad) for c, t in zip(compiled, inputs))
+
+
+def test_ops_dispatch_and_bad_inputs(device):
+    x, w1, b1, w2, b2 = _inputs(7, 64, 96, torch.float32, seed=14)
+    assert torch.equal(ops.feed_forward_geglu(x, w1, b1, w2, b2, backend="triton"),
+                       kernel.feed_forward_geglu(x, w1, b1, w2, b2))
+    assert torch.equal(ops.feed_forward_geglu(x, w1, b1, w2, b2, backend="torch"),
+                       reference.feed_forward_geglu(x, w1, b1, w2, b2))
+    for args, message in [((x, w1[:, :60], b1, w2, b2), "w1 has last dimension 60"),
+                          ((x, w1[:191], b1, w2, b2), "w1 has 191 rows"),
+                          ((x, w1, b1[:9], w2, b2), "b1 has last dimension 9"),
+                          ((x, w1, b1, torch.cat([w2, w2], 1), b2), r"w2 has last dimension 192, expected 96"),
+                          ((x, w1, b1, w2, b2[:3]), "b2 has last dimension 3")]:
+        for backend in ("triton", "torch"):
+            with pytest.raises(ValueError, match=message):
+                ops.feed_forward_geglu(*args, backend=backend)
+    with pytest.raises(ValueError, match="approximate must be one of"):
+        ops.feed_forward_geglu(x, w1, b1, w2, b2, "sigmoid", backend="triton")
+    with pytest.raises(ValueError, match="w1 has 191 rows"):
+        kernel.feed_forward_geglu(x, w1[:191], None, w2, None)
+    with pytest.raises(ValueError, match="b1 has dtype torch.float16"):
+        kernel.feed_forward_geglu(x, w1, b1.half(), w2, b2)
+
+
+# ---- the bias-less projections ----
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_feed_forward_without_biases(dtype, device):
+    """BERT's FFN with b1 = b2 = None: within the rule, both recompute settings, no bias gradients."""
+    inputs = _inputs(37, 48, 97, dtype, seed=15, with_bias=False, gated=False)
+    grad_out = torch.randn(37, 48, generator=torch.Generator().manual_seed(16)).to(dtype)
+    for recompute_pre in (False, True):
+        _check_against_reference(lambda *t: ops.feed_forward(*t, "tanh", recompute_pre, backend="triton"), inputs,
+                                 grad_out, "tanh", ref=reference.feed_forward)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_qkv_projection_without_bias(packed, dtype, device):
+    """qkv_projection(bias=None): q, k, v and dx, dweight within the rule against the reference; no bias
+    gradient; the torch path takes None too."""
+    generator = torch.Generator().manual_seed(17)
+    shape = (37, 96) if packed else (3, 7, 96)
+    x = torch.randn(*shape, generator=generator).to(dtype)
+    weight = (torch.randn(288, 96, generator=generator) * 96 ** -0.5).to(dtype)
+    grads_out = [torch.randn(*shape[:-1], 96, generator=generator).to(dtype) for _ in range(3)]
+
+    def run(backend, x_in, w_in):
+        x_leaf, w_leaf = x_in.detach().requires_grad_(), w_in.detach().requires_grad_()
+        q, k, v = ops.qkv_projection(x_leaf, w_leaf, None, 6, backend=backend)
+        outs = [t.transpose(-3, -2) if not packed else t for t in (q, k, v)]  # [..., S, heads, d]
+        outs = [t.reshape(*shape[:-1], 96) for t in outs]
+        loss = sum((o.double() * g.double()).sum() for o, g in zip(outs, grads_out))
+        return [o.detach() for o in outs], torch.autograd.grad(loss, [x_leaf, w_leaf])
+
+    outs, grads = run("triton", x, weight)
+    torch_outs, torch_grads = run("torch", x, weight)
+    exact_outs, exact_grads = run("torch", x.double(), weight.double())
+    for name, o, t, e in zip("qkv", outs, torch_outs, exact_outs):
+        assert_within_rule(name, o, t, e)
+    for name, g, t, e in zip(("dx", "dweight"), grads, torch_grads, exact_grads):
+        assert_within_rule(name, g, t, e, GRADIENT_FACTOR)
