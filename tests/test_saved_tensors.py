@@ -1,6 +1,8 @@
 """What the Triton path keeps for the backward, counted with torch.autograd.graph.saved_tensors_hooks (each
 storage once) on CPU under Triton's interpreter (issue 18's reductions): one BertLayer keeps Q, K and V once,
-in the QKV projection's own buffer, and BertForPreTraining's MLM head keeps no [tokens, vocab] tensor."""
+in the QKV projection's own buffer, and BertForPreTraining's MLM head keeps no [tokens, vocab] tensor; and, for
+ModernBERT (issue 20), each LayerNorm variant (no bias, return_residual) and the GeGLU FFN keep what their kernels'
+headers say, to the byte."""
 import pytest
 import torch
 
@@ -109,3 +111,68 @@ def test_no_dropout_mask_is_kept(head, device):
     # per layer the attention and both sublayer outputs' dropouts, then the embeddings' and the head's
     assert len(seeds) == 3 * CONFIG.num_hidden_layers + 2
     out.loss.backward()
+
+
+def _saved_bytes(fn):
+    """fn()'s result and {storage pointer: (bytes, shape)} of what autograd saved while it ran, each storage once."""
+    out, saved = _saved_tensors(fn)
+    return out, {_storage(t): (t.untyped_storage().nbytes(), tuple(t.shape)) for t in saved}
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+@pytest.mark.parametrize("save", ["output", "input"])
+@pytest.mark.parametrize("return_residual", [False, True], ids=["normed", "return_residual"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+def test_layer_norm_saves_by_variant(with_bias, return_residual, save, dropout_p, device):
+    """The pre-LN LayerNorm (issue 20) keeps, besides weight, bias (when there is one) and the int64 seed
+    (with dropout): save="output" y, rstd and the side buffer whether or not summed is returned;
+    save="input" x, the residual, mean and rstd, or with return_residual summed (one activation) instead
+    of x and the residual. Counted in bytes, bf16 activations and fp32 statistics."""
+    from fastbert.kernels import layer_norm as ln
+
+    rows, hidden, element = 37, 96, 2
+    generator = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(rows, hidden, generator=generator).bfloat16().to(device).requires_grad_()
+                   for _ in range(2))
+    weight = torch.ones(hidden, device=device, requires_grad=True)
+    bias = torch.zeros(hidden, device=device, requires_grad=True) if with_bias else None
+    out, saved = _saved_bytes(lambda: ln.layer_norm(x, weight, bias, 1e-5, residual, dropout_p, True, save=save,
+                                                    return_residual=return_residual))
+    activation, stats = rows * hidden * element, rows * 4
+    if save == "output":
+        expected = activation + stats + rows * ln.SIDE_COLUMNS * 4
+    else:
+        expected = (1 if return_residual else 2) * activation + 2 * stats
+    expected += hidden * 4 * (2 if with_bias else 1) + (8 if dropout_p else 0)
+    assert sum(size for size, _ in saved.values()) == expected, sorted(saved.values())
+    if return_residual and save == "input":
+        assert _storage(out[1]) in saved and not {_storage(x), _storage(residual)} & set(saved)
+    normed, summed = out if return_residual else (out, None)
+    loss = normed.float().sum() + (0 if summed is None else summed.float().square().sum())
+    loss.backward()  # the backward runs from what was kept
+    assert x.grad is not None and residual.grad is not None and (bias is None or bias.grad is not None)
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("recompute_pre", [False, True], ids=["keep_pre", "recompute_pre"])
+def test_geglu_keeps_both_halves_of_the_pre_activation_not_its_output(recompute_pre, with_bias, device):
+    """The GeGLU FFN keeps x, w1, w2 and h [M, 2I] (both halves, one storage), never the [M, I] GeGLU output;
+    with recompute_pre x, w1, w2 and b1 (when there is one) and nothing of [M, I] or [M, 2I]."""
+    from fastbert.kernels import ffn
+
+    rows, hidden, inner = 50, 64, 96
+    generator = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return (torch.randn(*shape, generator=generator) * 0.1).bfloat16().to(device).requires_grad_()
+
+    x, w1, b1, w2, b2 = leaf(rows, hidden), leaf(2 * inner, hidden), leaf(2 * inner), leaf(hidden, inner), leaf(hidden)
+    b1, b2 = (b1, b2) if with_bias else (None, None)
+    out, saved = _saved_bytes(lambda: ffn.feed_forward_geglu(x, w1, b1, w2, b2, "none", recompute_pre))
+    kept = [x, w1, w2] + ([b1] if recompute_pre and with_bias else [])
+    pre_bytes = 0 if recompute_pre else rows * 2 * inner * 2
+    assert sum(size for size, _ in saved.values()) == sum(t.nbytes for t in kept) + pre_bytes
+    shapes = [shape for _, shape in saved.values()]
+    assert (rows, inner) not in shapes and shapes.count((rows, 2 * inner)) == (0 if recompute_pre else 1)
+    out.float().sum().backward()
+    assert all(t.grad is not None for t in (x, w1, w2, b1, b2) if t is not None)
