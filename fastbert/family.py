@@ -43,8 +43,10 @@ class RobertaLMHead(nn.Module):
         self.decoder.bias = self.bias
 
     def vocabulary_head(self) -> VocabularyHead:
-        return VocabularyHead(self.config, lambda h: gelu_dense_norm(self.config, self.dense, self.layer_norm, h),
-                              self.decoder, self.bias, bias_in_decoder=True)
+        # transformers' RobertaLMHead and MPNetLMHead call the exact (erf) GELU whatever hidden_act says
+        def transform(h):
+            return gelu_dense_norm(self.config, self.dense, self.layer_norm, h, approximate="none")
+        return VocabularyHead(self.config, transform, self.decoder, self.bias, bias_in_decoder=True)
 
     def forward(self, features):
         return self.vocabulary_head().logits(features)
@@ -122,8 +124,10 @@ class ElectraForMaskedLM(BertForMaskedLM):
 
     def vocabulary_head(self) -> VocabularyHead:
         predictions = self.generator_predictions
+        # transformers' ElectraGeneratorPredictions calls the exact (erf) GELU whatever hidden_act says
         return VocabularyHead(self.config,
-                              lambda h: gelu_dense_norm(self.config, predictions.dense, predictions.LayerNorm, h),
+                              lambda h: gelu_dense_norm(self.config, predictions.dense, predictions.LayerNorm, h,
+                                                        approximate="none"),
                               self.generator_lm_head, self.generator_lm_head.bias, bias_in_decoder=True)
 
 
