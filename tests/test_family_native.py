@@ -92,3 +92,13 @@ def test_distilbert_sinusoidal_positions_as_transformers(tmp_path):
     ours = fastbert.DistilBertModel.from_pretrained(tmp_path).eval()
     assert_same_state(ours, theirs)
     assert_same_results(ours, theirs, "Model")
+
+
+@pytest.mark.parametrize("arch", PREFIXES)
+def test_masked_lm_heads_with_a_tanh_gelu_encoder_equal_transformers(arch):
+    """hidden_act="gelu_new" sets the encoder's GELU; transformers' RoBERTa-type, MPNet and ELECTRA-generator
+    heads keep the exact GELU, DistilBERT's follows its activation."""
+    theirs = hf_model(arch, "ForMaskedLM", **{"activation" if arch == "distilbert" else "hidden_act": "gelu_new"})
+    ours = fastbert.from_hf(theirs)
+    assert ours.config.gelu_approximate == "tanh"
+    assert_same_results(ours, theirs, "ForMaskedLM")
