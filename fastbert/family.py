@@ -46,7 +46,9 @@ class RobertaLMHead(nn.Module):
         # transformers' RobertaLMHead and MPNetLMHead call the exact (erf) GELU whatever hidden_act says
         def transform(h):
             return gelu_dense_norm(self.config, self.dense, self.layer_norm, h, approximate="none")
-        return VocabularyHead(self.config, transform, self.decoder, self.bias, bias_in_decoder=True)
+        # the decoder's own bias, as transformers' forward calls the decoder: with tie_word_embeddings=False
+        # it is not tied to the head's `bias`, which is then unused
+        return VocabularyHead(self.config, transform, self.decoder, self.decoder.bias, bias_in_decoder=True)
 
     def forward(self, features):
         return self.vocabulary_head().logits(features)
