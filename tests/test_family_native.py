@@ -102,3 +102,21 @@ def test_masked_lm_heads_with_a_tanh_gelu_encoder_equal_transformers(arch):
     ours = fastbert.from_hf(theirs)
     assert ours.config.gelu_approximate == "tanh"
     assert_same_results(ours, theirs, "ForMaskedLM")
+
+
+@pytest.mark.parametrize("arch", PREFIXES)
+def test_untied_masked_lm_heads_both_ways(arch, tmp_path):
+    """tie_word_embeddings=False: the decoder has its own weight (and for RoBERTa-type models and MPNet its own
+    bias, the head's `bias` then unused by transformers' forward), drawn apart from what they would be tied to."""
+    theirs = hf_model(arch, "ForMaskedLM", tie_word_embeddings=False)
+    assert theirs.get_output_embeddings().weight is not theirs.get_input_embeddings().weight
+    theirs.save_pretrained(tmp_path / "transformers")
+    ours = fast_class(arch, "ForMaskedLM").from_pretrained(tmp_path / "transformers").eval()
+    assert ours.get_output_embeddings().weight is not ours.get_input_embeddings().weight
+    assert_same_state(ours, theirs)
+    assert_same_results(ours, theirs, "ForMaskedLM")
+    ours.save_pretrained(tmp_path / "fastbert")
+    assert_same_state(type(theirs).from_pretrained(tmp_path / "fastbert"), theirs)
+    converted = fastbert.from_hf(theirs)
+    assert_same_results(converted, theirs, "ForMaskedLM")
+    assert_same_state(converted.to_hf(), theirs)
