@@ -19,8 +19,9 @@
 # The backward works, by default (save="output"), from the saved OUTPUT (apex's memory-efficient
 # LayerNorm): xhat = (y - bias) / weight, so it needs y, weight, bias, rstd and the seed, and never x or
 # the residual. y is what the next op (a matmul) saves anyway, so a LayerNorm adds only rstd (4 bytes a
-# row) and a small side buffer (below) to what a layer keeps. Without a bias, xhat = y / weight. Precision: xhat carries y's rounding
-# (half an ulp of |w * xhat + b|) divided by |weight|, where PyTorch's backward has xhat exact from x;
+# row) and a small side buffer (below) to what a layer keeps. Without a bias, xhat = y / weight.
+# Precision: xhat carries y's rounding (half an ulp of |w * xhat + b|) divided by |weight|, where
+# PyTorch's backward has xhat exact from x;
 # for |weight| >= MIN_WEIGHT (1/4) the gradients stay within the tolerance rule in fp32, fp16 and bf16
 # (with 1/8, one bf16 single-row case of 60 drawn broke it: 6.5e-2 for a limit of 6.2e-2, a column
 # with |b| >> |w * xhat|). A weight near 0 erases its column of xhat (y = bias there), and that

@@ -151,7 +151,8 @@ def _(x, weight, bias, num_heads):
 
 @torch.library.custom_op("fastbert::qkv_projection_bwd", mutates_args=())
 def _qkv_projection_bwd_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor,
-                           weight: torch.Tensor, has_bias: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           weight: torch.Tensor,
+                           has_bias: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return qkv_projection_bwd(dq, dk, dv, x, weight, has_bias)
 
 

@@ -3,8 +3,9 @@
 The project's launchers compile every kernel, in every config they can pick (every autotuning candidate),
 for the H100 (sm_90a) and the A100 (sm_80), in fp16 and bf16, with this Python's Triton and with the GPU
 environment's (3.6, installed beside it by the README's set-up). CI's share is BERT-base at S = 128, padded
-and packed, and a small fine-tuning MLM batch (every kernel and every flag the model runs with), and MPNet's
-attention with its relative-position bias at S = 512 (BERT-base's heads: compile_cases.RELATIVE_BIAS_BATCHES), in
+and packed, and a small fine-tuning MLM batch (every kernel and every flag the model runs with), ModernBERT-base's
+bias-less kernels (the GeGLU epilogue, the pre-LN LayerNorm: compile_cases.MODERNBERT), and MPNet's attention
+with its relative-position bias at S = 512 (BERT-base's heads: compile_cases.RELATIVE_BIAS_BATCHES), in
 four workers: each Triton builds both targets, each target in both 16-bit dtypes, each Triton in both (all eight
 pairs would cost twice the CPU time; fp16 and bf16 builds of one kernel have spilled alike but once).
 The whole cross product (BERT-large, S = 512, the eight pairs, fp32 as well) is the suite itself, whose
@@ -24,7 +25,8 @@ from fastbert.bench.compile_audit import GPU_ENVIRONMENT_TRITON_DIR, MATMUL_KERN
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 CI_CASES = (r"model=bert-base,(layout=\w+,)?seqlen=128,|model=bert-base,rows=40/"
-            r"|attention_(fwd|bwd)\[relative_bias,[^]]*\]/model=bert-base,layout=\w+,seqlen=512,")
+            r"|attention_(fwd|bwd)\[relative_bias,[^]]*\]/model=bert-base,layout=\w+,seqlen=512,"
+            r"|model=modernbert-base,")
 CI_JOBS = [Job(None, "sm_90a", "bfloat16"), Job(None, "sm_80", "float16"),
            Job(GPU_ENVIRONMENT_TRITON_DIR, "sm_90a", "float16"), Job(GPU_ENVIRONMENT_TRITON_DIR, "sm_80", "bfloat16")]
 KERNELS = {"_matmul_fwd_kernel", "_bias_gelu_fwd_kernel", "_bias_gelu_bwd_kernel", "_qkv_bwd_kernel",

@@ -213,6 +213,7 @@ def test_custom_op_registrations(device):
     seed = torch.tensor([123], dtype=torch.int64)
     for save_output in (True, False):
         for dropout in (False, True):
-            args = (x.clone().requires_grad_(), weight.clone().requires_grad_(), None, residual.clone().requires_grad_(),
-                    seed if dropout else None, EPS, 0.2 if dropout else 0.0, torch.float32, save_output, True)
+            args = (x.clone().requires_grad_(), weight.clone().requires_grad_(), None,
+                    residual.clone().requires_grad_(), seed if dropout else None, EPS, 0.2 if dropout else 0.0,
+                    torch.float32, save_output, True)
             torch.library.opcheck(torch.ops.fastbert.layer_norm_fwd.default, args)

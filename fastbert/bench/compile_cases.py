@@ -47,6 +47,12 @@ RELATIVE_BIAS_BATCHES = (("bert-base", 512),)  # (model, seqlen)
 RELATIVE_BIAS_BUCKETS, RELATIVE_BIAS_MAX_DISTANCE = 32, 128
 GELU_APPROXIMATIONS = ("none", "tanh")
 IGNORE_INDEX = -100
+# ModernBERT-base's kernels without biases (issue 20): the GeGLU FFN (I = 1152, exact GELU), the bias-less QKV
+# projection and the pre-LN LayerNorm (no bias; the residual stream out), on one packed batch of 8 x 512 tokens,
+# in the 16-bit dtypes it trains and runs in
+MODERNBERT = Model("modernbert-base", 768, 12, 1152, 50368)
+MODERNBERT_ROWS = 8 * 512
+MODERNBERT_DTYPES = ("float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -308,6 +314,58 @@ def _mlm_cases(model: Model, rows: int, dtype) -> list[tuple[str, str, Callable]
     return cases + [("mlm_loss.mlm_loss_fwd", "-", forward), ("mlm_loss.mlm_loss_bwd", "-", backward)]
 
 
+def _modernbert_cases(dtype) -> list[tuple[str, str, Callable]]:
+    """ModernBERT-base's bias-less launcher calls (MODERNBERT): the gated epilogue matmul with and without h,
+    the GeGLU's elementwise backward kernels, the QKV projection without bias, and the LayerNorm without
+    bias, with the residual stream out (save "output" and "input") and without a residual (the embeddings' and
+    the final norm)."""
+    bias_gelu, layer_norm, qkv = _kernels("bias_gelu"), _kernels("layer_norm"), _kernels("qkv")
+    m, rows = MODERNBERT, MODERNBERT_ROWS
+
+    def tokens(features):
+        return _meta(rows, features, dtype=dtype)
+
+    def geglu(store_pre):
+        bias_gelu.linear_bias_gelu_fwd(tokens(m.hidden), _meta(2 * m.intermediate, m.hidden, dtype=dtype), None,
+                                       "none", store_pre=store_pre, gated=True)
+
+    def qkv_forward():
+        qkv.qkv_projection_fwd(tokens(m.hidden), _meta(3 * m.hidden, m.hidden, dtype=dtype), None, m.heads)
+
+    def qkv_backward():
+        grads = [_meta(rows, m.heads, m.hidden // m.heads, dtype=dtype) for _ in range(3)]
+        qkv.qkv_projection_bwd(*grads, tokens(m.hidden), _meta(3 * m.hidden, m.hidden, dtype=dtype), has_bias=False)
+
+    cases = [("bias_gelu.linear_bias_gelu", "geglu,no bias", functools.partial(geglu, True)),
+             ("bias_gelu.linear_bias_gelu", "geglu without h,no bias", functools.partial(geglu, False)),
+             ("bias_gelu.geglu_fwd", "ffn backward's", lambda: bias_gelu.geglu_fwd(tokens(2 * m.intermediate))),
+             ("bias_gelu.geglu_bwd", "no bias",
+              lambda: bias_gelu.geglu_bwd(tokens(m.intermediate), tokens(2 * m.intermediate), sum_columns=False)),
+             ("qkv.qkv_projection_fwd", "no bias", qkv_forward), ("qkv.qkv_projection_bwd", "no bias", qkv_backward)]
+    stats = _meta(rows, dtype=torch.float32)
+    for residual in (True, False):
+        for save in layer_norm.SAVE_CHOICES:
+            def forward(residual=residual, save=save):
+                _implementation(layer_norm.layer_norm_fwd)(
+                    tokens(m.hidden), _meta(m.hidden, dtype=dtype), None, tokens(m.hidden) if residual else None,
+                    None, LAYER_NORM_EPS, 0.0, dtype, save == "output", residual)
+
+            def backward(residual=residual, save=save):
+                # with the stream out, save="input" reads the saved summed alone (x_is_sum)
+                from_output = save == "output"
+                y, side = (tokens(m.hidden), _meta(rows, layer_norm.SIDE_COLUMNS, dtype=torch.float32)) if from_output \
+                    else (None, None)
+                x = None if from_output else tokens(m.hidden)
+                _implementation(layer_norm.layer_norm_bwd)(
+                    tokens(m.hidden), x, None, y, side, _meta(m.hidden, dtype=dtype), None, None,
+                    None if from_output else stats, stats, 0.0, dtype, residual,
+                    tokens(m.hidden) if residual else None, residual and not from_output)
+
+            variant = f"no bias,{'residual out' if residual else 'residual=False'},save={save}"
+            cases += [("layer_norm.layer_norm_fwd", variant, forward), ("layer_norm.layer_norm_bwd", variant, backward)]
+    return cases
+
+
 def cases(dtypes=DTYPES, models=MODELS) -> list[CompileCase]:
     """Every launcher call of the audit, for the given dtype names and models."""
     out = []
@@ -327,4 +385,8 @@ def cases(dtypes=DTYPES, models=MODELS) -> list[CompileCase]:
             for rows in FEW_LABELLED_ROWS:
                 out += [CompileCase(launcher, variant, {"model": model.name, "rows": rows}, dtype_name, call)
                         for launcher, variant, call in _mlm_cases(model, rows, dtype)]
+        if dtype_name in MODERNBERT_DTYPES:
+            shape = {"model": MODERNBERT.name, "layout": "varlen", "rows": MODERNBERT_ROWS}
+            out += [CompileCase(launcher, variant, shape, dtype_name, call)
+                    for launcher, variant, call in _modernbert_cases(dtype)]
     return out
