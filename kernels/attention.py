@@ -31,18 +31,24 @@
 # work only). Positions are offsets inside the sequence, so the padded and packed layouts agree. The
 # launcher gathers the two tables into one, bias_by_distance [heads, 2D + 1] fp32 (already times log2(e),
 # the base-2 scores' unit), so the forward and both backward phases add the bias with one gather per score
-# from a table of a few KB that stays in cache, instead of a bucket lookup then a bias lookup. The
-# backward's gradient of the bias is the sum, per head and bucket, of dS (the gradient of the natural-unit
-# score), deterministically: in the dq phase, which visits every score tile once, a program looks up each
-# score's bucket and, for the buckets its tile reaches (a range from the tile's least to greatest bucket:
-# a few at long distances, where one bucket spans many, up to all near the diagonal), adds the masked sum
-# of dS to an fp32 accumulator of one entry per bucket; it writes its sums to its own rows of a
-# [sequences, heads, slots, buckets] buffer, and the launcher adds the rows up with one torch sum (a fixed
-# order, no atomics). A slot is the smallest query block any config uses (BIAS_GRAD_SLOT_ROWS rows); a
-# program with a larger block writes its sums to its first slot and zeros to the others, so every slot is
-# written whatever block the autotuner picks (no zero fill, no stale rows from its timing runs).
-# Saved for the backward besides the usual: relative_bias and relative_buckets themselves (the parameter
-# and a small table, already alive); nothing of size S^2, and bias_by_distance is rebuilt by the backward.
+# from a table of a few KB that stays in cache, instead of a bucket lookup then a bias lookup. The bias
+# gradient is the sum, per head and bucket, of dS (the gradient of the natural-unit score), computed
+# deterministically: in the dq phase, which visits every score tile once, a program looks up the bucket of
+# each score and adds, for each bucket from the tile's least to its greatest (one in a tile whose distances
+# are all at the clamp, most tiles of a long sequence; up to all near the diagonal), the masked sum of the
+# tile's dS to an fp32 accumulator of one entry per bucket. (Skipping the lookup in tiles at the clamp, in a
+# branch, cost the 128-row backward configs 4 to 16 bytes of spills on sm_90a.) The program writes its sums to
+# its own rows of a [sequences, heads, slots, buckets] buffer, and the launcher adds the rows up with one
+# torch sum (a fixed order, no atomics). A slot is the smallest query block any config uses
+# (BIAS_GRAD_SLOT_ROWS rows); a program with a larger block writes its sums to its first slot and zeros to
+# the others, so every slot is written whatever block the autotuner picks (no zero fill, no stale rows
+# from its timing runs). Saved for the backward besides the usual: relative_bias and relative_buckets
+# themselves (the parameter and a small table, alive anyway); nothing of size S^2 (the bias is never
+# materialised: bias_by_distance is rebuilt by the backward, and the bucket sums' buffer is
+# sequences x heads x S/64 x buckets floats). Precision: the gradient inherits flash attention's row term
+# delta = dO . O, whose error (O's fp32 accumulation) every bucket's sum of dS carries; in fp32 it can
+# exceed 3x the error of a materialised softmax's, whose delta sums its own P * dP
+# (measured: test_dropout_forward_and_backward_use_one_mask in tests/test_attention_relative_bias.py).
 #
 # Limits. Head dim 32, 64 or 128; fp32, fp16 or bf16 (q, k, v of one dtype; fp32 dots run in TF32 on tensor
 # cores when PyTorch allows TF32 matmuls, else in exact IEEE fp32, PyTorch's default and the tests':
@@ -102,6 +108,14 @@ FWD_SHAPES = {90: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32,
 # on 4), and 128 x 64 spilled 44 to 220 bytes.
 BWD_SHAPES = {90: [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 16, 4, 2)],
               80: [(128, 32, 8, 3), (64, 16, 8, 2)]}
+# Forward with the relative-position bias (HAS_REL_BIAS), a subset of FWD_SHAPES: the bias is gathered per
+# score, and the software pipeliner stages those loads through shared memory as it does K and V, which
+# costs registers. With it, 128 x 64 on 4 warps spilled 8 to 16 bytes on sm_90a, 128 x 32 on 4 warps 16 to
+# 36 with dropout, and 128 x 128 outgrew shared memory (240 KB); on sm_80 64 x 64 spilled 4 to 8 bytes and
+# 128 x 32 on 4 warps 4. The backward's candidates all held (its dq phase spends registers on the
+# gradient's bucket sums, not on a wider tile).
+FWD_REL_BIAS_SHAPES = {90: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)],
+                       80: [(128, 64, 8, 3), (64, 32, 4, 2)]}
 FWD_CONFIGS = _configs(list(dict.fromkeys(FWD_SHAPES[90] + FWD_SHAPES[80])), (128, 64, 4, 1))
 BWD_CONFIGS = _configs(list(dict.fromkeys(BWD_SHAPES[90] + BWD_SHAPES[80])), (128, 64, 4, 1),
                        names=("BLOCK_MAJOR", "BLOCK_MINOR"))
@@ -123,19 +137,20 @@ def _architecture() -> int:
     return 90 if triton.runtime.driver.active.get_current_target().arch >= 90 else 80
 
 
-def _prune(shapes: dict, probabilities_per_thread: dict):
-    """An autotuner's early_config_prune: the configs of the GPU's architecture, and with DROPOUT those whose
-    score block spreads at most its `probabilities_per_thread` over the threads."""
+def _prune(shapes: dict, probabilities_per_thread: dict, rel_bias_shapes: Optional[dict] = None):
+    """An autotuner's early_config_prune: the configs of the GPU's architecture (from `rel_bias_shapes` with
+    HAS_REL_BIAS, where given), and with DROPOUT those whose score block spreads at most its
+    `probabilities_per_thread` over the threads."""
     def prune(configs, named_args, **kwargs):
         if INTERPRETER:
             return configs  # no GPU, no architecture: the interpreter's own configs (tests may give it two)
         architecture = _architecture()
-        fitting = [c for c in configs if (*c.kwargs.values(), c.num_warps, c.num_stages) in shapes[architecture]]
+        allowed = (rel_bias_shapes if rel_bias_shapes and kwargs["HAS_REL_BIAS"] else shapes)[architecture]
+        fitting = [c for c in configs if (*c.kwargs.values(), c.num_warps, c.num_stages) in allowed]
         if kwargs["DROPOUT"]:
             fitting = [c for c in fitting if math.prod(c.kwargs.values()) // (32 * c.num_warps)
                        <= probabilities_per_thread[architecture]]
-        return fitting or [c for c in configs if (*c.kwargs.values(), c.num_warps, c.num_stages)
-                           == shapes[architecture][-1]]
+        return fitting or [c for c in configs if (*c.kwargs.values(), c.num_warps, c.num_stages) == allowed[-1]]
     return prune
 
 
@@ -190,46 +205,19 @@ def _distance_index(queries, keys, max_distance):
 
 
 @triton.jit
-def _tile_reach(query_start, key_start, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, max_distance):
-    """Of the tile of queries [query_start, + BLOCK_Q) and keys [key_start, + BLOCK_K): (near: whether it
-    holds a distance inside (-D, D), far: otherwise the one table index all its scores share, 0 or 2D)."""
-    least = key_start - (query_start + BLOCK_Q - 1)
-    greatest = key_start + BLOCK_K - 1 - query_start
-    near = (least < max_distance) & (greatest > -max_distance)
-    return near, tl.where(least > 0, 2 * max_distance, 0)
-
-
-@triton.jit
-def _add_relative_bias(s, REL_BIAS, queries, keys, near, far, max_distance):
-    """s (a score tile, base 2) plus its relative-position bias: gathered near the diagonal, one value
-    at the clamp. The gather sits in a branch, outside the loop's top level, so that the software
-    pipeliner does not stage it through shared memory (a tile of 4-byte gathers per stage: the 128 x 128
-    forward config no longer fit, others spilled)."""
-    if near:
-        s += tl.load(REL_BIAS + _distance_index(queries, keys, max_distance))
-    else:
-        s += tl.load(REL_BIAS + far)
-    return s
-
-
-@triton.jit
-def _add_bucket_sums(sums, ds, REL_BUCKETS, queries, keys, near, far, max_distance,
-                     NUM_BUCKETS_PADDED: tl.constexpr):
-    """sums [NUM_BUCKETS_PADDED] plus, for each bucket n, the sum of the ds tile (scores (queries, keys))
-    over its entries whose distance is in bucket n. Only the buckets the tile reaches are visited: those
-    from its least to its greatest (a tile at the clamp reaches one)."""
+def _add_bucket_sums(sums, ds, bucket, NUM_BUCKETS_PADDED: tl.constexpr):
+    """sums [NUM_BUCKETS_PADDED] plus, for each bucket n, the sum of the ds tile over its entries whose
+    bucket (a tile of bucket numbers) is n. Only the buckets from the tile's least to its greatest are
+    visited: one in a tile whose distances are all at the clamp (most tiles of a long sequence)."""
     slots = tl.arange(0, NUM_BUCKETS_PADDED)
-    if near:
-        bucket = tl.load(REL_BUCKETS + _distance_index(queries, keys, max_distance))
-        for n in range(tl.min(bucket), tl.max(bucket) + 1):
-            sums += tl.where(slots == n, tl.sum(tl.where(bucket == n, ds, 0.0)), 0.0)
-    else:
-        sums += tl.where(slots == tl.load(REL_BUCKETS + far), tl.sum(ds), 0.0)
+    for n in range(tl.min(bucket), tl.max(bucket) + 1):
+        sums += tl.where(slots == n, tl.sum(tl.where(bucket == n, ds, 0.0)), 0.0)
     return sums
 
 
 @triton.autotune(configs=FWD_CONFIGS, key=AUTOTUNE_KEY,
-                 prune_configs_by={"early_config_prune": _prune(FWD_SHAPES, FWD_DROPOUT_PROBABILITIES_PER_THREAD)})
+                 prune_configs_by={"early_config_prune": _prune(FWD_SHAPES, FWD_DROPOUT_PROBABILITIES_PER_THREAD,
+                                                                 FWD_REL_BIAS_SHAPES)})
 @triton.jit
 def _attention_fwd_kernel(
     Q,  # [B, heads, S, d] (VARLEN: [T, heads, d]), strides (stride_qb, stride_qh, stride_qs, stride_qd)
@@ -296,8 +284,7 @@ def _attention_fwd_kernel(
         kt = tl.load(kt_ptrs + start_n * stride_ks, mask=in_cols[None, :], other=0.0)
         s = dot(q, kt, None, DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         if HAS_REL_BIAS:
-            near, far = _tile_reach(pid_m * BLOCK_M, start_n, BLOCK_M, BLOCK_N, max_distance)
-            s = _add_relative_bias(s, REL_BIAS, rows[:, None], cols[None, :], near, far, max_distance)
+            s += tl.load(REL_BIAS + _distance_index(rows[:, None], cols[None, :], max_distance))
         s = tl.where(col_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row whose keys so far are all masked has m = -inf; exponentiating against 0 instead keeps
@@ -434,8 +421,7 @@ def _attention_bwd_kernel(
         delta = tl.load(DELTA + rows, mask=in_rows, other=0.0)
         st = dot(k, qt, None, DOT_PRECISION) * scale_log2
         if HAS_REL_BIAS:
-            near, far = _tile_reach(start_m, pid * BLOCK_MAJOR, BLOCK_MINOR, BLOCK_MAJOR, max_distance)
-            st = _add_relative_bias(st, REL_BIAS, rows[None, :], keys[:, None], near, far, max_distance)
+            st += tl.load(REL_BIAS + _distance_index(rows[None, :], keys[:, None], max_distance))
         pt = tl.where(key_valid[:, None], tl.math.exp2(st - lse[None, :]), 0.0)
         dpt = dot(v, tl.trans(do), None, DOT_PRECISION)  # (dO V^T)^T
         if DROPOUT:
@@ -472,8 +458,8 @@ def _attention_bwd_kernel(
         vt = tl.load(vt_ptrs + start_n * stride_vs, mask=in_cols[None, :], other=0.0)
         s = dot(q, kt, None, DOT_PRECISION) * scale_log2
         if HAS_REL_BIAS:
-            near, far = _tile_reach(pid * BLOCK_MAJOR, start_n, BLOCK_MAJOR, BLOCK_MINOR, max_distance)
-            s = _add_relative_bias(s, REL_BIAS, rows[:, None], cols[None, :], near, far, max_distance)
+            distance = _distance_index(rows[:, None], cols[None, :], max_distance)
+            s += tl.load(REL_BIAS + distance)
         p = tl.where(col_valid[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
         dp = dot(do, vt, None, DOT_PRECISION)
         if DROPOUT:
@@ -482,8 +468,7 @@ def _attention_bwd_kernel(
         ds = p * (dp - delta[:, None])
         dq += dot(cast(ds, kt.dtype), tl.trans(kt), None, DOT_PRECISION)
         if HAS_REL_BIAS:
-            dbias = _add_bucket_sums(dbias, ds, REL_BUCKETS, rows[:, None], cols[None, :], near, far, max_distance,
-                                     NUM_BUCKETS_PADDED)
+            dbias = _add_bucket_sums(dbias, ds, tl.load(REL_BUCKETS + distance), NUM_BUCKETS_PADDED)
     dq *= scale
     tl.store(DQ + rows[:, None] * stride_dqs + dims[None, :] * stride_dqd, cast(dq, DQ.dtype.element_ty),
              mask=in_rows[:, None])
