@@ -478,7 +478,7 @@ def _attention_bwd_kernel(
         slot_offs = tl.arange(0, BLOCK_MAJOR // _BIAS_GRAD_SLOT_ROWS)
         slots = pid * (BLOCK_MAJOR // _BIAS_GRAD_SLOT_ROWS) + slot_offs
         buckets = tl.arange(0, NUM_BUCKETS_PADDED)
-        sums = tl.where(slot_offs[:, None] == 0, dbias[None, :], 0.0)  # [SLOTS, NUM_BUCKETS_PADDED]
+        sums = tl.where(slot_offs[:, None] == 0, dbias[None, :], 0.0)  # [slots, NUM_BUCKETS_PADDED]
         tl.store(DBIAS_SLOTS + b64 * stride_gb + h64 * stride_gh + slots[:, None] * stride_gs + buckets[None, :],
                  sums, mask=(slots < tl.cdiv(seqlen, _BIAS_GRAD_SLOT_ROWS))[:, None])
 
@@ -523,7 +523,7 @@ def _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, re
         raise ValueError(f"attention_mask has shape {tuple(key_mask.shape)}, expected {(q.shape[0], q.shape[2])}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    check_relative_bias(relative_bias, relative_buckets, heads)
+    _check_relative_bias(relative_bias, relative_buckets, heads)
     seqlen = max_seqlen if varlen else q.shape[2]
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         _check_sequence_reach(name, tensor, seqlen, varlen)
@@ -531,7 +531,7 @@ def _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, re
     _check_reach("out, dq, dk, dv", seqlen, heads * head_dim, seqlen * heads * head_dim + head_dim)
 
 
-def check_relative_bias(relative_bias, relative_buckets, heads) -> None:
+def _check_relative_bias(relative_bias, relative_buckets, heads) -> None:
     """relative_bias float [num_buckets, heads] and relative_buckets int32 [2D + 1], or both None."""
     if (relative_bias is None) != (relative_buckets is None):
         given, missing = ("relative_bias", "relative_buckets") if relative_buckets is None else (
