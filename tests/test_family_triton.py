@@ -1,7 +1,7 @@
 """The family's base models accelerated by `fastbert.apply(model, backend="triton")`, on the Triton kernels
 (the interpreter on CPU): every hidden state, the pooled output and every parameter's gradient within
-DESIGN.md's tolerance rule against transformers run in float64, in fp32 and bf16, padded and unpad=True; and
-packed inputs (cu_seqlens, as DataCollatorWithFlattening gives them) equal the padded batch on real tokens,
+DESIGN.md's tolerance rule against transformers run in float64, in fp32, fp16 and bf16, padded and
+unpad=True; and packed inputs (cu_seqlens, as DataCollatorWithFlattening gives them) equal the padded batch on real tokens,
 with RoBERTa-type and MPNet positions restarting at pad_token_id + 1 in each sequence."""
 import copy
 
@@ -52,7 +52,7 @@ def assert_triton_within_the_rule(exact, inputs, dtype, unpad, noise_only=()):
 
 
 @pytest.mark.parametrize("unpad", [False, True], ids=["padded", "unpadded"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_triton_path_within_the_rule_against_float64(arch, dtype, unpad):
     exact = hf_model(arch, **TRITON_SIZES).double()
