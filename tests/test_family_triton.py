@@ -1,8 +1,8 @@
 """The family's base models accelerated by `fastbert.apply(model, backend="triton")`, on the Triton kernels
 (the interpreter on CPU): every hidden state, the pooled output and every parameter's gradient within
 DESIGN.md's tolerance rule against transformers run in float64, in fp32, fp16 and bf16, padded and
-unpad=True; and packed inputs (cu_seqlens, as DataCollatorWithFlattening gives them) equal the padded batch on real tokens,
-with RoBERTa-type and MPNet positions restarting at pad_token_id + 1 in each sequence."""
+unpad=True; and packed inputs (cu_seqlens, as DataCollatorWithFlattening gives them) equal the padded batch
+on real tokens, with RoBERTa-type and MPNet positions restarting at pad_token_id + 1 in each sequence."""
 import copy
 
 import pytest
