@@ -122,6 +122,10 @@ class SelfAttention(nn.Module):
     def linears(self) -> tuple[nn.Module, nn.Module, nn.Module]:
         raise NotImplementedError
 
+    def attention_options(self) -> dict:
+        """The architecture's extra keywords of ops.attention (ModernBERT: rotary_base, window)."""
+        return {}
+
     def project(self, hidden):
         """q, k, v each [B, heads, S, d] (padded hidden [B, S, H]) or [T, heads, d] (packed [T, H])."""
         config = self.config
@@ -141,6 +145,7 @@ class SelfAttention(nn.Module):
         probs = None
         bias = {} if layout.relative_bias is None else dict(relative_bias=layout.relative_bias,
                                                             relative_buckets=layout.relative_buckets)
+        bias.update(self.attention_options())
         if output_attentions:  # the probabilities are wanted: [B, heads, S, S] is materialised
             context, probs = ops.attention_with_probs(q, k, v, layout.attention_mask, dropout_p, **bias)
         elif layout.packed:
@@ -408,16 +413,24 @@ class BertPreTrainedModel(ModelBase):
         new.weight.requires_grad_(old.weight.requires_grad)
         self.set_input_embeddings(new)
         if isinstance(self, MLMHeadMixin):
-            self.resize_output_bias(size, kept)
             if not self.config.tie_word_embeddings:  # the trained decoder's rows stay; new rows as the embeddings'
                 old_decoder = self.get_output_embeddings()
-                decoder = nn.Linear(old.embedding_dim, size, bias=False, device=old.weight.device,
+                old_bias = getattr(old_decoder, "bias", None)  # the family's decoders own one
+                decoder = nn.Linear(old.embedding_dim, size, bias=old_bias is not None, device=old.weight.device,
                                     dtype=old.weight.dtype)
                 with torch.no_grad():
                     decoder.weight.copy_(new.weight)
                     decoder.weight[:kept] = old_decoder.weight[:kept]
+                    if old_bias is not None:
+                        decoder.bias.zero_()
+                        decoder.bias[:kept] = old_bias[:kept]
                 decoder._is_hf_initialized = True  # its rows are set: a later post_init keeps them
                 _set_path(self, self.decoder_path, decoder)
+            # the head's bias where the logits read it (tied; BERT's, beside a decoder without one); an untied
+            # decoder's own bias came with it above, and the unused head bias beside it (RoBERTa's) stays as it
+            # is, as transformers leaves it
+            if self.config.tie_word_embeddings or not self.vocabulary_head().bias_in_decoder:
+                self.resize_output_bias(size, kept)
         new._is_hf_initialized = True
         self.config.vocab_size = self.vocab_size = size
         self.tie_weights()

@@ -122,14 +122,17 @@ def test_untied_masked_lm_heads_both_ways(arch, tmp_path):
     assert_same_state(converted.to_hf(), theirs)
 
 
-UNTIED_RESIZE = pytest.mark.xfail(strict=True, reason="fastbert.modeling's resize_token_embeddings builds an untied "
-                                  "decoder without the bias transformers' RoBERTa, MPNet, ELECTRA and DistilBERT "
-                                  "decoders own")
+# transformers 5.24 resizes MPNet's head bias beside an untied decoder (unused then: the logits read the
+# decoder's own), and leaves RoBERTa's, whose lm_head is the same code, as it was; fastbert leaves both
+MPNET_UNTIED_BIAS = pytest.mark.xfail(strict=True, reason="transformers resizes MPNet's unused lm_head.bias when "
+                                      "untied, not RoBERTa's; fastbert leaves both")
 
 
-@pytest.mark.parametrize("tied", [True, pytest.param(False, marks=UNTIED_RESIZE)], ids=["tied", "untied"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("arch", PREFIXES)
-def test_resize_token_embeddings_as_transformers(arch, tied):
+def test_resize_token_embeddings_as_transformers(arch, tied, request):
+    if arch == "mpnet" and not tied:
+        request.applymarker(MPNET_UNTIED_BIAS)
     theirs = hf_model(arch, "ForMaskedLM", tie_word_embeddings=tied)
     ours = fastbert.from_hf(theirs)
     theirs.resize_token_embeddings(70)
