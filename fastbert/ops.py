@@ -253,8 +253,24 @@ def _check_relative_bias(relative_bias, relative_buckets, heads, device) -> None
 relative_position_buckets = reference.relative_position_buckets
 
 
+def _check_rotary_window(rotary_base, window, head_dim) -> None:
+    """rotary_base a positive number (and an even head dim), window an integer >= 0; either may be None."""
+    if rotary_base is not None:
+        if isinstance(rotary_base, bool) or not isinstance(rotary_base, (int, float)) or not rotary_base > 0:
+            raise ValueError(f"rotary_base must be a number > 0 (RoPE's theta), got {rotary_base!r}")
+        if head_dim % 2:
+            raise ValueError(f"rotary positions need an even head dim (its two halves rotate together), got {head_dim}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ValueError(f"window must be an integer >= 0 (keys with |i - j| <= window), got {window!r}")
+
+
+def _position_options(rotary_base, window) -> dict:
+    """The keywords for a kernel launcher: only those set, so the launchers of the other features need none."""
+    return {k: v for k, v in (("rotary_base", rotary_base), ("window", window)) if v is not None}
+
+
 def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, backend=None,
-              relative_bias=None, relative_buckets=None):
+              relative_bias=None, relative_buckets=None, rotary_base=None, window=None):
     """softmax(q k^T * scale + key padding mask + relative-position bias) v, bidirectional.
 
     q, k, v [B, heads, S, d]; attention_mask [B, S], 1 = token, 0 = padding (bool or int).
@@ -262,32 +278,38 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
     relative_bias [num_buckets, heads] (any float dtype: MPNet's relative_attention_bias.weight, which gets
     its gradient) with relative_buckets int32 [2D + 1] from `relative_position_buckets`, or both None:
     score (i, j) of head h gets relative_bias[relative_buckets[clamp(j - i, -D, D) + D], h].
+    rotary_base (RoPE's theta, or None): q and k rotated at their position, the row index (transformers'
+    rotate_half layout); window (or None): only keys with |i - j| <= window (ModernBERT's local layers).
     """
     _check_attention_args(q, k, v, attention_mask, dropout_p)
     _check_relative_bias(relative_bias, relative_buckets, q.shape[1], q.device)
+    _check_rotary_window(rotary_base, window, q.shape[-1])
     if resolve_backend(backend, q, k, v, attention_mask, relative_bias, relative_buckets) == "triton":
         q, k, v = _matmul_inputs(q, k, v)
         return KERNELS["attention"].attention(q, k, v, attention_mask, dropout_p, scale, training, relative_bias,
-                                              relative_buckets)
-    return reference.attention(q, k, v, attention_mask, dropout_p, scale, training, relative_bias, relative_buckets)
+                                              relative_buckets, **_position_options(rotary_base, window))
+    return reference.attention(q, k, v, attention_mask, dropout_p, scale, training, relative_bias, relative_buckets,
+                               rotary_base, window)
 
 
 def attention_with_probs(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, relative_bias=None,
-                         relative_buckets=None):
+                         relative_buckets=None, rotary_base=None, window=None):
     """`attention` plus the attention probabilities [B, heads, S, S] (transformers' output_attentions).
     The probabilities are materialised, which is what a fused kernel avoids, so this runs the
     reference on every backend."""
     _check_attention_args(q, k, v, attention_mask, dropout_p)
     _check_relative_bias(relative_bias, relative_buckets, q.shape[1], q.device)
+    _check_rotary_window(rotary_base, window, q.shape[-1])
     return reference.attention_with_probs(q, k, v, attention_mask, dropout_p, scale, training, relative_bias,
-                                          relative_buckets)
+                                          relative_buckets, rotary_base, window)
 
 
 def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None, training=True, backend=None,
-                     relative_bias=None, relative_buckets=None):
+                     relative_bias=None, relative_buckets=None, rotary_base=None, window=None):
     """Attention over packed sequences: q, k, v [T, heads, d]; cu_seqlens int32 [B+1] (0, ..., T);
     max_seqlen the longest sequence. Each token attends to the tokens of its own sequence only.
-    relative_bias, relative_buckets as in `attention`, with the positions inside each sequence."""
+    relative_bias, relative_buckets, rotary_base, window as in `attention`, with the positions inside each
+    sequence."""
     if q.dim() != 3 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"q, k, v must share one [T, heads, d] shape, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -295,12 +317,14 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None,
         raise ValueError(f"cu_seqlens must be int32 [B+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
     _check_dropout(dropout_p)
     _check_relative_bias(relative_bias, relative_buckets, q.shape[1], q.device)
+    _check_rotary_window(rotary_base, window, q.shape[-1])
     if resolve_backend(backend, q, k, v, cu_seqlens, relative_bias, relative_buckets) == "triton":
         q, k, v = _matmul_inputs(q, k, v)
         return KERNELS["attention"].attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training,
-                                                     relative_bias, relative_buckets)
+                                                     relative_bias, relative_buckets,
+                                                     **_position_options(rotary_base, window))
     return reference.attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training, relative_bias,
-                                      relative_buckets)
+                                      relative_buckets, rotary_base, window)
 
 
 unpad = reference.unpad

@@ -115,40 +115,64 @@ def _relative_position_bias(relative_bias, relative_buckets, seqlen, dtype):
     return relative_bias.to(dtype)[buckets].permute(2, 0, 1)
 
 
-def _score_bias(q, attention_mask, relative_bias, relative_buckets):
-    """What is added to q k^T * scale: the key mask's bias [B, 1, 1, S] plus the relative-position bias
-    [heads, S, S] (either may be absent: None when both are)."""
+def rotate(x, base: float):
+    """x [B, heads, S, d] rotated by RoPE at positions 0..S-1 (rotate_half layout: dimension i pairs with
+    i + d/2, as transformers' apply_rotary_pos_emb), at angles position * base ** (-2i / d); computed in fp32
+    (float64 for float64 x) and returned in x's dtype."""
+    d = x.shape[-1]
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, device=x.device, dtype=torch.int64).to(work) / d))
+    angles = torch.arange(x.shape[-2], device=x.device, dtype=work)[:, None] * inv_freq[None]  # [S, d/2]
+    cos, sin = torch.cat([angles, angles], dim=-1).cos(), torch.cat([angles, angles], dim=-1).sin()
+    xw = x.to(work)
+    half = torch.cat([-xw[..., d // 2:], xw[..., : d // 2]], dim=-1)
+    return (xw * cos + half * sin).to(x.dtype)
+
+
+def _score_bias(q, attention_mask, relative_bias, relative_buckets, window=None):
+    """What is added to q k^T * scale: the key mask's bias [B, 1, 1, S], the relative-position bias
+    [heads, S, S] and the sliding window's band (-inf where |i - j| > window) (any may be absent: None when
+    all are)."""
     bias = None if attention_mask is None else _key_mask_bias(attention_mask, q.dtype)
     if relative_bias is not None:
         position_bias = _relative_position_bias(relative_bias, relative_buckets, q.shape[2], q.dtype)
         bias = position_bias if bias is None else bias + position_bias
+    if window is not None:
+        positions = torch.arange(q.shape[2], device=q.device)
+        outside = (positions[None, :] - positions[:, None]).abs() > window  # [S, S]
+        band = torch.zeros(outside.shape, dtype=q.dtype, device=q.device).masked_fill(outside, float("-inf"))
+        bias = band if bias is None else bias + band
     return bias
 
 
 def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, relative_bias=None,
-              relative_buckets=None):
-    """softmax(q k^T * scale + key mask + relative-position bias) v, bidirectional.
+              relative_buckets=None, rotary_base=None, window=None):
+    """softmax(rotate(q) rotate(k)^T * scale + key mask + relative-position bias + window band) v, bidirectional.
 
     q, k, v [B, heads, S, d]; attention_mask [B, S] with 1 = token, 0 = padding (bool or int).
     relative_bias [num_buckets, heads] (any float dtype, cast to q's) with relative_buckets int32 [2D + 1]
     (relative_position_buckets), or both None: MPNet's bias relative_bias[bucket(j - i), h] on score (i, j)
-    of head h, materialised [heads, S, S].
+    of head h, materialised [heads, S, S]. rotary_base: q and k rotated by RoPE (`rotate`) at their row
+    index; window: only keys with |i - j| <= window (ModernBERT's local layers).
     Padded query rows come out as zeros, so a fully padded sequence gives zeros, never NaN.
     """
     p = dropout_p if training else 0.0
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=_score_bias(q, attention_mask, relative_bias,
-                                                                        relative_buckets),
-                                         dropout_p=p, scale=scale)
+    if rotary_base is not None:
+        q, k = rotate(q, rotary_base), rotate(k, rotary_base)
+    bias = _score_bias(q, attention_mask, relative_bias, relative_buckets, window)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p, scale=scale)
     return out if attention_mask is None else _zero_padded_queries(out, attention_mask)
 
 
 def attention_with_probs(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, relative_bias=None,
-                         relative_buckets=None):
+                         relative_buckets=None, rotary_base=None, window=None):
     """`attention` that also returns the probabilities [B, heads, S, S] (before dropout), as
     transformers' output_attentions does. It materialises the S x S scores: for inspection, not speed."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if rotary_base is not None:
+        q, k = rotate(q, rotary_base), rotate(k, rotary_base)
     scores = (q @ k.transpose(-1, -2)) * scale  # [B, heads, S, S]
-    bias = _score_bias(q, attention_mask, relative_bias, relative_buckets)
+    bias = _score_bias(q, attention_mask, relative_bias, relative_buckets, window)
     if bias is not None:
         scores = scores + bias
     probs = scores.softmax(dim=-1)
@@ -159,9 +183,9 @@ def attention_with_probs(q, k, v, attention_mask=None, dropout_p=0.0, scale=None
 
 
 def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None, training=True, relative_bias=None,
-                     relative_buckets=None):
-    """Attention over packed sequences. q, k, v [T, heads, d]; cu_seqlens int32 [B+1]. The relative
-    positions are those inside each sequence."""
+                     relative_buckets=None, rotary_base=None, window=None):
+    """Attention over packed sequences. q, k, v [T, heads, d]; cu_seqlens int32 [B+1]. The positions (the
+    relative bias's, the rotary angles', the window's) are those inside each sequence."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [B]
     positions = torch.arange(max_seqlen, device=q.device)
     mask = positions[None, :] < lengths[:, None]  # [B, S]
@@ -172,7 +196,7 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None,
         return pad(t, indices, batch, max_seqlen).transpose(1, 2)
 
     out = attention(to_padded(q), to_padded(k), to_padded(v), mask, dropout_p, scale, training, relative_bias,
-                    relative_buckets)
+                    relative_buckets, rotary_base, window)
     return out.transpose(1, 2).flatten(0, 1)[indices]  # [T, heads, d]
 
 
