@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from fastbert import auto, family, hub, modeling
+from fastbert import auto, family, hub, modeling, modernbert
 from fastbert.bases import HAVE_TRANSFORMERS
 from fastbert.config import BertConfig
 from fastbert.family_config import FAMILY_CONFIGS
 from fastbert.hf import choose_layer_norm_backward, load_state
 
 CONFIG_CLASSES = {cls.model_type: cls for cls in FAMILY_CONFIGS}
-MODEL_CLASSES = {**modeling.MODEL_CLASSES, **family.FAMILY_CLASSES}
+MODEL_CLASSES = {**modeling.MODEL_CLASSES, **family.FAMILY_CLASSES, **modernbert.MODERNBERT_CLASSES}
 if HAVE_TRANSFORMERS:
     auto.register(FAMILY_CONFIGS, MODEL_CLASSES)
 

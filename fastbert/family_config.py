@@ -118,7 +118,8 @@ class DistilBertConfig(BertConfig):
 
 
 # ModernBERT's config.json names -> BertConfig's (the fields the two share)
-MODERNBERT_NAMES = {"hidden_activation": "hidden_act", "norm_eps": "layer_norm_eps"}
+MODERNBERT_NAMES = {"hidden_activation": "hidden_act", "norm_eps": "layer_norm_eps",
+                    "attention_dropout": "attention_probs_dropout_prob"}
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
@@ -136,12 +137,12 @@ class ModernBertConfig(BertConfig):
                 "eos_token_id": 50282, "bos_token_id": 50281, "cls_token_id": 50281, "sep_token_id": 50282,
                 "type_vocab_size": 0, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
                 "classifier_dropout": 0.0, "initializer_cutoff_factor": 2.0, "norm_bias": False,
-                "attention_bias": False, "attention_dropout": 0.0, "local_attention": 128, "embedding_dropout": 0.0,
+                "attention_bias": False, "local_attention": 128, "embedding_dropout": 0.0,
                 "mlp_bias": False, "mlp_dropout": 0.0, "decoder_bias": True, "classifier_pooling": "cls",
                 "classifier_bias": False, "classifier_activation": "gelu", "deterministic_flash_attn": False,
                 "sparse_prediction": False, "sparse_pred_ignore_index": -100, "layer_types": None,
                 "rope_parameters": None, "unpad": True}
-    absent_fields = ("type_vocab_size", "hidden_dropout_prob", "attention_probs_dropout_prob")
+    absent_fields = ("type_vocab_size", "hidden_dropout_prob")
 
     def __init__(self, **kwargs: Any):
         every = kwargs.pop("global_attn_every_n_layers", 3)

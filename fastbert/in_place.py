@@ -24,7 +24,7 @@ ACCELERATED = "_fastbert_model"  # instance attribute of an accelerated transfor
 # transformers' base model classes fastbert accelerates (module, class name): fastbert's class of that name
 TRANSFORMERS_BASES = (("bert", "BertModel"), ("roberta", "RobertaModel"), ("xlm_roberta", "XLMRobertaModel"),
                       ("camembert", "CamembertModel"), ("electra", "ElectraModel"),
-                      ("distilbert", "DistilBertModel"), ("mpnet", "MPNetModel"))
+                      ("distilbert", "DistilBertModel"), ("mpnet", "MPNetModel"), ("modernbert", "ModernBertModel"))
 
 
 def _transformers_bases() -> dict[type, type]:

@@ -1,0 +1,309 @@
+"""ModernBERT (Warner et al., 2024) on fastbert's ops, with transformers' module tree and parameter names.
+
+A pre-LayerNorm encoder: x = x + Wo(attention(attn_norm(x))); x = x + mlp(mlp_norm(x)); then final_norm.
+The attention rotates q and k inside the flash kernel (rotary_base per layer type: 160,000 on global layers,
+10,000 on local ones) and, on local layers, keeps the keys within a sliding window (|i - j| <= 64 for
+local_attention = 128) and skips the blocks outside it. The attention's residual add and mlp_norm are one
+fused LayerNorm that also returns the residual stream; the FFN is GeGLU with the gated product in the
+up-projection's epilogue; LayerNorms and Linears have no bias by default (norm_bias, attention_bias,
+mlp_bias). The encoder always runs on the real tokens only (config.unpad is always True): a padded batch is
+unpadded once after the embeddings. Rotary positions are each token's offset in its sequence, so left padding
+and packing give what transformers' padded computation gives (rotary scores depend on i - j only).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastbert import ops, outputs
+from fastbert.config import GELU_APPROXIMATION
+from fastbert.family_config import ModernBertConfig
+from fastbert.modeling import (AttentionLayout, BertForMaskedLM, BertModel, BertPreTrainedModel, EncoderLayer,
+                               HeadDropout, SelfAttention, VocabularyHead, _recompute, gelu_dense_norm,
+                               is_plain_linear, run_layers, sequence_classification_loss,
+                               token_classification_loss)
+from fastbert.validation import key_padding_mask
+
+
+def layer_norm(config: ModernBertConfig, norm: nn.LayerNorm, hidden, **kwargs):
+    """norm(hidden) through fastbert's fused op (no bias where norm_bias is False)."""
+    return ops.layer_norm(hidden, norm.weight, norm.bias, config.layer_norm_eps, backend=config.backend,
+                          save=config.layer_norm_backward, **kwargs)
+
+
+class ModernBertEmbeddings(nn.Module):
+    """tok_embeddings -> norm -> dropout; no position table (positions are rotary) and no token types."""
+
+    def __init__(self, config: ModernBertConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.norm_bias)
+
+    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None):
+        embeds = self.tok_embeddings(input_ids) if inputs_embeds is None else inputs_embeds  # [B, S, H]
+        hidden = layer_norm(self.config, self.norm, embeds)
+        return ops.dropout(hidden, self.config.embedding_dropout, self.training, backend=self.config.backend)
+
+
+class ModernBertAttention(SelfAttention):
+    """Wqkv (one Linear [3H, H]) -> attention with rotary positions (and a window on local layers) -> the
+    context; Wo is applied by the layer, fused with the residual add and mlp_norm."""
+
+    def __init__(self, config: ModernBertConfig, layer: int):
+        super().__init__(config)
+        self.Wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.attention_bias)
+        self.Wo = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
+        self.rotary_base = config.layer_rope_base(layer)
+        self.window = config.layer_window(layer)
+
+    def project(self, hidden):
+        """q, k, v each [B, heads, S, d] (padded hidden [B, S, H]) or [T, heads, d] (packed [T, H])."""
+        config = self.config
+        if is_plain_linear(self.Wqkv):
+            return ops.qkv_projection(hidden, self.Wqkv.weight, self.Wqkv.bias, config.num_attention_heads,
+                                      backend=config.backend)
+        qkv = self.Wqkv(hidden).view(*hidden.shape[:-1], 3, config.num_attention_heads, config.head_dim)
+        projected = qkv.unbind(dim=-3)
+        return projected if hidden.dim() == 2 else [t.transpose(1, 2) for t in projected]
+
+    def attention_options(self) -> dict:
+        return {"rotary_base": self.rotary_base, "window": self.window}
+
+
+class ModernBertMLP(nn.Module):
+    """Wo(dropout(gelu(input) * gate)) with input, gate = Wi(x).chunk(2): one fused op (the GeGLU in the
+    up-projection's epilogue) for plain Linears without mlp dropout in training; else the modules."""
+
+    def __init__(self, config: ModernBertConfig):
+        super().__init__()
+        self.config = config
+        self.Wi = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.Wo = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, hidden, recompute: bool = False):
+        c = self.config
+        if is_plain_linear(self.Wi) and is_plain_linear(self.Wo) and not (self.training and c.mlp_dropout):
+            return ops.feed_forward_geglu(hidden, self.Wi.weight, self.Wi.bias, self.Wo.weight, self.Wo.bias,
+                                          c.gelu_approximate, recompute_pre=recompute, backend=c.backend)
+
+        def unfused(x):
+            value, gate = self.Wi(x).chunk(2, dim=-1)
+            gated = F.gelu(value, approximate=c.gelu_approximate) * gate
+            return self.Wo(ops.dropout(gated, c.mlp_dropout, self.training, backend=c.backend))
+        return _recompute(unfused, hidden) if recompute else unfused(hidden)
+
+
+class ModernBertEncoderLayer(EncoderLayer):
+    """Pre-LayerNorm: (stream, mlp input) = mlp_norm-and-add(Wo(attention(attn_norm(x))), x) in one fused
+    LayerNorm, then stream + mlp(mlp input). The first layer has no attn_norm (the embeddings' norm is it)."""
+
+    def __init__(self, config: ModernBertConfig, layer: int):
+        super().__init__()
+        self.config = config
+        self.attn_norm = (nn.Identity() if layer == 0 else
+                          nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.norm_bias))
+        self.attn = ModernBertAttention(config, layer)
+        self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.norm_bias)
+        self.mlp = ModernBertMLP(config)
+
+    def attention_block(self, hidden, layout: AttentionLayout, output_attentions: bool):
+        c = self.config
+        normed = hidden if isinstance(self.attn_norm, nn.Identity) else layer_norm(c, self.attn_norm, hidden)
+        context, probs = self.attn(normed, layout, output_attentions)
+        mlp_input, stream = layer_norm(c, self.mlp_norm, self.attn.Wo(context), residual=hidden,
+                                       dropout_p=c.attention_probs_dropout_prob, training=self.training,
+                                       return_residual=True)
+        return (stream, mlp_input), probs
+
+    def feed_forward(self, attended, recompute: bool = False):
+        stream, mlp_input = attended
+        return stream + self.mlp(mlp_input, recompute)
+
+
+class ModernBertLayers(nn.ModuleList):
+    """The model's `layers` list, run as an encoder (modeling.run_layers: checkpointing, hidden states)."""
+
+    def __init__(self, config: ModernBertConfig):
+        super().__init__(ModernBertEncoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.config = config
+        self.gradient_checkpointing = False
+        self._gradient_checkpointing_func = None
+
+    def forward(self, hidden, layout: AttentionLayout, output_hidden_states=False, output_attentions=False):
+        return run_layers(self, self, hidden, layout, output_hidden_states, output_attentions)
+
+
+class ModernBertPreTrainedModel(BertPreTrainedModel):
+    config_class = ModernBertConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["ModernBertEmbeddings", "ModernBertEncoderLayer"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Truncated normal weights (cut at initializer_cutoff_factor standard deviations, as transformers'
+        ModernBERT), zero biases, LayerNorms at one."""
+        std = self.config.initializer_range
+        cutoff = self.config.initializer_cutoff_factor * std
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.trunc_normal_(module.weight, mean=0.0, std=std, a=-cutoff, b=cutoff)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self._bert().embeddings.tok_embeddings
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self._bert().embeddings.tok_embeddings = value
+
+
+class ModernBertModel(ModernBertPreTrainedModel, BertModel):
+    """Embeddings, the layers and final_norm. Takes BertModel's layouts (padded with attention_mask, packed
+    with cu_seqlens); position_ids, if given, must be each token's offset in its sequence (what the rotary
+    positions are): other positions are an error, never silently ignored."""
+
+    def __init__(self, config: ModernBertConfig, add_pooling_layer: bool = True):
+        config.validate()
+        BertPreTrainedModel.__init__(self, config)
+        self.embeddings = ModernBertEmbeddings(config)
+        self.layers = ModernBertLayers(config)
+        self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.norm_bias)
+        self.post_init()
+
+    def encode(self, hidden, layout: AttentionLayout, output_hidden_states, output_attentions):
+        hidden, all_hidden, all_probs = self.layers(hidden, layout, output_hidden_states, output_attentions)
+        hidden = layer_norm(self.config, self.final_norm, hidden)
+        if all_hidden is not None and all_hidden[-1] is not None:  # transformers' last one is after final_norm
+            all_hidden[-1] = hidden
+        return hidden, all_hidden, all_probs
+
+    def pool(self, sequence_output):
+        return None
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
+        """transformers' ModernBertModel arguments; the rest as BertModel.forward."""
+        kwargs.pop("token_type_ids", None)  # transformers' ModernBERT takes and ignores them
+        if position_ids is not None and kwargs.get("validate", True):
+            _check_offsets(position_ids, attention_mask, kwargs)
+        return BertModel.forward(self, input_ids, attention_mask, None, None, inputs_embeds, **kwargs)
+
+
+def _check_offsets(position_ids, attention_mask, kwargs) -> None:
+    """ValueError where position_ids are not each token's offset in its sequence (the rotary positions
+    fastbert uses: 0, 1, ... per row, or per packed sequence; padding positions are free)."""
+    cu_seqlens = kwargs.get("cu_seqlens", kwargs.get("cu_seq_lens_q"))
+    if cu_seqlens is not None:
+        tokens = torch.arange(position_ids.shape[-1], device=position_ids.device)
+        sequence = torch.searchsorted(cu_seqlens[1:].to(tokens.device), tokens, right=True)
+        expected = (tokens - cu_seqlens.to(tokens.device)[sequence])[None]
+        real = torch.ones_like(position_ids, dtype=torch.bool)
+    else:
+        expected = torch.arange(position_ids.shape[-1], device=position_ids.device)[None]
+        mask = key_padding_mask(attention_mask, validate=False)
+        real = torch.ones_like(position_ids, dtype=torch.bool) if mask is None else mask.bool()
+    if not bool(((position_ids == expected) | ~real).all()):
+        raise ValueError("ModernBERT's position_ids must be each token's offset in its sequence (0, 1, ...): "
+                         "fastbert rotates q and k by those offsets inside the attention kernel")
+
+
+class ModernBertPredictionHead(nn.Module):
+    """norm(act(dense(x))), act = config.classifier_activation."""
+
+    def __init__(self, config: ModernBertConfig):
+        super().__init__()
+        self.config = config
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=config.classifier_bias)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.norm_bias)
+
+    def forward(self, hidden):
+        return gelu_dense_norm(self.config, self.dense, self.norm, hidden,
+                               GELU_APPROXIMATION[self.config.classifier_activation])
+
+
+class ModernBertForMaskedLM(ModernBertPreTrainedModel, BertForMaskedLM):
+    """head -> decoder tied to the word embeddings (with decoder_bias); the masked-only fused loss, mask_token_id
+    and return_logits as BertForMaskedLM."""
+
+    _tied_weights_keys = {"decoder.weight": "model.embeddings.tok_embeddings.weight"}
+    decoder_path, bias_path = "decoder", "decoder.bias"
+
+    def __init__(self, config: ModernBertConfig):
+        BertPreTrainedModel.__init__(self, config)
+        self.model = ModernBertModel(config)
+        self.head = ModernBertPredictionHead(config)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=config.decoder_bias)
+        self.post_init()
+
+    def vocabulary_head(self) -> VocabularyHead:
+        return VocabularyHead(self.config, self.head, self.decoder, self.decoder.bias, bias_in_decoder=True)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                **kwargs):
+        kwargs.pop("token_type_ids", None)
+        return BertForMaskedLM.forward(self, input_ids, attention_mask, None, position_ids, inputs_embeds, labels,
+                                       **kwargs)
+
+
+class ModernBertForSequenceClassification(ModernBertPreTrainedModel):
+    """Pooled (config.classifier_pooling: the first token, or the mean over the real tokens) -> head -> dropout
+    -> classifier; the loss as BertForSequenceClassification's (transformers' problem_type rules)."""
+
+    def __init__(self, config: ModernBertConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = ModernBertModel(config)
+        self.head = ModernBertPredictionHead(config)
+        self.drop = HeadDropout(config.classifier_dropout, config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None, *,
+                output_hidden_states=None, output_attentions=None, return_dict=None, validate=True, **kwargs):
+        base = self.model(input_ids, attention_mask, position_ids, inputs_embeds,
+                          output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                          return_dict=True, validate=validate, **kwargs)
+        hidden = base.last_hidden_state  # [B, S, H]
+        if self.config.classifier_pooling == "mean":
+            mask = key_padding_mask(attention_mask, validate=False)
+            mask = torch.ones(hidden.shape[:2], device=hidden.device) if mask is None else mask.to(hidden.dtype)
+            pooled = (hidden * mask[..., None]).sum(dim=1) / mask.sum(dim=1, keepdim=True)
+        else:
+            pooled = hidden[:, 0]
+        logits = self.classifier(self.drop(self.head(pooled)))  # [B, num_labels]
+        loss = sequence_classification_loss(self.config, logits, labels, validate)
+        result = outputs.SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=base.hidden_states,
+                                                  attentions=base.attentions)
+        return self._outputs(result, return_dict)
+
+
+class ModernBertForTokenClassification(ModernBertPreTrainedModel):
+    """head -> dropout -> classifier per token; the loss as BertForTokenClassification's."""
+
+    def __init__(self, config: ModernBertConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = ModernBertModel(config)
+        self.head = ModernBertPredictionHead(config)
+        self.drop = HeadDropout(config.classifier_dropout, config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None, *,
+                output_hidden_states=None, output_attentions=None, return_dict=None, validate=True, **kwargs):
+        base = self.model(input_ids, attention_mask, position_ids, inputs_embeds,
+                          output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                          return_dict=True, validate=validate, **kwargs)
+        logits = self.classifier(self.drop(self.head(base.last_hidden_state)))  # [B, S, num_labels]
+        loss = token_classification_loss(logits, labels, attention_mask, validate)
+        result = outputs.TokenClassifierOutput(loss=loss, logits=logits, hidden_states=base.hidden_states,
+                                               attentions=base.attentions)
+        return self._outputs(result, return_dict)
+
+
+MODERNBERT_CLASSES = {cls.__name__: cls for cls in (
+    ModernBertModel, ModernBertForMaskedLM, ModernBertForSequenceClassification, ModernBertForTokenClassification)}
