@@ -9,7 +9,7 @@ import torch
 from tolerance import GRADIENT_FACTOR, assert_within_rule
 
 from fastbert import ops, reference
-from fastbert.kernels import bias_gelu, ffn as kernel
+from fastbert.kernels import bias_gelu, ffn as kernel, matmul
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NAMES = ["dx", "dw1", "db1", "dw2", "db2"]
@@ -202,6 +202,13 @@ def test_ops_dispatch_and_bad_inputs(device):
         kernel.feed_forward_geglu(x, w1[:191], None, w2, None)
     with pytest.raises(ValueError, match="b1 has dtype torch.float16"):
         kernel.feed_forward_geglu(x, w1, b1.half(), w2, b2)
+    out = x.new_empty(7, 96)
+    with pytest.raises(ValueError, match=r"a gated matmul needs a GELU activation \(got 'none'\)"):
+        matmul.matmul_fwd(x, w1, None, out, "none", gated=True)
+    with pytest.raises(ValueError, match=r"an even number of weight rows \(got 191\)"):
+        matmul.matmul_fwd(x, w1[:191], None, out, "gelu", gated=True)
+    with pytest.raises(ValueError, match=r"pre must be a contiguous \(7, 192\) tensor, got \(7, 96\)"):
+        matmul.matmul_fwd(x, w1, None, out, "gelu", pre=x.new_empty(7, 96), gated=True)
 
 
 # ---- the bias-less projections ----
