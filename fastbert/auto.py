@@ -27,6 +27,8 @@ def register(config_classes, model_classes: dict[str, type]) -> None:
     for config_class in config_classes:
         prefix = config_class.__name__.removesuffix("Config")
         for auto_name, head in AUTO_HEADS.items():
-            model_class = model_classes.get(prefix + head)
+            # an architecture without a ForPreTraining class pretrains its masked LM, as transformers' mapping says
+            model_class = model_classes.get(prefix + head) or (
+                model_classes.get(prefix + "ForMaskedLM") if head == "ForPreTraining" else None)
             if model_class is not None and model_class.config_class is config_class:
                 getattr(transformers, auto_name).register(config_class, model_class, exist_ok=True)

@@ -175,10 +175,16 @@ class BertConfig(ConfigBase):
         return getattr(self, "embedding_size", None) or self.hidden_size
 
     @property
+    def padding_index(self) -> int | None:
+        """The embedding tables' padding row and the id position ids count from: pad_token_id (MPNet fixes its
+        own)."""
+        return self.pad_token_id
+
+    @property
     def position_offset(self) -> int:
-        """The position id of a sequence's first token: pad_token_id + 1 where positions count from the
+        """The position id of a sequence's first token: padding_index + 1 where positions count from the
         padding index (RoBERTa, MPNet), else 0."""
-        return self.pad_token_id + 1 if self.positions_from_padding else 0
+        return self.padding_index + 1 if self.positions_from_padding else 0
 
     @property
     def max_sequence_length(self) -> int:

@@ -60,15 +60,14 @@ class MPNetConfig(BertConfig):
                 "eos_token_id": 2, "relative_attention_num_buckets": 32, "type_vocab_size": 0}
     absent_fields = ("type_vocab_size", "classifier_dropout")
 
+    @property
+    def padding_index(self) -> int:
+        """transformers' MPNetEmbeddings fixes its padding index at 1 (the word and position tables' padding
+        rows, position ids from 2) whatever pad_token_id says."""
+        return MPNET_PADDING_INDEX
+
     def validate(self) -> None:
         super().validate()
-        # transformers' MPNetEmbeddings fixes its padding index at 1 (word and position tables, position ids from
-        # 2) whatever pad_token_id says; fastbert's embeddings read pad_token_id, so another value would count
-        # positions from elsewhere
-        if self.pad_token_id != MPNET_PADDING_INDEX:
-            raise ValueError(f"MPNetConfig.pad_token_id must be {MPNET_PADDING_INDEX} (transformers' MPNet counts "
-                             f"positions from padding index {MPNET_PADDING_INDEX} whatever pad_token_id says), "
-                             f"got {self.pad_token_id!r}")
         if self.relative_attention_num_buckets < MPNET_BUCKETS:
             raise ValueError(f"MPNetConfig.relative_attention_num_buckets must be >= {MPNET_BUCKETS} (the buckets "
                              f"transformers' MPNet computes), got {self.relative_attention_num_buckets}")
@@ -123,6 +122,11 @@ MODERNBERT_NAMES = {"hidden_activation": "hidden_act", "norm_eps": "layer_norm_e
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
+def layer_pattern(layers: int, every: int) -> list[str]:
+    """ModernBERT's layer_types: global attention on every `every`-th layer from the first, local elsewhere."""
+    return [FULL_ATTENTION if i % every == 0 else SLIDING_ATTENTION for i in range(layers)]
+
+
 class ModernBertConfig(BertConfig):
     """ModernBERT (Warner et al., 2024): pre-LayerNorm without biases, rotary positions, a GeGLU feed-forward,
     global attention every global_attn_every_n_layers-th layer and a sliding window of local_attention tokens
@@ -150,11 +154,19 @@ class ModernBertConfig(BertConfig):
         local_theta = kwargs.pop("local_rope_theta", 10000.0)
         super().__init__(**self.from_hf_names(kwargs))
         if self.layer_types is None:
-            self.layer_types = [FULL_ATTENTION if i % every == 0 else SLIDING_ATTENTION
-                                for i in range(self.num_hidden_layers)]
+            self.layer_types = layer_pattern(self.num_hidden_layers, every)
         if self.rope_parameters is None:
             self.rope_parameters = {SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": local_theta},
                                     FULL_ATTENTION: {"rope_type": "default", "rope_theta": global_theta}}
+
+    def update_known(self, overrides: dict[str, Any], caller: str) -> None:
+        """BertConfig.update_known; a new num_hidden_layers without layer_types gets layer_types in the same
+        pattern (global every n-th layer, n read from the current list)."""
+        if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+            fulls = [i for i, kind in enumerate(self.layer_types) if kind == FULL_ATTENTION]
+            every = fulls[1] - fulls[0] if len(fulls) > 1 else len(self.layer_types)
+            overrides = {**overrides, "layer_types": layer_pattern(overrides["num_hidden_layers"], every)}
+        super().update_known(overrides, caller)
 
     def convert_rope_params_to_dict(self, **kwargs: Any) -> dict[str, Any]:
         """transformers' PreTrainedConfig would flatten rope_parameters to one layer type here; __init__ above
@@ -173,6 +185,26 @@ class ModernBertConfig(BertConfig):
         if name in MODERNBERT_NAMES:  # transformers' spelling, only reached for names the instance lacks
             return getattr(self, MODERNBERT_NAMES[name])
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    # presets ----------------------------------------------------------------------------------------
+    @classmethod
+    def base(cls, **overrides: Any) -> "ModernBertConfig":
+        """ModernBERT-base: 22 layers, hidden 768, GeGLU 1152, 12 heads (149M parameters)."""
+        return cls(**overrides)
+
+    @classmethod
+    def large(cls, **overrides: Any) -> "ModernBertConfig":
+        """ModernBERT-large: 28 layers, hidden 1024, GeGLU 2624, 16 heads (395M parameters)."""
+        values = dict(num_hidden_layers=28, hidden_size=1024, intermediate_size=2624, num_attention_heads=16)
+        return cls(**{**values, **overrides})
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "ModernBertConfig":
+        """3 layers (one global, two local with a 32-token window), hidden 128, for tests and smoke runs."""
+        values = dict(vocab_size=1024, hidden_size=128, num_hidden_layers=3, num_attention_heads=2,
+                      intermediate_size=192, max_position_embeddings=128, local_attention=32, pad_token_id=0,
+                      bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+        return cls(**{**values, **overrides})
 
     @property
     def sliding_window(self) -> int:

@@ -77,8 +77,8 @@ class BertEmbeddings(nn.Module):
         super().__init__()
         self.config = config
         width = config.embedding_width
-        self.word_embeddings = nn.Embedding(config.vocab_size, width, padding_idx=config.pad_token_id)
-        position_padding = config.pad_token_id if config.positions_from_padding else None
+        self.word_embeddings = nn.Embedding(config.vocab_size, width, padding_idx=config.padding_index)
+        position_padding = config.padding_index if config.positions_from_padding else None
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, width, padding_idx=position_padding)
         if config.type_vocab_size:
             self.token_type_embeddings = nn.Embedding(config.type_vocab_size, width)
@@ -86,10 +86,11 @@ class BertEmbeddings(nn.Module):
 
     def default_position_ids(self, input_ids, seqlen: int, device) -> torch.Tensor:
         """[B or 1, S]: 0..S-1, or for positions from the padding index, as transformers' RoBERTa counts them:
-        pad_token_id + 1 onwards over the real tokens, pad_token_id on padding tokens."""
+        padding_index + 1 onwards over the real tokens, padding_index on padding tokens (config.padding_index:
+        pad_token_id, or MPNet's fixed 1)."""
         if not self.config.positions_from_padding:
             return torch.arange(seqlen, device=device)[None, :]
-        pad = self.config.pad_token_id
+        pad = self.config.padding_index
         if input_ids is None:  # inputs_embeds: no padding can be seen, every position is a token
             return torch.arange(pad + 1, seqlen + pad + 1, device=device)[None, :]
         real = input_ids.ne(pad).int()

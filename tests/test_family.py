@@ -158,15 +158,19 @@ def test_sequence_past_the_position_table_is_an_error_naming_it(arch):
         model(**padded_batch(model.config, lengths=(39,), seq=39))
 
 
-def test_mpnet_pad_token_id_other_than_1_is_an_error_naming_it(tmp_path):
-    """transformers' MPNet counts positions from padding index 1 whatever config.pad_token_id says."""
-    model = hf_model("mpnet", pad_token_id=3)
-    with pytest.raises(ValueError, match=r"MPNetConfig.pad_token_id must be 1 .* got 3"):
-        fastbert.apply(model)
-    assert ACCELERATED not in vars(model)
-    model.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="pad_token_id"):
-        fastbert.MPNetForMaskedLM.from_pretrained(tmp_path)
+def test_mpnet_counts_positions_from_index_1_whatever_pad_token_id_says(tmp_path):
+    """transformers' MPNet pads its tables at index 1 and counts positions from it whatever
+    config.pad_token_id says; fastbert's MPNet does the same, applied and loaded."""
+    theirs = hf_model("mpnet", pad_token_id=3)
+    inputs = padded_batch(theirs.config)
+    real = inputs["attention_mask"].bool()
+    expected = theirs(**inputs).last_hidden_state[real]
+    applied = fastbert.apply(copy.deepcopy(theirs))
+    torch.testing.assert_close(applied(**inputs).last_hidden_state[real], expected, atol=1e-5, rtol=1e-5)
+    theirs.save_pretrained(tmp_path)
+    loaded = fastbert.MPNetModel.from_pretrained(tmp_path)
+    assert loaded.embeddings.word_embeddings.padding_idx == loaded.embeddings.position_embeddings.padding_idx == 1
+    torch.testing.assert_close(loaded(**inputs).last_hidden_state[real], expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch,overrides,seq", [

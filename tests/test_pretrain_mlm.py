@@ -192,13 +192,7 @@ OTHER_ARCHITECTURES = {  # transformers' config with tiny sizes, and fastbert's 
     "CamembertForMaskedLM": transformers.CamembertConfig(**{**SMALL, **TINY})}
 
 
-# transformers' MPNet pads at index 1 whatever pad_token_id says; fastbert's embeddings read pad_token_id, so
-# MPNetConfig refuses another value until they read MPNet's fixed index (the data here pads with 0)
-MPNET_PADDING = pytest.mark.xfail(strict=True, raises=ValueError, reason="MPNet's padding index is 1, the data's 0")
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=MPNET_PADDING) if name == "MPNetForMaskedLM" else name
-                                  for name in OTHER_ARCHITECTURES])
+@pytest.mark.parametrize("name", OTHER_ARCHITECTURES)  # MPNet's padding index is its own 1, the data pads with 0
 def test_every_architectures_masked_lm_trains_on_packed_sentences(data, tmp_path, name):
     """Models without token types (DistilBERT, MPNet) too: an mlm batch is one segment and passes none."""
     OTHER_ARCHITECTURES[name].to_json_file(tmp_path / "config.json")
@@ -318,3 +312,26 @@ def test_help_names_the_objective(capsys):
         pretrain.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--objective {mlm+nsp,mlm}" in text and "(default: 'mlm+nsp')" in text
+
+
+def test_modernbert_preset_pretrains_and_resumes_bitwise(data, tmp_path):
+    """--model modernbert-base with the sizes cut down by --model.<field> (ModernBERT's own fields included):
+    its masked LM trains on packed sentences with the data's padding id and resumes bitwise."""
+    from fastbert.modernbert import ModernBertForMaskedLM
+    overrides = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2,
+                 "local_attention": 8, "max_position_embeddings": 64}
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    result = pretrain.train(config(data, whole, model="modernbert-base"), overrides)
+    assert type(result["model"]) is ModernBertForMaskedLM and result["model"].config.pad_token_id == 0
+    assert result["model"].config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    assert pretrain.train(config(data, parts, stop_at=2, model="modernbert-base"), overrides)["stopped"]
+    pretrain.train(config(data, parts, model="modernbert-base"), overrides)
+    strip = [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in records(whole)]
+    assert [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in records(parts)] == strip
+    assert all(np.isfinite(r["loss"]) and not NSP_KEYS & r.keys() for r in strip)
+    final_whole, final_parts = (read_state_dict(os.path.join(out, "checkpoints", "step_00000006", "model"))
+                                for out in (whole, parts))
+    assert final_whole.keys() == final_parts.keys()
+    assert all(torch.equal(final_whole[k], final_parts[k]) for k in final_whole)
+    with pytest.raises(ValueError, match=r"--model.no_such_field: ModernBertConfig has no field"):
+        pretrain.train(config(data, tmp_path / "bad", model="modernbert-base"), {"no_such_field": 1})
