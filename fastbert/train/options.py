@@ -15,7 +15,7 @@ from fastbert.data.corpus import STDLIB
 from fastbert.data.examples import MLM_NSP, OBJECTIVES
 from fastbert.train import distributed
 
-PRESETS = ("tiny", "base", "large")
+PRESETS = ("tiny", "base", "large", "modernbert-base", "modernbert-large")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "lamb")
 DEVICES = ("auto", "cpu", "cuda")
@@ -42,7 +42,7 @@ class PretrainConfig:
     run_name: str = ""  # directory name under ./runs/; "" = "<model>-<data>"
     out: str = ""  # output directory; "" = ./runs/<run_name>
     data: str = STDLIB  # `fastbert prepare-data` output (holding seq128/, seq512/, ...) or "stdlib" (built in)
-    model: str = "tiny"  # tiny | base | large (BertConfig's sizes), or an HF config.json (file or directory)
+    model: str = "tiny"  # tiny | base | large (BERT's sizes) | modernbert-base | modernbert-large, or an HF config.json
     objective: str = MLM_NSP  # mlm+nsp (BERT's) | mlm: masked LM alone on packed full sentences (RoBERTa's)
     steps: int = 400  # optimizer steps in all (the paper: 1,000,000)
     batch_size: int = 32  # global batch: sequences per optimizer step, all ranks together (the paper: 256)

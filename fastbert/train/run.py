@@ -158,17 +158,24 @@ def phase_dataset(data: str, seq_length: int, objective: str = MLM_NSP) -> Shard
 
 
 def model_config(cfg: PretrainConfig, overrides: dict):
-    from fastbert import BertConfig
-    from fastbert.config import OWN_FIELDS
-    unknown = sorted(set(overrides) - set(OWN_FIELDS))
-    if unknown:
-        raise ValueError(f"--model.{unknown[0]}: BertConfig has no field {unknown[0]!r}")
-    if cfg.model in PRESETS:
-        return getattr(BertConfig, cfg.model)(**overrides)
-    if not os.path.exists(cfg.model):
-        raise ValueError(f"--model must be one of {PRESETS} or an HF config.json, got {cfg.model!r}")
+    """The --model preset (BERT's tiny / base / large, ModernBERT's modernbert-base / -large) or config.json,
+    with the --model.<field> overrides, each a field that config has."""
     from fastbert.architectures import load_config
-    return load_config(cfg.model, **overrides)  # the config class of its model_type (bert, roberta, ...)
+    from fastbert.config import BertConfig
+    from fastbert.family_config import ModernBertConfig
+
+    if cfg.model in PRESETS:
+        family, size = (ModernBertConfig, cfg.model.removeprefix("modernbert-")) if cfg.model.startswith(
+            "modernbert-") else (BertConfig, cfg.model)
+        config = getattr(family, size)()
+    elif os.path.exists(cfg.model):
+        config = load_config(cfg.model)  # the config class of its model_type (bert, roberta, ...)
+    else:
+        raise ValueError(f"--model must be one of {PRESETS} or an HF config.json, got {cfg.model!r}")
+    unknown = sorted(name for name in overrides if not hasattr(config, name))
+    if unknown:
+        raise ValueError(f"--model.{unknown[0]}: {type(config).__name__} has no field {unknown[0]!r}")
+    return config.replace(**overrides)
 
 
 def model_class(config, objective: str) -> type:
@@ -335,8 +342,9 @@ def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
     if sharded and dtype == torch.float16:
         raise ValueError("--precision fp16 is not supported with --distributed fsdp; use bf16")
     dataset = _find_data(cfg, config, phases, env)
-    if cfg.model in PRESETS and "vocab_size" not in model_overrides:
-        config = config.replace(vocab_size=dataset.vocab_size)
+    if cfg.model in PRESETS:  # a preset takes the data's vocabulary (ModernBERT's presets pad with id 50283)
+        from_data = {"vocab_size": dataset.vocab_size, "pad_token_id": dataset.special_ids["pad"]}
+        config = config.replace(**{k: v for k, v in from_data.items() if k not in model_overrides})
     if config.vocab_size < dataset.vocab_size:
         raise ValueError(f"the model's vocab_size {config.vocab_size} is smaller than the data's {dataset.vocab_size}")
     if config.pad_token_id != dataset.special_ids["pad"]:
