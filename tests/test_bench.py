@@ -195,3 +195,29 @@ def test_data_suite_rows_and_their_verdict(tmp_path, monkeypatch):
     text = "\n".join(report.data_lines([fast, slow]))
     assert "| S=128: >= 25,000 | 24,000 | no |" in text and "| S=512: >= 6,300 | not yet measured | - |" in text
     assert "| S=128: >= 25,000 | 90,000 | yes |" in "\n".join(report.data_lines([fast]))
+
+
+def test_modernbert_flops_count_the_geglu_and_the_windows():
+    """ModernBERT's encoder FLOPs: the matmuls as FlopCounterMode counts them on the reference path (windows
+    wider than the sequence, attention on matmuls through output_attentions), and a window's (query, key)
+    pairs as a brute-force count."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fastbert.modernbert import ModernBertModel
+    from fastbert.train.metrics import attention_pairs, encoder_flops
+    from fastbert.family_config import ModernBertConfig
+
+    config = ModernBertConfig.tiny(hidden_size=32, intermediate_size=48, local_attention=64, backend="torch")
+    model = ModernBertModel(config).eval()
+    ids = torch.randint(3, 1024, (2, 9), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(input_ids=ids, output_attentions=True)
+    assert counter.get_total_flops() == encoder_flops(config, torch.tensor([9, 9]), pooler=False)
+    for length in (1, 5, 20):
+        for window in (0, 2, 30):
+            pairs = sum(abs(i - j) <= window for i in range(length) for j in range(length))
+            assert attention_pairs(torch.tensor([length]), window) == pairs
+    narrow = ModernBertConfig.tiny(local_attention=4)  # two local layers of window 2 out of three
+    lengths = torch.tensor([9])
+    assert (encoder_flops(ModernBertConfig.tiny(local_attention=64), lengths, pooler=False)
+            - encoder_flops(narrow, lengths, pooler=False)) == 2 * 4 * 128 * (81 - attention_pairs(lengths, 2))

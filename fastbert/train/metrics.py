@@ -3,6 +3,8 @@
 FLOPs follow DESIGN.md: a [M,K]x[K,N] matmul is 2MNK, training is 3x the forward. Per sequence of
 s real tokens (padding is not counted, whatever the kernels do with it), the forward is
     per layer: 2 s (4 H^2 + 2 H I)  [QKV, output, FFN]  +  4 s^2 H  [QK^T and PV]
+               (ModernBERT: 2 s (4 H^2 + 3 H I) with its GeGLU's 2I-wide up-projection, and on a local layer
+               4 p H for the p (query, key) pairs within its window instead of s^2)
     heads:     2 m (H^2 + H V) on the m masked tokens (the MLM head runs only there), 2 (H^2 + 2H)
                [the pooler and the NSP classifier, per sequence; none for the mlm objective]
 MFU = achieved model FLOP/s / the device's measured matmul rate in the run's compute dtype.
@@ -23,12 +25,25 @@ from fastbert.data.examples import MLM_NSP
 logger = logging.getLogger("fastbert.train")
 
 
+def attention_pairs(lengths: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The (query, key) pairs attention scores over sequences of these lengths: s^2 each, or with a window
+    (|i - j| <= w) s (2m + 1) - m (m + 1), m = min(w, s - 1)."""
+    lengths = lengths.to(torch.float64)
+    if window is None:
+        return (lengths ** 2).sum()
+    m = torch.clamp(lengths - 1, min=0).clamp(max=window)
+    return (lengths * (2 * m + 1) - m * (m + 1)).sum()
+
+
 def encoder_flops(config, lengths: torch.Tensor, pooler: bool = True) -> float:
-    """Forward FLOPs of BertModel (the layers and, unless pooler=False, the pooler) over sequences of these
-    real lengths."""
+    """Forward FLOPs of the encoder (the layers and, unless pooler=False, the pooler) over sequences of these
+    real lengths; ModernBERT's GeGLU and local windows counted as they run."""
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     lengths = lengths.to(torch.float64)
-    encoder = layers * (2 * (4 * h * h + 2 * h * i) * lengths.sum() + 4 * h * (lengths ** 2).sum())
+    up = 2 * i if config.model_type == "modernbert" else i  # GeGLU's up-projection computes value and gate
+    windows = [config.layer_window(n) if hasattr(config, "layer_window") else None for n in range(layers)]
+    encoder = layers * 2 * (4 * h * h + h * (up + i)) * lengths.sum()
+    encoder = encoder + sum(4 * h * attention_pairs(lengths, window) for window in windows)
     return float(encoder + pooler * 2 * len(lengths) * h * h)
 
 
