@@ -50,6 +50,30 @@
 # exceed 3x the error of a materialised softmax's, whose delta sums its own P * dP
 # (measured: test_dropout_forward_and_backward_use_one_mask in tests/test_attention_relative_bias.py).
 #
+# Rotary positions (ModernBERT; constexpr ROTARY): q and k are rotated inside the kernels, RoPE's rotate_half
+# layout: dimension i < d/2 pairs with i + d/2, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) at angle
+# position * inv_freq[i], inv_freq = base ** (-2i / d), the position the token's offset in its sequence (the
+# padded row index, or the packed row minus its sequence's start, so the layouts agree). It is done here
+# rather than in the QKV projection's epilogue because a rotated column needs its partner column of the other
+# half of the head, which a matmul tile of whole output columns does not hold, while the attention kernel loads
+# a head's q or k rows as two half-width tiles and multiplies them with two half-width dots (the same bytes
+# and MMA work as one full-width load and dot). The rotation runs in fp32 on each tile as it is loaded and is
+# cast back to the input dtype, as transformers' apply_rotary_pos_emb does; cos and sin are computed from
+# the position in fp32, and inv_freq is a [d/2] fp32 vector made on the host with transformers' own formula,
+# so the fp32 angle position * inv_freq is bitwise transformers' (a device pow differs by ulps, which at
+# position 8192 are 1e-3 radians). The backward accumulates dq and dk in the rotated frame (two half-width
+# accumulators each) and applies the transpose rotation once, before the store. Saved for the backward: q
+# and k unrotated, as without rotary: no rotated copy is kept (the backward rotates its tiles again).
+#
+# Sliding window (ModernBERT's local layers; constexpr WINDOW): query i keeps the keys j with |i - j| <= w
+# (transformers' bidirectional sliding-window mask, distance <= config.sliding_window, 64 on ModernBERT-base).
+# Every block loop visits only the blocks that intersect the band (`_block_range`: from max(lo, first row - w)
+# to min(hi, last row + w + 1)), so a local layer costs O(S w), not O(S^2); the band's element mask is
+# applied in the tiles, inside the boundary blocks. A token row always keeps itself, so l > 0 on every token
+# row; padded rows are zeros as without a window. Dropout's counters are unchanged (the mask's elements are
+# those of the full attention, which the band only drops). The relative-position bias is not combined with
+# rotary positions or a window (no model asks for both): the launchers refuse the combination.
+#
 # Limits. Head dim 32, 64 or 128; fp32, fp16 or bf16 (q, k, v of one dtype; fp32 dots run in TF32 on tensor
 # cores when PyTorch allows TF32 matmuls, else in exact IEEE fp32, PyTorch's default and the tests':
 # several times slower, without tensor cores and with large register spills); any sequence length
@@ -92,7 +116,7 @@ def _configs(gpu_shapes, interpreter_shape, names=("BLOCK_M", "BLOCK_N")):
 # by the layout (VARLEN, HAS_MASK), so a packed batch runs the blocks of its padded twin and gives its
 # bitwise results. Triton adds every tensor argument's dtype to the key: q's (and so out's), and those
 # of the mask, bounds, cu_seqlens and seed pointers, which are fixed (`_placeholder` when unused).
-AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "DROPOUT", "DOT_PRECISION", "HAS_REL_BIAS"]
+AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "DROPOUT", "DOT_PRECISION", "HAS_REL_BIAS", "ROTARY", "WINDOW"]
 # Candidates per GPU architecture, (block, block, num_warps, num_stages), each checked by the compile audit
 # (`fastbert bench --suite compile`) to spill no register with Triton 3.6 and 3.9: Hopper (sm_90, warpgroup
 # MMA) and Ampere (sm_80, MMA, whose fragments need more registers for the same tile).
@@ -215,6 +239,74 @@ def _add_bucket_sums(sums, ds, bucket, NUM_BUCKETS_PADDED: tl.constexpr):
     return sums
 
 
+@triton.jit
+def _block_range(block_start, BLOCK: tl.constexpr, lo, hi, window, INNER: tl.constexpr, WINDOW: tl.constexpr):
+    """[start, end) of the inner loop (blocks of INNER positions, start a multiple of INNER) of the block of
+    BLOCK positions at block_start: the positions [lo, hi) that can hold tokens, and with WINDOW only those
+    within `window` of the block's (the band is symmetric, so one range serves keys of a query block and
+    queries of a key block). A block without any position in [lo, hi) gets an empty range."""
+    block_live = (block_start < hi) & (block_start + BLOCK > lo)
+    if WINDOW:
+        first = tl.maximum(lo, block_start - window)
+        last = tl.minimum(hi, block_start + BLOCK + window)
+    else:
+        first = lo
+        last = hi
+    start = (first // INNER) * INNER
+    return start, tl.where(block_live, last, start)
+
+
+@triton.jit
+def _in_window(rows, cols, window):
+    """|rows - cols| <= window, in the broadcast shape of rows and cols (either orientation)."""
+    return tl.abs(rows - cols) <= window
+
+
+@triton.jit
+def _rotary_angles(positions, inv_freq, TRANSPOSED: tl.constexpr):
+    """fp32 angles positions x inv_freq: [n, d/2], or [d/2, n] TRANSPOSED."""
+    if TRANSPOSED:
+        return positions[None, :].to(tl.float32) * inv_freq[:, None]
+    else:
+        return positions[:, None].to(tl.float32) * inv_freq[None, :]
+
+
+@triton.jit
+def _load_rotated(ptr, positions, valid, stride_pos, stride_dim, inv_freq, HALF: tl.constexpr,
+                  TRANSPOSED: tl.constexpr):
+    """The rows `positions` of a head (ptr at its position 0), rotated at their positions, as its two halves
+    (x1 cos - x2 sin, x2 cos + x1 sin) in the input dtype: [n, HALF] each, or [HALF, n] TRANSPOSED. Rows
+    where `valid` is false load as zeros."""
+    half = tl.arange(0, HALF)
+    if TRANSPOSED:
+        offsets = positions[None, :] * stride_pos + half[:, None] * stride_dim
+        mask = valid[None, :]
+    else:
+        offsets = positions[:, None] * stride_pos + half[None, :] * stride_dim
+        mask = valid[:, None]
+    x1 = tl.load(ptr + offsets, mask=mask, other=0.0)
+    x2 = tl.load(ptr + offsets + HALF * stride_dim, mask=mask, other=0.0)
+    angles = _rotary_angles(positions, inv_freq, TRANSPOSED)
+    cos = tl.cos(angles)
+    sin = tl.sin(angles)
+    x1f = cast(x1, tl.float32)
+    x2f = cast(x2, tl.float32)
+    return cast(x1f * cos - x2f * sin, x1.dtype), cast(x2f * cos + x1f * sin, x1.dtype)
+
+
+@triton.jit
+def _store_rotated_back(ptr, positions, valid, stride_pos, stride_dim, g1, g2, inv_freq, HALF: tl.constexpr):
+    """Store the gradient (g1, g2) [n, HALF] fp32 of rotated rows as the gradient of the unrotated rows: the
+    transpose rotation (g1 cos + g2 sin, g2 cos - g1 sin), in ptr's dtype."""
+    angles = _rotary_angles(positions, inv_freq, False)
+    cos = tl.cos(angles)
+    sin = tl.sin(angles)
+    offsets = positions[:, None] * stride_pos + tl.arange(0, HALF)[None, :] * stride_dim
+    tl.store(ptr + offsets, cast(g1 * cos + g2 * sin, ptr.dtype.element_ty), mask=valid[:, None])
+    tl.store(ptr + offsets + HALF * stride_dim, cast(g2 * cos - g1 * sin, ptr.dtype.element_ty),
+             mask=valid[:, None])
+
+
 @triton.autotune(configs=FWD_CONFIGS, key=AUTOTUNE_KEY,
                  prune_configs_by={"early_config_prune": _prune(FWD_SHAPES, FWD_DROPOUT_PROBABILITIES_PER_THREAD,
                                                                  FWD_REL_BIAS_SHAPES)})
@@ -231,6 +323,7 @@ def _attention_fwd_kernel(
     CU_SEQLENS,  # [B + 1] int32 token offsets of the sequences (VARLEN)
     SEED,  # [1] int64 Philox seed (DROPOUT)
     REL_BIAS,  # [heads, 2D + 1] fp32, contiguous: log2(e) * the bias of distance d at d + D (HAS_REL_BIAS)
+    INV_FREQ,  # [d/2] fp32: the rotary inverse frequencies base ** (-2i / d) (ROTARY)
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -241,9 +334,10 @@ def _attention_fwd_kernel(
     scale_log2,  # scale * log2(e)
     dropout_p, keep_scale,  # keep_scale = 1 / (1 - dropout_p)
     max_distance,  # D of the relative-position tables (HAS_REL_BIAS)
+    window,  # keys with |i - j| <= window (WINDOW)
     HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (kernels/numerics.py dot_precision)
-    HAS_REL_BIAS: tl.constexpr,
+    HAS_REL_BIAS: tl.constexpr, ROTARY: tl.constexpr, WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -263,7 +357,11 @@ def _attention_fwd_kernel(
     dims = tl.arange(0, HEAD_DIM)
     in_rows = rows < n_rows
     row_valid = _token_valid(KEY_MASK, stride_mb, stride_ms, b64, rows, lo, hi, HAS_MASK)
-    q = tl.load(Q + rows[:, None] * stride_qs + dims[None, :] * stride_qd, mask=in_rows[:, None], other=0.0)
+    if ROTARY:
+        inv_freq = tl.load(INV_FREQ + tl.arange(0, HEAD_DIM // 2))
+        q1, q2 = _load_rotated(Q, rows, in_rows, stride_qs, stride_qd, inv_freq, HEAD_DIM // 2, False)
+    else:
+        q = tl.load(Q + rows[:, None] * stride_qs + dims[None, :] * stride_qd, mask=in_rows[:, None], other=0.0)
     if DROPOUT:
         seed = tl.load(SEED)
 
@@ -271,9 +369,7 @@ def _attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # A query block with no row in [lo, hi) holds only padding: it runs no iteration and writes zeros.
-    block_live = (pid_m * BLOCK_M < hi) & (pid_m * BLOCK_M + BLOCK_M > lo)
-    n_start = (lo // BLOCK_N) * BLOCK_N
-    n_end = tl.where(block_live, hi, n_start)
+    n_start, n_end = _block_range(pid_m * BLOCK_M, BLOCK_M, lo, hi, window, BLOCK_N, WINDOW)
     offs_n = tl.arange(0, BLOCK_N)
     kt_ptrs = K + offs_n[None, :] * stride_ks + dims[:, None] * stride_kd  # block at key 0; the loop shifts it
     v_ptrs = V + offs_n[:, None] * stride_vs + dims[None, :] * stride_vd
@@ -281,11 +377,18 @@ def _attention_fwd_kernel(
         cols = start_n + offs_n
         col_valid = _token_valid(KEY_MASK, stride_mb, stride_ms, b64, cols, lo, hi, HAS_MASK)
         in_cols = cols < hi
-        kt = tl.load(kt_ptrs + start_n * stride_ks, mask=in_cols[None, :], other=0.0)
-        s = dot(q, kt, None, DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if ROTARY:
+            kt1, kt2 = _load_rotated(K, cols, in_cols, stride_ks, stride_kd, inv_freq, HEAD_DIM // 2, True)
+            s = dot(q2, kt2, dot(q1, kt1, None, DOT_PRECISION), DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        else:
+            kt = tl.load(kt_ptrs + start_n * stride_ks, mask=in_cols[None, :], other=0.0)
+            s = dot(q, kt, None, DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         if HAS_REL_BIAS:
             s += tl.load(REL_BIAS + _distance_index(rows[:, None], cols[None, :], max_distance))
-        s = tl.where(col_valid[None, :], s, float("-inf"))
+        if WINDOW:
+            s = tl.where(col_valid[None, :] & _in_window(rows[:, None], cols[None, :], window), s, float("-inf"))
+        else:
+            s = tl.where(col_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row whose keys so far are all masked has m = -inf; exponentiating against 0 instead keeps
         # its p and alpha at exactly 0 rather than NaN from (-inf) - (-inf).
@@ -357,6 +460,7 @@ def _attention_bwd_kernel(
     LSE, DELTA,  # [B, heads, S] fp32 (VARLEN: [heads, T]): the forward's log-sum-exp, the preprocess' delta
     KEY_MASK, KEY_LO, KEY_HI, CU_SEQLENS, SEED, REL_BIAS,  # as in the forward
     REL_BUCKETS,  # [2D + 1] int32: the bucket of distance d at d + D (HAS_REL_BIAS)
+    INV_FREQ,  # as in the forward (ROTARY)
     DBIAS_SLOTS,  # [B, heads, ceil(S / BIAS_GRAD_SLOT_ROWS), NUM_BUCKETS_PADDED] fp32: per-slot bias grad sums
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -367,10 +471,10 @@ def _attention_bwd_kernel(
     stride_dvb, stride_dvh, stride_dvs, stride_dvd,
     stride_lb, stride_lh, stride_mb, stride_ms,
     stride_gb, stride_gh, stride_gs,  # DBIAS_SLOTS' (its bucket stride is 1)
-    seqlen, seqlen_bucket, scale, scale_log2, dropout_p, keep_scale, max_distance,
+    seqlen, seqlen_bucket, scale, scale_log2, dropout_p, keep_scale, max_distance, window,
     HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (kernels/numerics.py dot_precision)
-    HAS_REL_BIAS: tl.constexpr,
+    HAS_REL_BIAS: tl.constexpr, ROTARY: tl.constexpr, WINDOW: tl.constexpr,
     NUM_BUCKETS_PADDED: tl.constexpr,  # next power of two of num_buckets (HAS_REL_BIAS)
     BLOCK_MAJOR: tl.constexpr,  # the keys of the dk/dv phase and the queries of the dq phase
     BLOCK_MINOR: tl.constexpr,  # the blocks each phase streams through: queries, then keys
@@ -397,32 +501,49 @@ def _attention_bwd_kernel(
     offs_minor = tl.arange(0, BLOCK_MINOR)
     if DROPOUT:
         seed = tl.load(SEED)
-    # Only positions in [lo, hi) can be tokens; a block without any runs no iteration and gets zeros.
-    block_live = (pid * BLOCK_MAJOR < hi) & (pid * BLOCK_MAJOR + BLOCK_MAJOR > lo)
-    minor_start = (lo // BLOCK_MINOR) * BLOCK_MINOR
-    minor_end = tl.where(block_live, hi, minor_start)
+    if ROTARY:
+        inv_freq = tl.load(INV_FREQ + tl.arange(0, HEAD_DIM // 2))
+    # Only positions in [lo, hi) (with WINDOW, in the band) can matter; a block without any token runs no
+    # iteration and gets zeros. The band is symmetric: the same range for both phases.
+    minor_start, minor_end = _block_range(pid * BLOCK_MAJOR, BLOCK_MAJOR, lo, hi, window, BLOCK_MINOR, WINDOW)
 
     # dk, dv of key block pid, on transposed scores s^T [BLOCK_MAJOR keys, BLOCK_MINOR queries].
     keys = pid * BLOCK_MAJOR + tl.arange(0, BLOCK_MAJOR)
     in_keys = keys < n_rows
     key_valid = _token_valid(KEY_MASK, stride_mb, stride_ms, b64, keys, lo, hi, HAS_MASK)
-    k = tl.load(K + keys[:, None] * stride_ks + dims[None, :] * stride_kd, mask=in_keys[:, None], other=0.0)
+    if ROTARY:
+        # dk accumulates in the rotated frame, as two halves, rotated back before the store
+        k1, k2 = _load_rotated(K, keys, in_keys, stride_ks, stride_kd, inv_freq, HEAD_DIM // 2, False)
+        dk1 = tl.zeros([BLOCK_MAJOR, HEAD_DIM // 2], dtype=tl.float32)
+        dk2 = tl.zeros([BLOCK_MAJOR, HEAD_DIM // 2], dtype=tl.float32)
+    else:
+        k = tl.load(K + keys[:, None] * stride_ks + dims[None, :] * stride_kd, mask=in_keys[:, None], other=0.0)
+        dk = tl.zeros([BLOCK_MAJOR, HEAD_DIM], dtype=tl.float32)
     v = tl.load(V + keys[:, None] * stride_vs + dims[None, :] * stride_vd, mask=in_keys[:, None], other=0.0)
-    dk = tl.zeros([BLOCK_MAJOR, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_MAJOR, HEAD_DIM], dtype=tl.float32)
     qt_ptrs = Q + offs_minor[None, :] * stride_qs + dims[:, None] * stride_qd  # block at query 0; shifted below
     do_ptrs = DO + offs_minor[:, None] * stride_dos + dims[None, :] * stride_dod
     for start_m in range(minor_start, minor_end, BLOCK_MINOR):
         rows = start_m + offs_minor
         in_rows = rows < hi
-        qt = tl.load(qt_ptrs + start_m * stride_qs, mask=in_rows[None, :], other=0.0)
+        if ROTARY:
+            qt1, qt2 = _load_rotated(Q, rows, in_rows, stride_qs, stride_qd, inv_freq, HEAD_DIM // 2, True)
+        else:
+            qt = tl.load(qt_ptrs + start_m * stride_qs, mask=in_rows[None, :], other=0.0)
         do = tl.load(do_ptrs + start_m * stride_dos, mask=in_rows[:, None], other=0.0)
         lse = tl.load(LSE + rows, mask=in_rows, other=float("inf"))
         delta = tl.load(DELTA + rows, mask=in_rows, other=0.0)
-        st = dot(k, qt, None, DOT_PRECISION) * scale_log2
+        if ROTARY:
+            st = dot(k2, qt2, dot(k1, qt1, None, DOT_PRECISION), DOT_PRECISION) * scale_log2
+        else:
+            st = dot(k, qt, None, DOT_PRECISION) * scale_log2
         if HAS_REL_BIAS:
             st += tl.load(REL_BIAS + _distance_index(rows[None, :], keys[:, None], max_distance))
-        pt = tl.where(key_valid[:, None], tl.math.exp2(st - lse[None, :]), 0.0)
+        if WINDOW:
+            pt = tl.where(key_valid[:, None] & _in_window(rows[None, :], keys[:, None], window),
+                          tl.math.exp2(st - lse[None, :]), 0.0)
+        else:
+            pt = tl.where(key_valid[:, None], tl.math.exp2(st - lse[None, :]), 0.0)
         dpt = dot(v, tl.trans(do), None, DOT_PRECISION)  # (dO V^T)^T
         if DROPOUT:
             keep = _dropout_keep(seed, b, h, rows[None, :], keys[:, None], dropout_p)
@@ -432,21 +553,34 @@ def _attention_bwd_kernel(
             pt_dropped = pt
         dv += dot(cast(pt_dropped, do.dtype), do, None, DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
-        dk += dot(cast(dst, qt.dtype), tl.trans(qt), None, DOT_PRECISION)
-    dk *= scale
-    tl.store(DK + keys[:, None] * stride_dks + dims[None, :] * stride_dkd, cast(dk, DK.dtype.element_ty),
-             mask=in_keys[:, None])
+        if ROTARY:
+            dk1 += dot(cast(dst, qt1.dtype), tl.trans(qt1), None, DOT_PRECISION)
+            dk2 += dot(cast(dst, qt2.dtype), tl.trans(qt2), None, DOT_PRECISION)
+        else:
+            dk += dot(cast(dst, qt.dtype), tl.trans(qt), None, DOT_PRECISION)
+    if ROTARY:
+        _store_rotated_back(DK, keys, in_keys, stride_dks, stride_dkd, dk1 * scale, dk2 * scale, inv_freq,
+                            HEAD_DIM // 2)
+    else:
+        dk *= scale
+        tl.store(DK + keys[:, None] * stride_dks + dims[None, :] * stride_dkd, cast(dk, DK.dtype.element_ty),
+                 mask=in_keys[:, None])
     tl.store(DV + keys[:, None] * stride_dvs + dims[None, :] * stride_dvd, cast(dv, DV.dtype.element_ty),
              mask=in_keys[:, None])
 
     # dq of query block pid, on scores s [BLOCK_MAJOR queries, BLOCK_MINOR keys].
     rows = pid * BLOCK_MAJOR + tl.arange(0, BLOCK_MAJOR)
     in_rows = rows < n_rows
-    q = tl.load(Q + rows[:, None] * stride_qs + dims[None, :] * stride_qd, mask=in_rows[:, None], other=0.0)
+    if ROTARY:
+        q1, q2 = _load_rotated(Q, rows, in_rows, stride_qs, stride_qd, inv_freq, HEAD_DIM // 2, False)
+        dq1 = tl.zeros([BLOCK_MAJOR, HEAD_DIM // 2], dtype=tl.float32)
+        dq2 = tl.zeros([BLOCK_MAJOR, HEAD_DIM // 2], dtype=tl.float32)
+    else:
+        q = tl.load(Q + rows[:, None] * stride_qs + dims[None, :] * stride_qd, mask=in_rows[:, None], other=0.0)
+        dq = tl.zeros([BLOCK_MAJOR, HEAD_DIM], dtype=tl.float32)
     do = tl.load(DO + rows[:, None] * stride_dos + dims[None, :] * stride_dod, mask=in_rows[:, None], other=0.0)
     lse = tl.load(LSE + rows, mask=in_rows, other=float("inf"))
     delta = tl.load(DELTA + rows, mask=in_rows, other=0.0)
-    dq = tl.zeros([BLOCK_MAJOR, HEAD_DIM], dtype=tl.float32)
     dbias = tl.zeros([NUM_BUCKETS_PADDED], dtype=tl.float32)  # this program's sums of dS per bucket
     kt_ptrs = K + offs_minor[None, :] * stride_ks + dims[:, None] * stride_kd  # block at key 0; shifted below
     vt_ptrs = V + offs_minor[None, :] * stride_vs + dims[:, None] * stride_vd
@@ -454,24 +588,42 @@ def _attention_bwd_kernel(
         cols = start_n + offs_minor
         in_cols = cols < hi
         col_valid = _token_valid(KEY_MASK, stride_mb, stride_ms, b64, cols, lo, hi, HAS_MASK)
-        kt = tl.load(kt_ptrs + start_n * stride_ks, mask=in_cols[None, :], other=0.0)
+        if ROTARY:
+            kt1, kt2 = _load_rotated(K, cols, in_cols, stride_ks, stride_kd, inv_freq, HEAD_DIM // 2, True)
+        else:
+            kt = tl.load(kt_ptrs + start_n * stride_ks, mask=in_cols[None, :], other=0.0)
         vt = tl.load(vt_ptrs + start_n * stride_vs, mask=in_cols[None, :], other=0.0)
-        s = dot(q, kt, None, DOT_PRECISION) * scale_log2
+        if ROTARY:
+            s = dot(q2, kt2, dot(q1, kt1, None, DOT_PRECISION), DOT_PRECISION) * scale_log2
+        else:
+            s = dot(q, kt, None, DOT_PRECISION) * scale_log2
         if HAS_REL_BIAS:
             distance = _distance_index(rows[:, None], cols[None, :], max_distance)
             s += tl.load(REL_BIAS + distance)
-        p = tl.where(col_valid[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
+        if WINDOW:
+            p = tl.where(col_valid[None, :] & _in_window(rows[:, None], cols[None, :], window),
+                         tl.math.exp2(s - lse[:, None]), 0.0)
+        else:
+            p = tl.where(col_valid[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
         dp = dot(do, vt, None, DOT_PRECISION)
         if DROPOUT:
             keep = _dropout_keep(seed, b, h, rows[:, None], cols[None, :], dropout_p)
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
-        dq += dot(cast(ds, kt.dtype), tl.trans(kt), None, DOT_PRECISION)
+        if ROTARY:
+            dq1 += dot(cast(ds, kt1.dtype), tl.trans(kt1), None, DOT_PRECISION)
+            dq2 += dot(cast(ds, kt2.dtype), tl.trans(kt2), None, DOT_PRECISION)
+        else:
+            dq += dot(cast(ds, kt.dtype), tl.trans(kt), None, DOT_PRECISION)
         if HAS_REL_BIAS:
             dbias = _add_bucket_sums(dbias, ds, tl.load(REL_BUCKETS + distance), NUM_BUCKETS_PADDED)
-    dq *= scale
-    tl.store(DQ + rows[:, None] * stride_dqs + dims[None, :] * stride_dqd, cast(dq, DQ.dtype.element_ty),
-             mask=in_rows[:, None])
+    if ROTARY:
+        _store_rotated_back(DQ, rows, in_rows, stride_dqs, stride_dqd, dq1 * scale, dq2 * scale, inv_freq,
+                            HEAD_DIM // 2)
+    else:
+        dq *= scale
+        tl.store(DQ + rows[:, None] * stride_dqs + dims[None, :] * stride_dqd, cast(dq, DQ.dtype.element_ty),
+                 mask=in_rows[:, None])
     if HAS_REL_BIAS:
         # this program's block spans BLOCK_MAJOR / BIAS_GRAD_SLOT_ROWS slots: its sums go to the first,
         # zeros to the others
@@ -488,7 +640,7 @@ def _attention_bwd_kernel(
 # ----------------------------------------------------------------------------------------------------
 
 def _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, relative_bias,
-                  relative_buckets) -> None:
+                  relative_buckets, rotary_base=None, window=None) -> None:
     """Raise ValueError for what the kernels do not support, before anything is launched."""
     varlen = cu_seqlens is not None
     layout = "[T, heads, d]" if varlen else "[B, heads, S, d]"
@@ -524,6 +676,7 @@ def _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, re
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     _check_relative_bias(relative_bias, relative_buckets, heads)
+    _check_rotary_window(rotary_base, window, relative_bias is not None)
     seqlen = max_seqlen if varlen else q.shape[2]
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         _check_sequence_reach(name, tensor, seqlen, varlen)
@@ -547,6 +700,21 @@ def _check_relative_bias(relative_bias, relative_buckets, heads) -> None:
     if relative_buckets.dtype != torch.int32 or relative_buckets.dim() != 1 or relative_buckets.numel() % 2 != 1:
         raise ValueError(f"relative_buckets must be int32 [2 * max_distance + 1] (an odd length), got "
                          f"{relative_buckets.dtype} {tuple(relative_buckets.shape)}")
+
+
+def _check_rotary_window(rotary_base, window, has_relative_bias) -> None:
+    """rotary_base a finite number > 0 or None, window an int >= 0 or None, and neither with the relative bias
+    (the kernels do not combine them). Head dims are all even (SUPPORTED_HEAD_DIMS): both halves rotate."""
+    if rotary_base is not None and (isinstance(rotary_base, bool) or not isinstance(rotary_base, (int, float))
+                                    or not 0 < rotary_base < math.inf):
+        raise ValueError(f"rotary_base must be a finite number > 0 (RoPE's theta), got {rotary_base!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ValueError(f"window must be an int >= 0 (keys with |i - j| <= window), got {window!r}")
+    if has_relative_bias and (rotary_base is not None or window is not None):
+        given = " and ".join(f"{name}={value!r}" for name, value in (("rotary_base", rotary_base), ("window", window))
+                             if value is not None)
+        raise ValueError(f"relative_bias with {given}: the Triton attention does not combine the relative-position "
+                         f"bias with rotary positions or a window")
 
 
 def _check_sequence_reach(name, tensor, seqlen, varlen) -> None:
@@ -621,10 +789,20 @@ def _bias_by_distance(q, relative_bias, relative_buckets):
     return (relative_bias.float()[relative_buckets.long()] * LOG2E).t().contiguous()
 
 
+def _inv_freq(q, rotary_base):
+    """[d/2] fp32 base ** (-2i / d) with transformers' formula (ModernBertRotaryEmbedding's, in fp32), so the
+    kernels' angles position * inv_freq are its own bitwise; an empty placeholder without rotary positions."""
+    if rotary_base is None:
+        return _placeholder(torch.float32, q.device)
+    head_dim = q.shape[-1]
+    exponents = torch.arange(0, head_dim, 2, device=q.device, dtype=torch.int64).to(torch.float32) / head_dim
+    return 1.0 / (rotary_base ** exponents)
+
+
 def _launch_meta(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias,
-                 relative_buckets):
+                 relative_buckets, rotary_base, window):
     """What every kernel launch shares: (grid dims (heads, sequences), pointers (mask, its bounds,
-    cu_seqlens, seed, bias by distance), mask strides, scalars, constexpr flags)."""
+    cu_seqlens, seed, bias by distance, rotary inverse frequencies), mask strides, scalars, constexpr flags)."""
     varlen = cu_seqlens is not None
     if varlen:
         heads, batch, seqlen = q.shape[1], cu_seqlens.numel() - 1, max_seqlen
@@ -633,13 +811,16 @@ def _launch_meta(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, sca
     mask, lo, hi, stride_mb, stride_ms = _mask_and_bounds(q, None if varlen else key_mask)
     pointers = (mask, lo, hi, _cu_seqlens_pointer(q, cu_seqlens),
                 _placeholder(torch.int64, q.device) if seed is None else seed,
-                _bias_by_distance(q, relative_bias, relative_buckets))
+                _bias_by_distance(q, relative_bias, relative_buckets), _inv_freq(q, rotary_base))
     scalars = dict(seqlen=seqlen, seqlen_bucket=triton.next_power_of_2(max(seqlen, 1)),
                    scale_log2=scale * LOG2E, dropout_p=dropout_p, keep_scale=1.0 / (1.0 - dropout_p),
-                   max_distance=0 if relative_buckets is None else (relative_buckets.numel() - 1) // 2)
+                   max_distance=0 if relative_buckets is None else (relative_buckets.numel() - 1) // 2,
+                   # a window past the sequence keeps every key; clamped so that it stays an int32
+                   window=0 if window is None else min(window, seqlen))
     flags = dict(HEAD_DIM=q.shape[-1], VARLEN=varlen, HAS_MASK=key_mask is not None and not varlen,
                  DROPOUT=seed is not None and dropout_p > 0.0,
-                 DOT_PRECISION=dot_precision(q.dtype), HAS_REL_BIAS=relative_bias is not None)
+                 DOT_PRECISION=dot_precision(q.dtype), HAS_REL_BIAS=relative_bias is not None,
+                 ROTARY=rotary_base is not None, WINDOW=window is not None)
     return (heads, batch), pointers, (stride_mb, stride_ms), scalars, flags
 
 
@@ -647,37 +828,43 @@ def _launch_meta(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, sca
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
                   cu_seqlens: Optional[torch.Tensor], max_seqlen: int, seed: Optional[torch.Tensor],
                   dropout_p: float, scale: float, relative_bias: Optional[torch.Tensor] = None,
-                  relative_buckets: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  relative_buckets: Optional[torch.Tensor] = None, rotary_base: Optional[float] = None,
+                  window: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded (cu_seqlens None): q, k, v [B, heads, S, d], key_mask [B, S] (nonzero = token) or None.
     Packed (cu_seqlens int32 [B+1]): q, k, v [T, heads, d], max_seqlen >= the longest sequence.
     Any strides. seed int64 [1] (dropout with probability dropout_p) or None. relative_bias float
     [num_buckets, heads] and relative_buckets int32 [2D + 1] (entries in [0, num_buckets)), or both None.
+    rotary_base (RoPE's theta) or None, window (keys with |i - j| <= window) or None; not with relative_bias.
 
     Returns out (q's shape and dtype; padded query rows are zeros) and the fp32 base-2 log-sum-exp of
     each row ([B, heads, S], or [heads, T]) for the backward. Raises ValueError for unsupported input.
     """
-    _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, relative_bias, relative_buckets)
+    _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, relative_bias, relative_buckets,
+                  rotary_base, window)
     varlen = cu_seqlens is not None
     out = _empty_like_qkv(q, varlen)
     lse = _new_row_stats(q, varlen)
     if q.numel() == 0:
         return out, lse
     (heads, batch), pointers, mask_strides, scalars, flags = _launch_meta(
-        q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets)
+        q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets,
+        rotary_base, window)
     grid = lambda meta: (triton.cdiv(scalars["seqlen"], meta["BLOCK_M"]), heads, batch)  # noqa: E731
     _attention_fwd_kernel[grid](
         q, k, v, out, lse, *pointers,
         *_bhsd_strides(q, varlen), *_bhsd_strides(k, varlen), *_bhsd_strides(v, varlen),
         *_bhsd_strides(out, varlen), *_row_stats_strides(lse, varlen), *mask_strides,
         scalars["seqlen"], scalars["seqlen_bucket"], scalars["scale_log2"], scalars["dropout_p"],
-        scalars["keep_scale"], scalars["max_distance"], **flags,
+        scalars["keep_scale"], scalars["max_distance"], scalars["window"], **flags,
     )
     return out, lse
 
 
 @attention_fwd.register_fake
-def _(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias=None, relative_buckets=None):
-    _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, relative_bias, relative_buckets)
+def _(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias=None, relative_buckets=None,
+      rotary_base=None, window=None):
+    _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, relative_bias, relative_buckets,
+                  rotary_base, window)
     varlen = cu_seqlens is not None
     return _empty_like_qkv(q, varlen), _new_row_stats(q, varlen)
 
@@ -687,6 +874,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   lse: torch.Tensor, key_mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
                   max_seqlen: int, seed: Optional[torch.Tensor], dropout_p: float, scale: float,
                   relative_bias: Optional[torch.Tensor] = None, relative_buckets: Optional[torch.Tensor] = None,
+                  rotary_base: Optional[float] = None, window: Optional[int] = None,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv, d relative_bias) of `attention_fwd` from its inputs, output, log-sum-exp and
     seed (the same dropout mask is regenerated). dout has out's shape, any strides. d relative_bias has
@@ -700,7 +888,8 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     if q.numel() == 0:
         return dq, dk, dv, _bias_grad_without_kernel(q, relative_bias)
     (heads, batch), pointers, mask_strides, scalars, flags = _launch_meta(
-        q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets)
+        q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets,
+        rotary_base, window)
     seqlen = scalars["seqlen"]
     num_buckets = 0 if relative_bias is None else relative_bias.shape[0]
     num_buckets_padded = triton.next_power_of_2(max(num_buckets, 1))
@@ -716,12 +905,13 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         *stats_strides, seqlen, HEAD_DIM=flags["HEAD_DIM"], VARLEN=varlen, BLOCK_M=PREPROCESS_BLOCK_M,
     )
     _attention_bwd_kernel[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_MAJOR"]), heads, batch)](
-        q, k, v, dout, dq, dk, dv, lse, delta, *pointers,
-        _placeholder(torch.int32, q.device) if relative_buckets is None else relative_buckets, dbias_slots,
+        q, k, v, dout, dq, dk, dv, lse, delta, *pointers[:-1],
+        _placeholder(torch.int32, q.device) if relative_buckets is None else relative_buckets, pointers[-1],
+        dbias_slots,
         *(stride for t in (q, k, v, dout, dq, dk, dv) for stride in _bhsd_strides(t, varlen)),
         *stats_strides, *mask_strides, *slot_strides, seqlen, scalars["seqlen_bucket"], scale,
-        scalars["scale_log2"], dropout_p, scalars["keep_scale"], scalars["max_distance"], **flags,
-        NUM_BUCKETS_PADDED=num_buckets_padded,
+        scalars["scale_log2"], dropout_p, scalars["keep_scale"], scalars["max_distance"], scalars["window"],
+        **flags, NUM_BUCKETS_PADDED=num_buckets_padded,
     )
     if relative_bias is None:
         return dq, dk, dv, _bias_grad_without_kernel(q, None)
@@ -740,24 +930,29 @@ def _bias_grad_without_kernel(q, relative_bias):
 
 @attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias=None,
-      relative_buckets=None):
+      relative_buckets=None, rotary_base=None, window=None):
     varlen = cu_seqlens is not None
     return (*(_empty_like_qkv(t, varlen) for t in (q, k, v)), _bias_grad_without_kernel(q, relative_bias))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets = inputs
+    (q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets, rotary_base,
+     window) = inputs
     out, lse = output
+    # q and k unrotated: the backward rotates its tiles again (no rotated copy is kept)
     ctx.save_for_backward(q, k, v, out, lse, key_mask, cu_seqlens, seed, relative_bias, relative_buckets)
     ctx.max_seqlen, ctx.dropout_p, ctx.scale = max_seqlen, dropout_p, scale
+    ctx.rotary_base, ctx.window = rotary_base, window
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, key_mask, cu_seqlens, seed, relative_bias, relative_buckets = ctx.saved_tensors
     dq, dk, dv, dbias = attention_bwd(dout, q, k, v, out, lse, key_mask, cu_seqlens, ctx.max_seqlen, seed,
-                                      ctx.dropout_p, ctx.scale, relative_bias, relative_buckets)
-    return dq, dk, dv, None, None, None, None, None, None, None if relative_bias is None else dbias, None
+                                      ctx.dropout_p, ctx.scale, relative_bias, relative_buckets, ctx.rotary_base,
+                                      ctx.window)
+    return (dq, dk, dv, None, None, None, None, None, None, None if relative_bias is None else dbias, None, None,
+            None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -777,7 +972,7 @@ def _dropout_seed(dropout_p: float, training: bool, device: torch.device) -> tup
 
 
 def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, relative_bias=None,
-              relative_buckets=None):
+              relative_buckets=None, rotary_base=None, window=None):
     """softmax(q k^T * scale + key padding mask + relative-position bias) v with dropout on the
     probabilities, bidirectional.
 
@@ -786,27 +981,36 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
     relative_bias [num_buckets, heads] (any float dtype; it gets its gradient, in its dtype) with
     relative_buckets int32 [2D + 1] (fastbert.ops.relative_position_buckets), or both None: score (i, j)
     of head h gets relative_bias[relative_buckets[clamp(j - i, -D, D) + D], h] (MPNet's bias).
+    rotary_base (RoPE's theta, or None): q and k rotated at their row index (rotate_half layout, as
+    transformers' apply_rotary_pos_emb); window (or None): only keys with |i - j| <= window (ModernBERT's
+    local layers). Neither combines with relative_bias.
     Returns [B, heads, S, d] in q's dtype: padded query rows are zeros (a fully padded sequence gives
     zeros, never NaN) with zero gradients. Raises ValueError for unsupported input.
     """
     dropout_p, seed = _dropout_seed(dropout_p, training, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     out, _ = attention_fwd(q, k, v, attention_mask, None, q.shape[2] if q.dim() == 4 else 0, seed, dropout_p,
-                           scale, relative_bias, relative_buckets)
+                           scale, relative_bias, relative_buckets, _float_or_none(rotary_base), window)
     return out
 
 
 def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None, training=True,
-                     relative_bias=None, relative_buckets=None):
+                     relative_bias=None, relative_buckets=None, rotary_base=None, window=None):
     """Attention over packed sequences: each token attends to the tokens of its own sequence only.
 
     q, k, v [T, heads, d]; cu_seqlens int32 [B+1] (0, ..., T); max_seqlen an int >= the longest sequence
     (a smaller value leaves the rows past it unwritten). Dropout draws the same mask as `attention` on
-    the padded layout of the same batch. relative_bias, relative_buckets as in `attention`, with the
-    positions inside each sequence. Returns [T, heads, d] in q's dtype.
+    the padded layout of the same batch. relative_bias, relative_buckets, rotary_base, window as in
+    `attention`, with the positions inside each sequence (they restart at every sequence). Returns [T, heads, d] in q's dtype.
     """
     dropout_p, seed = _dropout_seed(dropout_p, training, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     out, _ = attention_fwd(q, k, v, None, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias,
-                           relative_buckets)
+                           relative_buckets, _float_or_none(rotary_base), window)
     return out
+
+
+def _float_or_none(rotary_base):
+    """The custom op's schema takes a float: an int theta (ModernBERT's configs give 160000) converted; a bool
+    or a non-number is left for _check_inputs to name."""
+    return float(rotary_base) if isinstance(rotary_base, int) and not isinstance(rotary_base, bool) else rotary_base
