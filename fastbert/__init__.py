@@ -19,11 +19,15 @@ _EXPORTS = {
         "BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering",
         "BertForMultipleChoice")},
     **{name: ("fastbert.family_config", name) for name in (
-        "RobertaConfig", "XLMRobertaConfig", "CamembertConfig", "ElectraConfig", "MPNetConfig", "DistilBertConfig")},
+        "RobertaConfig", "XLMRobertaConfig", "CamembertConfig", "ElectraConfig", "MPNetConfig", "DistilBertConfig",
+        "ModernBertConfig")},
     **{name: ("fastbert.family", name) for name in (
         "RobertaModel", "RobertaForMaskedLM", "XLMRobertaModel", "XLMRobertaForMaskedLM", "CamembertModel",
         "CamembertForMaskedLM", "ElectraModel", "ElectraForMaskedLM", "ElectraForPreTraining", "DistilBertModel",
         "DistilBertForMaskedLM", "MPNetModel", "MPNetForMaskedLM")},
+    **{name: ("fastbert.modernbert", name) for name in (
+        "ModernBertModel", "ModernBertForMaskedLM", "ModernBertForSequenceClassification",
+        "ModernBertForTokenClassification")},
 }
 __all__ = [*_EXPORTS, "__version__"]
 
