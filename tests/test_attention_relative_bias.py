@@ -273,3 +273,31 @@ def test_bad_bias_arguments_are_refused(device, entry):
         call(relative_bias=bias, relative_buckets=buckets[:8])
     with pytest.raises(ValueError, match="relative_bias is on meta, q on cpu"):
         call(relative_bias=bias.to("meta"), relative_buckets=buckets)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_mpnet_base_shape_bf16(device, layout):
+    """MPNet-base's attention at its longest sequences (12 heads of 64, S = 512, 32 buckets up to 128) with
+    the fp32 Embedding weight, in bf16, through every config the GPU's autotuner keeps (slow in the
+    interpreter)."""
+    torch.manual_seed(512)
+    batch, heads, seqlen, head_dim = 4, 12, 512, 64
+    q, k, v = make_qkv(batch, heads, seqlen, head_dim, torch.bfloat16, device, "qkv_buffer")
+    relative_bias = make_bias(32, heads, torch.float32, device)
+    buckets = ops.relative_position_buckets(device=device)
+    mask = make_mask(batch, seqlen, "right", device)
+    dout = torch.randn(batch, heads, seqlen, head_dim, device=device, dtype=torch.bfloat16)
+
+    def kernel_fn(q, k, v, b):
+        if layout == "padded":
+            return attn.attention(q, k, v, mask, relative_bias=b, relative_buckets=buckets)
+        packed = [reference.unpad(t.transpose(1, 2), mask)[0] for t in (q, k, v)]  # [T, heads, d]
+        _, indices, cu_seqlens, _ = reference.unpad(q.transpose(1, 2), mask)
+        out = attn.attention_varlen(*packed, cu_seqlens, seqlen, relative_bias=b, relative_buckets=buckets)
+        return reference.pad(out, indices, batch, seqlen).transpose(1, 2)
+
+    _, grads = assert_matches_reference(
+        kernel_fn, lambda q, k, v, b: reference.attention(q, k, v, mask, relative_bias=b, relative_buckets=buckets),
+        (q, k, v, relative_bias), dout)
+    assert_reached_buckets_only(grads[3], buckets, seqlen)
