@@ -67,6 +67,8 @@ def test_smoke_measures_peaks_ops_and_models_side_by_side(smoke):
     assert {r["direction"] for r in model_rows} == {"train_step", "inference"}
     mpnet = {(r["provider"], r["direction"]) for r in model_rows if r["shape"]["size"] == "mpnet-tiny"}
     assert mpnet == {("fastbert-eager", "train_step"), ("hf-eager", "train_step")}  # MPNet against transformers'
+    modernbert = {(r["provider"], r["direction"]) for r in model_rows if r["shape"]["size"] == "modernbert-tiny"}
+    assert modernbert == {("fastbert-eager", "train_step"), ("hf-sdpa", "train_step")}
     for row in model_rows:
         assert _finite_positive(row["tokens_per_s"]) and _finite_positive(row["sequences_per_s"])
         assert 0 < row["tokens"] <= row["batch"] * row["shape"]["seqlen"]

@@ -1,7 +1,9 @@
 """Whole-model benchmark cases: BertForPreTraining training steps, BertModel inference and the
-largest batch that fits, fastbert against transformers' BERT on the same config and batch; and MPNet
+largest batch that fits, fastbert against transformers' BERT on the same config and batch; MPNet
 (MPNetForMaskedLM training, MPNetModel inference: the relative-position bias in the attention kernel)
-against transformers' MPNet, which has eager attention only.
+against transformers' MPNet, which has eager attention only; and ModernBERT-base at S = 512 and 8,192
+(masked-LM training, inference; fastbert always unpadded with its windowed rotary attention) against
+transformers' SDPA and eager paths, and its flash-attention-2 path where the flash_attn package imports.
 
 Providers:
 - "fastbert": config.backend="triton"; "fastbert-unpad": the same with config.unpad=True.
@@ -19,6 +21,7 @@ MFU = FLOPs / time / measured bf16 matmul rate ranks providers as tokens/s does.
 from __future__ import annotations
 
 import gc
+import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,16 +32,19 @@ from fastbert import architectures
 from fastbert.bench.op_cases import mask_from_lengths, random_lengths
 from fastbert.bench.timing import peak_memory, time_ms
 from fastbert.data.examples import MLM, MLM_NSP
-from fastbert.family_config import MPNetConfig
+from fastbert.family_config import ModernBertConfig, MPNetConfig
 from fastbert.train.metrics import encoder_flops, training_flops
 
 FASTBERT, UNPAD, EAGER = "fastbert", "fastbert-unpad", "fastbert-eager"
-HF_SDPA, HF_EAGER, HF_COMPILE = "hf-sdpa", "hf-eager", "hf-sdpa+compile"
+HF_SDPA, HF_EAGER, HF_COMPILE, HF_FA2 = "hf-sdpa", "hf-eager", "hf-sdpa+compile", "hf-flash-attention-2"
+HF_ATTENTION = {HF_SDPA: "sdpa", HF_EAGER: "eager", HF_COMPILE: "sdpa", HF_FA2: "flash_attention_2"}
 GPU_PROVIDERS = frozenset({FASTBERT, UNPAD, HF_COMPILE})
 LABEL_FRACTION = 0.15
 SIZES = {"base": fastbert.BertConfig.base, "large": fastbert.BertConfig.large, "tiny": fastbert.BertConfig.tiny,
          # all-mpnet-base-v2's shape (514 positions: 512 tokens after the padding index's offset)
-         "mpnet-base": lambda: MPNetConfig(max_position_embeddings=514), "mpnet-tiny": MPNetConfig.tiny}
+         "mpnet-base": lambda: MPNetConfig(max_position_embeddings=514), "mpnet-tiny": MPNetConfig.tiny,
+         "modernbert-base": ModernBertConfig.base, "modernbert-large": ModernBertConfig.large,
+         "modernbert-tiny": ModernBertConfig.tiny}
 
 
 def training_head(config: fastbert.BertConfig) -> str:
@@ -87,7 +93,8 @@ def make_batch(config: fastbert.BertConfig, batch: int, seqlen: int, padded: boo
     mask = mask_from_lengths(lengths, seqlen)  # [B, S]
     positions = torch.arange(seqlen)[None, :]
     pad = config.pad_token_id
-    input_ids = torch.randint(pad + 1, config.vocab_size, (batch, seqlen), generator=g).masked_fill(~mask.bool(), pad)
+    input_ids = torch.randint(1, config.vocab_size, (batch, seqlen), generator=g)
+    input_ids = torch.where(input_ids == pad, (pad + 1) % config.vocab_size, input_ids).masked_fill(~mask.bool(), pad)
     token_type_ids = ((positions >= (lengths[:, None] // 2)) & mask.bool()).long()
     labels = torch.randint(0, config.vocab_size, (batch, seqlen), generator=g)
     labels[(torch.rand((batch, seqlen), generator=g) >= LABEL_FRACTION) | ~mask.bool()] = -100
@@ -113,7 +120,8 @@ def build_model(provider: str, config: fastbert.BertConfig, mode: str, device: t
     torch.manual_seed(0)
     head = "Model" if mode == "inference" else training_head(config)
     if provider in (FASTBERT, UNPAD, EAGER):
-        config = config.replace(backend="torch" if provider == EAGER else "triton", unpad=provider == UNPAD)
+        config = config.replace(backend="torch" if provider == EAGER else "triton",
+                                unpad=config.unpad or provider == UNPAD)  # ModernBERT always unpads
         with torch.device(device):
             model = architectures.model_class(config, head)(config)
     else:
@@ -123,7 +131,7 @@ def build_model(provider: str, config: fastbert.BertConfig, mode: str, device: t
         hf_config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
         cls = getattr(transformers, type(hf_config).__name__.removesuffix("Config") + head)
         with torch.device(device):
-            model = cls._from_config(hf_config, attn_implementation="eager" if provider == HF_EAGER else "sdpa")
+            model = cls._from_config(hf_config, attn_implementation=HF_ATTENTION[provider])
     if mode == "inference":
         model = model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
     else:
@@ -273,10 +281,17 @@ def gpu_model_cases() -> list[ModelCase]:
     cases += [ModelCase("train", "mpnet-base", 32, 512, True, mpnet),
               ModelCase("inference", "mpnet-base", 32, 128, True, mpnet),
               ModelCase("inference", "mpnet-base", 8, 512, True, mpnet)]
+    # ModernBERT-base (always unpadded in fastbert, so no separate unpad provider) at its two lengths
+    modernbert = (FASTBERT, HF_SDPA, HF_EAGER) + ((HF_FA2,) if importlib.util.find_spec("flash_attn") else ())
+    cases += [ModelCase("train", "modernbert-base", 32, 512, True, modernbert),
+              ModelCase("train", "modernbert-base", 2, 8192, True, modernbert),
+              ModelCase("inference", "modernbert-base", 32, 512, True, modernbert),
+              ModelCase("inference", "modernbert-base", 2, 8192, True, modernbert)]
     return cases
 
 
 def smoke_model_cases() -> list[ModelCase]:
     providers = (EAGER, HF_SDPA)  # hf-eager differs from hf-sdpa by one string: the GPU suite runs it
     return [ModelCase("train", "tiny", 2, 16, True, providers), ModelCase("inference", "tiny", 2, 16, True, providers),
-            ModelCase("train", "mpnet-tiny", 2, 16, True, (EAGER, HF_EAGER))]
+            ModelCase("train", "mpnet-tiny", 2, 16, True, (EAGER, HF_EAGER)),
+            ModelCase("train", "modernbert-tiny", 2, 16, True, (EAGER, HF_SDPA))]
