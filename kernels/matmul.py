@@ -127,9 +127,11 @@ def _configs():
 # Tiles only the GeGLU epilogue may pick, on Hopper (warpgroup MMA) only, exempt from the accumulator rule of
 # _prune: with two accumulators the rule leaves it only 64 x 64 tiles of the shapes above, while these, on two
 # warpgroups, compile without spills for sm_90a (the compile gates hold them to it; 128 x 128: 247 registers,
-# 128 x 64: 124) and give each warpgroup MMA its full 64-row height. On one warpgroup 128 x 64 spilled 20
-# bytes and 128 x 128 2.3 KB; for sm_80 (MMA) 128 x 128 spilled 212 to 228 bytes and 128 x 64 16 (Triton 3.6).
+# 128 x 64: 124) and give each warpgroup MMA its full 64-row height; 128 x 128 only without a bias (with one,
+# storing h, it spilled 84 to 96 bytes). On one warpgroup 128 x 64 spilled 20 bytes and 128 x 128 2.3 KB; for
+# sm_80 (MMA) 128 x 128 spilled 212 to 228 bytes and 128 x 64 16 (Triton 3.6).
 _GATED_ONLY_SHAPES = ((128, 64, 64, 4, 8), (128, 128, 64, 3, 8))
+_GATED_ONLY_WITHOUT_BIAS = ((128, 128, 64, 3, 8),)
 
 
 # The GELU epilogue's own temporaries need about half the registers: with more than 64 fp32 accumulator
@@ -146,7 +148,7 @@ def _prune(configs, named_args, **kwargs):
     """The configs whose pipeline fits the GPU's shared memory (A (BLOCK_M x BLOCK_K) and B (BLOCK_K x
     BLOCK_N) tiles per stage, two B tiles when GATED; the epilogue reuses them) and, with a GELU epilogue,
     whose accumulators (two when GATED) leave the GELU its registers; the gated-only tiles (checked one by
-    one instead) for GATED on Hopper alone."""
+    one instead) for GATED on Hopper alone (some of them only without a bias)."""
     driver = triton.runtime.driver.active
     hopper = driver.get_current_target().arch >= 90
     shared = driver.utils.get_device_properties(driver.get_current_device())["max_shared_mem"]
@@ -160,7 +162,7 @@ def _prune(configs, named_args, **kwargs):
         if (block_m + accumulators * block_n) * block_k * element * stages > shared:
             return False
         if _shape(c) in _GATED_ONLY_SHAPES:
-            return gated and hopper
+            return gated and hopper and not (kwargs["HAS_BIAS"] and _shape(c) in _GATED_ONLY_WITHOUT_BIAS)
         return not (gelu_epilogue and accumulators * block_m * block_n // (32 * warps)
                     > _GELU_EPILOGUE_ACCUMULATOR_PER_THREAD)
 
@@ -168,7 +170,7 @@ def _prune(configs, named_args, **kwargs):
     return fitting or [c for c in configs if _shape(c) not in _GATED_ONLY_SHAPES][-1:]
 
 
-@triton.autotune(configs=_configs(), key=["N", "K", "SPLIT_HEADS", "ACTIVATION", "STORE_PRE", "GATED"],
+@triton.autotune(configs=_configs(), key=["N", "K", "SPLIT_HEADS", "ACTIVATION", "STORE_PRE", "GATED", "HAS_BIAS"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _matmul_fwd_kernel(

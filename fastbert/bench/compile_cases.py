@@ -315,8 +315,8 @@ def _mlm_cases(model: Model, rows: int, dtype) -> list[tuple[str, str, Callable]
 
 
 def _modernbert_cases(dtype) -> list[tuple[str, str, Callable]]:
-    """ModernBERT-base's bias-less launcher calls (MODERNBERT): the gated epilogue matmul with and without h,
-    the GeGLU's elementwise backward kernels, the QKV projection without bias, and the LayerNorm without
+    """ModernBERT-base's bias-less launcher calls (MODERNBERT): the gated epilogue matmul with and without h (and
+    with the bias of an mlp_bias=True checkpoint), the GeGLU's elementwise backward kernels, the QKV projection without bias, and the LayerNorm without
     bias, with the residual stream out (save "output" and "input") and without a residual (the embeddings' and
     the final norm)."""
     bias_gelu, layer_norm, qkv = _kernels("bias_gelu"), _kernels("layer_norm"), _kernels("qkv")
@@ -325,9 +325,13 @@ def _modernbert_cases(dtype) -> list[tuple[str, str, Callable]]:
     def tokens(features):
         return _meta(rows, features, dtype=dtype)
 
-    def geglu(store_pre):
-        bias_gelu.linear_bias_gelu_fwd(tokens(m.hidden), _meta(2 * m.intermediate, m.hidden, dtype=dtype), None,
+    def geglu(store_pre, with_bias=False):  # mlp_bias=True checkpoints give the up-projection a bias
+        bias = _meta(2 * m.intermediate, dtype=dtype) if with_bias else None
+        bias_gelu.linear_bias_gelu_fwd(tokens(m.hidden), _meta(2 * m.intermediate, m.hidden, dtype=dtype), bias,
                                        "none", store_pre=store_pre, gated=True)
+
+    def geglu_backward(with_bias):
+        bias_gelu.geglu_bwd(tokens(m.intermediate), tokens(2 * m.intermediate), sum_columns=with_bias)
 
     def qkv_forward():
         qkv.qkv_projection_fwd(tokens(m.hidden), _meta(3 * m.hidden, m.hidden, dtype=dtype), None, m.heads)
@@ -338,9 +342,11 @@ def _modernbert_cases(dtype) -> list[tuple[str, str, Callable]]:
 
     cases = [("bias_gelu.linear_bias_gelu", "geglu,no bias", functools.partial(geglu, True)),
              ("bias_gelu.linear_bias_gelu", "geglu without h,no bias", functools.partial(geglu, False)),
+             ("bias_gelu.linear_bias_gelu", "geglu,bias", functools.partial(geglu, True, True)),
+             ("bias_gelu.linear_bias_gelu", "geglu without h,bias", functools.partial(geglu, False, True)),
              ("bias_gelu.geglu_fwd", "ffn backward's", lambda: bias_gelu.geglu_fwd(tokens(2 * m.intermediate))),
-             ("bias_gelu.geglu_bwd", "no bias",
-              lambda: bias_gelu.geglu_bwd(tokens(m.intermediate), tokens(2 * m.intermediate), sum_columns=False)),
+             ("bias_gelu.geglu_bwd", "no bias", functools.partial(geglu_backward, False)),
+             ("bias_gelu.geglu_bwd", "bias", functools.partial(geglu_backward, True)),
              ("qkv.qkv_projection_fwd", "no bias", qkv_forward), ("qkv.qkv_projection_bwd", "no bias", qkv_backward)]
     stats = _meta(rows, dtype=torch.float32)
     for residual in (True, False):
