@@ -2,10 +2,11 @@
 
 Every case runs the model on the meta device through fastbert.bench.memory_plan.plan_step (a dispatch-level
 tracker of live storages; fastbert's Triton launchers and autograd Functions run through the stand-in driver,
-nothing is launched), for fastbert and for transformers' BERT with eager attention and with SDPA on its flash
-backend, on the same inputs: full-length sequences, two segments, 15% of the tokens labelled for the MLM
-loss (fastbert reads them through its static budget, config.max_predictions_per_seq = ceil(0.15 S), as
-`fastbert pretrain` sets it) and an NSP label per sequence.
+nothing is launched), for fastbert and for transformers' model (BERT, ModernBERT) with eager attention and
+with SDPA on its flash backend, on the same inputs: full-length sequences, two segments (BERT), 15% of the
+tokens labelled for the MLM loss (fastbert reads them through its static budget,
+config.max_predictions_per_seq = ceil(0.15 S), as `fastbert pretrain` sets it) and an NSP label per sequence
+(BERT; ModernBERT pretrains its masked LM alone).
 
 Per (case, provider) one JSON row: the peak at the stated batch, the bytes live at the end of the forward
 and those kept for the backward, the encoder's saved bytes per token per layer (and that figure over h, read
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 import fastbert
-from fastbert.bench.model_cases import LABEL_FRACTION, SIZES
+from fastbert.bench.model_cases import LABEL_FRACTION, SIZES, training_head
 
 FASTBERT, HF_SDPA, HF_EAGER = "fastbert", "hf-sdpa", "hf-eager"
 PROVIDERS = (FASTBERT, HF_SDPA, HF_EAGER)
@@ -118,6 +119,9 @@ def memory_cases() -> list[MemoryCase]:
                                             PROVIDERS if option == "none" else (FASTBERT,)))
     cases += [MemoryCase("finetune", size, 128, 32, "adamw") for size in ("base", "large")]
     cases += [MemoryCase("inference", size, 512, 256, None) for size in ("base", "large")]
+    # ModernBERT-base (masked-LM pretraining) at S = 512 and 8,192, against transformers' SDPA and eager paths
+    cases += [MemoryCase("pretrain", "modernbert-base", 512, 64, "adamw"),
+              MemoryCase("pretrain", "modernbert-base", 8192, 4, "adamw")]
     return cases
 
 
@@ -133,46 +137,49 @@ def build_model(case: MemoryCase, provider: str, device: str | torch.device = "m
     config = case.bert_config
     if case.mode == "pretrain":
         config = config.replace(max_predictions_per_seq=label_budget(case.seqlen))
+    head = {"pretrain": training_head(config), "finetune": "ForSequenceClassification", "inference": "Model"}[case.mode]
     if provider == FASTBERT:
+        from fastbert.architectures import model_class
+
         config = config.replace(backend="triton")
         if case.checkpointing != "none":
             config = config.replace(activation_checkpointing=case.checkpointing)
-        classes = {"pretrain": fastbert.BertForPreTraining, "finetune": fastbert.BertForSequenceClassification,
-                   "inference": fastbert.BertModel}
         with torch.device(device):
-            model = classes[case.mode](config)
+            model = model_class(config, head)(config)
     else:
         import transformers
 
-        from fastbert.config import FASTBERT_FIELDS
-
-        hf_config = transformers.BertConfig(**{k: v for k, v in config.to_dict().items() if k not in FASTBERT_FIELDS})
-        classes = {"pretrain": transformers.BertForPreTraining,
-                   "finetune": transformers.BertForSequenceClassification, "inference": transformers.BertModel}
+        values = config.to_dict()  # config.json's fields: fastbert's own switches are not among them
+        hf_config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+        hf_class = getattr(transformers, type(hf_config).__name__.removesuffix("Config") + head)
         with torch.device(device):
-            model = classes[case.mode]._from_config(hf_config,
-                                                    attn_implementation="eager" if provider == HF_EAGER else "sdpa")
+            model = hf_class._from_config(hf_config, attn_implementation="eager" if provider == HF_EAGER else "sdpa")
     if case.mode == "inference":
         return model.to(torch.bfloat16).eval()
     return model.train()
 
 
 def make_inputs(case: MemoryCase, batch: int, device: str | torch.device = "meta") -> dict:
-    """The case's seeded batch on `device`: full-length sequences of two segments, [B, S] int64 ids, mask and
+    """The case's seeded batch on `device`: full-length sequences, [B, S] int64 ids, mask and (BERT) two
     segments; pretrain adds [B, S] MLM labels (label_budget(S) random positions per sequence, -100 elsewhere)
-    and [B] NSP labels, finetune [B] labels of 2 classes; inference takes no labels."""
+    and (BERT) [B] NSP labels, finetune [B] labels of 2 classes; inference takes no labels."""
     config, seqlen = case.bert_config, case.seqlen
     g = torch.Generator().manual_seed(0)
     tensors = {"input_ids": torch.randint(1, config.vocab_size, (batch, seqlen), generator=g),
-               "attention_mask": torch.ones(batch, seqlen, dtype=torch.long),
-               "token_type_ids": (torch.arange(seqlen) >= seqlen // 2).long().expand(batch, seqlen).contiguous()}
+               "attention_mask": torch.ones(batch, seqlen, dtype=torch.long)}
+    segments = (torch.arange(seqlen) >= seqlen // 2).long().expand(batch, seqlen).contiguous()
+    if config.type_vocab_size > 1:  # BERT's two segments; one-segment models (ModernBERT, mlm) take none
+        tensors["token_type_ids"] = segments
     if case.mode == "finetune":
         tensors["labels"] = torch.randint(0, 2, (batch,), generator=g)
     elif case.mode == "pretrain":
         positions = torch.rand(batch, seqlen, generator=g).argsort(dim=1)[:, :label_budget(seqlen)]  # [B, k]
         labels = torch.full((batch, seqlen), -100)
         labels.scatter_(1, positions, torch.randint(0, config.vocab_size, positions.shape, generator=g))
-        tensors.update(labels=labels, next_sentence_label=torch.randint(0, 2, (batch,), generator=g))
+        next_sentence_label = torch.randint(0, 2, (batch,), generator=g)
+        tensors["labels"] = labels
+        if training_head(config) == "ForPreTraining":
+            tensors["next_sentence_label"] = next_sentence_label
     return {k: v.to(device) for k, v in tensors.items()}
 
 
@@ -330,11 +337,13 @@ def recompute_figures(case: MemoryCase, provider: str) -> dict:
     backward reruns, and their share of the step's model FLOPs (fastbert.train.metrics)."""
     if provider != FASTBERT or case.mode != "pretrain":
         return {}
+    from fastbert.data.examples import MLM, MLM_NSP
     from fastbert.train.metrics import recompute_flops_per_token, training_flops
 
     lengths = torch.full((case.batch,), case.seqlen)  # [B], full-length sequences
     extra = recompute_flops_per_token(case.bert_config, case.checkpointing, case.seqlen) * case.batch * case.seqlen
-    step = training_flops(case.bert_config, lengths, case.batch * label_budget(case.seqlen))
+    objective = MLM_NSP if training_head(case.bert_config) == "ForPreTraining" else MLM
+    step = training_flops(case.bert_config, lengths, case.batch * label_budget(case.seqlen), objective)
     return {"checkpointing_extra_flops": extra, "checkpointing_extra_flops_fraction": extra / step}
 
 
