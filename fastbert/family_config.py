@@ -218,6 +218,11 @@ class ModernBertConfig(BertConfig):
         return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
 
     def validate(self) -> None:
+        # transformers' ModernBertMLP takes any activation; fastbert's GeGLU computes a GELU: named as config.json
+        # and transformers spell the field, not as BertConfig's hidden_act
+        if self.hidden_act not in GELU_APPROXIMATION:
+            raise ValueError(f"ModernBertConfig.hidden_activation {self.hidden_act!r} is not supported; expected one "
+                             f"of {sorted(GELU_APPROXIMATION)}")
         super().validate()
         if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {FULL_ATTENTION,
                                                                                            SLIDING_ATTENTION}:
