@@ -1,0 +1,379 @@
+"""ModernBERT on fastbert against transformers' ModernBERT on the same tiny random weights.
+
+Four layers (global, local, local, global: both attention types and both rotary bases) with a window of
+local_attention = 4 (keys with |i - j| <= 2) that cuts a 13-token row; padded batches with a full row, a
+6-token row, a fully padded row and a 1-token row. On the reference path (fp32): `fastbert.apply` on every
+head transformers has, with eager and SDPA attention, and fastbert's own classes (from_pretrained / save_pretrained
+both ways, from_hf / to_hf, the masked-LM loss, packed inputs); outputs on real tokens, losses and every
+gradient within 1e-5. On the Triton path (the interpreter): fp32 and bf16 within DESIGN.md's tolerance rule
+against transformers in float64. What fastbert does not compute is an error naming the field.
+"""
+import copy
+
+import pytest
+import torch
+from family_models import VOCAB, base_loss, flattened, named_outputs, padded_batch, randomize, real_tokens
+from tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, assert_within_rule
+
+import fastbert
+from fastbert.in_place import ACCELERATED
+
+transformers = pytest.importorskip("transformers")
+
+SEQ, NUM_LABELS, CHOICES = 13, 2, 2
+LENGTHS = (13, 6, 0, 1)  # a fully padded row and a 1-token row
+FILLED = (13, 6, 1)  # for the heads whose loss reads every row (mean pooling, multiple choice): no empty row
+SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=2,
+             local_attention=4, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+             cls_token_id=1, sep_token_id=2)
+TRITON_SIZES = dict(hidden_size=64, intermediate_size=96)  # head dim 32, which the Triton attention takes
+BIASES = dict(norm_bias=True, attention_bias=True, mlp_bias=True, classifier_bias=True)
+HEADS = ("Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
+         "ForMultipleChoice")
+NATIVE = ("Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification")
+MASK_ID = 4  # the [MASK] id of the masked-LM accuracy test (below the ids padded_batch draws)
+
+
+def hf_config(**overrides):
+    return transformers.ModernBertConfig(**{**SIZES, **overrides})
+
+
+def hf_model(head="Model", seed=0, **overrides):
+    """transformers' ModernBERT with the head, random weights (LayerNorm weights around 1, biases nonzero)."""
+    torch.manual_seed(seed)
+    return randomize(getattr(transformers, "ModernBert" + head)(hf_config(**overrides)), seed).eval()
+
+
+def head_inputs(config, head, lengths=LENGTHS, seed=0):
+    """The padded batch and the labels of `head`; padding (and the fully padded row's pooled label) -100."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    inputs = padded_batch(config, lengths=lengths, seq=SEQ, seed=seed)
+    mask = inputs["attention_mask"]
+    batch, empty = mask.shape[0], mask.sum(1) == 0
+    if head == "ForMaskedLM":
+        inputs["labels"] = torch.randint(0, config.vocab_size, mask.shape, generator=generator).masked_fill(
+            mask == 0, -100)
+    elif head == "ForSequenceClassification":  # CrossEntropyLoss ignores -100: the empty row has no class
+        inputs["labels"] = torch.randint(0, NUM_LABELS, (batch,), generator=generator).masked_fill(empty, -100)
+    elif head == "ForTokenClassification":
+        inputs["labels"] = torch.randint(0, NUM_LABELS, mask.shape, generator=generator).masked_fill(mask == 0, -100)
+    elif head == "ForQuestionAnswering":
+        # transformers' span loss is a softmax over every position, padding included, where fastbert's
+        # outputs there are zero by design (README, differences): its loss runs on full rows, its padded
+        # logits are compared on real tokens (test_apply_every_head_equals_transformers)
+        inputs = padded_batch(config, lengths=(SEQ,) * batch, seq=SEQ, seed=seed)
+        inputs["start_positions"] = torch.randint(0, SEQ, (batch,), generator=generator)
+        inputs["end_positions"] = torch.minimum(inputs["start_positions"] + 1, torch.tensor(SEQ - 1))
+    elif head == "ForMultipleChoice":  # [B, choices, S]: the batch and its rows reversed as a second choice
+        inputs = {k: torch.stack([v, v.flip(0)], 1) for k, v in inputs.items()}
+        inputs["labels"] = torch.randint(0, CHOICES, (batch,), generator=generator)
+    return inputs
+
+
+def loss_of(output, inputs, head):
+    return base_loss(output, inputs["attention_mask"]) if head == "Model" else output.loss
+
+
+def assert_same_results(ours, theirs, inputs, head, atol=1e-5):
+    """Every tensor output on real tokens (rows with none: their pooled outputs are padding's), the loss and
+    every parameter's gradient (tied ones under each name)."""
+    mask = inputs["attention_mask"]
+    expected, actual = theirs(**inputs), ours(**inputs)
+    expected_fields, actual_fields = named_outputs(expected), named_outputs(actual)
+    assert expected_fields.keys() <= actual_fields.keys()  # fastbert's masked-LM head adds its accuracy
+    rows = mask.sum(-1) > 0  # [B] ([B, choices] for multiple choice)
+    for name, value in expected_fields.items():
+        got = actual_fields[name]
+        if name == "logits" and head in ("ForSequenceClassification", "ForMultipleChoice"):
+            got, value = got[rows], value[rows]
+        torch.testing.assert_close(real_tokens(got, mask), real_tokens(value, mask), atol=atol, rtol=1e-5,
+                                   msg=lambda m: f"{name}: {m}")
+    loss_of(expected, inputs, head).backward()
+    loss_of(actual, inputs, head).backward()
+    grads = dict(ours.named_parameters(remove_duplicate=False))
+    for name, param in theirs.named_parameters(remove_duplicate=False):
+        assert (param.grad is None) == (grads[name].grad is None), name
+        if param.grad is not None:
+            torch.testing.assert_close(grads[name].grad, param.grad, atol=atol, rtol=1e-5,
+                                       msg=lambda m: f"d {name}: {m}")
+    assert all(p.grad is not None and p.grad.abs().max() > 0 for n, p in grads.items() if ".layers." in n), \
+        "a layer's parameter got no gradient"
+    ours.zero_grad(), theirs.zero_grad()
+
+
+def test_tiny_config_has_global_and_local_layers_and_a_window_that_cuts():
+    config = hf_config()
+    assert config.layer_types == ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    assert config.sliding_window == 2 < SEQ - 1  # keys with |i - j| <= 2 of 13
+    theta = {t: p["rope_theta"] for t, p in config.rope_parameters.items()}
+    assert theta == {"full_attention": 160000.0, "sliding_attention": 10000.0}
+
+
+CASES = [(head, pooling) for head in HEADS for pooling in (("cls", "mean") if head in (
+    "ForSequenceClassification", "ForMultipleChoice") else ("cls",))]
+
+
+@pytest.mark.parametrize("biases", [False, True], ids=["no-biases", "biases"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("head,pooling", CASES, ids=[f"{h}-{p}" for h, p in CASES])
+def test_apply_every_head_equals_transformers(head, pooling, attn, biases):
+    overrides = dict(classifier_pooling=pooling, attn_implementation=attn, **(BIASES if biases else {}))
+    theirs = hf_model(head, **overrides)
+    ours = copy.deepcopy(theirs)
+    assert fastbert.apply(ours) is ours
+    base = ours.base_model
+    assert ACCELERATED in vars(base), f"{type(base).__name__} was not accelerated"
+    assert type(base) is type(theirs.base_model) and type(ours) is type(theirs)  # the classes stay transformers'
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    if biases:
+        assert theirs.base_model.layers[1].attn.Wqkv.bias is not None and theirs.base_model.final_norm.bias is not None
+    empty_row_pools = pooling == "mean" or head == "ForMultipleChoice"  # 0 / 0 in transformers too
+    inputs = head_inputs(theirs.config, head, FILLED if empty_row_pools else LENGTHS)
+    assert_same_results(ours, theirs, inputs, head)
+    if head == "ForQuestionAnswering":  # its loss ran on full rows (head_inputs); padded logits here
+        padded = padded_batch(theirs.config, lengths=LENGTHS, seq=SEQ)
+        real = padded["attention_mask"].bool()
+        for name in ("start_logits", "end_logits"):
+            torch.testing.assert_close(ours(**padded)[name][real], theirs(**padded)[name][real], atol=1e-5,
+                                       rtol=1e-5, msg=lambda m: f"padded {name}: {m}")
+
+
+def left_padded(inputs):
+    """The batch with each row's padding moved to its left."""
+    mask = inputs["attention_mask"]
+    order = torch.argsort(mask, dim=1, stable=True)  # padding (0) first, then the tokens in their order
+    return {k: v.gather(1, order) for k, v in inputs.items()}
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_left_padding_and_no_mask_equal_transformers(attn):
+    """transformers' rotary positions are row indices, fastbert's offsets in the sequence: scores depend on
+    i - j only, so a left-padded batch gives the same; sequence classification pools the first token."""
+    theirs = hf_model("ForTokenClassification", attn_implementation=attn)
+    ours = fastbert.apply(copy.deepcopy(theirs))
+    inputs = left_padded(head_inputs(theirs.config, "ForTokenClassification"))
+    assert inputs["attention_mask"][1, :SEQ - 6].sum() == 0  # padding on the left
+    assert_same_results(ours, theirs, inputs, "ForTokenClassification")
+    expected, actual = (m(input_ids=inputs["input_ids"][:1]).logits for m in (theirs, ours))
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)  # no mask: every position a token
+
+
+@pytest.mark.parametrize("biases", [False, True], ids=["no-biases", "biases"])
+def test_hidden_states_and_attentions_equal_transformers(biases):
+    """Every layer's hidden state (the last after final_norm, as transformers') and the eager attention's
+    probabilities, zero outside the window on local layers."""
+    theirs = hf_model(attn_implementation="eager", **(BIASES if biases else {}))
+    ours = fastbert.apply(copy.deepcopy(theirs))
+    inputs = padded_batch(theirs.config, lengths=LENGTHS, seq=SEQ)
+    real = inputs["attention_mask"].bool()
+    expected, actual = (m(**inputs, output_hidden_states=True, output_attentions=True) for m in (theirs, ours))
+    assert len(actual.hidden_states) == len(expected.hidden_states) == theirs.config.num_hidden_layers + 1
+    for layer, (a, b) in enumerate(zip(actual.hidden_states, expected.hidden_states)):
+        torch.testing.assert_close(a[real], b[real], atol=1e-5, rtol=1e-5, msg=lambda m: f"hidden state {layer}: {m}")
+    assert len(actual.attentions) == len(expected.attentions) == theirs.config.num_hidden_layers
+    distance = (torch.arange(SEQ)[:, None] - torch.arange(SEQ)[None, :]).abs()
+    for layer, (a, b) in enumerate(zip(actual.attentions, expected.attentions)):  # [B, heads, S, S]
+        queries = real[:, None, :, None].expand_as(a)  # padded query rows are not meaningful
+        torch.testing.assert_close(a[queries], b[queries], atol=1e-6, rtol=1e-5, msg=lambda m: f"attention {layer}: {m}")
+        outside = (distance > theirs.config.sliding_window)[None, None] & queries
+        local = theirs.config.layer_types[layer] == "sliding_attention"
+        assert (a[outside] == 0).all() if local else (a[outside] > 0).any(), f"layer {layer}'s window"
+
+
+def test_apply_twice_changes_nothing_and_shares_parameters():
+    model = hf_model("ForSequenceClassification")
+    before = dict(model.named_parameters())
+    fastbert.apply(model)
+    fast = vars(model.model)[ACCELERATED]
+    fastbert.apply(model)
+    assert vars(model.model)[ACCELERATED] is fast
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys() and all(after[n] is p for n, p in before.items())
+
+
+# fastbert's own classes ------------------------------------------------------------------------------------
+
+def assert_same_state(ours, theirs):
+    ours, theirs = ours.state_dict(), theirs.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), name
+
+
+NATIVE_CASES = [(head, biases) for head in NATIVE for biases in (False, True)]
+
+
+@pytest.mark.parametrize("head,biases", NATIVE_CASES, ids=[f"{h}-{'biases' if b else 'no-biases'}"
+                                                           for h, b in NATIVE_CASES])
+def test_from_pretrained_and_save_pretrained_both_ways(head, biases, tmp_path):
+    theirs = hf_model(head, **(BIASES if biases else {}))
+    inputs = head_inputs(theirs.config, head)
+    theirs.save_pretrained(tmp_path / "transformers")
+    ours = getattr(fastbert, "ModernBert" + head).from_pretrained(tmp_path / "transformers").eval()
+    assert type(ours.config) is fastbert.ModernBertConfig
+    assert_same_state(ours, theirs)
+    assert_same_results(ours, theirs, inputs, head)
+    if head == "ForMaskedLM":  # the decoder stays tied to the word embeddings, as in transformers
+        assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
+
+    ours.save_pretrained(tmp_path / "fastbert")
+    again = type(theirs).from_pretrained(tmp_path / "fastbert").eval()
+    assert again.config.model_type == "modernbert"
+    assert again.config.layer_types == theirs.config.layer_types
+    assert again.config.rope_parameters == theirs.config.rope_parameters
+    assert_same_state(again, theirs)
+    assert_same_results(ours, again, inputs, head)
+
+
+@pytest.mark.parametrize("head", NATIVE)
+def test_from_hf_and_to_hf_round_trip(head):
+    theirs = hf_model(head, classifier_pooling="mean")
+    inputs = head_inputs(theirs.config, head, FILLED)
+    ours = fastbert.from_hf(theirs)
+    assert type(ours) is getattr(fastbert, "ModernBert" + head) and not ours.training
+    assert_same_state(ours, theirs)
+    assert_same_results(ours, theirs, inputs, head)
+    back = ours.to_hf()
+    assert type(back) is type(theirs)
+    assert_same_state(back, theirs)
+    assert_same_results(ours, back, inputs, head)
+
+
+def test_masked_lm_loss_and_mask_accuracy_equal_transformers():
+    """The masked-only fused loss with labels on some positions, and the accuracy at the [MASK] positions
+    computed from transformers' logits."""
+    theirs = hf_model("ForMaskedLM")
+    ours = fastbert.from_hf(theirs)
+    inputs = padded_batch(theirs.config, lengths=LENGTHS, seq=SEQ)
+    ids, mask = inputs["input_ids"], inputs["attention_mask"].bool()
+    generator = torch.Generator().manual_seed(3)
+    chosen = (torch.rand(ids.shape, generator=generator) < 0.4) & mask
+    shown = chosen & (torch.rand(ids.shape, generator=generator) < 0.7)  # the rest keep their token
+    labels = ids.masked_fill(~chosen, -100)
+    inputs["input_ids"] = ids.masked_fill(shown, MASK_ID)
+    assert shown.sum() >= 3 and (chosen & ~shown).any()
+    expected = theirs(**inputs, labels=labels)
+    actual = ours(**inputs, labels=labels, mask_token_id=MASK_ID)
+    torch.testing.assert_close(actual.loss, expected.loss, atol=1e-5, rtol=1e-5)
+    predicted = expected.logits.argmax(-1)
+    torch.testing.assert_close(actual.accuracy, (predicted == labels)[chosen].double().mean().to(actual.accuracy))
+    torch.testing.assert_close(actual.mask_accuracy,
+                               (predicted == labels)[shown].double().mean().to(actual.mask_accuracy))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "applied"])
+def test_packed_inputs_equal_the_padded_batch(native):
+    """DataCollatorWithFlattening's layout (input_ids [1, T], cu_seq_lens, position ids restarting at 0) on the
+    rows with tokens gives the padded batch's hidden states and gradients; wrong position ids are refused."""
+    theirs = hf_model()
+    model = fastbert.from_hf(theirs) if native else fastbert.apply(copy.deepcopy(theirs))
+    inputs = padded_batch(theirs.config, lengths=FILLED, seq=SEQ)
+    mask = inputs["attention_mask"]
+    padded = model(**inputs)
+    torch.testing.assert_close(padded.last_hidden_state[mask.bool()],
+                               theirs(**inputs).last_hidden_state[mask.bool()], atol=1e-5, rtol=1e-5)
+    base_loss(padded, mask).backward()
+    expected_grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+    packed = flattened(inputs, 0)
+    assert packed["cu_seq_lens_q"].tolist() == [0, *torch.tensor(FILLED).cumsum(0).tolist()]
+    for with_positions in (True, False):
+        model.zero_grad()
+        given = packed if with_positions else {k: v for k, v in packed.items() if k != "position_ids"}
+        out = model(**given)
+        assert out.last_hidden_state.shape == (1, sum(FILLED), theirs.config.hidden_size)
+        torch.testing.assert_close(out.last_hidden_state[0], padded.last_hidden_state[mask.bool()], atol=1e-5,
+                                   rtol=1e-5)
+        base_loss(out, torch.ones(out.last_hidden_state.shape[:2])).backward()
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.grad, expected_grads[name], atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"d {name}: {m}")
+    shifted = dict(packed, position_ids=packed["position_ids"] + 1)
+    with pytest.raises(ValueError, match="position_ids"):
+        model(**shifted)
+
+
+# the Triton path (the interpreter) -------------------------------------------------------------------------
+
+def run(model, inputs, mask):
+    """The outputs with every hidden state, and the gradients of base_loss (all parameters)."""
+    output = model(**inputs, output_hidden_states=True)
+    base_loss(output, mask).backward()
+    return output, {name: param.grad for name, param in model.named_parameters()}
+
+
+@pytest.mark.parametrize("biases", [False, True], ids=["no-biases", "biases"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_path_within_the_rule_against_float64(dtype, biases):
+    """`fastbert.apply(backend="triton")`: every hidden state and every parameter's gradient within the rule
+    against transformers (SDPA) in float64, PyTorch's own error being transformers' in `dtype`."""
+    exact = hf_model(**TRITON_SIZES, **(BIASES if biases else {})).double()
+    in_dtype = copy.deepcopy(exact).to(dtype)
+    kernels = fastbert.apply(copy.deepcopy(in_dtype), backend="triton")
+    assert vars(kernels)[ACCELERATED].config.backend == "triton"
+    inputs = padded_batch(exact.config, lengths=LENGTHS, seq=SEQ)
+    mask = inputs["attention_mask"]
+    real = mask.bool()
+    (out, grads), (torch_out, torch_grads), (exact_out, exact_grads) = (
+        run(model, inputs, mask) for model in (kernels, in_dtype, exact))
+    assert len(out.hidden_states) == exact.config.num_hidden_layers + 1
+    for layer, states in enumerate(zip(out.hidden_states, torch_out.hidden_states, exact_out.hidden_states)):
+        assert_within_rule(f"hidden state {layer}", *(state[real] for state in states), FORWARD_FACTOR)
+    for name, grad in exact_grads.items():
+        assert grad is not None and grads[name] is not None, name
+        assert_within_rule(f"d {name}", grads[name], torch_grads[name], grad, GRADIENT_FACTOR)
+
+
+def test_triton_packed_inputs_equal_the_padded_batch():
+    model = fastbert.apply(hf_model(**TRITON_SIZES), backend="triton")
+    inputs = padded_batch(model.config, lengths=FILLED, seq=SEQ)
+    mask = inputs["attention_mask"]
+    padded = model(**inputs).last_hidden_state[mask.bool()]
+    packed = model(**flattened(inputs, 0)).last_hidden_state[0]
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
+
+
+# what fastbert does not compute: errors naming the field ----------------------------------------------------
+
+LINEAR_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "linear", "rope_theta": 160000.0, "factor": 2.0}}
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (dict(rope_parameters=LINEAR_ROPE), "rope_type"),
+    (dict(classifier_activation="relu"), "classifier_activation"),
+    (dict(hidden_activation="silu"), "hidden_activation"),
+], ids=["rope_type", "classifier_activation", "hidden_activation"])
+def test_unsupported_configs_are_errors_naming_the_field(overrides, field, tmp_path):
+    model = hf_model("ForSequenceClassification", **overrides)
+    with pytest.raises(ValueError, match=field):
+        fastbert.apply(model)
+    assert ACCELERATED not in vars(model.model)  # left as it was
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=field):
+        fastbert.ModernBertForSequenceClassification.from_pretrained(tmp_path)
+
+
+def test_unpad_false_is_an_error_naming_unpad(tmp_path):
+    model = hf_model()
+    with pytest.raises(ValueError, match="unpad"):
+        fastbert.apply(model, unpad=False)
+    assert ACCELERATED not in vars(model)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="unpad"):
+        fastbert.ModernBertModel.from_pretrained(tmp_path, unpad=False)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "applied"])
+def test_position_ids_other_than_offsets_are_an_error_naming_them(native):
+    """fastbert rotates by each token's offset in its sequence; transformers' given position ids would rotate
+    by others: refused, never silently ignored. Offsets themselves (padding positions free) run."""
+    theirs = hf_model()
+    model = fastbert.from_hf(theirs) if native else fastbert.apply(copy.deepcopy(theirs))
+    inputs = padded_batch(theirs.config, lengths=LENGTHS, seq=SEQ)
+    offsets = torch.arange(SEQ).expand(len(LENGTHS), SEQ)
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(model(**inputs, position_ids=offsets).last_hidden_state[real],
+                               theirs(**inputs).last_hidden_state[real], atol=1e-5, rtol=1e-5)
+    model(**inputs, position_ids=offsets.masked_fill(~real, 7))  # padding's positions are free
+    with pytest.raises(ValueError, match="position_ids"):
+        model(**inputs, position_ids=offsets + 2)
