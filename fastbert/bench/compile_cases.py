@@ -53,6 +53,12 @@ IGNORE_INDEX = -100
 MODERNBERT = Model("modernbert-base", 768, 12, 1152, 50368)
 MODERNBERT_ROWS = 8 * 512
 MODERNBERT_DTYPES = ("float16", "bfloat16")
+# ModernBERT-base's attention (12 heads of 64) at its pre-training length and its longest, padded and packed:
+# rotary positions on every layer (global layers' theta), and a local layer's window (|i - j| <= 64,
+# config.sliding_window, what the model passes) with its theta; no attention dropout (ModernBERT's default)
+MODERNBERT_ATTENTION_SEQLENS = (512, 8192)
+MODERNBERT_POSITIONS = (("rotary", dict(rotary_base=160_000.0)),
+                        ("rotary,window=64", dict(rotary_base=10_000.0, window=64)))
 
 
 @dataclass(frozen=True)
@@ -372,6 +378,29 @@ def _modernbert_cases(dtype) -> list[tuple[str, str, Callable]]:
     return cases
 
 
+def _modernbert_attention_cases(b: Batch) -> list[tuple[str, str, Callable]]:
+    """ModernBERT-base's attention forward and backward with rotary positions, and with rotary positions and a
+    window (MODERNBERT_POSITIONS), without dropout."""
+    attention = _kernels("attention")
+    scale = (b.model.hidden // b.model.heads) ** -0.5
+    cases = []
+    for variant, positions in MODERNBERT_POSITIONS:
+        def forward(positions=positions):
+            q, k, v, mask, cu_seqlens, max_seqlen = b.attention_inputs()
+            _implementation(attention.attention_fwd)(q, k, v, mask, cu_seqlens, max_seqlen, None, 0.0, scale,
+                                                     **positions)
+
+        def backward(positions=positions):
+            q, k, v, mask, cu_seqlens, max_seqlen = b.attention_inputs()
+            lse = (_meta(b.model.heads, b.rows, dtype=torch.float32) if b.layout == "varlen"
+                   else _meta(b.batch, b.model.heads, b.seqlen, dtype=torch.float32))
+            _implementation(attention.attention_bwd)(b.heads_layout(), q, k, v, b.heads_layout(), lse, mask,
+                                                     cu_seqlens, max_seqlen, None, 0.0, scale, **positions)
+
+        cases += [("attention.attention_fwd", variant, forward), ("attention.attention_bwd", variant, backward)]
+    return cases
+
+
 def cases(dtypes=DTYPES, models=MODELS) -> list[CompileCase]:
     """Every launcher call of the audit, for the given dtype names and models."""
     out = []
@@ -395,4 +424,9 @@ def cases(dtypes=DTYPES, models=MODELS) -> list[CompileCase]:
             shape = {"model": MODERNBERT.name, "layout": "varlen", "rows": MODERNBERT_ROWS}
             out += [CompileCase(launcher, variant, shape, dtype_name, call)
                     for launcher, variant, call in _modernbert_cases(dtype)]
+            for seqlen in MODERNBERT_ATTENTION_SEQLENS:
+                for layout in LAYOUTS:
+                    b = Batch(MODERNBERT, layout, seqlen, dtype)
+                    out += [CompileCase(launcher, variant, b.shape(), dtype_name, call)
+                            for launcher, variant, call in _modernbert_attention_cases(b)]
     return out
