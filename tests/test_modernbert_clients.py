@@ -1,0 +1,71 @@
+"""ModernBERT inside sentence-transformers, offline on CPU: a tiny random ModernBERT (global and local layers,
+a window that cuts the longer sentences) saved with a tiny WordLevel tokenizer; SentenceTransformer (mean
+pooling) encode and CrossEncoder predict with the encoder accelerated by `fastbert.apply` or swapped for
+fastbert's ModernBertModel equal plain within 1e-5, and what either saves a plain load reads back the same."""
+import pytest
+import torch
+from test_family_clients import PAIRS, SENTENCES, accelerated_bases, tiny_tokenizer
+from test_modernbert import hf_model
+
+import fastbert
+
+transformers = pytest.importorskip("transformers")
+st = pytest.importorskip("sentence_transformers")
+
+# the tiny tokenizer's BERT specials: [PAD] 0, [UNK] 1, [CLS] 2, [SEP] 3, [MASK] 4
+SPECIAL_IDS = dict(pad_token_id=0, bos_token_id=2, cls_token_id=2, eos_token_id=3, sep_token_id=3)
+
+
+def saved(head: str, path, **overrides) -> str:
+    """A tiny random ModernBERT with the head and its tokenizer, saved where transformers' Auto classes load them."""
+    tokenizer = tiny_tokenizer("distilbert")  # BERT's special tokens, no token types
+    assert tokenizer.pad_token_id == SPECIAL_IDS["pad_token_id"] and tokenizer.cls_token_id == SPECIAL_IDS["cls_token_id"]
+    model = hf_model(head, **SPECIAL_IDS, **overrides)
+    assert len(tokenizer) <= model.config.vocab_size
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def sentence_transformer(path):
+    modules = st.sentence_transformer.modules
+    transformer = modules.Transformer(path)
+    return st.SentenceTransformer(
+        modules=[transformer, modules.Pooling(transformer.get_embedding_dimension(), "mean")], device="cpu")
+
+
+def test_sentence_transformer_encode_save_reload(tmp_path, one_thread):
+    path = saved("Model", tmp_path / "model")
+    plain, applied, swapped = (sentence_transformer(path) for _ in range(3))
+    assert type(plain[0].model).__name__ == "ModernBertModel" and plain[0].model.__module__.startswith("transformers")
+    assert fastbert.apply(applied) is applied and len(accelerated_bases(applied)) == 1
+    swapped[0].model = fastbert.ModernBertModel.from_pretrained(path)
+    lengths = plain.tokenize(SENTENCES)["attention_mask"].sum(1)
+    assert lengths.max() > 2 * plain[0].model.config.sliding_window + 1  # the window cuts the longest
+    expected = plain.encode(SENTENCES, convert_to_tensor=True, batch_size=3)
+    assert (expected - expected[0]).abs().max() > 1e-2  # the sentences (of other lengths: padded) differ
+    for name, model in (("applied", applied), ("swapped", swapped)):
+        torch.testing.assert_close(model.encode(SENTENCES, convert_to_tensor=True, batch_size=3), expected,
+                                   atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        model.save(str(tmp_path / name))
+        again = st.SentenceTransformer(str(tmp_path / name), device="cpu")  # a plain load
+        assert again[0].model.__module__.startswith("transformers")
+        assert again[0].model.state_dict().keys() == plain[0].model.state_dict().keys()
+        torch.testing.assert_close(again.encode(SENTENCES, convert_to_tensor=True, batch_size=3), expected,
+                                   atol=1e-5, rtol=1e-5, msg=lambda m: f"{name} reloaded: {m}")
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_cross_encoder_predict_save_reload(pooling, tmp_path, one_thread):
+    path = saved("ForSequenceClassification", tmp_path / "model", num_labels=1, classifier_pooling=pooling)
+    plain, applied = (st.CrossEncoder(path, device="cpu") for _ in range(2))
+    assert fastbert.apply(applied) is applied and len(accelerated_bases(applied)) == 1
+    expected = plain.predict(PAIRS, convert_to_tensor=True)
+    assert expected.std() > 1e-4  # the pairs score differently (10 times the tolerance)
+    torch.testing.assert_close(applied.predict(PAIRS, convert_to_tensor=True), expected, atol=1e-5, rtol=1e-5)
+    applied.save(str(tmp_path / "applied"))
+    again = st.CrossEncoder(str(tmp_path / "applied"), device="cpu")  # a plain load
+    assert not accelerated_bases(again)
+    torch.testing.assert_close(again.predict(PAIRS, convert_to_tensor=True), expected, atol=1e-5, rtol=1e-5)
+    fastbert.apply(again)  # and accelerated after the reload
+    torch.testing.assert_close(again.predict(PAIRS, convert_to_tensor=True), expected, atol=1e-5, rtol=1e-5)
