@@ -243,10 +243,15 @@ class ModernBertForMaskedLM(ModernBertPreTrainedModel, BertForMaskedLM):
         return VocabularyHead(self.config, self.head, self.decoder, self.decoder.bias, bias_in_decoder=True)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                **kwargs):
+                *, return_dict=None, **kwargs):
+        """BertForMaskedLM's; with config.sparse_prediction and labels the logits are those of the labelled
+        tokens only, [N, vocab] (transformers' sparse_prediction; the loss is the same masked-only loss)."""
         kwargs.pop("token_type_ids", None)
-        return BertForMaskedLM.forward(self, input_ids, attention_mask, None, position_ids, inputs_embeds, labels,
-                                       **kwargs)
+        result = BertForMaskedLM.forward(self, input_ids, attention_mask, None, position_ids, inputs_embeds, labels,
+                                         return_dict=True, **kwargs)
+        if self.config.sparse_prediction and labels is not None and result.logits is not None:
+            result.logits = result.logits[labels != self.config.sparse_pred_ignore_index]  # [N, vocab]
+        return self._outputs(result, return_dict)
 
 
 class ModernBertForSequenceClassification(ModernBertPreTrainedModel):
