@@ -292,6 +292,72 @@ def test_packed_inputs_equal_the_padded_batch(native):
         model(**shifted)
 
 
+def test_sparse_prediction_logits_of_the_labelled_tokens_as_transformers():
+    """sparse_prediction=True: with labels, transformers' logits are the labelled tokens' only, [N, vocab]."""
+    theirs = hf_model("ForMaskedLM", sparse_prediction=True)
+    inputs = head_inputs(theirs.config, "ForMaskedLM")
+    inputs["labels"][0, ::2] = -100  # some real tokens unlabelled
+    labelled = int((inputs["labels"] != -100).sum())
+    ours = fastbert.from_hf(theirs)
+    expected, actual = theirs(**inputs), ours(**inputs)
+    assert expected.logits.shape == actual.logits.shape == (labelled, VOCAB)
+    torch.testing.assert_close(actual.logits, expected.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(actual.loss, expected.loss, atol=1e-5, rtol=1e-5)
+    assert ours(**inputs, return_dict=False)[1].shape == (labelled, VOCAB)
+    inputs.pop("labels")  # without labels every token's logits, as transformers
+    assert theirs(**inputs).logits.shape == ours(**inputs).logits.shape == (len(LENGTHS), SEQ, VOCAB)
+
+
+def test_checkpoint_config_with_the_older_rope_fields(tmp_path):
+    """config.json as ModernBERT-base's on the hub: global_rope_theta / local_rope_theta /
+    global_attn_every_n_layers instead of rope_parameters and layer_types (other values than the defaults, so
+    a field left unread shows), and its fields transformers ignores; saved back, transformers reads it the same."""
+    import json
+
+    theirs = hf_model("ForMaskedLM")
+    theirs.save_pretrained(tmp_path / "checkpoint")
+    config_file = tmp_path / "checkpoint" / "config.json"
+    values = json.loads(config_file.read_text())
+    del values["rope_parameters"], values["layer_types"]
+    values.update(global_rope_theta=20000.0, local_rope_theta=500.0, global_attn_every_n_layers=2,
+                  position_embedding_type="absolute", reference_compile=True, repad_logits_with_grad=True)
+    config_file.write_text(json.dumps(values))
+    theirs = type(theirs).from_pretrained(tmp_path / "checkpoint").eval()
+    assert theirs.config.layer_types == ["full_attention", "sliding_attention"] * 2
+    assert theirs.config.rope_parameters["sliding_attention"]["rope_theta"] == 500.0
+    ours = fastbert.ModernBertForMaskedLM.from_pretrained(tmp_path / "checkpoint").eval()
+    assert ours.config.layer_types == theirs.config.layer_types
+    assert [layer.attn.rotary_base for layer in ours.model.layers] == [20000.0, 500.0] * 2
+    assert [layer.attn.window for layer in ours.model.layers] == [None, 2] * 2
+    assert_same_results(ours, theirs, head_inputs(theirs.config, "ForMaskedLM"), "ForMaskedLM")
+    ours.save_pretrained(tmp_path / "fastbert")
+    again = type(theirs).from_pretrained(tmp_path / "fastbert").eval()
+    assert again.config.layer_types == theirs.config.layer_types
+    assert again.config.rope_parameters == theirs.config.rope_parameters
+    assert_same_results(ours, again, head_inputs(theirs.config, "ForMaskedLM"), "ForMaskedLM")
+
+
+@pytest.mark.parametrize("activations", [
+    dict(hidden_activation="gelu_pytorch_tanh"),
+    dict(hidden_activation="gelu_new", classifier_activation="gelu_pytorch_tanh"),
+], ids=["tanh-encoder", "tanh-both"])
+def test_tanh_gelus_equal_transformers(activations):
+    """The GeGLU's GELU (hidden_activation) and the head's (classifier_activation) each as configured."""
+    theirs = hf_model("ForMaskedLM", **activations)
+    inputs = head_inputs(theirs.config, "ForMaskedLM")
+    assert_same_results(fastbert.from_hf(theirs), theirs, inputs, "ForMaskedLM")
+    assert_same_results(fastbert.apply(copy.deepcopy(theirs)), theirs, inputs, "ForMaskedLM")
+
+
+def test_activation_checkpointing_enable_reaches_fastbert():
+    theirs = hf_model("ForSequenceClassification").train()
+    ours = fastbert.apply(copy.deepcopy(theirs))
+    ours.activation_checkpointing_enable()  # transformers 5's name for gradient_checkpointing_enable
+    assert vars(ours.model)[ACCELERATED].layers.gradient_checkpointing
+    assert_same_results(ours, theirs, head_inputs(theirs.config, "ForSequenceClassification"),
+                        "ForSequenceClassification")
+
+
 # the Triton path (the interpreter) -------------------------------------------------------------------------
 
 def run(model, inputs, mask):
