@@ -4,8 +4,9 @@ The project's launchers compile every kernel, in every config they can pick (eve
 for the H100 (sm_90a) and the A100 (sm_80), in fp16 and bf16, with this Python's Triton and with the GPU
 environment's (3.6, installed beside it by the README's set-up). CI's share is BERT-base at S = 128, padded
 and packed, and a small fine-tuning MLM batch (every kernel and every flag the model runs with), ModernBERT-base's
-bias-less kernels (the GeGLU epilogue, the pre-LN LayerNorm: compile_cases.MODERNBERT), and MPNet's attention
-with its relative-position bias at S = 512 (BERT-base's heads: compile_cases.RELATIVE_BIAS_BATCHES), in
+bias-less kernels (the GeGLU epilogue, the pre-LN LayerNorm: compile_cases.MODERNBERT) and its attention with
+rotary positions and a window (S = 512 and 8192, padded and packed: compile_cases.MODERNBERT_POSITIONS), and
+MPNet's attention with its relative-position bias at S = 512 (BERT-base's heads: compile_cases.RELATIVE_BIAS_BATCHES), in
 four workers: each Triton builds both targets, each target in both 16-bit dtypes, each Triton in both (all eight
 pairs would cost twice the CPU time; fp16 and bf16 builds of one kernel have spilled alike but once).
 The whole cross product (BERT-large, S = 512, the eight pairs, fp32 as well) is the suite itself, whose
