@@ -3,10 +3,11 @@
 Four layers (global, local, local, global: both attention types and both rotary bases) with a window of
 local_attention = 4 (keys with |i - j| <= 2) that cuts a 13-token row; padded batches with a full row, a
 6-token row, a fully padded row and a 1-token row. On the reference path (fp32): `fastbert.apply` on every
-head transformers has, with eager and SDPA attention, and fastbert's own classes (from_pretrained / save_pretrained
-both ways, from_hf / to_hf, the masked-LM loss, packed inputs); outputs on real tokens, losses and every
-gradient within 1e-5. On the Triton path (the interpreter): fp32 and bf16 within DESIGN.md's tolerance rule
-against transformers in float64. What fastbert does not compute is an error naming the field.
+head transformers has, with eager and SDPA attention, and fastbert's own classes (from_pretrained /
+save_pretrained both ways, from_hf / to_hf, the masked-LM loss, packed inputs); outputs on real tokens, losses
+and every gradient within 1e-5. On the Triton path (the interpreter): fp32, fp16 and bf16 within DESIGN.md's
+tolerance rule against transformers in float64, also with a window across key blocks; packed = padded.
+What fastbert does not compute is an error naming the field.
 """
 import copy
 
@@ -174,7 +175,8 @@ def test_hidden_states_and_attentions_equal_transformers(biases):
     distance = (torch.arange(SEQ)[:, None] - torch.arange(SEQ)[None, :]).abs()
     for layer, (a, b) in enumerate(zip(actual.attentions, expected.attentions)):  # [B, heads, S, S]
         queries = real[:, None, :, None].expand_as(a)  # padded query rows are not meaningful
-        torch.testing.assert_close(a[queries], b[queries], atol=1e-6, rtol=1e-5, msg=lambda m: f"attention {layer}: {m}")
+        torch.testing.assert_close(a[queries], b[queries], atol=1e-6, rtol=1e-5,
+                                   msg=lambda m: f"attention {layer}: {m}")
         outside = (distance > theirs.config.sliding_window)[None, None] & queries
         local = theirs.config.layer_types[layer] == "sliding_attention"
         assert (a[outside] == 0).all() if local else (a[outside] > 0).any(), f"layer {layer}'s window"
@@ -367,16 +369,13 @@ def run(model, inputs, mask):
     return output, {name: param.grad for name, param in model.named_parameters()}
 
 
-@pytest.mark.parametrize("biases", [False, True], ids=["no-biases", "biases"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_triton_path_within_the_rule_against_float64(dtype, biases):
-    """`fastbert.apply(backend="triton")`: every hidden state and every parameter's gradient within the rule
-    against transformers (SDPA) in float64, PyTorch's own error being transformers' in `dtype`."""
-    exact = hf_model(**TRITON_SIZES, **(BIASES if biases else {})).double()
+def assert_triton_within_the_rule(exact, inputs, dtype):
+    """`exact` (transformers' model in float64, SDPA) in `dtype`, plain and accelerated by
+    `fastbert.apply(backend="triton")`: every hidden state and every parameter's gradient of the accelerated
+    one within the rule, PyTorch's own error being transformers' in `dtype`."""
     in_dtype = copy.deepcopy(exact).to(dtype)
     kernels = fastbert.apply(copy.deepcopy(in_dtype), backend="triton")
     assert vars(kernels)[ACCELERATED].config.backend == "triton"
-    inputs = padded_batch(exact.config, lengths=LENGTHS, seq=SEQ)
     mask = inputs["attention_mask"]
     real = mask.bool()
     (out, grads), (torch_out, torch_grads), (exact_out, exact_grads) = (
@@ -389,13 +388,41 @@ def test_triton_path_within_the_rule_against_float64(dtype, biases):
         assert_within_rule(f"d {name}", grads[name], torch_grads[name], grad, GRADIENT_FACTOR)
 
 
-def test_triton_packed_inputs_equal_the_padded_batch():
-    model = fastbert.apply(hf_model(**TRITON_SIZES), backend="triton")
-    inputs = padded_batch(model.config, lengths=FILLED, seq=SEQ)
+@pytest.mark.parametrize("biases", [False, True], ids=["no-biases", "biases"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_triton_path_within_the_rule_against_float64(dtype, biases):
+    exact = hf_model(**TRITON_SIZES, **(BIASES if biases else {})).double()
+    assert_triton_within_the_rule(exact, padded_batch(exact.config, lengths=LENGTHS, seq=SEQ), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_window_across_blocks_within_the_rule(dtype):
+    """Rows of 150 and 77 tokens with a window of 16 keys either side: the local layers' kernels skip the key
+    blocks outside the band and mask its edges inside blocks; rotary positions past the first block."""
+    exact = hf_model(**TRITON_SIZES, local_attention=32, max_position_embeddings=160).double()
+    assert exact.config.sliding_window == 16
+    assert_triton_within_the_rule(exact, padded_batch(exact.config, lengths=(150, 77, 0, 1), seq=150), dtype)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "applied"])
+def test_triton_packed_inputs_equal_the_padded_batch(native):
+    """Packed (each sequence's rotary positions and window from its own start) = padded on the kernels:
+    hidden states and every gradient."""
+    theirs = hf_model(**TRITON_SIZES)
+    model = fastbert.from_hf(theirs, backend="triton") if native else fastbert.apply(theirs, backend="triton")
+    inputs = padded_batch(theirs.config, lengths=FILLED, seq=SEQ)
     mask = inputs["attention_mask"]
-    padded = model(**inputs).last_hidden_state[mask.bool()]
-    packed = model(**flattened(inputs, 0)).last_hidden_state[0]
-    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
+    padded = model(**inputs)
+    base_loss(padded, mask).backward()
+    expected_grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+    model.zero_grad()
+    packed = model(**flattened(inputs, 0))
+    torch.testing.assert_close(packed.last_hidden_state[0], padded.last_hidden_state[mask.bool()], atol=1e-5,
+                               rtol=1e-5)
+    base_loss(packed, torch.ones(packed.last_hidden_state.shape[:2])).backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected_grads[name], atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"d {name}: {m}")
 
 
 # what fastbert does not compute: errors naming the field ----------------------------------------------------

@@ -19,7 +19,8 @@ SPECIAL_IDS = dict(pad_token_id=0, bos_token_id=2, cls_token_id=2, eos_token_id=
 def saved(head: str, path, **overrides) -> str:
     """A tiny random ModernBERT with the head and its tokenizer, saved where transformers' Auto classes load them."""
     tokenizer = tiny_tokenizer("distilbert")  # BERT's special tokens, no token types
-    assert tokenizer.pad_token_id == SPECIAL_IDS["pad_token_id"] and tokenizer.cls_token_id == SPECIAL_IDS["cls_token_id"]
+    assert tokenizer.pad_token_id == SPECIAL_IDS["pad_token_id"]
+    assert tokenizer.cls_token_id == SPECIAL_IDS["cls_token_id"]
     model = hf_model(head, **SPECIAL_IDS, **overrides)
     assert len(tokenizer) <= model.config.vocab_size
     model.save_pretrained(path)
