@@ -164,8 +164,8 @@ class ModernBertPreTrainedModel(BertPreTrainedModel):
 
 class ModernBertModel(ModernBertPreTrainedModel, BertModel):
     """Embeddings, the layers and final_norm. Takes BertModel's layouts (padded with attention_mask, packed
-    with cu_seqlens); position_ids, if given, must be each token's offset in its sequence (what the rotary
-    positions are): other positions are an error, never silently ignored."""
+    with cu_seqlens); position_ids, if given, must count up by one within each sequence (each token's offset
+    in its sequence up to a constant, which rotates as the offsets do): others are an error, never ignored."""
 
     def __init__(self, config: ModernBertConfig, add_pooling_layer: bool = True):
         config.validate()
@@ -194,21 +194,28 @@ class ModernBertModel(ModernBertPreTrainedModel, BertModel):
 
 
 def _check_offsets(position_ids, attention_mask, kwargs) -> None:
-    """ValueError where position_ids are not each token's offset in its sequence (the rotary positions
-    fastbert uses: 0, 1, ... per row, or per packed sequence; padding positions are free)."""
+    """ValueError where position_ids are not each token's offset in its sequence up to a constant per sequence
+    (rotary scores depend on i - j only, so 0, 1, ... and k, k + 1, ... give the same result in transformers
+    and in fastbert: transformers' row indices for left padding, offsets from 1 for packing). Padding
+    positions are free."""
     cu_seqlens = kwargs.get("cu_seqlens", kwargs.get("cu_seq_lens_q"))
-    if cu_seqlens is not None:
+    if cu_seqlens is not None:  # packed [1, T]: the shift at each token's sequence start
         tokens = torch.arange(position_ids.shape[-1], device=position_ids.device)
-        sequence = torch.searchsorted(cu_seqlens[1:].to(tokens.device), tokens, right=True)
-        expected = (tokens - cu_seqlens.to(tokens.device)[sequence])[None]
+        starts = cu_seqlens.to(tokens.device)[torch.searchsorted(cu_seqlens[1:].to(tokens.device), tokens,
+                                                                 right=True)]
+        shift = position_ids - (tokens - starts)  # [1, T]
+        first = shift[..., starts]
         real = torch.ones_like(position_ids, dtype=torch.bool)
-    else:
-        expected = torch.arange(position_ids.shape[-1], device=position_ids.device)[None]
+    else:  # padded [B, S] (or [1, S]): the shift at each row's first token
+        shift = position_ids - torch.arange(position_ids.shape[-1], device=position_ids.device)
         mask = key_padding_mask(attention_mask, validate=False)
-        real = torch.ones_like(position_ids, dtype=torch.bool) if mask is None else mask.bool()
-    if not bool(((position_ids == expected) | ~real).all()):
-        raise ValueError("ModernBERT's position_ids must be each token's offset in its sequence (0, 1, ...): "
-                         "fastbert rotates q and k by those offsets inside the attention kernel")
+        real = torch.ones_like(shift, dtype=torch.bool) if mask is None else mask.bool()
+        shift = shift.expand(real.shape)
+        first = shift.gather(-1, real.int().argmax(dim=-1, keepdim=True))  # [B, 1]
+    if not bool(((shift == first) | ~real).all()):
+        raise ValueError("ModernBERT's position_ids must count up by one within each sequence (0, 1, ... or from "
+                         "any start): fastbert rotates q and k by each token's offset in its sequence inside the "
+                         "attention kernel, which equals the rotation by such positions")
 
 
 class ModernBertPredictionHead(nn.Module):
