@@ -289,9 +289,13 @@ def test_packed_inputs_equal_the_padded_batch(native):
         for name, param in model.named_parameters():
             torch.testing.assert_close(param.grad, expected_grads[name], atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"d {name}: {m}")
-    shifted = dict(packed, position_ids=packed["position_ids"] + 1)
+    # positions from any start in each sequence rotate as the offsets do (only i - j counts); others are refused
+    for start in (1, None):  # from 1 in each sequence; counting on across sequences
+        positions = packed["position_ids"] + 1 if start else torch.arange(sum(FILLED))[None]
+        torch.testing.assert_close(model(**dict(packed, position_ids=positions)).last_hidden_state[0],
+                                   padded.last_hidden_state[mask.bool()], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="position_ids"):
-        model(**shifted)
+        model(**dict(packed, position_ids=packed["position_ids"] * 2))
 
 
 def test_sparse_prediction_logits_of_the_labelled_tokens_as_transformers():
@@ -458,15 +462,21 @@ def test_unpad_false_is_an_error_naming_unpad(tmp_path):
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "applied"])
 def test_position_ids_other_than_offsets_are_an_error_naming_them(native):
-    """fastbert rotates by each token's offset in its sequence; transformers' given position ids would rotate
-    by others: refused, never silently ignored. Offsets themselves (padding positions free) run."""
+    """fastbert rotates by each token's offset in its sequence, which rotates as any positions counting up by
+    one from another start do (transformers' row indices with left padding, offsets from the first real token,
+    a shift): those equal transformers' given the same position_ids. Others would rotate otherwise: refused,
+    never silently ignored. Padding positions are free."""
     theirs = hf_model()
     model = fastbert.from_hf(theirs) if native else fastbert.apply(copy.deepcopy(theirs))
-    inputs = padded_batch(theirs.config, lengths=LENGTHS, seq=SEQ)
-    offsets = torch.arange(SEQ).expand(len(LENGTHS), SEQ)
-    real = inputs["attention_mask"].bool()
-    torch.testing.assert_close(model(**inputs, position_ids=offsets).last_hidden_state[real],
-                               theirs(**inputs).last_hidden_state[real], atol=1e-5, rtol=1e-5)
-    model(**inputs, position_ids=offsets.masked_fill(~real, 7))  # padding's positions are free
-    with pytest.raises(ValueError, match="position_ids"):
-        model(**inputs, position_ids=offsets + 2)
+    for layout in (dict, left_padded):
+        inputs = layout(padded_batch(theirs.config, lengths=LENGTHS, seq=SEQ))
+        real = inputs["attention_mask"].bool()
+        rows = torch.arange(SEQ).expand(len(LENGTHS), SEQ)
+        offsets = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        for positions in (rows, offsets, offsets + 3, rows.masked_fill(~real, 7)):
+            torch.testing.assert_close(model(**inputs, position_ids=positions).last_hidden_state[real],
+                                       theirs(**inputs, position_ids=positions).last_hidden_state[real], atol=1e-5,
+                                       rtol=1e-5)
+        for wrong in (rows * 2, rows.flip(-1)):
+            with pytest.raises(ValueError, match="position_ids"):
+                model(**inputs, position_ids=wrong)
