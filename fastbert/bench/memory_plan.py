@@ -119,9 +119,13 @@ def default_loss(model: nn.Module, batch: dict) -> torch.Tensor:
 
 
 def _accepted(model: nn.Module, **options) -> dict:
-    """The options that model.forward takes (fastbert's own: validate reads the data, which meta lacks)."""
-    accepted = inspect.signature(model.forward).parameters
-    return {name: value for name, value in options.items() if name in accepted}
+    """The options that model.forward takes (fastbert's own: validate reads the data, which meta lacks): those
+    it names, or all for a fastbert model whose forward passes keywords on (ModernBERT's, DistilBERT's, ...)."""
+    from fastbert.modeling import BertPreTrainedModel
+
+    parameters = inspect.signature(model.forward).parameters
+    passes_on = any(p.kind == p.VAR_KEYWORD for p in parameters.values()) and isinstance(model, BertPreTrainedModel)
+    return {name: value for name, value in options.items() if name in parameters or passes_on}
 
 
 def _check_arguments(model, batch, mode, optimizer, precision) -> None:
