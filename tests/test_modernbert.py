@@ -243,7 +243,7 @@ def test_from_hf_and_to_hf_round_trip(head):
 
 def test_masked_lm_loss_and_mask_accuracy_equal_transformers():
     """The masked-only fused loss with labels on some positions, and the accuracy at the [MASK] positions
-    computed from transformers' logits."""
+    computed from transformers' logits; in training mode the loss and gradients without logits."""
     theirs = hf_model("ForMaskedLM")
     ours = fastbert.from_hf(theirs)
     inputs = padded_batch(theirs.config, lengths=LENGTHS, seq=SEQ)
@@ -261,6 +261,15 @@ def test_masked_lm_loss_and_mask_accuracy_equal_transformers():
     torch.testing.assert_close(actual.accuracy, (predicted == labels)[chosen].double().mean().to(actual.accuracy))
     torch.testing.assert_close(actual.mask_accuracy,
                                (predicted == labels)[shown].double().mean().to(actual.mask_accuracy))
+    theirs.train(), ours.train()  # the training path: the same loss and gradients, no logits
+    expected, actual = theirs(**inputs, labels=labels), ours(**inputs, labels=labels)
+    assert actual.logits is None
+    torch.testing.assert_close(actual.loss, expected.loss, atol=1e-5, rtol=1e-5)
+    expected.loss.backward()
+    actual.loss.backward()
+    grads = dict(ours.named_parameters(remove_duplicate=False))
+    for name, param in theirs.named_parameters(remove_duplicate=False):
+        torch.testing.assert_close(grads[name].grad, param.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"d {name}: {m}")
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "applied"])
@@ -406,6 +415,27 @@ def test_triton_window_across_blocks_within_the_rule(dtype):
     exact = hf_model(**TRITON_SIZES, local_attention=32, max_position_embeddings=160).double()
     assert exact.config.sliding_window == 16
     assert_triton_within_the_rule(exact, padded_batch(exact.config, lengths=(150, 77, 0, 1), seq=150), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_masked_lm_training_loss_within_the_rule(dtype):
+    """fastbert's ModernBertForMaskedLM in training mode on the kernels (the masked-only fused loss through the
+    tied decoder with its bias, no logits): the loss and every gradient (tied ones under each name) within the
+    rule against transformers' in float64, with every bias present."""
+    exact = hf_model("ForMaskedLM", **TRITON_SIZES, **BIASES).double().train()
+    in_dtype = copy.deepcopy(exact).to(dtype)
+    kernels = fastbert.from_hf(in_dtype, backend="triton")
+    assert kernels.training and kernels.config.backend == "triton"
+    inputs = head_inputs(exact.config, "ForMaskedLM")
+    outputs = [model(**inputs) for model in (kernels, in_dtype, exact)]
+    assert outputs[0].logits is None  # the training path materialises no [B, S, V] logits
+    assert_within_rule("loss", *(out.loss.reshape(1) for out in outputs), FORWARD_FACTOR)
+    for out in outputs:
+        out.loss.backward()
+    grads = [dict(model.named_parameters(remove_duplicate=False)) for model in (kernels, in_dtype, exact)]
+    assert grads[0].keys() == grads[2].keys()
+    for name, param in grads[2].items():
+        assert_within_rule(f"d {name}", grads[0][name].grad, grads[1][name].grad, param.grad, GRADIENT_FACTOR)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "applied"])

@@ -1,16 +1,18 @@
-"""ModernBERT inside sentence-transformers, offline on CPU: a tiny random ModernBERT (global and local layers,
-a window that cuts the longer sentences) saved with a tiny WordLevel tokenizer; SentenceTransformer (mean
-pooling) encode and CrossEncoder predict with the encoder accelerated by `fastbert.apply` or swapped for
-fastbert's ModernBertModel equal plain within 1e-5, and what either saves a plain load reads back the same."""
+"""ModernBERT inside its clients, offline on CPU: a tiny random ModernBERT (global and local layers, a window
+that cuts the longer sentences) saved with a tiny WordLevel tokenizer; SentenceTransformer (mean pooling)
+encode and CrossEncoder predict with the encoder accelerated by `fastbert.apply` or swapped for fastbert's
+ModernBertModel equal plain within 1e-5, and what either saves a plain load reads back the same; PEFT LoRA on
+Wqkv and Wo (applied before or after) equals plain LoRA, only LoRA training."""
 import pytest
 import torch
 from test_family_clients import PAIRS, SENTENCES, accelerated_bases, tiny_tokenizer
-from test_modernbert import hf_model
+from test_modernbert import head_inputs, hf_model
 
 import fastbert
 
 transformers = pytest.importorskip("transformers")
 st = pytest.importorskip("sentence_transformers")
+peft = pytest.importorskip("peft")
 
 # the tiny tokenizer's BERT specials: [PAD] 0, [UNK] 1, [CLS] 2, [SEP] 3, [MASK] 4
 SPECIAL_IDS = dict(pad_token_id=0, bos_token_id=2, cls_token_id=2, eos_token_id=3, sep_token_id=3)
@@ -70,3 +72,41 @@ def test_cross_encoder_predict_save_reload(pooling, tmp_path, one_thread):
     torch.testing.assert_close(again.predict(PAIRS, convert_to_tensor=True), expected, atol=1e-5, rtol=1e-5)
     fastbert.apply(again)  # and accelerated after the reload
     torch.testing.assert_close(again.predict(PAIRS, convert_to_tensor=True), expected, atol=1e-5, rtol=1e-5)
+
+
+def lora(model):
+    torch.manual_seed(1)  # init_lora_weights=False draws both LoRA matrices: the output changes at once
+    config = peft.LoraConfig(target_modules=["Wqkv", "Wo"], r=4, lora_alpha=8, init_lora_weights=False)
+    return peft.get_peft_model(model, config)
+
+
+@pytest.mark.parametrize("order", ["apply then lora", "lora then apply"])
+def test_lora_on_wqkv_and_wo_equals_plain_lora(order):
+    """peft has no default targets for ModernBERT: the attention's two Linears (Wo in the attention and in the
+    MLP both match), wrapped, so fastbert calls them instead of its fused projection."""
+    theirs = lora(hf_model("ForSequenceClassification"))
+    ours = hf_model("ForSequenceClassification")
+    if order == "apply then lora":
+        ours = lora(fastbert.apply(ours))
+    else:
+        ours = lora(ours)
+        assert fastbert.apply(ours) is ours
+    assert len(accelerated_bases(ours)) == 1
+    adapters = [name for name, module in ours.named_modules() if isinstance(module, peft.tuners.lora.LoraLayer)]
+    assert len(adapters) == 3 * 4  # Wqkv, attn.Wo and mlp.Wo in each of the four layers, kept and called
+    inputs = head_inputs(theirs.config, "ForSequenceClassification")
+    rows = inputs["attention_mask"].sum(-1) > 0  # the fully padded row's logits are padding's
+    plain = hf_model("ForSequenceClassification")(**inputs).logits
+    expected, actual = theirs(**inputs), ours(**inputs)
+    assert (expected.logits - plain)[rows].abs().max() > 1e-3  # the adapters change the output
+    torch.testing.assert_close(actual.logits[rows], expected.logits[rows], atol=1e-5, rtol=1e-5)
+    expected.loss.backward()
+    actual.loss.backward()
+    their_grads = {name: param.grad for name, param in theirs.named_parameters()}
+    trained = {name for name, param in ours.named_parameters() if param.grad is not None}
+    assert trained and all("lora_" in name for name in trained), sorted(trained)
+    assert trained == {name for name, grad in their_grads.items() if grad is not None}
+    for name, param in ours.named_parameters():
+        if param.grad is not None:
+            torch.testing.assert_close(param.grad, their_grads[name], atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"{name}: {m}")
