@@ -261,60 +261,66 @@ class ModernBertForMaskedLM(ModernBertPreTrainedModel, BertForMaskedLM):
         return self._outputs(result, return_dict)
 
 
-class ModernBertForSequenceClassification(ModernBertPreTrainedModel):
+class ModernBertClassifier(ModernBertPreTrainedModel):
+    """model -> features -> head -> dropout -> classifier, ModernBERT's classification heads' one forward; a
+    head gives its features (`features`), its loss and its output class."""
+
+    output_class = outputs.SequenceClassifierOutput
+
+    def __init__(self, config: ModernBertConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = ModernBertModel(config)
+        self.head = ModernBertPredictionHead(config)
+        self.drop = HeadDropout(config.classifier_dropout, config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def features(self, hidden, attention_mask):
+        raise NotImplementedError
+
+    def loss(self, logits, labels, attention_mask, validate: bool):
+        raise NotImplementedError
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None, *,
+                output_hidden_states=None, output_attentions=None, return_dict=None, validate=True, **kwargs):
+        base = self.model(input_ids, attention_mask, position_ids, inputs_embeds,
+                          output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                          return_dict=True, validate=validate, **kwargs)
+        features = self.features(base.last_hidden_state, attention_mask)
+        logits = self.classifier(self.drop(self.head(features)))
+        result = self.output_class(loss=self.loss(logits, labels, attention_mask, validate), logits=logits,
+                                   hidden_states=base.hidden_states, attentions=base.attentions)
+        return self._outputs(result, return_dict)
+
+
+class ModernBertForSequenceClassification(ModernBertClassifier):
     """Pooled (config.classifier_pooling: the first token, or the mean over the real tokens) -> head -> dropout
-    -> classifier; the loss as BertForSequenceClassification's (transformers' problem_type rules)."""
+    -> classifier: logits [B, num_labels]; the loss as BertForSequenceClassification's (transformers'
+    problem_type rules)."""
 
-    def __init__(self, config: ModernBertConfig):
-        super().__init__(config)
-        self.num_labels = config.num_labels
-        self.model = ModernBertModel(config)
-        self.head = ModernBertPredictionHead(config)
-        self.drop = HeadDropout(config.classifier_dropout, config)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
+    def features(self, hidden, attention_mask):
+        if self.config.classifier_pooling != "mean":
+            return hidden[:, 0]  # [B, H]
+        mask = key_padding_mask(attention_mask, validate=False)
+        mask = torch.ones(hidden.shape[:2], device=hidden.device) if mask is None else mask.to(hidden.dtype)
+        return (hidden * mask[..., None]).sum(dim=1) / mask.sum(dim=1, keepdim=True)  # [B, H]
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None, *,
-                output_hidden_states=None, output_attentions=None, return_dict=None, validate=True, **kwargs):
-        base = self.model(input_ids, attention_mask, position_ids, inputs_embeds,
-                          output_hidden_states=output_hidden_states, output_attentions=output_attentions,
-                          return_dict=True, validate=validate, **kwargs)
-        hidden = base.last_hidden_state  # [B, S, H]
-        if self.config.classifier_pooling == "mean":
-            mask = key_padding_mask(attention_mask, validate=False)
-            mask = torch.ones(hidden.shape[:2], device=hidden.device) if mask is None else mask.to(hidden.dtype)
-            pooled = (hidden * mask[..., None]).sum(dim=1) / mask.sum(dim=1, keepdim=True)
-        else:
-            pooled = hidden[:, 0]
-        logits = self.classifier(self.drop(self.head(pooled)))  # [B, num_labels]
-        loss = sequence_classification_loss(self.config, logits, labels, validate)
-        result = outputs.SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=base.hidden_states,
-                                                  attentions=base.attentions)
-        return self._outputs(result, return_dict)
+    def loss(self, logits, labels, attention_mask, validate: bool):
+        return sequence_classification_loss(self.config, logits, labels, validate)
 
 
-class ModernBertForTokenClassification(ModernBertPreTrainedModel):
-    """head -> dropout -> classifier per token; the loss as BertForTokenClassification's."""
+class ModernBertForTokenClassification(ModernBertClassifier):
+    """head -> dropout -> classifier per token: logits [B, S, num_labels]; the loss as
+    BertForTokenClassification's."""
 
-    def __init__(self, config: ModernBertConfig):
-        super().__init__(config)
-        self.num_labels = config.num_labels
-        self.model = ModernBertModel(config)
-        self.head = ModernBertPredictionHead(config)
-        self.drop = HeadDropout(config.classifier_dropout, config)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
+    output_class = outputs.TokenClassifierOutput
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None, *,
-                output_hidden_states=None, output_attentions=None, return_dict=None, validate=True, **kwargs):
-        base = self.model(input_ids, attention_mask, position_ids, inputs_embeds,
-                          output_hidden_states=output_hidden_states, output_attentions=output_attentions,
-                          return_dict=True, validate=validate, **kwargs)
-        logits = self.classifier(self.drop(self.head(base.last_hidden_state)))  # [B, S, num_labels]
-        loss = token_classification_loss(logits, labels, attention_mask, validate)
-        result = outputs.TokenClassifierOutput(loss=loss, logits=logits, hidden_states=base.hidden_states,
-                                               attentions=base.attentions)
-        return self._outputs(result, return_dict)
+    def features(self, hidden, attention_mask):
+        return hidden
+
+    def loss(self, logits, labels, attention_mask, validate: bool):
+        return token_classification_loss(logits, labels, attention_mask, validate)
 
 
 MODERNBERT_CLASSES = {cls.__name__: cls for cls in (
