@@ -384,13 +384,7 @@ def feed_forward(x, w1, b1, w2, b2, approximate="none", recompute_pre=False, bac
     the whole FFN under torch.utils.checkpoint. Raises ValueError naming a mismatched argument or the
     approximation.
     """
-    _check_feed_forward_args(x, w1, b1, w2, b2, approximate, gated=False)
-    if resolve_backend(backend, x, w1, b1, w2, b2) == "triton":
-        x, w1, b1, w2, b2 = _matmul_inputs(x, w1, b1, w2, b2)
-        return KERNELS["ffn"].feed_forward(x, w1, b1, w2, b2, approximate, recompute_pre)
-    if recompute_pre and torch.is_grad_enabled():
-        return checkpoint(reference.feed_forward, x, w1, b1, w2, b2, approximate, use_reentrant=False)
-    return reference.feed_forward(x, w1, b1, w2, b2, approximate)
+    return _feed_forward("feed_forward", x, w1, b1, w2, b2, approximate, recompute_pre, backend)
 
 
 def feed_forward_geglu(x, w1, b1, w2, b2, approximate="none", recompute_pre=False, backend=None):
@@ -402,13 +396,20 @@ def feed_forward_geglu(x, w1, b1, w2, b2, approximate="none", recompute_pre=Fals
     w2 [K2, I]; b2 [K2] or None. Returns [..., K2] in the matmul dtype (the autocast dtype under autocast).
     recompute_pre as in `feed_forward`. Raises ValueError naming a mismatched argument or the approximation.
     """
-    _check_feed_forward_args(x, w1, b1, w2, b2, approximate, gated=True)
+    return _feed_forward("feed_forward_geglu", x, w1, b1, w2, b2, approximate, recompute_pre, backend)
+
+
+def _feed_forward(name, x, w1, b1, w2, b2, approximate, recompute_pre, backend):
+    """feed_forward or feed_forward_geglu (`name`, the function of that name in kernels/ffn.py and in the
+    reference), checked, then dispatched."""
+    _check_feed_forward_args(x, w1, b1, w2, b2, approximate, gated=name == "feed_forward_geglu")
     if resolve_backend(backend, x, w1, b1, w2, b2) == "triton":
         x, w1, b1, w2, b2 = _matmul_inputs(x, w1, b1, w2, b2)
-        return KERNELS["ffn"].feed_forward_geglu(x, w1, b1, w2, b2, approximate, recompute_pre)
+        return getattr(KERNELS["ffn"], name)(x, w1, b1, w2, b2, approximate, recompute_pre)
+    function = getattr(reference, name)
     if recompute_pre and torch.is_grad_enabled():
-        return checkpoint(reference.feed_forward_geglu, x, w1, b1, w2, b2, approximate, use_reentrant=False)
-    return reference.feed_forward_geglu(x, w1, b1, w2, b2, approximate)
+        return checkpoint(function, x, w1, b1, w2, b2, approximate, use_reentrant=False)
+    return function(x, w1, b1, w2, b2, approximate)
 
 
 def dropout(x, p, training=True, backend=None):
