@@ -364,6 +364,24 @@ def test_tanh_gelus_equal_transformers(activations):
     assert_same_results(fastbert.apply(copy.deepcopy(theirs)), theirs, inputs, "ForMaskedLM")
 
 
+@pytest.mark.parametrize("head", ["ForSequenceClassification", "ForMaskedLM"])
+def test_dropout_off_in_eval_and_drawn_in_training(head):
+    """Every dropout of ModernBERT's config set: in eval mode the outputs, loss and gradients equal
+    transformers' (applied and native); in training mode each seed draws its own masks, the same seed the same."""
+    theirs = hf_model(head, attention_dropout=0.2, embedding_dropout=0.2, mlp_dropout=0.2, classifier_dropout=0.2)
+    inputs = head_inputs(theirs.config, head)
+    for ours in (fastbert.apply(copy.deepcopy(theirs)), fastbert.from_hf(theirs)):
+        assert_same_results(ours, theirs, inputs, head)
+        evaluated = ours(**inputs).loss
+        ours.train()
+        losses = []
+        for seed in (0, 0, 1):
+            torch.manual_seed(seed)
+            losses.append(ours(**inputs).loss)
+        assert torch.equal(losses[0], losses[1]) and not torch.equal(losses[0], losses[2])
+        assert not torch.equal(losses[0], evaluated)
+
+
 def test_activation_checkpointing_enable_reaches_fastbert():
     theirs = hf_model("ForSequenceClassification").train()
     ours = fastbert.apply(copy.deepcopy(theirs))
@@ -406,6 +424,14 @@ def assert_triton_within_the_rule(exact, inputs, dtype):
 def test_triton_path_within_the_rule_against_float64(dtype, biases):
     exact = hf_model(**TRITON_SIZES, **(BIASES if biases else {})).double()
     assert_triton_within_the_rule(exact, padded_batch(exact.config, lengths=LENGTHS, seq=SEQ), dtype)
+
+
+def test_triton_left_padding_within_the_rule():
+    """Left padding on the kernels: rotary positions from each sequence's first token (transformers' from the
+    row's first position), the window on offsets; the same result."""
+    exact = hf_model(**TRITON_SIZES).double()
+    assert_triton_within_the_rule(exact, left_padded(padded_batch(exact.config, lengths=LENGTHS, seq=SEQ)),
+                                  torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
