@@ -2,13 +2,16 @@
 that cuts the longer sentences) saved with a tiny WordLevel tokenizer; SentenceTransformer (mean pooling)
 encode and CrossEncoder predict with the encoder accelerated by `fastbert.apply` or swapped for fastbert's
 ModernBertModel equal plain within 1e-5, and what either saves a plain load reads back the same; PEFT LoRA on
-Wqkv and Wo (applied before or after) equals plain LoRA, only LoRA training."""
+Wqkv and Wo (applied before or after) equals plain LoRA, only LoRA training; a Trainer step on an applied
+or converted classifier gives transformers' loss and weights."""
 import pytest
 import torch
+from test_clients_transformers import assert_same_parameters, trainer_for
 from test_family_clients import PAIRS, SENTENCES, accelerated_bases, tiny_tokenizer
 from test_modernbert import head_inputs, hf_model
 
 import fastbert
+from fastbert.in_place import ACCELERATED
 
 transformers = pytest.importorskip("transformers")
 st = pytest.importorskip("sentence_transformers")
@@ -110,3 +113,28 @@ def test_lora_on_wqkv_and_wo_equals_plain_lora(order):
         if param.grad is not None:
             torch.testing.assert_close(param.grad, their_grads[name], atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("kind", ["fastbert model", "fastbert.apply"])
+def test_trainer_step_on_a_modernbert_classifier(kind, tmp_path, one_thread):
+    path = saved("ForSequenceClassification", tmp_path / "model", classifier_pooling="mean")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    theirs = transformers.AutoModelForSequenceClassification.from_pretrained(path)
+    if kind == "fastbert.apply":
+        ours = fastbert.apply(transformers.AutoModelForSequenceClassification.from_pretrained(path))
+    else:  # transformers' Auto class builds fastbert's model where it is given fastbert's config
+        config = fastbert.ModernBertConfig.from_pretrained(path)
+        ours = transformers.AutoModelForSequenceClassification.from_pretrained(path, config=config)
+        assert type(ours) is fastbert.ModernBertForSequenceClassification
+    before = dict(theirs.named_parameters())["model.layers.1.attn.Wqkv.weight"].detach().clone()
+    # SGD at lr 1: the step moves each weight by its (clipped) gradient, compared to 1e-5 (test_family_clients)
+    trainers = [trainer_for(model, tokenizer, tmp_path / name, max_steps=1, save_strategy="no", optim="sgd",
+                            learning_rate=1.0) for model, name in ((theirs, "theirs"), (ours, "ours"))]
+    for trainer in trainers:
+        trainer.train()
+    fast = vars(ours.model)[ACCELERATED] if kind == "fastbert.apply" else ours.model
+    assert fast.layers.gradient_checkpointing  # the Trainer's switch reached fastbert's layers
+    their_loss, loss = ([row["loss"] for row in t.state.log_history if "loss" in row] for t in trainers)
+    assert len(loss) == 1 and loss == pytest.approx(their_loss, rel=1e-5)
+    assert not torch.equal(dict(theirs.named_parameters())["model.layers.1.attn.Wqkv.weight"], before)
+    assert_same_parameters(ours, theirs)
