@@ -94,8 +94,12 @@ class BertConfig(ConfigBase):
     defaults = {}  # type: dict[str, Any]  (no annotation: not a config field)
     # fields the architecture's config.json does not have (DistilBERT and MPNet have no token types)
     absent_fields = ()  # type: tuple[str, ...]
+    # the architecture's config.json names -> BertConfig's, for the fields they share (DistilBERT's dim, ...);
+    # both spellings are taken by the constructor and readable as attributes, config.json gets the former
+    hf_names = {}  # type: dict[str, str]
 
     def __init__(self, **kwargs: Any):
+        kwargs = self.from_hf_names(kwargs)
         for name, default in {**OWN_FIELDS, **self.defaults}.items():
             setattr(self, name, kwargs.pop(name, default))
         super().__init__(**kwargs)
@@ -259,12 +263,19 @@ class BertConfig(ConfigBase):
 
     @classmethod
     def from_hf_names(cls, values: dict[str, Any]) -> dict[str, Any]:
-        """config.json's keys as this class names them (the identity but for DistilBERT's own names)."""
-        return values
+        """config.json's keys as this class names them (hf_names)."""
+        return {cls.hf_names.get(k, k): v for k, v in values.items()}
 
     def to_hf_names(self, values: dict[str, Any]) -> dict[str, Any]:
         """The inverse of from_hf_names, for writing config.json."""
-        return values
+        ours = {v: k for k, v in self.hf_names.items()}
+        return {ours.get(k, k): v for k, v in values.items()}
+
+    def __getattr__(self, name: str):
+        """Only reached for names the instance lacks: the architecture's own spelling of a field (hf_names)."""
+        if name in type(self).hf_names:
+            return getattr(self, type(self).hf_names[name])
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     @classmethod
     def from_json(cls, path: str | os.PathLike, **overrides: Any) -> "BertConfig":

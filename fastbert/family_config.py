@@ -88,9 +88,7 @@ class DistilBertConfig(BertConfig):
     defaults = {"num_hidden_layers": 6, "type_vocab_size": 0, "sinusoidal_pos_embds": False, "qa_dropout": 0.1,
                 "seq_classif_dropout": 0.2}
     absent_fields = ("type_vocab_size", "layer_norm_eps", "classifier_dropout")
-
-    def __init__(self, **kwargs: Any):
-        super().__init__(**self.from_hf_names(kwargs))
+    hf_names = DISTILBERT_NAMES
 
     def validate(self) -> None:
         # transformers' DistilBERT also takes activation="relu", which fastbert's fused FFN does not compute:
@@ -99,21 +97,6 @@ class DistilBertConfig(BertConfig):
             raise ValueError(f"DistilBertConfig.activation {self.hidden_act!r} is not supported; expected one of "
                              f"{sorted(GELU_APPROXIMATION)}")
         super().validate()
-
-    @classmethod
-    def from_hf_names(cls, values: dict[str, Any]) -> dict[str, Any]:
-        return {DISTILBERT_NAMES.get(k, k): v for k, v in values.items()}
-
-    def to_hf_names(self, values: dict[str, Any]) -> dict[str, Any]:
-        ours = {v: k for k, v in DISTILBERT_NAMES.items()}
-        return {ours.get(k, k): v for k, v in values.items()}
-
-    def __getattr__(self, name: str):
-        if name in DISTILBERT_NAMES:  # only reached for names the instance lacks: transformers' spelling
-            return getattr(self, DISTILBERT_NAMES[name])
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
-
-
 
 
 # ModernBERT's config.json names -> BertConfig's (the fields the two share)
@@ -147,12 +130,13 @@ class ModernBertConfig(BertConfig):
                 "sparse_prediction": False, "sparse_pred_ignore_index": -100, "layer_types": None,
                 "rope_parameters": None, "unpad": True}
     absent_fields = ("type_vocab_size", "hidden_dropout_prob")
+    hf_names = MODERNBERT_NAMES
 
     def __init__(self, **kwargs: Any):
         every = kwargs.pop("global_attn_every_n_layers", 3)
         global_theta = kwargs.pop("global_rope_theta", 160000.0)
         local_theta = kwargs.pop("local_rope_theta", 10000.0)
-        super().__init__(**self.from_hf_names(kwargs))
+        super().__init__(**kwargs)
         if self.layer_types is None:
             self.layer_types = layer_pattern(self.num_hidden_layers, every)
         if self.rope_parameters is None:
@@ -173,18 +157,6 @@ class ModernBertConfig(BertConfig):
         reads ModernBERT's two."""
         return kwargs
 
-    @classmethod
-    def from_hf_names(cls, values: dict[str, Any]) -> dict[str, Any]:
-        return {MODERNBERT_NAMES.get(k, k): v for k, v in values.items()}
-
-    def to_hf_names(self, values: dict[str, Any]) -> dict[str, Any]:
-        ours = {v: k for k, v in MODERNBERT_NAMES.items()}
-        return {ours.get(k, k): v for k, v in values.items()}
-
-    def __getattr__(self, name: str):
-        if name in MODERNBERT_NAMES:  # transformers' spelling, only reached for names the instance lacks
-            return getattr(self, MODERNBERT_NAMES[name])
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     # presets ----------------------------------------------------------------------------------------
     @classmethod
