@@ -241,6 +241,23 @@ def test_from_hf_and_to_hf_round_trip(head):
     assert_same_results(ours, back, inputs, head)
 
 
+def test_resize_token_embeddings_as_transformers():
+    """The tied decoder and its own bias (decoder_bias) resized with the embeddings, as transformers'."""
+    theirs = hf_model("ForMaskedLM")
+    ours = fastbert.from_hf(theirs)
+    theirs.resize_token_embeddings(VOCAB + 6)
+    ours.resize_token_embeddings(VOCAB + 6)
+    assert ours.config.vocab_size == VOCAB + 6 and ours.decoder.bias.shape == (VOCAB + 6,)
+    assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
+    state, their_state = ours.state_dict(), theirs.state_dict()
+    assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in their_state.items()}
+    ours.load_state_dict(their_state)  # the new rows are drawn at random: the same ones on both sides
+    inputs = head_inputs(theirs.config, "ForMaskedLM")
+    inputs["input_ids"][0, 2] = VOCAB + 4  # a new token
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(ours(**inputs).logits[real], theirs(**inputs).logits[real], atol=1e-5, rtol=1e-5)
+
+
 def test_masked_lm_loss_and_mask_accuracy_equal_transformers():
     """The masked-only fused loss with labels on some positions, and the accuracy at the [MASK] positions
     computed from transformers' logits; in training mode the loss and gradients without logits."""
