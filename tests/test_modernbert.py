@@ -152,7 +152,7 @@ def left_padded(inputs):
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_left_padding_and_no_mask_equal_transformers(attn):
     """transformers' rotary positions are row indices, fastbert's offsets in the sequence: scores depend on
-    i - j only, so a left-padded batch gives the same; sequence classification pools the first token."""
+    i - j only, so a left-padded batch gives the same; without a mask every position is a token."""
     theirs = hf_model("ForTokenClassification", attn_implementation=attn)
     ours = fastbert.apply(copy.deepcopy(theirs))
     inputs = left_padded(head_inputs(theirs.config, "ForTokenClassification"))
