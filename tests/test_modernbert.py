@@ -10,6 +10,7 @@ tolerance rule against transformers in float64, also with a window across key bl
 What fastbert does not compute is an error naming the field.
 """
 import copy
+import json
 
 import pytest
 import torch
@@ -347,8 +348,6 @@ def test_checkpoint_config_with_the_older_rope_fields(tmp_path):
     """config.json as ModernBERT-base's on the hub: global_rope_theta / local_rope_theta /
     global_attn_every_n_layers instead of rope_parameters and layer_types (other values than the defaults, so
     a field left unread shows), and its fields transformers ignores; saved back, transformers reads it the same."""
-    import json
-
     theirs = hf_model("ForMaskedLM")
     theirs.save_pretrained(tmp_path / "checkpoint")
     config_file = tmp_path / "checkpoint" / "config.json"
