@@ -140,6 +140,14 @@ BWD_SHAPES = {90: [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 16, 4,
 # gradient's bucket sums, not on a wider tile).
 FWD_REL_BIAS_SHAPES = {90: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)],
                        80: [(128, 64, 8, 3), (64, 32, 4, 2)]}
+# With rotary positions (ROTARY), subsets found spill-free by the compile audit at ModernBERT-base's shapes (d 64,
+# with and without the window): the rotated tiles, their fp32 cos and sin and, in the backward, the split dq and dk
+# accumulators cost registers. The backward's 128 x 64 on 8 warps spilled 8 to 168 bytes on sm_90a, 128 x 32 on
+# 8 warps 100 to 280 on sm_80; the forward's 128 x 64 on 4 warps spilled 16 bytes on sm_90a and 64 x 64 20 bytes
+# on sm_80 (Triton 3.9, packed).
+FWD_ROTARY_SHAPES = {90: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 2)],
+                     80: [(128, 64, 8, 3), (128, 32, 4, 4), (64, 32, 4, 2)]}
+BWD_ROTARY_SHAPES = {90: [(128, 32, 8, 3), (64, 32, 4, 3), (64, 16, 4, 2)], 80: [(64, 16, 8, 2)]}
 FWD_CONFIGS = _configs(list(dict.fromkeys(FWD_SHAPES[90] + FWD_SHAPES[80])), (128, 64, 4, 1))
 BWD_CONFIGS = _configs(list(dict.fromkeys(BWD_SHAPES[90] + BWD_SHAPES[80])), (128, 64, 4, 1),
                        names=("BLOCK_MAJOR", "BLOCK_MINOR"))
@@ -161,15 +169,16 @@ def _architecture() -> int:
     return 90 if triton.runtime.driver.active.get_current_target().arch >= 90 else 80
 
 
-def _prune(shapes: dict, probabilities_per_thread: dict, rel_bias_shapes: Optional[dict] = None):
-    """An autotuner's early_config_prune: the configs of the GPU's architecture (from `rel_bias_shapes` with
-    HAS_REL_BIAS, where given), and with DROPOUT those whose score block spreads at most its
-    `probabilities_per_thread` over the threads."""
+def _prune(shapes: dict, probabilities_per_thread: dict, flag_shapes: Optional[dict] = None):
+    """An autotuner's early_config_prune: the configs of the GPU's architecture (from flag_shapes[flag] for the
+    first constexpr flag of `flag_shapes` that is set, else from `shapes`), and with DROPOUT those whose score
+    block spreads at most its `probabilities_per_thread` over the threads."""
     def prune(configs, named_args, **kwargs):
         if INTERPRETER:
             return configs  # no GPU, no architecture: the interpreter's own configs (tests may give it two)
         architecture = _architecture()
-        allowed = (rel_bias_shapes if rel_bias_shapes and kwargs["HAS_REL_BIAS"] else shapes)[architecture]
+        flagged = [candidates for flag, candidates in (flag_shapes or {}).items() if kwargs[flag]]
+        allowed = (flagged[0] if flagged else shapes)[architecture]
         fitting = [c for c in configs if (*c.kwargs.values(), c.num_warps, c.num_stages) in allowed]
         if kwargs["DROPOUT"]:
             fitting = [c for c in fitting if math.prod(c.kwargs.values()) // (32 * c.num_warps)
@@ -309,7 +318,8 @@ def _store_rotated_back(ptr, positions, valid, stride_pos, stride_dim, g1, g2, i
 
 @triton.autotune(configs=FWD_CONFIGS, key=AUTOTUNE_KEY,
                  prune_configs_by={"early_config_prune": _prune(FWD_SHAPES, FWD_DROPOUT_PROBABILITIES_PER_THREAD,
-                                                                 FWD_REL_BIAS_SHAPES)})
+                                                                 {"HAS_REL_BIAS": FWD_REL_BIAS_SHAPES,
+                                                                  "ROTARY": FWD_ROTARY_SHAPES})})
 @triton.jit
 def _attention_fwd_kernel(
     Q,  # [B, heads, S, d] (VARLEN: [T, heads, d]), strides (stride_qb, stride_qh, stride_qs, stride_qd)
@@ -451,7 +461,8 @@ def _attention_bwd_preprocess_kernel(
 # rows have lse = +inf (so P = 0).
 
 @triton.autotune(configs=BWD_CONFIGS, key=AUTOTUNE_KEY,
-                 prune_configs_by={"early_config_prune": _prune(BWD_SHAPES, BWD_DROPOUT_PROBABILITIES_PER_THREAD)})
+                 prune_configs_by={"early_config_prune": _prune(BWD_SHAPES, BWD_DROPOUT_PROBABILITIES_PER_THREAD,
+                                                                 {"ROTARY": BWD_ROTARY_SHAPES})})
 @triton.jit
 def _attention_bwd_kernel(
     Q, K, V,  # [B, heads, S, d] (VARLEN: [T, heads, d]), any strides
@@ -1001,7 +1012,8 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None,
     q, k, v [T, heads, d]; cu_seqlens int32 [B+1] (0, ..., T); max_seqlen an int >= the longest sequence
     (a smaller value leaves the rows past it unwritten). Dropout draws the same mask as `attention` on
     the padded layout of the same batch. relative_bias, relative_buckets, rotary_base, window as in
-    `attention`, with the positions inside each sequence (they restart at every sequence). Returns [T, heads, d] in q's dtype.
+    `attention`, with the positions inside each sequence (they restart at every sequence). Returns
+    [T, heads, d] in q's dtype.
     """
     dropout_p, seed = _dropout_seed(dropout_p, training, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -1013,4 +1025,6 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None,
 def _float_or_none(rotary_base):
     """The custom op's schema takes a float: an int theta (ModernBERT's configs give 160000) converted; a bool
     or a non-number is left for _check_inputs to name."""
-    return float(rotary_base) if isinstance(rotary_base, int) and not isinstance(rotary_base, bool) else rotary_base
+    if isinstance(rotary_base, int) and not isinstance(rotary_base, bool):
+        return float(rotary_base)
+    return rotary_base
