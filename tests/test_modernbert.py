@@ -328,6 +328,23 @@ def test_packed_inputs_equal_the_padded_batch(native):
         model(**dict(packed, position_ids=packed["position_ids"] * 2))
 
 
+def test_packed_masked_lm_training_loss_equals_transformers_padded():
+    """Pretraining's layout: packed examples (cu_seq_lens, labels [1, T]) through the masked-only fused loss in
+    training mode; the loss and every gradient equal transformers' on the padded batch."""
+    theirs = hf_model("ForMaskedLM").train()
+    ours = fastbert.from_hf(theirs)
+    inputs = head_inputs(theirs.config, "ForMaskedLM", FILLED)
+    real = inputs["attention_mask"].bool()
+    packed = dict(flattened(inputs, 0), labels=inputs["labels"][real][None])  # [1, T]
+    expected, actual = theirs(**inputs), ours(**packed)
+    torch.testing.assert_close(actual.loss, expected.loss, atol=1e-5, rtol=1e-5)
+    expected.loss.backward()
+    actual.loss.backward()
+    grads = dict(ours.named_parameters(remove_duplicate=False))
+    for name, param in theirs.named_parameters(remove_duplicate=False):
+        torch.testing.assert_close(grads[name].grad, param.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"d {name}: {m}")
+
+
 def test_sparse_prediction_logits_of_the_labelled_tokens_as_transformers():
     """sparse_prediction=True: with labels, transformers' logits are the labelled tokens' only, [N, vocab]."""
     theirs = hf_model("ForMaskedLM", sparse_prediction=True)
