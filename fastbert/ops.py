@@ -24,6 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fastbert import reference
+from fastbert.kernels.arguments import check_relative_bias, check_rotary_window
 
 BACKENDS = ("auto", "triton", "torch")
 GELU_APPROXIMATIONS = ("none", "tanh")
@@ -227,41 +228,7 @@ def _check_attention_args(q, k, v, attention_mask, dropout_p) -> None:
     _check_dropout(dropout_p)
 
 
-def _check_relative_bias(relative_bias, relative_buckets, heads, device) -> None:
-    """relative_bias float [num_buckets, heads] and relative_buckets int32 [2D + 1] on q's device, or both
-    None. (Bucket values are not read here: that would wait for the GPU; the kernels and the reference
-    index with them as given.)"""
-    if (relative_bias is None) != (relative_buckets is None):
-        given, missing = ("relative_bias", "relative_buckets") if relative_buckets is None else (
-            "relative_buckets", "relative_bias")
-        raise ValueError(f"{given} was given without {missing}: the relative-position bias needs both")
-    if relative_bias is None:
-        return
-    if relative_bias.dim() != 2 or relative_bias.shape[0] < 1 or relative_bias.shape[1] != heads:
-        raise ValueError(f"relative_bias has shape {tuple(relative_bias.shape)}, expected [num_buckets >= 1, "
-                         f"heads = {heads}]")
-    if not relative_bias.is_floating_point():
-        raise ValueError(f"relative_bias has dtype {relative_bias.dtype}, expected a floating dtype")
-    if relative_buckets.dtype != torch.int32 or relative_buckets.dim() != 1 or relative_buckets.numel() % 2 != 1:
-        raise ValueError(f"relative_buckets must be int32 [2 * max_distance + 1] (an odd length), got "
-                         f"{relative_buckets.dtype} {tuple(relative_buckets.shape)}")
-    for name, tensor in (("relative_bias", relative_bias), ("relative_buckets", relative_buckets)):
-        if tensor.device != device:
-            raise ValueError(f"{name} is on {tensor.device}, q on {device}; all must share one device")
-
-
 relative_position_buckets = reference.relative_position_buckets
-
-
-def _check_rotary_window(rotary_base, window, head_dim) -> None:
-    """rotary_base a positive number (and an even head dim), window an integer >= 0; either may be None."""
-    if rotary_base is not None:
-        if isinstance(rotary_base, bool) or not isinstance(rotary_base, (int, float)) or not rotary_base > 0:
-            raise ValueError(f"rotary_base must be a number > 0 (RoPE's theta), got {rotary_base!r}")
-        if head_dim % 2:
-            raise ValueError(f"rotary positions need an even head dim (its two halves rotate together), got {head_dim}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
-        raise ValueError(f"window must be an integer >= 0 (keys with |i - j| <= window), got {window!r}")
 
 
 def _position_options(rotary_base, window) -> dict:
@@ -282,8 +249,8 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
     rotate_half layout); window (or None): only keys with |i - j| <= window (ModernBERT's local layers).
     """
     _check_attention_args(q, k, v, attention_mask, dropout_p)
-    _check_relative_bias(relative_bias, relative_buckets, q.shape[1], q.device)
-    _check_rotary_window(rotary_base, window, q.shape[-1])
+    check_relative_bias(relative_bias, relative_buckets, q.shape[1], q.device)
+    check_rotary_window(rotary_base, window, q.shape[-1])
     if resolve_backend(backend, q, k, v, attention_mask, relative_bias, relative_buckets) == "triton":
         q, k, v = _matmul_inputs(q, k, v)
         return KERNELS["attention"].attention(q, k, v, attention_mask, dropout_p, scale, training, relative_bias,
@@ -298,8 +265,8 @@ def attention_with_probs(q, k, v, attention_mask=None, dropout_p=0.0, scale=None
     The probabilities are materialised, which is what a fused kernel avoids, so this runs the
     reference on every backend."""
     _check_attention_args(q, k, v, attention_mask, dropout_p)
-    _check_relative_bias(relative_bias, relative_buckets, q.shape[1], q.device)
-    _check_rotary_window(rotary_base, window, q.shape[-1])
+    check_relative_bias(relative_bias, relative_buckets, q.shape[1], q.device)
+    check_rotary_window(rotary_base, window, q.shape[-1])
     return reference.attention_with_probs(q, k, v, attention_mask, dropout_p, scale, training, relative_bias,
                                           relative_buckets, rotary_base, window)
 
@@ -316,8 +283,8 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None,
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be int32 [B+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
     _check_dropout(dropout_p)
-    _check_relative_bias(relative_bias, relative_buckets, q.shape[1], q.device)
-    _check_rotary_window(rotary_base, window, q.shape[-1])
+    check_relative_bias(relative_bias, relative_buckets, q.shape[1], q.device)
+    check_rotary_window(rotary_base, window, q.shape[-1])
     if resolve_backend(backend, q, k, v, cu_seqlens, relative_bias, relative_buckets) == "triton":
         q, k, v = _matmul_inputs(q, k, v)
         return KERNELS["attention"].attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training,

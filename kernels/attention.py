@@ -95,6 +95,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastbert.kernels.arguments import check_relative_bias, check_rotary_window
 from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_precision, philox_seed
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -686,8 +687,8 @@ def _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, re
         raise ValueError(f"attention_mask has shape {tuple(key_mask.shape)}, expected {(q.shape[0], q.shape[2])}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    _check_relative_bias(relative_bias, relative_buckets, heads)
-    _check_rotary_window(rotary_base, window, relative_bias is not None)
+    check_relative_bias(relative_bias, relative_buckets, heads)
+    _check_rotary_window(rotary_base, window, head_dim, relative_bias is not None)
     seqlen = max_seqlen if varlen else q.shape[2]
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         _check_sequence_reach(name, tensor, seqlen, varlen)
@@ -695,32 +696,9 @@ def _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, re
     _check_reach("out, dq, dk, dv", seqlen, heads * head_dim, seqlen * heads * head_dim + head_dim)
 
 
-def _check_relative_bias(relative_bias, relative_buckets, heads) -> None:
-    """relative_bias float [num_buckets, heads] and relative_buckets int32 [2D + 1], or both None."""
-    if (relative_bias is None) != (relative_buckets is None):
-        given, missing = ("relative_bias", "relative_buckets") if relative_buckets is None else (
-            "relative_buckets", "relative_bias")
-        raise ValueError(f"{given} was given without {missing}: the relative-position bias needs both")
-    if relative_bias is None:
-        return
-    if relative_bias.dim() != 2 or relative_bias.shape[0] < 1 or relative_bias.shape[1] != heads:
-        raise ValueError(f"relative_bias has shape {tuple(relative_bias.shape)}, expected [num_buckets >= 1, "
-                         f"heads = {heads}]")
-    if not relative_bias.is_floating_point():
-        raise ValueError(f"relative_bias has dtype {relative_bias.dtype}, expected a floating dtype")
-    if relative_buckets.dtype != torch.int32 or relative_buckets.dim() != 1 or relative_buckets.numel() % 2 != 1:
-        raise ValueError(f"relative_buckets must be int32 [2 * max_distance + 1] (an odd length), got "
-                         f"{relative_buckets.dtype} {tuple(relative_buckets.shape)}")
-
-
-def _check_rotary_window(rotary_base, window, has_relative_bias) -> None:
-    """rotary_base a finite number > 0 or None, window an int >= 0 or None, and neither with the relative bias
-    (the kernels do not combine them). Head dims are all even (SUPPORTED_HEAD_DIMS): both halves rotate."""
-    if rotary_base is not None and (isinstance(rotary_base, bool) or not isinstance(rotary_base, (int, float))
-                                    or not 0 < rotary_base < math.inf):
-        raise ValueError(f"rotary_base must be a finite number > 0 (RoPE's theta), got {rotary_base!r}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
-        raise ValueError(f"window must be an int >= 0 (keys with |i - j| <= window), got {window!r}")
+def _check_rotary_window(rotary_base, window, head_dim, has_relative_bias) -> None:
+    """arguments.check_rotary_window, and neither with the relative bias (the kernels do not combine them)."""
+    check_rotary_window(rotary_base, window, head_dim)
     if has_relative_bias and (rotary_base is not None or window is not None):
         given = " and ".join(f"{name}={value!r}" for name, value in (("rotary_base", rotary_base), ("window", window))
                              if value is not None)
