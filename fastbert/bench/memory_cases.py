@@ -16,6 +16,7 @@ RESERVE kept, and the per-rank peak under FSDP2 for world sizes 2, 4 and 8 (comp
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -272,11 +273,23 @@ def largest_batch(peak_of, device_bytes: int, reserve: Reserve = RESERVE, known:
     return low, plans()
 
 
+# an encoder layer's module names in HF's layouts: ...encoder.layer.N... (BERT), ...transformer.layer.N...
+# (DistilBERT), ...layers.N... (ModernBERT); and the layers' container, which with full activation
+# checkpointing keeps each layer's input
+LAYER = re.compile(r"\.(?:encoder\.layer|transformer\.layer|layers)\.(\d+)(?:\.|$)")
+LAYERS = re.compile(r"\.(?:encoder|transformer|layers)$")
+
+
+def layer_index(name: str) -> str | None:
+    """The encoder layer a module or parameter name belongs to, or None."""
+    match = LAYER.search(f".{name}")
+    return None if match is None else match.group(1)
+
+
 def encoder_saved_bytes(saved_by_module: dict[str, int]) -> int:
-    """Bytes saved for the backward by the encoder's layers (module names of HF's layout: ...encoder.layer.N...),
-    and by the encoder itself: with full activation checkpointing it keeps each layer's input."""
+    """Bytes saved for the backward by the encoder's layers, and by the encoder itself (LAYER, LAYERS)."""
     return sum(v for name, v in saved_by_module.items()
-               if ".encoder.layer." in f".{name}" or f".{name}".endswith(".encoder"))
+               if layer_index(name) is not None or LAYERS.search(f".{name}"))
 
 
 def gathered_parameters(model: torch.nn.Module) -> int:
@@ -286,9 +299,8 @@ def gathered_parameters(model: torch.nn.Module) -> int:
     layers: dict[str, int] = {}
     root = 0
     for name, p in model.named_parameters():
-        parts = f".{name}".split(".encoder.layer.")
-        if len(parts) == 2:
-            index = parts[1].split(".")[0]
+        index = layer_index(name)
+        if index is not None:
             layers[index] = layers.get(index, 0) + p.numel()
         else:
             root += p.numel()
