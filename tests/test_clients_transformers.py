@@ -212,7 +212,7 @@ def test_apply_accelerates_every_head_in_place(name):
 
 
 def test_apply_refuses_what_it_cannot_accelerate():
-    with pytest.raises(TypeError, match=r"no transformers base model \(BertModel, RobertaModel.*ModernBertModel\) in Linear"):
+    with pytest.raises(TypeError, match=r"no transformers base model \(BertModel, .*ModernBertModel\) in Linear"):
         fastbert.apply(torch.nn.Linear(2, 2))
     decoder = transformers.BertLMHeadModel(tiny_config(is_decoder=True))
     with pytest.raises(ValueError, match="is_decoder"):
