@@ -144,8 +144,13 @@ def test_lora_on_the_default_targets_equals_plain_lora(arch, order):
     expected, actual = theirs(**inputs), ours(**inputs)
     assert (expected.logits - plain).abs().max() > 1e-3  # the adapters change the output
     torch.testing.assert_close(actual.logits, expected.logits, atol=1e-5, rtol=1e-5)
-    expected.loss.backward()
-    actual.loss.backward()
+    assert_lora_gradients_equal(ours, actual.loss, theirs, expected.loss)
+
+
+def assert_lora_gradients_equal(ours, our_loss, theirs, their_loss):
+    """Backward through both LoRA models: only LoRA parameters train, the same ones, with equal gradients."""
+    their_loss.backward()
+    our_loss.backward()
     their_grads = {name: param.grad for name, param in theirs.named_parameters()}
     trained = {name for name, param in ours.named_parameters() if param.grad is not None}
     assert trained and all("lora_" in name for name in trained), sorted(trained)

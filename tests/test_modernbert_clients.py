@@ -7,7 +7,7 @@ or converted classifier gives transformers' loss and weights."""
 import pytest
 import torch
 from test_clients_transformers import assert_same_parameters, trainer_for
-from test_family_clients import PAIRS, SENTENCES, accelerated_bases, tiny_tokenizer
+from test_family_clients import PAIRS, SENTENCES, accelerated_bases, assert_lora_gradients_equal, tiny_tokenizer
 from test_modernbert import head_inputs, hf_model
 
 import fastbert
@@ -103,16 +103,7 @@ def test_lora_on_wqkv_and_wo_equals_plain_lora(order):
     expected, actual = theirs(**inputs), ours(**inputs)
     assert (expected.logits - plain)[rows].abs().max() > 1e-3  # the adapters change the output
     torch.testing.assert_close(actual.logits[rows], expected.logits[rows], atol=1e-5, rtol=1e-5)
-    expected.loss.backward()
-    actual.loss.backward()
-    their_grads = {name: param.grad for name, param in theirs.named_parameters()}
-    trained = {name for name, param in ours.named_parameters() if param.grad is not None}
-    assert trained and all("lora_" in name for name in trained), sorted(trained)
-    assert trained == {name for name, grad in their_grads.items() if grad is not None}
-    for name, param in ours.named_parameters():
-        if param.grad is not None:
-            torch.testing.assert_close(param.grad, their_grads[name], atol=1e-5, rtol=1e-5,
-                                       msg=lambda m: f"{name}: {m}")
+    assert_lora_gradients_equal(ours, actual.loss, theirs, expected.loss)
 
 
 @pytest.mark.parametrize("kind", ["fastbert model", "fastbert.apply"])
