@@ -96,6 +96,8 @@ import triton
 import triton.language as tl
 
 from fastbert.kernels.arguments import check_relative_bias, check_rotary_window
+from fastbert.kernels.fused_op import fused_op
+from fastbert.kernels.launch import cdiv, launch, next_power_of_2
 from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_precision, philox_seed
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -802,7 +804,7 @@ def _launch_meta(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, sca
     pointers = (mask, lo, hi, _cu_seqlens_pointer(q, cu_seqlens),
                 _placeholder(torch.int64, q.device) if seed is None else seed,
                 _bias_by_distance(q, relative_bias, relative_buckets), _inv_freq(q, rotary_base))
-    scalars = dict(seqlen=seqlen, seqlen_bucket=triton.next_power_of_2(max(seqlen, 1)),
+    scalars = dict(seqlen=seqlen, seqlen_bucket=next_power_of_2(max(seqlen, 1)),
                    scale_log2=scale * LOG2E, dropout_p=dropout_p, keep_scale=1.0 / (1.0 - dropout_p),
                    max_distance=0 if relative_buckets is None else (relative_buckets.numel() - 1) // 2,
                    # a window past the sequence keeps every key; clamped so that it stays an int32
@@ -814,7 +816,7 @@ def _launch_meta(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, sca
     return (heads, batch), pointers, (stride_mb, stride_ms), scalars, flags
 
 
-@torch.library.custom_op("fastbert::attention_fwd", mutates_args=())
+@fused_op("fastbert::attention_fwd")
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
                   cu_seqlens: Optional[torch.Tensor], max_seqlen: int, seed: Optional[torch.Tensor],
                   dropout_p: float, scale: float, relative_bias: Optional[torch.Tensor] = None,
@@ -839,8 +841,8 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: O
     (heads, batch), pointers, mask_strides, scalars, flags = _launch_meta(
         q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets,
         rotary_base, window)
-    grid = lambda meta: (triton.cdiv(scalars["seqlen"], meta["BLOCK_M"]), heads, batch)  # noqa: E731
-    _attention_fwd_kernel[grid](
+    grid = lambda meta: (cdiv(scalars["seqlen"], meta["BLOCK_M"]), heads, batch)  # noqa: E731
+    launch(_attention_fwd_kernel, grid,
         q, k, v, out, lse, *pointers,
         *_bhsd_strides(q, varlen), *_bhsd_strides(k, varlen), *_bhsd_strides(v, varlen),
         *_bhsd_strides(out, varlen), *_row_stats_strides(lse, varlen), *mask_strides,
@@ -859,7 +861,7 @@ def _(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relativ
     return _empty_like_qkv(q, varlen), _new_row_stats(q, varlen)
 
 
-@torch.library.custom_op("fastbert::attention_bwd", mutates_args=())
+@fused_op("fastbert::attention_bwd")
 def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, key_mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
                   max_seqlen: int, seed: Optional[torch.Tensor], dropout_p: float, scale: float,
@@ -882,19 +884,19 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         rotary_base, window)
     seqlen = scalars["seqlen"]
     num_buckets = 0 if relative_bias is None else relative_bias.shape[0]
-    num_buckets_padded = triton.next_power_of_2(max(num_buckets, 1))
+    num_buckets_padded = next_power_of_2(max(num_buckets, 1))
     # [B, heads, slots, buckets]: every entry is written by the kernel (see the header)
-    dbias_slots = (q.new_empty((batch, heads, triton.cdiv(seqlen, BIAS_GRAD_SLOT_ROWS), num_buckets_padded),
+    dbias_slots = (q.new_empty((batch, heads, cdiv(seqlen, BIAS_GRAD_SLOT_ROWS), num_buckets_padded),
                                dtype=torch.float32)
                    if relative_bias is not None else _placeholder(torch.float32, q.device))
     slot_strides = dbias_slots.stride()[:3] if relative_bias is not None else (0, 0, 0)
     delta = _new_row_stats(q, varlen)
     stats_strides = _row_stats_strides(lse, varlen)
-    _attention_bwd_preprocess_kernel[(triton.cdiv(seqlen, PREPROCESS_BLOCK_M), heads, batch)](
+    launch(_attention_bwd_preprocess_kernel, (cdiv(seqlen, PREPROCESS_BLOCK_M), heads, batch),
         out, dout, delta, _cu_seqlens_pointer(q, cu_seqlens), *_bhsd_strides(out, varlen), *_bhsd_strides(dout, varlen),
         *stats_strides, seqlen, HEAD_DIM=flags["HEAD_DIM"], VARLEN=varlen, BLOCK_M=PREPROCESS_BLOCK_M,
     )
-    _attention_bwd_kernel[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_MAJOR"]), heads, batch)](
+    launch(_attention_bwd_kernel, lambda meta: (cdiv(seqlen, meta["BLOCK_MAJOR"]), heads, batch),
         q, k, v, dout, dq, dk, dv, lse, delta, *pointers[:-1],
         _placeholder(torch.int32, q.device) if relative_buckets is None else relative_buckets, pointers[-1],
         dbias_slots,

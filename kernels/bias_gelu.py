@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastbert.kernels.fused_op import fused_op
+from fastbert.kernels.launch import cdiv, launch, next_power_of_2
 from fastbert.kernels.matmul import DTYPES, check_operands, gelu, gelu_grad, matmul_fwd, row_groups
 from fastbert.kernels.numerics import INTERPRETER, cast
 
@@ -131,7 +133,7 @@ def _bias_gelu_bwd_kernel(
 
 
 def _blocks(cols: int) -> tuple[int, int]:
-    block_n = min(triton.next_power_of_2(cols), _MAX_BLOCK_N)
+    block_n = min(next_power_of_2(cols), _MAX_BLOCK_N)
     return _TILE_ELEMENTS // block_n, block_n
 
 
@@ -164,9 +166,9 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str =
     if rows == 0:
         return y
     block_m, block_n = _blocks(cols)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
+    grid = (cdiv(rows, block_m), cdiv(cols, block_n))
     # the kernels index the bias as contiguous: a strided one (a slice) is copied, N elements
-    _bias_gelu_fwd_kernel[grid](x2, x2 if bias is None else bias.contiguous(), y, rows, cols,
+    launch(_bias_gelu_fwd_kernel, grid, x2, x2 if bias is None else bias.contiguous(), y, rows, cols,
                                 x2.stride(0), x2.stride(1), HAS_BIAS=bias is not None, GATED=False,
                                 APPROXIMATE=approximate, BLOCK_M=block_m, BLOCK_N=block_n)
     return y
@@ -201,10 +203,10 @@ def _gelu_bwd_launch(dy2, x2, bias, dx, rows, cols, approximate, gated, sum_colu
     if rows == 0:
         return torch.zeros(sums, dtype=dx.dtype, device=dx.device) if sum_columns else None
     block_m, block_n = _blocks(cols)
-    col_blocks = triton.cdiv(cols, block_n)
+    col_blocks = cdiv(cols, block_n)
     groups, rows_per_group = row_groups(rows, col_blocks, block_m, dx.device)
     partial = torch.empty((groups, sums) if sum_columns else (0,), dtype=torch.float64, device=dx.device)
-    _bias_gelu_bwd_kernel[(groups, col_blocks)](
+    launch(_bias_gelu_bwd_kernel, (groups, col_blocks),
         dy2, x2, x2 if bias is None else bias.contiguous(), dx, partial, rows, cols, rows_per_group,
         dy2.stride(0), dy2.stride(1), x2.stride(0), x2.stride(1),
         HAS_BIAS=bias is not None, GATED=gated, SUM_COLUMNS=sum_columns, APPROXIMATE=approximate,
@@ -231,8 +233,8 @@ def geglu_fwd(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     if rows == 0:
         return y
     block_m, block_n = _blocks(cols)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
-    _bias_gelu_fwd_kernel[grid](h2, h2, y, rows, cols, h2.stride(0), h2.stride(1), HAS_BIAS=False, GATED=True,
+    grid = (cdiv(rows, block_m), cdiv(cols, block_n))
+    launch(_bias_gelu_fwd_kernel, grid, h2, h2, y, rows, cols, h2.stride(0), h2.stride(1), HAS_BIAS=False, GATED=True,
                                 APPROXIMATE=approximate, BLOCK_M=block_m, BLOCK_N=block_n)
     return y
 
@@ -250,7 +252,7 @@ def geglu_bwd(dy: torch.Tensor, h: torch.Tensor, approximate: str = "none",
 
 # ---- custom ops: autograd and fake registrations so torch.compile traces through them ----
 
-@torch.library.custom_op("fastbert::bias_gelu", mutates_args=())
+@fused_op("fastbert::bias_gelu")
 def _bias_gelu_op(x: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
     return bias_gelu_fwd(x, bias, approximate)
 
@@ -260,7 +262,7 @@ def _(x, bias, approximate):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("fastbert::bias_gelu_bwd", mutates_args=())
+@fused_op("fastbert::bias_gelu_bwd")
 def _bias_gelu_bwd_op(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
                       approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
     return bias_gelu_bwd(dy, x, bias, approximate)
@@ -300,7 +302,7 @@ def linear_bias_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return y, pre
 
 
-@torch.library.custom_op("fastbert::linear_bias_gelu", mutates_args=())
+@fused_op("fastbert::linear_bias_gelu")
 def _linear_bias_gelu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                          approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (gelu(h), h) with h = x @ weight.T + bias; x [M, K]. h is kept for the backward."""

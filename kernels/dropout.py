@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastbert.kernels.fused_op import fused_op
+from fastbert.kernels.launch import cdiv, launch, next_power_of_2
 from fastbert.kernels.numerics import INTERPRETER, cast, philox_seed
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -68,7 +70,7 @@ def _check_inputs(x: torch.Tensor, p: float) -> None:
 
 def _tile(n: int) -> tuple[int, int, int]:
     """(BLOCK_ROWS, BLOCK_N, num_warps) for rows of n elements."""
-    block_n = min(MAX_BLOCK_N, triton.next_power_of_2(n))
+    block_n = min(MAX_BLOCK_N, next_power_of_2(n))
     if INTERPRETER:
         return max(1, INTERPRETER_TILE_ELEMENTS // block_n), block_n, 4
     block_rows = max(1, GPU_TILE_ELEMENTS // block_n)
@@ -83,13 +85,13 @@ def _launch(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
     n = x.shape[-1] if x.dim() else 1
     x2 = x.reshape(-1, n)  # [rows, N], a view whenever the strides allow
     block_rows, block_n, num_warps = _tile(n)
-    grid = (triton.cdiv(x2.shape[0], block_rows), triton.cdiv(n, block_n))
-    _dropout_kernel[grid](x2, y, seed, x2.stride(0), x2.stride(1), x2.shape[0], n, p, 1.0 / (1.0 - p),
+    grid = (cdiv(x2.shape[0], block_rows), cdiv(n, block_n))
+    launch(_dropout_kernel, grid, x2, y, seed, x2.stride(0), x2.stride(1), x2.shape[0], n, p, 1.0 / (1.0 - p),
                           BLOCK_ROWS=block_rows, BLOCK_N=block_n, num_warps=num_warps)
     return y
 
 
-@torch.library.custom_op("fastbert::dropout", mutates_args=())
+@fused_op("fastbert::dropout")
 def dropout_fwd(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
     """x [...] fp32/fp16/bf16 (any strides); seed int64 [1]; 0 <= p < 1. Returns x * keep / (1 - p)
     (contiguous); the backward is this op on dy with the same seed. Raises ValueError for bad input."""

@@ -48,6 +48,7 @@ import torch
 
 from fastbert.kernels.bias_gelu import (APPROXIMATIONS, bias_gelu_bwd, bias_gelu_fwd, geglu_bwd, geglu_fwd,
                                         linear_bias_gelu_fwd)
+from fastbert.kernels.fused_op import fused_op
 from fastbert.kernels.matmul import DTYPES
 
 
@@ -102,7 +103,7 @@ def feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate, gated=False, has_b1=
 
 # ---- custom ops: autograd and fake registrations so torch.compile traces through them ----
 
-@torch.library.custom_op("fastbert::feed_forward", mutates_args=())
+@fused_op("fastbert::feed_forward")
 def _feed_forward_op(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
                      b2: torch.Tensor | None, approximate: str, keep_pre: bool,
                      gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +117,7 @@ def _(x, w1, b1, w2, b2, approximate, keep_pre, gated=False):
     return x.new_empty((x.shape[0], w2.shape[0])), x.new_empty((x.shape[0] if keep_pre else 0, w1.shape[0]))
 
 
-@torch.library.custom_op("fastbert::feed_forward_bwd", mutates_args=())
+@fused_op("fastbert::feed_forward_bwd")
 def _feed_forward_bwd_op(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
                          w2: torch.Tensor, pre: torch.Tensor | None, approximate: str, gated: bool = False,
                          has_b1: bool = True, has_b2: bool = True

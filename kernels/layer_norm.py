@@ -66,6 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastbert.kernels.fused_op import fused_op
+from fastbert.kernels.launch import cdiv, launch, next_power_of_2
 from fastbert.kernels.matmul import sm_count
 from fastbert.kernels.numerics import INTERPRETER, cast, philox_seed
 
@@ -297,7 +299,7 @@ def _check_inputs(x, weight, bias, residual, out_dtype) -> None:
 
 def _tile(hidden: int) -> tuple[int, int, int]:
     """(BLOCK_ROWS, BLOCK_H, num_warps) for rows of `hidden` elements."""
-    block_h = triton.next_power_of_2(hidden)
+    block_h = next_power_of_2(hidden)
     if INTERPRETER:
         return max(1, INTERPRETER_TILE_ELEMENTS // block_h), block_h, 4
     block_rows = max(1, GPU_TILE_ELEMENTS // block_h)
@@ -317,11 +319,11 @@ def _backward_split(device: torch.device, rows: int, block_rows: int) -> tuple[i
         programs = INTERPRETER_BACKWARD_PROGRAMS
     else:
         programs = BACKWARD_PROGRAMS_PER_SM * sm_count(device)
-    rows_per_program = triton.cdiv(triton.cdiv(rows, programs), block_rows) * block_rows
-    return triton.cdiv(rows, rows_per_program), rows_per_program
+    rows_per_program = cdiv(cdiv(rows, programs), block_rows) * block_rows
+    return cdiv(rows, rows_per_program), rows_per_program
 
 
-@torch.library.custom_op("fastbert::layer_norm_fwd", mutates_args=())
+@fused_op("fastbert::layer_norm_fwd")
 def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    residual: Optional[torch.Tensor], seed: Optional[torch.Tensor], eps: float, dropout_p: float,
                    out_dtype: torch.dtype, save_output: bool, store_sum: bool = False
@@ -350,7 +352,7 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     block_rows, block_h, num_warps = _tile(hidden)
     res = x if residual is None else residual  # a placeholder pointer when there is no residual
     # placeholder pointers (never read or written) for the buffers a flag leaves out
-    _layer_norm_fwd_kernel[(triton.cdiv(rows, block_rows),)](
+    launch(_layer_norm_fwd_kernel, (cdiv(rows, block_rows),),
         x, res, weight.contiguous(), weight if bias is None else bias.contiguous(), y, summed if store_sum else y,
         mean, rstd, x if seed is None else seed, side if save_output else rstd,
         x.stride(0), x.stride(1), res.stride(0), res.stride(1),
@@ -379,7 +381,7 @@ def _(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output, s
             x.new_empty(_sum_shape(x, store_sum)))
 
 
-@torch.library.custom_op("fastbert::layer_norm_bwd", mutates_args=())
+@fused_op("fastbert::layer_norm_bwd")
 def layer_norm_bwd(dy: torch.Tensor, x: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                    y: Optional[torch.Tensor], side: Optional[torch.Tensor], weight: torch.Tensor,
                    bias: Optional[torch.Tensor], seed: Optional[torch.Tensor], mean: Optional[torch.Tensor],
@@ -415,7 +417,7 @@ def layer_norm_bwd(dy: torch.Tensor, x: Optional[torch.Tensor], residual: Option
     dw_partial = torch.empty((programs, hidden), dtype=torch.float32, device=like.device)
     db_partial = torch.empty((programs, hidden) if bias is not None else (0,), dtype=torch.float32,
                              device=like.device)
-    _layer_norm_bwd_kernel[(programs,)](
+    launch(_layer_norm_bwd_kernel, (programs,),
         dy, ds, x, res, like, weight.contiguous(), weight if bias is None else bias.contiguous(),
         rstd if mean is None else mean, rstd, like if seed is None else seed, rstd if side is None else side,
         dx, dres, dw_partial, dw_partial if bias is None else db_partial,

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastbert.kernels.launch import cdiv, launch
 from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_precision
 
 ACTIVATIONS = ("none", "gelu", "gelu_tanh")
@@ -107,9 +108,9 @@ def row_groups(rows: int, col_blocks: int, block_m: int, device: torch.device) -
     and column block, about four programs per SM in all. Depends only on the shape and the device,
     so the summation order, hence every bit of the sum, is fixed for a given GPU."""
     target = 4 if INTERPRETER else 4 * sm_count(device)
-    groups = max(1, min(triton.cdiv(rows, block_m), triton.cdiv(target, col_blocks)))
-    rows_per_group = triton.cdiv(triton.cdiv(rows, groups), block_m) * block_m
-    return triton.cdiv(rows, rows_per_group), rows_per_group
+    groups = max(1, min(cdiv(rows, block_m), cdiv(target, col_blocks)))
+    rows_per_group = cdiv(cdiv(rows, groups), block_m) * block_m
+    return cdiv(rows, rows_per_group), rows_per_group
 
 
 def _configs():
@@ -326,9 +327,9 @@ def matmul_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return
 
     def grid(meta):
-        return (triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(cols, meta["BLOCK_N"]),)
+        return (cdiv(rows, meta["BLOCK_M"]) * cdiv(cols, meta["BLOCK_N"]),)
 
-    _matmul_fwd_kernel[grid](
+    launch(_matmul_fwd_kernel, grid,
         # the kernel reads the bias as contiguous; weight stands in for a missing bias (never read)
         x, weight, weight if bias is None else bias.contiguous(), out, out if pre is None else pre,
         rows, cols, inner,

@@ -62,6 +62,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastbert.kernels.fused_op import fused_op
+from fastbert.kernels.launch import cdiv, launch, next_power_of_2
 from fastbert.kernels.matmul import sm_count
 from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_precision
 
@@ -250,7 +252,7 @@ def _config(dtype: torch.dtype, rows: int, forward: bool) -> dict:
 
 def _block_n(rows: int, smallest: int) -> int:
     """Fewer rows than 128 take the next power of two (at least `smallest`) rather than computing padding."""
-    return min(128, max(smallest, triton.next_power_of_2(rows)))
+    return min(128, max(smallest, next_power_of_2(rows)))
 
 
 def _gpu_config(dtype: torch.dtype, rows: int, forward: bool) -> dict:
@@ -269,9 +271,9 @@ def _forward_cols_per_split(device: torch.device, rows: int, vocab: int, block_n
         programs = INTERPRETER_FORWARD_PROGRAMS
     else:
         programs = FORWARD_PROGRAMS_PER_SM * sm_count(device)
-    vocab_tiles = triton.cdiv(vocab, block_v)
-    splits = max(1, min(vocab_tiles, triton.cdiv(programs, triton.cdiv(rows, block_n))))
-    return triton.cdiv(vocab_tiles, splits) * block_v
+    vocab_tiles = cdiv(vocab, block_v)
+    splits = max(1, min(vocab_tiles, cdiv(programs, cdiv(rows, block_n))))
+    return cdiv(vocab_tiles, splits) * block_v
 
 
 def _backward_chunk_cols(rows: int, vocab: int, block_v: int) -> int:
@@ -279,8 +281,8 @@ def _backward_chunk_cols(rows: int, vocab: int, block_v: int) -> int:
     BACKWARD_CHUNK_ELEMENTS elements of dz, but never narrower than one tile. A chunk also spans at
     most MAX_GRID_AXIS tiles: with a handful of rows and a vocabulary past 8M, one chunk would
     otherwise need more blocks on grid axis 1 than a GPU launch allows (the interpreter has no limit)."""
-    chunks = max(1, triton.cdiv(rows * vocab, BACKWARD_CHUNK_ELEMENTS), triton.cdiv(vocab, MAX_GRID_AXIS * block_v))
-    return min(vocab, triton.cdiv(triton.cdiv(vocab, chunks), block_v) * block_v)
+    chunks = max(1, cdiv(rows * vocab, BACKWARD_CHUNK_ELEMENTS), cdiv(vocab, MAX_GRID_AXIS * block_v))
+    return min(vocab, cdiv(cdiv(vocab, chunks), block_v) * block_v)
 
 
 def _labelled(target, ignore_index, vocab):
@@ -289,7 +291,7 @@ def _labelled(target, ignore_index, vocab):
     return labelled, labelled & ((target < 0) | (target >= vocab))
 
 
-@torch.library.custom_op("fastbert::mlm_loss_fwd", mutates_args=())
+@fused_op("fastbert::mlm_loss_fwd")
 def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
                  ignore_index: int, reduction: str,
                  label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -306,12 +308,12 @@ def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         return zero, torch.zeros((), dtype=torch.int64, device=x.device), x.new_empty((2, 0), dtype=torch.float32)
     config = _config(x.dtype, rows, forward=True)
     cols_per_split = _forward_cols_per_split(x.device, rows, vocab, config["BLOCK_N"], config["BLOCK_V"])
-    splits = triton.cdiv(vocab, cols_per_split)
+    splits = cdiv(vocab, cols_per_split)
     stats = torch.empty((4, splits, rows), dtype=torch.float32, device=x.device)
     split_max, split_sumexp, target_logit, logit_sum = stats.unbind(0)
     split_argmax = torch.empty((splits, rows), dtype=torch.int64, device=x.device)
     b = weight if bias is None else bias  # a placeholder pointer when there is no bias
-    _mlm_loss_fwd_kernel[(triton.cdiv(rows, config["BLOCK_N"]), splits)](
+    launch(_mlm_loss_fwd_kernel, (cdiv(rows, config["BLOCK_N"]), splits),
         x, weight, b, target, split_max, split_sumexp, target_logit, logit_sum, split_argmax,
         rows, vocab, x.shape[1], cols_per_split,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),
@@ -342,7 +344,7 @@ def _(x, weight, bias, target, ignore_index, reduction, label_smoothing):
             x.new_empty((2, x.shape[0]), dtype=torch.float32))
 
 
-@torch.library.custom_op("fastbert::mlm_loss_bwd", mutates_args=())
+@fused_op("fastbert::mlm_loss_bwd")
 def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  target: torch.Tensor, softmax_stats: torch.Tensor, ignore_index: int, reduction: str,
                  label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -373,9 +375,9 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         # whole vectors (an unaligned stride spilled 180 bytes on sm_90a), and cuBLAS gets an aligned
         # leading dimension
         width = v1 - v0
-        dz = torch.empty((rows, triton.cdiv(width, DZ_ROW_ALIGNMENT) * DZ_ROW_ALIGNMENT), dtype=x.dtype,
+        dz = torch.empty((rows, cdiv(width, DZ_ROW_ALIGNMENT) * DZ_ROW_ALIGNMENT), dtype=x.dtype,
                          device=x.device)[:, :width]
-        _mlm_loss_bwd_kernel[(triton.cdiv(rows, config["BLOCK_N"]), triton.cdiv(width, config["BLOCK_V"]))](
+        launch(_mlm_loss_bwd_kernel, (cdiv(rows, config["BLOCK_N"]), cdiv(width, config["BLOCK_V"])),
             x, weight, b, target, softmax_stats[0], softmax_stats[1], coef, dz,
             rows, vocab, hidden, v0, v1, label_smoothing,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),

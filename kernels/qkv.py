@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastbert.kernels.fused_op import fused_op
+from fastbert.kernels.launch import cdiv, launch, next_power_of_2
 from fastbert.kernels.matmul import DTYPES, matmul_fwd, row_groups
 from fastbert.kernels.numerics import INTERPRETER, cast
 
@@ -120,13 +122,13 @@ def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: 
     dqkv = x.new_empty((rows, 3 * hidden))
     if rows == 0:
         return torch.zeros_like(x), torch.zeros_like(weight), x.new_zeros(3 * hidden if has_bias else 0)
-    block_n = min(triton.next_power_of_2(hidden), _MAX_BLOCK_N)
+    block_n = min(next_power_of_2(hidden), _MAX_BLOCK_N)
     block_m = _TILE_ELEMENTS // block_n
-    col_blocks = triton.cdiv(hidden, block_n)
+    col_blocks = cdiv(hidden, block_n)
     groups, rows_per_group = row_groups(rows, 3 * col_blocks, block_m, x.device)  # 3 launches share the GPU
     partial = torch.empty((groups, 3 * hidden) if has_bias else (0,), dtype=torch.float64, device=x.device)
     for which, g in enumerate(grads):
-        _qkv_bwd_kernel[(groups, col_blocks)](
+        launch(_qkv_bwd_kernel, (groups, col_blocks),
             g, dqkv, partial, rows, hidden, g.shape[2], which * hidden, rows_per_group, *g.stride(),
             HEAD_DIM=g.shape[3], SUM_COLUMNS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n)
     dx = (dqkv @ weight).view(x.shape)
@@ -135,7 +137,7 @@ def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: 
 
 # ---- custom ops: autograd and fake registrations so torch.compile traces through them ----
 
-@torch.library.custom_op("fastbert::qkv_projection", mutates_args=())
+@fused_op("fastbert::qkv_projection")
 def _qkv_projection_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        num_heads: int) -> torch.Tensor:
     return qkv_projection_fwd(x, weight, bias, num_heads)
@@ -149,7 +151,7 @@ def _(x, weight, bias, num_heads):
     return x.new_empty((3, x.shape[0], num_heads, head_dim))
 
 
-@torch.library.custom_op("fastbert::qkv_projection_bwd", mutates_args=())
+@fused_op("fastbert::qkv_projection_bwd")
 def _qkv_projection_bwd_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor,
                            weight: torch.Tensor,
                            has_bias: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

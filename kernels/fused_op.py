@@ -1,0 +1,83 @@
+# How a fused op is called: a torch.library custom op where PyTorch traces (torch.compile, torch.export, fake
+# tensors, dispatch modes such as the memory tracker), and its host function directly in eager mode.
+#
+# Why both. A custom op is what lets torch.compile and torch.export see a Triton launcher as one node (its fake
+# registration gives the output shapes). In eager mode it is pure cost: every call goes through the dispatcher's
+# Python custom-op machinery (schema checks, argument normalisation, alias checks, an autograd.Function built
+# on the fly, a redispatch), which the first H100 run measured at 300-450 us of host time per fused op call with
+# Triton's own launch. In eager mode the same host function therefore runs directly, inside a plain
+# torch.autograd.Function whose setup_context and backward are the custom op's own registrations: one
+# implementation, two entrances, the same results (tests/test_fused_op.py checks both give equal outputs and
+# gradients, and that torch.compile(fullgraph=True) still traces the op). `fastbert bench --suite host`
+# measures what each entrance costs.
+import inspect
+from typing import Callable, Optional
+
+import torch
+
+# Tensor types the eager path takes; any other subclass (FakeTensor, FunctionalTensor, DTensor, ...) belongs to
+# a tracer or a wrapper that only the custom op's registrations know how to handle.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _traced(args: tuple) -> bool:
+    """Whether a call must go through the custom op: under torch.compile / torch.export, inside a dispatch
+    mode (fake tensors, proxies, fastbert's memory tracker), or with a tensor that is not a plain tensor on a
+    real device (meta tensors take the shape-only fake registration)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return True
+    return any(isinstance(a, torch.Tensor) and (type(a) not in _PLAIN_TENSORS or a.is_meta) for a in args)
+
+
+def _requires_grad(args: tuple) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+class FusedOp:
+    """A fused op's host function, registered as the custom op `name` (a drop-in for the object that
+    torch.library.custom_op returns: register_fake, register_autograd, and calls with the function's
+    arguments) and called directly in eager mode. Calls pass arguments positionally; missing trailing
+    arguments take the function's defaults."""
+
+    def __init__(self, name: str, function: Callable):
+        self.function = function
+        self.custom_op = torch.library.custom_op(name, mutates_args=())(function)
+        self._init_fn = function  # the Python body, where tools look for a custom op's (compile audit, tracker)
+        self._defaults = tuple(p.default for p in inspect.signature(function).parameters.values())
+        self._eager_autograd: Optional[type] = None
+
+    def register_fake(self, fake: Callable) -> Callable:
+        self.custom_op.register_fake(fake)
+        return fake
+
+    def register_autograd(self, backward: Callable, setup_context: Callable) -> None:
+        self.custom_op.register_autograd(backward, setup_context=setup_context)
+        forward_function, setup_function, backward_function = self.function, setup_context, backward
+
+        class EagerFunction(torch.autograd.Function):
+            # forward with ctx, not a separate setup_context: autograd.Function binds the arguments of a
+            # ctx-less forward to its signature on every call (inspect.signature: ~50 us)
+            @staticmethod
+            def forward(ctx, *args):
+                output = forward_function(*args)
+                setup_function(ctx, args, output)
+                return output
+
+            backward = staticmethod(backward_function)
+
+        EagerFunction.__name__ = EagerFunction.__qualname__ = f"{forward_function.__name__}_eager"
+        self._eager_autograd = EagerFunction
+
+    def __call__(self, *args):
+        if len(args) < len(self._defaults):
+            args += self._defaults[len(args):]
+        if _traced(args):
+            return self.custom_op(*args)
+        if self._eager_autograd is not None and torch.is_grad_enabled() and _requires_grad(args):
+            return self._eager_autograd.apply(*args)
+        return self.function(*args)
+
+
+def fused_op(name: str) -> Callable[[Callable], FusedOp]:
+    """Decorator: `@fused_op("fastbert::layer_norm_fwd")` over a host function (annotated as a custom op's)."""
+    return lambda function: FusedOp(name, function)

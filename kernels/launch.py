@@ -1,0 +1,122 @@
+# Host-side launching of the Triton kernels, at the cost of a PyTorch op per call.
+#
+# Triton's own launch, `kernel[grid](*args, **constexprs)`, does on every call what only changes when the call's
+# signature changes: it binds and specialises every argument, computes its cache key, checks the kernel's
+# globals, reads its knobs and, for an autotuned kernel, builds the autotuner's key and config arguments (10-30
+# us of host time per launch with Triton 3.6-3.9; the first H100 run measured 300-450 us per fused op call in
+# all). `launch` keeps, per kernel, the compiled kernel that Triton chose for each call signature, and calls its
+# launcher directly. A signature is what Triton's choice depends on: each tensor's dtype and whether its address
+# is a multiple of 16 (Triton's pointer specialisation), each int's specialisation (1, a multiple of 16, 32- or
+# 64-bit) or, for an autotuner's key argument, its value, every other argument's type, None-ness, and the
+# constexpr keywords. The first call of a signature goes through Triton unchanged (compile, autotune, launch), so
+# the choice is Triton's own; tests/test_launch.py checks that every later call launches exactly the kernel
+# Triton's own path would, for aligned and misaligned views and odd sizes, and `fastbert bench --suite host`
+# measures the host time it saves.
+#
+# cdiv and next_power_of_2 are plain Python here: Triton's are constexpr functions whose host call costs
+# microseconds, and launchers call them several times per launch.
+from __future__ import annotations
+
+from typing import Callable, Sequence, Union
+
+import torch
+import triton
+from triton.runtime.autotuner import Autotuner
+
+Grid = Union[tuple, Callable[[dict], tuple]]
+# Signatures kept per kernel: packed inputs change the token count (an int argument) from batch to batch; past
+# this many the cache starts again rather than grow without bound.
+SIGNATURES_PER_KERNEL = 4096
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _launch_hooks_active() -> bool:
+    """Whether a launch hook is installed (a profiler's): Triton then builds each launch's metadata and calls
+    the hooks, so such launches go through Triton. Triton 3.6-3.9 keep the hooks in (normally empty) chains."""
+    runtime = triton.knobs.runtime
+    return any(hook is not None and getattr(hook, "calls", True)
+               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
+class _Entry:
+    __slots__ = ("compiled", "tail", "grid", "grid_meta")
+
+    def __init__(self, compiled, tail: tuple, grid, grid_meta: dict):
+        self.compiled = compiled  # Triton's CompiledKernel
+        self.tail = tail  # the arguments after the positional ones, in the kernel's order: constexprs and config
+        self.grid = grid  # the grid, or a callable of grid_meta (the constexprs and the autotuned config)
+        self.grid_meta = grid_meta
+
+
+class KernelLauncher:
+    """Launches one @triton.jit kernel, autotuned or not, through a per-signature cache. Grid callables read
+    only the constexpr keywords and the autotuned config from their argument (all of fastbert's do)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.autotuner = kernel if isinstance(kernel, Autotuner) else None
+        jit = kernel.fn if self.autotuner is not None else kernel
+        self.arg_names: list[str] = list(jit.arg_names)
+        keys = set(self.autotuner.keys) if self.autotuner is not None else set()
+        self.key_positions = frozenset(i for i, name in enumerate(self.arg_names) if name in keys)
+        self.entries: dict = {}
+
+    def signature(self, args: Sequence, constexprs: dict) -> tuple:
+        keys, tensor = self.key_positions, torch.Tensor
+        spec = [(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, tensor)
+                else a if a is None or i in keys
+                else (a == 1, a % 16 == 0, -2**31 <= a < 2**31, a < 2**63) if type(a) is int
+                else type(a)
+                for i, a in enumerate(args)]
+        spec.extend(constexprs.items())
+        return tuple(spec)
+
+    def __call__(self, grid: Grid, *args, **constexprs):
+        signature = self.signature(args, constexprs)
+        entry = self.entries.get(signature)
+        if entry is None or _launch_hooks_active():
+            return self._first(signature, grid, args, constexprs)
+        dims = entry.grid(entry.grid_meta) if callable(entry.grid) else entry.grid
+        compiled = entry.compiled
+        driver = triton.runtime.driver.active
+        stream = driver.get_current_stream(driver.get_current_device())
+        compiled.run(dims[0], dims[1] if len(dims) > 1 else 1, dims[2] if len(dims) > 2 else 1, stream,
+                     compiled.function, compiled.packed_metadata, None, None, None, *args, *entry.tail)
+        return compiled
+
+    def _first(self, signature, grid, args, constexprs):
+        """Triton's own launch; its compiled kernel (None where a stand-in driver skipped it) is kept for the
+        signature."""
+        compiled = self.kernel[grid](*args, **constexprs)
+        if compiled is None:
+            return compiled
+        meta = dict(constexprs)
+        if self.autotuner is not None:
+            config = self.autotuner.best_config
+            if config.pre_hook is not None:  # a hook runs per launch: leave such kernels to Triton
+                return compiled
+            meta.update(config.kwargs)
+        tail = tuple(meta[name] for name in self.arg_names[len(args):])
+        if len(self.entries) >= SIGNATURES_PER_KERNEL:
+            self.entries.clear()
+        self.entries[signature] = _Entry(compiled, tail, grid, meta)
+        return compiled
+
+
+_LAUNCHERS: dict = {}
+
+
+def launch(kernel, grid: Grid, *args, **constexprs):
+    """kernel[grid](*args, **constexprs), with the host work of repeated signatures cached (see the header).
+    Tensor and scalar arguments positionally, constexprs (num_warps and num_stages included) by keyword."""
+    launcher = _LAUNCHERS.get(id(kernel))  # by id: a JITFunction hashes in Python
+    if launcher is None:
+        launcher = _LAUNCHERS[id(kernel)] = KernelLauncher(kernel)
+    return launcher(grid, *args, **constexprs)
