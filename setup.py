@@ -10,7 +10,8 @@ setup(
     version="0.1.0",
     description="BERT with fused Triton kernels, a drop-in for HuggingFace transformers' BERT",
     python_requires=">=3.10",
-    packages=["fastbert", "fastbert.kernels", "fastbert.train", "fastbert.data", "fastbert.bench", "fastbert.finetune"],
+    packages=["fastbert", "fastbert.kernels", "fastbert.train", "fastbert.data", "fastbert.bench", "fastbert.finetune",
+              "fastbert.simulated"],
     package_dir={"fastbert.kernels": "kernels"},
     install_requires=["torch>=2.4", "numpy", "safetensors", "tqdm", "tokenizers", "filelock>=3.10"],
     extras_require={

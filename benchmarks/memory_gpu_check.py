@@ -1,7 +1,7 @@
 """The memory plan against a GPU: every (case, provider) of `fastbert bench --suite memory` whose planned step fits
 this GPU's free memory (at the stated batch, or the largest below it that fits) runs the same step on the GPU,
 and `torch.cuda.max_memory_allocated` over it is written beside the plan's peak (suite "memory-gpu-check"; PERF.md
-shows both). The step is the plan's (fastbert.bench.memory_plan): the same model, inputs, loss, optimizer,
+shows both). The step is the plan's (fastbert.simulated.memory_plan): the same model, inputs, loss, optimizer,
 clipping and update, measured in its steady state (the second step: the optimizer state exists, the gradients
 were set to None, Triton's autotuning is done).
 
@@ -19,12 +19,13 @@ from typing import Callable
 import torch
 
 from fastbert.bench import memory_cases
-from fastbert.bench.memory_plan import OptimizerSettings, default_loss, optimizer_step
 from fastbert.bench.model_cases import oom_errors
 from fastbert.bench.provenance import provenance
 from fastbert.bench.runner import case_fields, result_path, write_rows
 from fastbert.bench.timing import memory_meter_name, peak_memory
 from fastbert.cli import configure_logging
+from fastbert.simulated.device_fit import largest_batch
+from fastbert.simulated.memory_plan import OptimizerSettings, default_loss, optimizer_step
 
 SUITE = "memory-gpu-check"
 logger = logging.getLogger("fastbert.bench")
@@ -33,8 +34,7 @@ logger = logging.getLogger("fastbert.bench")
 def batch_that_fits(case: memory_cases.MemoryCase, provider: str, free_bytes: int) -> int:
     """The case's stated batch, or the largest below it whose planned step fits free_bytes with the plan's
     reserve kept; 0 when not even one sequence fits."""
-    return memory_cases.largest_batch(lambda b: memory_cases.plan(case, provider, b).peak_bytes, free_bytes,
-                                      limit=case.batch)[0]
+    return largest_batch(lambda b: memory_cases.plan(case, provider, b).peak_bytes, free_bytes, limit=case.batch)[0]
 
 
 def make_step(case: memory_cases.MemoryCase, provider: str, batch: int,

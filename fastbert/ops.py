@@ -55,7 +55,7 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor | None) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     on_cuda = all(t.is_cuda for t in tensors if t is not None)
-    # meta tensors stand for CUDA tensors in a memory plan (fastbert.bench.meta_gpu): the launchers run their
+    # meta tensors stand for CUDA tensors in a memory plan (fastbert.simulated.meta_gpu): the launchers run their
     # host code on them and the stand-in driver launches nothing (outside a plan, the custom ops run their
     # shape-only fake registrations on meta); "auto" still means the reference there
     on_meta = all(t.is_meta for t in tensors if t is not None)
@@ -93,7 +93,7 @@ def autocast_dtype(op: str, device_type: str) -> torch.dtype | None:
     """The dtype autocast runs `op` ("matmul" or "layer_norm") in on `device_type` now, for layer_norm the
     dtype it returns (the autocast dtype on CUDA: the deviation above); None when autocast is off or
     leaves the op alone. Meta tensors answer as CUDA ones: in a memory plan they stand for CUDA
-    tensors, under CUDA autocast switched on by fastbert.bench.meta_gpu (autocast has no "meta" state)."""
+    tensors, under CUDA autocast switched on by fastbert.simulated.meta_gpu (autocast has no "meta" state)."""
     device_type = "cuda" if device_type == "meta" else device_type
     if not torch.is_autocast_enabled(device_type):
         return None

@@ -8,7 +8,7 @@ import triton
 
 from fastbert.bench import compile_cases, compile_report
 from fastbert.bench.compile_audit import GPU_ENVIRONMENT_TRITON, GPU_ENVIRONMENT_TRITON_DIR, gate_failures
-from fastbert.bench.stand_in_gpu import A100, H100, occupancy
+from fastbert.simulated.stand_in_gpu import A100, H100, occupancy
 
 
 @pytest.mark.parametrize("gpu, registers, shared, warps, blocks, limit", [

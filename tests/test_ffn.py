@@ -102,7 +102,7 @@ def test_the_forward_writes_the_pre_activation_only_for_a_backward_that_reads_it
     """The peak of the forward over its inputs (MemoryTracker, each storage once): the GELU output [M, N]
     and the result [M, K2], plus h [M, N] only when the backward keeps it. An inference forward that held
     h beside the GELU output while the second matmul runs peaked above transformers' BERT."""
-    from fastbert.bench.memory_tracker import MemoryTracker
+    from fastbert.simulated.memory_tracker import MemoryTracker
 
     rows, hidden, inner = 50, 64, 256
     inputs = [t.requires_grad_(case != "inference") for t in _inputs(rows, hidden, inner, torch.bfloat16)]

@@ -86,3 +86,52 @@ def test_the_check_sees_a_circle_and_a_lazy_import(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     cycles = import_cycles()
     assert cycles == [["fastbert.high", "fastbert.low", "fastbert.high"]]
+
+
+SIMULATED = sorted(name for name in module_files() if name.startswith("fastbert.simulated."))
+# the modules of the circle issue 25 took apart (bench/memory_cases -> memory_plan -> train/step -> train/run ->
+# bench/memory_cases), beside every module of the simulated package
+ENTRY_POINTS = SIMULATED + ["fastbert.train.run", "fastbert.bench.memory_cases"]
+ALLOWED_FROM_TRAIN = {"fastbert.train", "fastbert.train.optim"}  # the optimizers a planned step updates with
+
+
+def forbidden_for_simulated(modules) -> list[str]:
+    """The modules of `modules` that fastbert.simulated must not import: fastbert.bench's, and fastbert.train's
+    other than the optimizers."""
+    return sorted(m for m in modules if m == "fastbert.bench" or m.startswith("fastbert.bench.")
+                  or (m.startswith("fastbert.train") and m not in ALLOWED_FROM_TRAIN))
+
+
+def test_each_module_imports_first_in_a_fresh_interpreter_and_simulated_stays_below():
+    """Every entry point imported first, in a fresh interpreter each. A circle fails only while one of its modules
+    is half-initialised, that is within the chain of imports one statement starts, so which module starts it is
+    the whole of the order: what is imported later finds the first one's modules complete. A simulated module
+    must leave no fastbert.bench module and no fastbert.train module but optim in sys.modules."""
+    import json
+    import os
+    import subprocess
+
+    code = ("import importlib, json, sys\nimportlib.import_module(sys.argv[1])\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('fastbert'))))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    runs = {}
+    for first in ENTRY_POINTS:  # all started at once: each spends most of its time importing torch
+        runs[first] = subprocess.Popen([sys.executable, "-c", code, first], cwd=ROOT, env=env, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for first, run in runs.items():
+        out, err = run.communicate(timeout=600)
+        assert run.returncode == 0, f"importing {first} first:\n{err[-3000:]}"
+        if first in SIMULATED:
+            assert forbidden_for_simulated(json.loads(out.strip().splitlines()[-1])) == [], first
+
+
+def test_simulated_reaches_no_bench_or_train_module_through_any_import():
+    """The same, for every import (those inside functions too) and everything they import in turn."""
+    files = module_files()
+    graph = {name: imported_modules(name, path, set(files)) for name, path in files.items()}
+    reached, todo = set(), list(SIMULATED)
+    while todo:
+        for target in graph[todo.pop()] - reached:
+            reached.add(target)
+            todo.append(target)
+    assert SIMULATED and forbidden_for_simulated(reached) == []

@@ -1,4 +1,4 @@
-"""The memory plan (fastbert.bench.memory_plan, meta_gpu): the autocast emulation against the real autocast,
+"""The memory plan (fastbert.simulated.memory_plan, meta_gpu): the autocast emulation against the real autocast,
 a plan through the real launchers against the bytes each op saves, and the plan's argument checks."""
 import contextlib
 import json
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import BertConfig
-from fastbert.bench.memory_plan import plan_step
-from fastbert.bench.memory_tracker import MemoryTracker
-from fastbert.bench.meta_gpu import CPU_AUTOCAST, CUDA_AUTOCAST, AutocastEmulation, planned_gpu
+from fastbert.simulated.memory_plan import plan_step
+from fastbert.simulated.memory_tracker import MemoryTracker
+from fastbert.simulated.meta_gpu import CPU_AUTOCAST, CUDA_AUTOCAST, AutocastEmulation, planned_gpu
 from fastbert.modeling import BertForPreTraining
 
 transformers = pytest.importorskip("transformers")
@@ -143,7 +143,7 @@ import json, sys
 import torch
 from triton.runtime.jit import JITFunction
 from fastbert import BertConfig
-from fastbert.bench.memory_plan import plan_step
+from fastbert.simulated.memory_plan import plan_step
 from fastbert.modeling import BertForPreTraining
 
 asked, compiled = set(), []

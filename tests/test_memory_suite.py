@@ -1,4 +1,4 @@
-"""`fastbert bench --suite memory` around the plan (fastbert.bench.memory_plan, tested on its own): the exact
+"""`fastbert bench --suite memory` around the plan (fastbert.simulated.memory_plan, tested on its own): the exact
 largest-batch search, the FSDP2 column, the CLI's table against plan_step, PERF.md's section, and
 `fastbert pretrain --micro-batch-size auto` (refused off a GPU; its choice with an injected free memory)."""
 import json
@@ -14,7 +14,8 @@ import torch
 
 import fastbert
 from fastbert.bench import memory_cases, memory_report
-from fastbert.bench.memory_cases import GiB, Reserve, fits, largest_batch
+from fastbert.simulated import device_fit
+from fastbert.simulated.device_fit import GiB, Reserve, fits, largest_batch
 
 RESERVE = Reserve(fixed_bytes=GiB, fraction=0.1)
 DEVICE = 80 * GiB
@@ -74,11 +75,11 @@ def test_fsdp2_shards_the_state_and_gathers_two_layers_and_the_root():
         model = fastbert.BertForPreTraining(config)
     layer = sum(p.numel() for p in model.bert.encoder.layer[0].parameters())
     total = sum(p.numel() for p in model.parameters())
-    gathered = memory_cases.gathered_parameters(model)
+    gathered = device_fit.gathered_parameters(model)
     assert gathered == total - 2 * layer  # the root and 2 of the 4 layers
     memory = SimpleNamespace(peak_bytes=1000, peak_breakdown={"weights": 200, "gradients": 200, "optimizer": 400,
                                                               "activations": 150, "transients": 50})
-    assert memory_cases.fsdp2_per_rank(memory, 10, 4) == 200 + 800 // 4 + 2 * 10
+    assert device_fit.fsdp2_per_rank(memory, 10, 4) == 200 + 800 // 4 + 2 * 10
 
 
 def _tiny_config(tmp_path):
@@ -110,7 +111,7 @@ def test_cli_table_is_plan_step(tmp_path):
         import contextlib, dataclasses, io, json
         from fastbert.bench import memory_cases
         from fastbert.bench.cli import main
-        from fastbert.bench.memory_plan import plan_step
+        from fastbert.simulated.memory_plan import plan_step
 
         table = io.StringIO()
         with contextlib.redirect_stdout(table):
@@ -176,6 +177,7 @@ def test_auto_micro_batch_is_the_largest_divisor_that_the_plan_fits(tmp_path):
         import torch
         import fastbert
         from fastbert.bench import memory_cases
+        from fastbert.simulated.device_fit import RESERVE
         from fastbert.train.distributed import Dist
         from fastbert.train.options import PretrainConfig
         from fastbert.train.run import auto_micro_batches, plan_phases
@@ -186,7 +188,7 @@ def test_auto_micro_batch_is_the_largest_divisor_that_the_plan_fits(tmp_path):
         def peak(seqlen, batch):
             case = memory_cases.MemoryCase("pretrain", "tiny", seqlen, batch, "adamw", config=config)
             return memory_cases.plan(case, "fastbert", batch).peak_bytes
-        free = memory_cases.RESERVE.needed(peak(32, 7))  # 7 sequences of 32 fit exactly
+        free = RESERVE.needed(peak(32, 7))  # 7 sequences of 32 fit exactly
         sizes = {{}}
         for resume in (None, {str(checkpoint)!r}):
             phases = plan_phases(cfg, 128, 1)
@@ -213,9 +215,9 @@ def test_gpu_check_runs_the_plans_step_and_picks_a_batch_that_fits():
     case = memory_cases.MemoryCase("pretrain", "tiny", 32, 8, "lamb", providers=(memory_cases.HF_SDPA,),
                                    config=fastbert.BertConfig.tiny())
     peak_3 = memory_cases.plan(case, memory_cases.HF_SDPA, 3).peak_bytes
-    assert check.batch_that_fits(case, memory_cases.HF_SDPA, memory_cases.RESERVE.needed(peak_3)) == 3
+    assert check.batch_that_fits(case, memory_cases.HF_SDPA, device_fit.RESERVE.needed(peak_3)) == 3
     assert check.batch_that_fits(case, memory_cases.HF_SDPA, 80 * GiB) == 8  # the stated batch
-    assert check.batch_that_fits(case, memory_cases.HF_SDPA, memory_cases.RESERVE.fixed_bytes) == 0
+    assert check.batch_that_fits(case, memory_cases.HF_SDPA, device_fit.RESERVE.fixed_bytes) == 0
 
     torch.manual_seed(0)
     step, model = check.make_step(case, memory_cases.HF_SDPA, 2, torch.device("cpu"))
@@ -234,7 +236,7 @@ def _row(case, provider, **figures):
            "command": "fastbert bench --suite memory", "case": case, "provider": provider, "status": "ok",
            "shape": shape, "batch": 64, "tokens": 64 * shape["seqlen"], "peak_bytes": 40 * GiB,
            "forward_end_bytes": 30 * GiB, "saved_for_backward_bytes": 28 * GiB, "sbh_per_layer": 30.0,
-           "largest_batch": 100, "reserve": memory_cases.RESERVE.text(),
+           "largest_batch": 100, "reserve": device_fit.RESERVE.text(),
            "peak_breakdown": {"weights": GiB, "activations": 30 * GiB}, "saved_by_module_kind": {"bert.x": 10},
            "fsdp2_peak_bytes": {"2": 39 * GiB, "4": 38 * GiB, "8": 37 * GiB}}
     row.update(figures)

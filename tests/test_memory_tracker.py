@@ -1,4 +1,4 @@
-"""MemoryTracker (fastbert.bench.memory_tracker): exact on a step counted by hand, equal to the c10 CPU
+"""MemoryTracker (fastbert.simulated.memory_tracker): exact on a step counted by hand, equal to the c10 CPU
 allocator's own count on a BERT training step, and inside fastbert's custom ops."""
 import gc
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from fastbert import BertConfig
-from fastbert.bench.memory_tracker import MemoryTracker
+from fastbert.simulated.memory_tracker import MemoryTracker
 from fastbert.bench.timing import cpu_peak_extra_bytes
 from fastbert.modeling import BertForPreTraining
 

@@ -7,4 +7,8 @@
 - `runner`: the suites (`smoke`, `gpu`, `cpu-memory`), the progress bar and the JSON rows.
 - `report`: PERF.md and its plots, generated from the committed JSON rows.
 - `cli`: `fastbert bench`.
+
+The memory suite (`memory_cases`) and the compile audit (`compile_audit`) run on the simulated GPU of
+fastbert.simulated (the stand-in driver, meta tensors, the memory tracker and the step's plan), which
+`fastbert pretrain --micro-batch-size auto` shares.
 """

@@ -78,7 +78,7 @@ def _split_constexprs(constexprs: dict, num_warps, num_stages) -> tuple[dict, di
 
 def _compiled_row(launch, gpu) -> dict:
     from fastbert.bench import cubin
-    from fastbert.bench.stand_in_gpu import occupancy
+    from fastbert.simulated.stand_in_gpu import occupancy
 
     meta = launch.metadata
     row = {"status": "ok", **cubin.resources(launch.cubin)}
@@ -101,7 +101,7 @@ def worker(target: str, dtype: str, only: str | None, emit) -> None:
     from triton.runtime.autotuner import Autotuner
 
     from fastbert.bench import cubin
-    from fastbert.bench.stand_in_gpu import GPUS, Launch, LaunchLog, cpu_seconds, install
+    from fastbert.simulated.stand_in_gpu import GPUS, Launch, LaunchLog, cpu_seconds, install
 
     gpu = GPUS[target]
     log = LaunchLog()
@@ -276,7 +276,7 @@ def gate_failures(rows: list[dict]) -> list[tuple[str, str]]:
     """(gate, what fails it) for each breach: a kernel that does not compile; on sm_90a in fp16 or bf16, a
     matmul kernel without warpgroup MMA; in fp16 or bf16, a config that spills; shared memory over the
     target GPU's limit."""
-    from fastbert.bench.stand_in_gpu import GPUS
+    from fastbert.simulated.stand_in_gpu import GPUS
 
     failures = []
     for r in rows:

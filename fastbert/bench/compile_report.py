@@ -129,7 +129,7 @@ def compile_section(rows: list[dict], gpu_measured: bool) -> list[str]:
         f"{' and '.join(models)} shapes ({', '.join(layouts)}; S = {', '.join(map(str, seqlens))}) in "
         f"{', '.join(dtypes)}, in every config a launcher can pick (for autotuned kernels every candidate), with "
         f"Triton {' and '.join(tritons)}: a stand-in Triton driver reports the GPU and runs nothing "
-        f"(`fastbert/bench/stand_in_gpu.py`). Registers and stack from `cuobjdump -res-usage`, spill bytes from "
+        f"(`fastbert/simulated/stand_in_gpu.py`). Registers and stack from `cuobjdump -res-usage`, spill bytes from "
         f"`ptxas -v` (ptxas {', '.join(ptxas)}), warpgroup MMA (HGMMA) and MMA (HMMA) instructions from "
         f"`cuobjdump -sass`, and the occupancy these allow.", "",
         "**Proven here, without a GPU:** every kernel compiles for both GPUs with both Triton versions; how many "

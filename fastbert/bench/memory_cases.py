@@ -1,6 +1,6 @@
 """`fastbert bench --suite memory`: the memory of one training step on an 80 GB GPU, planned without a GPU.
 
-Every case runs the model on the meta device through fastbert.bench.memory_plan.plan_step (a dispatch-level
+Every case runs the model on the meta device through fastbert.simulated.memory_plan.plan_step (a dispatch-level
 tracker of live storages; fastbert's Triton launchers and autograd Functions run through the stand-in driver,
 nothing is launched), for fastbert and for transformers' model (BERT, ModernBERT) with eager attention and
 with SDPA on its flash backend, on the same inputs: full-length sequences, two segments (BERT), 15% of the
@@ -15,7 +15,6 @@ RESERVE kept, and the per-rank peak under FSDP2 for world sizes 2, 4 and 8 (comp
 """
 from __future__ import annotations
 
-import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -23,11 +22,15 @@ from dataclasses import dataclass, field
 import torch
 
 import fastbert
-from fastbert.bench.model_cases import LABEL_FRACTION, SIZES, training_head
+from fastbert.bench.model_cases import SIZES
+from fastbert.simulated.device_fit import (RESERVE, GiB, fsdp2_per_rank, gathered_parameters, largest_batch,
+                                           layer_index)
+from fastbert.simulated.memory_plan import plan_step
+from fastbert.simulated.pretraining import (encoder_inputs, fastbert_model, label_budget, pretraining_batch,
+                                            pretraining_model, training_head)
 
 FASTBERT, HF_SDPA, HF_EAGER = "fastbert", "hf-sdpa", "hf-eager"
 PROVIDERS = (FASTBERT, HF_SDPA, HF_EAGER)
-GiB = 1 << 30
 # The planned device: an H100 80 GB (80 GiB of HBM3). Its driver keeps part of it (CUDA reports about 79.1 GiB
 # as total_memory), which the reserve's fixed part covers.
 PLANNED_DEVICE_BYTES = 80 * GiB
@@ -36,33 +39,7 @@ FSDP2_WORLD_SIZES = (2, 4, 8)
 MEGATRON_SBH = 34  # bytes per layer / (s·b·h) of a 16-bit layer with flash attention (Korthikanti et al., 2022)
 LARGEST_BATCH_LIMIT = 65535  # the most sequences fastbert's attention takes (a grid dimension); the search stops there
 ROOT_KIND = "(the model's top-level forward: its loss)"  # what the root module ("") saves itself
-SECANT_STEPS = 4  # refits of the line before the search falls back to galloping and bisecting
-STATE_CATEGORIES = ("weights", "gradients", "optimizer")  # plan_step's breakdown keys that FSDP2 shards
 PAPER_SBH = 20  # issue 18's exact-backward floor: input 2, Q K V 6, attention output + LSE 2, FFN pre-act 8, LN 2
-
-
-@dataclass(frozen=True)
-class Reserve:
-    """Memory a step may not plan on: a fixed part for what torch's allocator does not count (the share of HBM
-    the driver keeps, the CUDA context with its loaded kernels, cuBLAS/cuDNN workspaces, NCCL buffers under
-    torchrun) and a fraction of the planned peak for the caching allocator's rounding and fragmentation
-    (blocks rounded to 512 B, segments of 2 MiB and 20 MiB whose free tails other sizes cannot always use)."""
-    fixed_bytes: int
-    fraction: float
-
-    def needed(self, peak_bytes: int) -> int:
-        """The device memory a step whose plan peaks at peak_bytes needs."""
-        return self.fixed_bytes + math.ceil(peak_bytes * (1 + self.fraction))
-
-    def text(self) -> str:
-        return f"{self.fixed_bytes / GiB:g} GiB + {100 * self.fraction:g}% of the planned peak"
-
-
-# 3 GiB: about 0.9 GiB of an 80 GiB H100 is not visible to CUDA, a context with fastbert's and cuBLAS's kernels
-# loaded takes about 0.5-1 GiB, cuBLAS workspaces and NCCL buffers the rest. 10%: the caching allocator's
-# reserved-over-allocated ratio at the peak of a training step is typically 1.02-1.10 without
-# expandable_segments; the upper end is kept so that a batch the plan accepts does not run out of memory.
-RESERVE = Reserve(fixed_bytes=3 * GiB, fraction=0.10)
 
 
 @dataclass
@@ -126,31 +103,22 @@ def memory_cases() -> list[MemoryCase]:
     return cases
 
 
-def label_budget(seqlen: int) -> int:
-    """Labelled tokens per sequence: what `fastbert pretrain` sets as max_predictions_per_seq."""
-    return math.ceil(seqlen * LABEL_FRACTION)
-
-
 def build_model(case: MemoryCase, provider: str, device: str | torch.device = "meta") -> torch.nn.Module:
     """The case's model on `device` (meta: sizes only): fastbert on its Triton path, or transformers' BERT with
     the provider's attention. Inference models hold bf16 weights; training models fp32 (autocast computes in
     bf16)."""
     config = case.bert_config
-    if case.mode == "pretrain":
-        config = config.replace(max_predictions_per_seq=label_budget(case.seqlen))
     head = {"pretrain": training_head(config), "finetune": "ForSequenceClassification", "inference": "Model"}[case.mode]
     if provider == FASTBERT:
-        from fastbert.architectures import model_class
-
-        config = config.replace(backend="triton")
         if case.checkpointing != "none":
             config = config.replace(activation_checkpointing=case.checkpointing)
-        with torch.device(device):
-            model = model_class(config, head)(config)
+        model = (pretraining_model(config, case.seqlen, head, device) if case.mode == "pretrain"
+                 else fastbert_model(config, head, device))
     else:
         import transformers
 
-        values = config.to_dict()  # config.json's fields: fastbert's own switches are not among them
+        # config.json's fields: fastbert's own switches (the label budget, checkpointing) are not among them
+        values = config.to_dict()
         hf_config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
         hf_class = getattr(transformers, type(hf_config).__name__.removesuffix("Config") + head)
         with torch.device(device):
@@ -163,31 +131,20 @@ def build_model(case: MemoryCase, provider: str, device: str | torch.device = "m
 def make_inputs(case: MemoryCase, batch: int, device: str | torch.device = "meta") -> dict:
     """The case's seeded batch on `device`: full-length sequences, [B, S] int64 ids, mask and (BERT) two
     segments; pretrain adds [B, S] MLM labels (label_budget(S) random positions per sequence, -100 elsewhere)
-    and (BERT) [B] NSP labels, finetune [B] labels of 2 classes; inference takes no labels."""
-    config, seqlen = case.bert_config, case.seqlen
+    and (BERT) [B] NSP labels (simulated.pretraining.pretraining_batch), finetune [B] labels of 2 classes;
+    inference takes no labels."""
+    config = case.bert_config
+    if case.mode == "pretrain":
+        return pretraining_batch(config, batch, case.seqlen, training_head(config), device)
     g = torch.Generator().manual_seed(0)
-    tensors = {"input_ids": torch.randint(1, config.vocab_size, (batch, seqlen), generator=g),
-               "attention_mask": torch.ones(batch, seqlen, dtype=torch.long)}
-    segments = (torch.arange(seqlen) >= seqlen // 2).long().expand(batch, seqlen).contiguous()
-    if config.type_vocab_size > 1:  # BERT's two segments; one-segment models (ModernBERT, mlm) take none
-        tensors["token_type_ids"] = segments
+    tensors = encoder_inputs(config, batch, case.seqlen, g)
     if case.mode == "finetune":
         tensors["labels"] = torch.randint(0, 2, (batch,), generator=g)
-    elif case.mode == "pretrain":
-        positions = torch.rand(batch, seqlen, generator=g).argsort(dim=1)[:, :label_budget(seqlen)]  # [B, k]
-        labels = torch.full((batch, seqlen), -100)
-        labels.scatter_(1, positions, torch.randint(0, config.vocab_size, positions.shape, generator=g))
-        next_sentence_label = torch.randint(0, 2, (batch,), generator=g)
-        tensors["labels"] = labels
-        if training_head(config) == "ForPreTraining":
-            tensors["next_sentence_label"] = next_sentence_label
     return {k: v.to(device) for k, v in tensors.items()}
 
 
 def plan(case: MemoryCase, provider: str, batch: int):
-    """plan_step of the case's step at this batch: a fastbert.bench.memory_plan.StepMemory."""
-    from fastbert.bench.memory_plan import plan_step
-
+    """plan_step of the case's step at this batch: a fastbert.simulated.memory_plan.StepMemory."""
     mode = "inference" if case.mode == "inference" else "train"
     return plan_step(build_model(case, provider), provider_inputs(case, provider, batch), mode=mode,
                      optimizer=case.optimizer, precision=case.precision)
@@ -203,116 +160,16 @@ def provider_inputs(case: MemoryCase, provider: str, batch: int, device: str | t
     return inputs
 
 
-def fits(peak_bytes: int, device_bytes: int, reserve: Reserve = RESERVE) -> bool:
-    return reserve.needed(peak_bytes) <= device_bytes
-
-
-def largest_batch(peak_of, device_bytes: int, reserve: Reserve = RESERVE, known: dict | None = None,
-                  limit: int = 1 << 20) -> tuple[int, int]:
-    """(the largest batch whose planned peak fits device_bytes with the reserve, the plans it took).
-
-    peak_of(batch) -> peak bytes. Past small batches (whose peak is the optimizer step's: weights, gradients and
-    state) a step's peak is affine in the batch, so a line through two planned batches near the budget crosses
-    it at the answer: the search plans a second batch (half the one known), then the line's crossing, refitted
-    (secant steps) until the batch fits and the next does not; where the line is off it gallops and bisects, so
-    the answer is exact either way. known: {batch: peak bytes} already planned. The search goes no further than
-    `limit`, returned when it fits; (0, plans) when not even batch 1 fits."""
-    peaks = dict(known or {})
-    budget = (device_bytes - reserve.fixed_bytes) / (1 + reserve.fraction)  # the largest peak that fits
-
-    def ok(b: int) -> bool:
-        if b not in peaks:
-            peaks[b] = peak_of(b)
-        return fits(peaks[b], device_bytes, reserve)
-
-    def plans() -> int:
-        return len(peaks) - len(known or {})
-
-    def bracket() -> tuple[int, int | None]:
-        fitting = [b for b in peaks if ok(b)]
-        return max(fitting, default=0), min((b for b in peaks if not ok(b)), default=None)
-
-    def crossing() -> int:
-        """The line's crossing with the budget, through the planned batch nearest it and one far enough from
-        it that rounding does not tilt the line."""
-        near = sorted(peaks, key=lambda b: abs(peaks[b] - budget))
-        a = near[0]
-        b = next((b for b in near[1:] if abs(b - a) >= max(2, a // 8)), near[1])
-        slope = (peaks[b] - peaks[a]) / (b - a)
-        return limit if slope <= 0 else round(a + (budget - peaks[a]) / slope)
-
-    if not any(ok(b) for b in list(peaks)) and not ok(1):
-        return 0, plans()
-    if len(peaks) < 2:
-        only = next(iter(peaks))
-        ok(only // 2 if only > 1 else 2)
-    low, high = bracket()
-    for _ in range(SECANT_STEPS):
-        if high is not None and high - low <= 1:
-            return low, plans()
-        guess = min(max(crossing(), low + 1), limit if high is None else high - 1)
-        if guess in peaks:
-            break
-        ok(guess)
-        low, high = bracket()
-    step = 1
-    while high is None:  # gallop upwards from the largest batch that fits
-        following = min(limit, low + step)
-        if following == low:
-            return low, plans()
-        if ok(following):
-            low, step = following, 2 * step
-        else:
-            high = following
-    while high - low > 1:
-        middle = (low + high) // 2
-        if ok(middle):
-            low = middle
-        else:
-            high = middle
-    return low, plans()
-
-
-# an encoder layer's module names in HF's layouts: ...encoder.layer.N... (BERT), ...transformer.layer.N...
-# (DistilBERT), ...layers.N... (ModernBERT); and the layers' container, which with full activation
+# the container of the encoder's layers (device_fit.LAYER) in HF's layouts, which with full activation
 # checkpointing keeps each layer's input
-LAYER = re.compile(r"\.(?:encoder\.layer|transformer\.layer|layers)\.(\d+)(?:\.|$)")
 LAYERS = re.compile(r"\.(?:encoder|transformer|layers)$")
 
 
-def layer_index(name: str) -> str | None:
-    """The encoder layer a module or parameter name belongs to, or None."""
-    match = LAYER.search(f".{name}")
-    return None if match is None else match.group(1)
-
-
 def encoder_saved_bytes(saved_by_module: dict[str, int]) -> int:
-    """Bytes saved for the backward by the encoder's layers, and by the encoder itself (LAYER, LAYERS)."""
+    """Bytes saved for the backward by the encoder's layers (device_fit.layer_index), and by the encoder itself
+    (LAYERS)."""
     return sum(v for name, v in saved_by_module.items()
                if layer_index(name) is not None or LAYERS.search(f".{name}"))
-
-
-def gathered_parameters(model: torch.nn.Module) -> int:
-    """Parameters FSDP2 holds unsharded at once under `--distributed fsdp` (one shard group per encoder layer
-    plus the root): the root's (embeddings and heads, gathered through the root's forward) and two layers'
-    (the one computing and the one prefetched)."""
-    layers: dict[str, int] = {}
-    root = 0
-    for name, p in model.named_parameters():
-        index = layer_index(name)
-        if index is not None:
-            layers[index] = layers.get(index, 0) + p.numel()
-        else:
-            root += p.numel()
-    return root + 2 * max(layers.values(), default=0)
-
-
-def fsdp2_per_rank(memory, gathered_params: int, world_size: int) -> int:
-    """A rank's peak under FSDP2 with bf16 all-gathers: the peak's weights, gradients and optimizer state
-    divided by the world size, the rest (activations, transients) unchanged, plus the gathered parameters in
-    bf16 (fastbert.bench.memory_cases.gathered_parameters)."""
-    state = sum(memory.peak_breakdown.get(k, 0) for k in STATE_CATEGORIES)
-    return memory.peak_bytes - state + math.ceil(state / world_size) + 2 * gathered_params
 
 
 def row_figures(case: MemoryCase, provider: str, batch_peaks: dict | None = None) -> dict:
@@ -375,7 +232,7 @@ def planned_provenance(command: list[str] | None) -> dict:
     from fastbert.bench.provenance import cpu_name, provenance
 
     return {**provenance(torch.device("cpu"), command), "device": PLANNED_DEVICE, "device_type": "planned",
-            "host": cpu_name(), "timer": None, "memory_meter": "fastbert.bench.memory_plan.plan_step"}
+            "host": cpu_name(), "timer": None, "memory_meter": "fastbert.simulated.memory_plan.plan_step"}
 
 
 def run_memory_suite(out_dir: str, only: str | None = None, progress: bool = True,
@@ -480,45 +337,3 @@ def summary(rows: list[dict]) -> str:
         lines.append(f"{r['case'][:46]:<46} {r['provider']:<9} {r['batch']:>5} {r['peak_bytes'] / GiB:>9.2f} "
                      f"{r['saved_for_backward_bytes'] / GiB:>9.2f} {sbh:>6} {r['largest_batch']:>9}")
     return "\n".join(lines)
-
-
-@dataclass
-class MicroBatchChoice:
-    """`fastbert pretrain --micro-batch-size auto` for one phase: the micro-batch, the largest batch that fits
-    and the plan of a step at the micro-batch (peak and what is saved for the backward, bytes)."""
-    micro_batch_size: int
-    largest_batch: int
-    peak_bytes: int
-    saved_for_backward_bytes: int
-    plans: int
-
-
-def choose_micro_batch(config: fastbert.BertConfig, seqlen: int, rank_batch: int, optimizer: str, precision: str,
-                       free_bytes: int, fsdp_world_size: int = 1) -> MicroBatchChoice:
-    """The largest divisor of rank_batch (this rank's sequences per step) whose planned step fits free_bytes with
-    RESERVE kept: a fastbert BertForPreTraining step at sequence length seqlen, with the model's config
-    (its activation_checkpointing included), the optimizer, precision "bf16" or "fp32", per rank under FSDP2
-    when fsdp_world_size > 1. Raises ValueError when not even a micro-batch of one sequence fits."""
-    from fastbert.bench.memory_plan import plan_step
-
-    case = MemoryCase("pretrain", "run", seqlen, rank_batch, optimizer, providers=(FASTBERT,), config=config)
-    gathered = gathered_parameters(build_model(case, FASTBERT)) if fsdp_world_size > 1 else 0
-    plans: dict[int, object] = {}
-
-    def step(batch: int):
-        if batch not in plans:
-            plans[batch] = plan_step(build_model(case, FASTBERT), provider_inputs(case, FASTBERT, batch), mode="train",
-                                     optimizer=optimizer, precision=precision)
-        return plans[batch]
-
-    def peak_of(batch: int) -> int:
-        memory = step(batch)
-        return memory.peak_bytes if fsdp_world_size == 1 else fsdp2_per_rank(memory, gathered, fsdp_world_size)
-
-    largest, count = largest_batch(peak_of, free_bytes, limit=rank_batch)
-    if largest == 0:
-        raise ValueError(f"--micro-batch-size auto: a micro-batch of 1 sequence of length {seqlen} needs "
-                         f"{RESERVE.needed(peak_of(1)) / GiB:.2f} GiB by the plan ({RESERVE.text()} kept), and the "
-                         f"GPU has {free_bytes / GiB:.2f} GiB free")
-    size = max(d for d in range(1, largest + 1) if rank_batch % d == 0)
-    return MicroBatchChoice(size, largest, peak_of(size), step(size).saved_for_backward_bytes, count)

@@ -4,8 +4,9 @@ of the newest `fastbert bench --suite memory` run (fastbert.bench.memory_cases) 
 from __future__ import annotations
 
 from fastbert.bench.model_cases import SIZES
-from fastbert.bench.memory_cases import (FASTBERT, GiB, HF_EAGER, HF_SDPA, MEGATRON_SBH, PAPER_SBH,
-                                         PLANNED_DEVICE_BYTES, PROVIDERS)
+from fastbert.bench.memory_cases import (FASTBERT, HF_EAGER, HF_SDPA, MEGATRON_SBH, PAPER_SBH, PLANNED_DEVICE_BYTES,
+                                         PROVIDERS)
+from fastbert.simulated.device_fit import GiB
 
 COMMAND = "fastbert bench --suite memory --out benchmarks/results"
 GPU_CHECK_COMMAND = "benchmarks/gpu_check.sh OUTDIR memory"
@@ -203,14 +204,14 @@ def memory_section(rows: list[dict]) -> list[str]:
             "runs on meta tensors: fastbert's Triton launchers and autograd Functions go through the stand-in "
             "driver (nothing is launched), transformers' BERT runs its own code (SDPA routed to the flash "
             "kernel, as an H100 runs it), and a dispatch-level tracker of live storages "
-            "(`fastbert.bench.memory_plan.plan_step`) counts every byte allocated and freed: the peak, what is "
+            "(`fastbert.simulated.memory_plan.plan_step`) counts every byte allocated and freed: the peak, what is "
             "live at the end of the forward and what autograd keeps for the backward. Same inputs for every "
             "provider: full-length sequences, two segments, 15% of the tokens labelled, an NSP label each; bf16 "
             "autocast with fp32 weights (as `fastbert pretrain` runs on a GPU), inference in bf16 weights. "
             f"The largest batch is searched exactly (the batch fits, the next does not) in "
             f"{PLANNED_DEVICE_BYTES / GiB:g} GiB keeping {first['reserve']} (for the CUDA context, the driver's "
             "share, workspaces and the caching allocator's fragmentation: `RESERVE` in "
-            "fastbert/bench/memory_cases.py). `benchmarks/gpu_check.sh` measures `torch.cuda.max_memory_allocated` "
+            "fastbert/simulated/device_fit.py). `benchmarks/gpu_check.sh` measures `torch.cuda.max_memory_allocated` "
             "over the same steps on a GPU; its rows appear below beside the plan.", "",
             f"Per layer: bytes the encoder's layers keep for the backward, per token per layer, over h, to read "
             f"against Megatron's {MEGATRON_SBH}·s·b·h for a 16-bit layer with flash attention (Korthikanti et al., "

@@ -33,23 +33,18 @@ from fastbert.bench.op_cases import mask_from_lengths, random_lengths
 from fastbert.bench.timing import peak_memory, time_ms
 from fastbert.data.examples import MLM, MLM_NSP
 from fastbert.family_config import ModernBertConfig, MPNetConfig
+from fastbert.simulated.pretraining import LABEL_FRACTION, training_head
 from fastbert.train.metrics import encoder_flops, training_flops
 
 FASTBERT, UNPAD, EAGER = "fastbert", "fastbert-unpad", "fastbert-eager"
 HF_SDPA, HF_EAGER, HF_COMPILE, HF_FA2 = "hf-sdpa", "hf-eager", "hf-sdpa+compile", "hf-flash-attention-2"
 HF_ATTENTION = {HF_SDPA: "sdpa", HF_EAGER: "eager", HF_COMPILE: "sdpa", HF_FA2: "flash_attention_2"}
 GPU_PROVIDERS = frozenset({FASTBERT, UNPAD, HF_COMPILE})
-LABEL_FRACTION = 0.15
 SIZES = {"base": fastbert.BertConfig.base, "large": fastbert.BertConfig.large, "tiny": fastbert.BertConfig.tiny,
          # all-mpnet-base-v2's shape (514 positions: 512 tokens after the padding index's offset)
          "mpnet-base": lambda: MPNetConfig(max_position_embeddings=514), "mpnet-tiny": MPNetConfig.tiny,
          "modernbert-base": ModernBertConfig.base, "modernbert-large": ModernBertConfig.large,
          "modernbert-tiny": ModernBertConfig.tiny}
-
-
-def training_head(config: fastbert.BertConfig) -> str:
-    """What a training step trains: BERT's pretraining heads (MLM + NSP), the masked LM alone for the rest."""
-    return "ForPreTraining" if config.model_type == "bert" else "ForMaskedLM"
 
 
 def oom_errors() -> tuple[type[BaseException], ...]:

@@ -163,6 +163,24 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, betas: tuple[f
     raise ValueError(f"optimizer must be 'lamb' or 'adamw', got {name!r}")
 
 
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """The gradients' global norm (before clipping), clipped to max_norm unless it is 0."""
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
+
+
+def update(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """optimizer.step() unless skip: decided on the device by optimizers that take found_inf (torch's
+    fused ones, fastbert's Lamb); the others (apex, torch's foreach) read skip on the host."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.found_inf = skip.float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif not skip.item():
+        optimizer.step()
+
+
 def linear_warmup_decay(warmup_steps: int, total_steps: int):
     """LR multiplier: linear from 0 to 1 over warmup_steps, then linear to 0 at total_steps."""
     def factor(step: int) -> float:

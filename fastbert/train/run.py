@@ -78,13 +78,13 @@ def plan_phases(cfg: PretrainConfig, max_positions: int, world_size: int) -> lis
 def auto_micro_batches(cfg: PretrainConfig, config, phases: list[Phase], env: distributed.Dist, dtype: torch.dtype,
                        resume: str | None, free_bytes: int | None = None) -> None:
     """--micro-batch-size auto: set each phase's micro-batch to the largest divisor of the per-rank batch whose
-    step the memory plan (fastbert.bench.memory_cases.choose_micro_batch) fits into the GPU's free memory
+    step the memory plan (fastbert.simulated.device_fit.choose_micro_batch) fits into the GPU's free memory
     (free_bytes, default torch.cuda.mem_get_info's) with the plan's reserve kept; gradient accumulation makes
     up the rest of the batch. The ranks take the smallest of their choices. A resume keeps the micro-batches
     its checkpoint's run used where they still fit: another split draws other dropout masks and sums the
     gradient in another order, so the resumed run would not be the checkpoint's run continued exactly.
     Raises ValueError when one sequence does not fit (build_run refuses the option off a GPU)."""
-    from fastbert.bench.memory_cases import RESERVE, GiB, choose_micro_batch
+    from fastbert.simulated.device_fit import RESERVE, GiB, choose_micro_batch
 
     if free_bytes is None:
         free_bytes = torch.cuda.mem_get_info(env.device)[0]

@@ -9,7 +9,6 @@ thread (host_stats).
 """
 from __future__ import annotations
 
-import math
 import re
 import warnings
 from dataclasses import dataclass
@@ -21,8 +20,9 @@ from fastbert.data.examples import MLM_NSP
 from fastbert.data.masking import IGNORE_INDEX
 from fastbert.train import distributed
 from fastbert.train.metrics import training_flops
+from fastbert.train.optim import clip_gradients, update
 
-if TYPE_CHECKING:  # run.py is above this module (it plans micro-batches with the memory plan, which runs steps)
+if TYPE_CHECKING:  # run.py is above this module (it builds the Run a step takes)
     from fastbert.train.run import Run
 
 
@@ -86,10 +86,10 @@ def train_step(run: Run, micro_batches: list[dict], host: HostStats, masked_glob
                              mask_accuracy.detach().double() * shown_masked])
     sums = distributed.all_reduce_sum(sums, env)  # over the global batch
     scaler.unscale_(optimizer)
-    norm = distributed.full_tensor(_clip_gradients(run.model, cfg.max_grad_norm))
+    norm = distributed.full_tensor(clip_gradients(run.model, cfg.max_grad_norm))
     loss_finite = torch.isfinite(sums).all()
     skipped = ~(loss_finite & torch.isfinite(norm))
-    _update(optimizer, skipped)
+    update(optimizer, skipped)
     if scaler.is_enabled():
         scaler.update()  # lowers the scale after an overflow, from the checks unscale_ recorded
     optimizer.zero_grad(set_to_none=True)
@@ -97,21 +97,3 @@ def train_step(run: Run, micro_batches: list[dict], host: HostStats, masked_glob
         warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
         run.scheduler.step()
     return StepResult(sums, norm, skipped, ~loss_finite if scaler.is_enabled() else skipped, loss_finite)
-
-
-def _clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """The gradients' global norm (before clipping), clipped to max_norm unless it is 0."""
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
-
-
-def _update(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
-    """optimizer.step() unless skip: decided on the device by optimizers that take found_inf (torch's
-    fused ones, fastbert's Lamb); the others (apex, torch's foreach) read skip on the host."""
-    if getattr(optimizer, "_step_supports_amp_scaling", False):
-        optimizer.found_inf = skip.float()
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.found_inf
-    elif not skip.item():
-        optimizer.step()

@@ -4,8 +4,9 @@
 Triton launchers through the stand-in driver, CUDA autocast emulated, SDPA as its flash backend) under a
 `MemoryTracker`, with the step's own code where fastbert has it: the optimizers as `fastbert pretrain` builds
 them (`train.optim.build_optimizer`: torch's fused AdamW, fastbert's LAMB), gradient clipping and the update
-as `train.step` does them. Nothing runs on a device and nothing is compiled, so a BERT-large step plans in
-seconds of CPU (`fastbert bench --suite memory --model large --seq-length 512 --batch 32` plans one).
+as `train.step` does them (`train.optim.clip_gradients` and `update`). Nothing runs on a device and nothing is
+compiled, so a BERT-large step plans in seconds of CPU (`fastbert bench --suite memory --model large
+--seq-length 512 --batch 32` plans one).
 
 The step is planned in its steady state: the optimizer state exists before it starts (as from the second
 step on), gradients do not (the previous step set them to None). The batch counts as the step's inputs.
@@ -21,8 +22,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from fastbert.bench.memory_tracker import MemoryTracker
-from fastbert.bench.meta_gpu import autocast, planned_gpu
+from fastbert.simulated.memory_tracker import MemoryTracker
+from fastbert.simulated.meta_gpu import autocast, planned_gpu
+from fastbert.train.optim import build_optimizer, clip_gradients, update
 
 MODES = ("train", "inference")
 OPTIMIZERS = (None, "adamw", "lamb")
@@ -169,8 +171,6 @@ def _training_mode_kept(model: nn.Module):
 
 def _steady_optimizer(model: nn.Module, name: str, settings: OptimizerSettings) -> torch.optim.Optimizer:
     """The optimizer pretraining builds, with its state made by one step on zero gradients."""
-    from fastbert.train.optim import build_optimizer
-
     opt = build_optimizer(model, name, settings.lr, settings.betas, settings.eps, settings.weight_decay,
                           sharded=False)
     for param in model.parameters():
@@ -184,8 +184,6 @@ def _steady_optimizer(model: nn.Module, name: str, settings: OptimizerSettings) 
 def optimizer_step(model: nn.Module, opt: torch.optim.Optimizer, settings: OptimizerSettings) -> None:
     """Clip, update and clear the gradients as train.step.train_step does (no loss scaling: bf16 and fp32
     need none)."""
-    from fastbert.train.step import _clip_gradients, _update
-
-    norm = _clip_gradients(model, settings.max_grad_norm)
-    _update(opt, ~torch.isfinite(norm))
+    norm = clip_gradients(model, settings.max_grad_norm)
+    update(opt, ~torch.isfinite(norm))
     opt.zero_grad(set_to_none=True)

@@ -260,7 +260,7 @@ def planned_gpu(dtype: torch.dtype | None = None, sdpa: str = "flash"):
     from torch.fx.experimental import _config as fx_config
     from triton import knobs
 
-    from fastbert.bench.stand_in_gpu import H100, LaunchLog, install
+    from fastbert.simulated.stand_in_gpu import H100, LaunchLog, install
 
     if sdpa not in SDPA_BACKENDS:
         raise ValueError(f"sdpa must be one of {SDPA_BACKENDS}, got {sdpa!r}")
