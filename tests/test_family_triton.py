@@ -9,7 +9,7 @@ import pytest
 import torch
 from family_models import (ARCHITECTURES, LENGTHS, TRITON_SIZES, base_loss, flattened, hf_model, padded_batch,
                            to_device)
-from tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, assert_within_rule
+from tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, assert_within_rule, pytorch_in
 
 import fastbert
 
@@ -34,8 +34,10 @@ def assert_triton_within_the_rule(exact, inputs, dtype, unpad, noise_only=()):
     assert fast.config.backend == "triton" and fast.config.unpad is unpad
     mask = inputs["attention_mask"]
     real = mask.bool()
-    (out, grads), (torch_out, torch_grads), (exact_out, exact_grads) = (
-        run(model, inputs, mask) for model in (kernels, in_dtype, exact))
+    out, grads = run(kernels, inputs, mask)
+    with pytorch_in(dtype):
+        torch_out, torch_grads = run(in_dtype, inputs, mask)
+    exact_out, exact_grads = run(exact, inputs, mask)
     assert len(out.hidden_states) == exact.config.num_hidden_layers + 1
     for layer, states in enumerate(zip(out.hidden_states, torch_out.hidden_states, exact_out.hidden_states)):
         assert_within_rule(f"hidden state {layer}", *(state[real] for state in states), FORWARD_FACTOR)
