@@ -1,34 +1,68 @@
 #!/usr/bin/env bash
-# Everything a GPU session checks, on one H100 or H200 in the environment DESIGN.md names:
-#   benchmarks/gpu_check.sh OUTDIR [tests|bench|memory|all]   (default all)
-# tests: every kernel test on the GPU (the full-size `gpu` cases too: the interpreter runs smaller ones) and
-#        the whole model on the Triton path, as JUnit XML + log in OUTDIR. A few minutes, mostly Triton autotuning.
-# bench: benchmarks/run_gpu.sh OUTDIR (under 10 minutes), then PERF.md regenerated from OUTDIR.
-# memory: the memory plan's steps that fit this GPU run on it (benchmarks/memory_gpu_check.py):
-#         torch.cuda.max_memory_allocated beside the planned peak, then PERF.md regenerated from OUTDIR.
-# On a machine that limits one command to 10 minutes, run `tests` and `bench` as two commands.
+# Everything a GPU session checks, in one call of at most 8 minutes on one H100 or H200 (DESIGN.md's GPU
+# environment: torch 2.11, Triton 3.6, transformers 5.17, no package index):
+#   benchmarks/gpu_check.sh OUTDIR
+# Runs from the checkout as it is: installed with `python -m pip install --no-deps --no-build-isolation -e .`
+# or not installed at all (PYTHONPATH is the checkout; fastbert maps fastbert.kernels to kernels/ itself).
+# Three stages, each under its own limit, all output under OUTDIR:
+#   tests   the kernel and model test files on the GPU, pytest in parallel, stopped with SIGINT at its limit so
+#           that it still prints every failure with its short traceback (tests.log) and writes tests.xml (JUnit)
+#   models  the whole-model benchmarks against transformers (`fastbert bench --suite gpu --only` the model
+#           cases), rows in bench-models/
+#   ops     `fastbert bench --suite gpu` with a budget, its per-op cases (every case but the models'), rows in
+#           bench-ops/
+# then prints a summary of at most 40 lines (benchmarks/gpu_check_summary.py; also in summary.txt).
+# Limits in seconds, from the environment: FASTBERT_CHECK_TESTS_S (240), FASTBERT_CHECK_MODELS_S (110),
+# FASTBERT_CHECK_OPS_S (100); the benchmarks' measuring budgets are their limits less 30 s of start-up.
+# For dry runs and the script's own tests: FASTBERT_CHECK_DEVICE=cpu (no GPU needed), FASTBERT_CHECK_TESTS (the
+# test files), FASTBERT_CHECK_WORKERS (pytest -n, 12), FASTBERT_CHECK_BENCH (the command that runs a bench stage).
 set -uo pipefail
-if [ $# -lt 1 ]; then
-    echo "usage: $0 OUTDIR [tests|bench|memory|all]" >&2
+if [ $# -ne 1 ]; then
+    echo "usage: $0 OUTDIR" >&2
     exit 2
 fi
-out=$1
-what=${2:-all}
+mkdir -p "$1" || exit 2
+out=$(cd "$1" && pwd)
 cd "$(dirname "$0")/.."
-mkdir -p "$out"
-python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA GPU: this script is for a GPU machine")' || exit 2
-# kernels/ is installed as fastbert.kernels: the checkout needs an install, not a bare PYTHONPATH
-python -c 'import fastbert.kernels' 2>/dev/null || pip install --no-deps --no-build-isolation -e . >/dev/null || exit 1
-status=0
-if [ "$what" = tests ] || [ "$what" = all ]; then
-    python -m pytest -q -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
-        tests/test_layer_norm.py tests/test_bias_gelu.py tests/test_qkv.py tests/test_attention.py \
-        tests/test_mlm_loss.py tests/test_model_triton.py 2>&1 | tee "$out/gpu-tests.log" || status=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+tests_s=${FASTBERT_CHECK_TESTS_S:-240}
+models_s=${FASTBERT_CHECK_MODELS_S:-110}
+ops_s=${FASTBERT_CHECK_OPS_S:-100}
+test_files=${FASTBERT_CHECK_TESTS:-"tests/test_layer_norm.py tests/test_layer_norm_residual.py tests/test_bias_gelu.py
+    tests/test_dropout.py tests/test_qkv.py tests/test_ffn.py tests/test_geglu.py tests/test_attention.py
+    tests/test_attention_relative_bias.py tests/test_attention_rotary_window.py tests/test_mlm_loss.py
+    tests/test_numerics.py tests/test_model_triton.py tests/test_family_triton.py tests/test_modernbert.py"}
+bench=${FASTBERT_CHECK_BENCH:-"python -m fastbert.bench"}
+# the whole-model cases of the GPU suite (fastbert/bench/model_cases.py names them mode/model,...)
+model_cases='^(train|inference|capacity)/'
+
+if [ "${FASTBERT_CHECK_DEVICE:-cuda}" = cuda ]; then
+    python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA GPU: this script is for a GPU machine")' || exit 2
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-    benchmarks/run_gpu.sh "$out" && python benchmarks/make_perf.py --results "$out" || status=1
-fi
-if [ "$what" = memory ] || [ "$what" = all ]; then
-    python benchmarks/memory_gpu_check.py "$out" && python benchmarks/make_perf.py --results "$out" || status=1
-fi
-exit $status
+python -c 'import fastbert.kernels' || exit 2
+: > "$out/stages.tsv"
+
+# run_stage NAME LIMIT_S COMMAND...: COMMAND's output in OUTDIR/NAME.log; SIGINT at the limit (KILL 30 s
+# later); a line "NAME rc seconds limit" in OUTDIR/stages.tsv
+run_stage() {
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$SECONDS
+    echo "== $name (limit ${limit} s): $*" >&2
+    timeout -s INT -k 30 "$limit" "$@" > "$out/$name.log" 2>&1
+    rc=$?
+    echo "$name $rc $((SECONDS - start)) $limit" >> "$out/stages.tsv"
+}
+
+# shellcheck disable=SC2086  # the lists are word lists
+run_stage tests "$tests_s" python -m pytest -n "${FASTBERT_CHECK_WORKERS:-12}" -p no:cacheprovider -q -rfE \
+    --tb=short --junitxml "$out/tests.xml" $test_files
+# shellcheck disable=SC2086
+run_stage models "$models_s" $bench --suite gpu --only "$model_cases" --budget $((models_s > 60 ? models_s - 30 : models_s / 2)) \
+    --out "$out/bench-models" --no-progress
+# shellcheck disable=SC2086
+run_stage ops "$ops_s" $bench --suite gpu --only "^(?!(train|inference|capacity)/)" --budget $((ops_s > 60 ? ops_s - 30 : ops_s / 2)) \
+    --out "$out/bench-ops" --no-progress
+python benchmarks/gpu_check_summary.py "$out" | tee "$out/summary.txt"
+# 0 only when every stage ended by itself with 0
+awk '$2 != 0 { bad = 1 } END { exit bad }' "$out/stages.tsv"

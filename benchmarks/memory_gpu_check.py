@@ -5,7 +5,7 @@ shows both). The step is the plan's (fastbert.simulated.memory_plan): the same m
 clipping and update, measured in its steady state (the second step: the optimizer state exists, the gradients
 were set to None, Triton's autotuning is done).
 
-    python benchmarks/memory_gpu_check.py OUTDIR [--only REGEX]      (benchmarks/gpu_check.sh OUTDIR memory)
+    python benchmarks/memory_gpu_check.py OUTDIR [--only REGEX]      (its own call: not one of gpu_check.sh's stages)
 """
 from __future__ import annotations
 

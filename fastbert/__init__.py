@@ -6,8 +6,31 @@ Any of them imports fastbert.architectures first, which registers the models wit
 classes where transformers is installed (see fastbert.auto).
 """
 import importlib
+import importlib.abc
+import importlib.util
+import os
+import sys
 
 __version__ = "0.1.0"
+
+
+class _CheckoutKernels(importlib.abc.MetaPathFinder):
+    """`fastbert.kernels` of a checkout: kernels/ beside this fastbert/, as setup.py's package_dir maps it, also
+    where the checkout runs without an install (PYTHONPATH=checkout, as the GPU check may) or where another
+    checkout is the one installed (its mapping would pair this fastbert with its kernels). An installed copy
+    (fastbert/kernels is a folder or a link) is left to the usual import."""
+
+    def find_spec(self, name, path=None, target=None):
+        here = os.path.dirname(os.path.abspath(__file__))
+        kernels = os.path.join(os.path.dirname(here), "kernels")
+        if (name != "fastbert.kernels" or os.path.exists(os.path.join(here, "kernels"))
+                or not os.path.isfile(os.path.join(kernels, "__init__.py"))):
+            return None
+        return importlib.util.spec_from_file_location(name, os.path.join(kernels, "__init__.py"),
+                                                      submodule_search_locations=[kernels])
+
+
+sys.meta_path.insert(0, _CheckoutKernels())
 # public name -> (module that defines it, its name there)
 _EXPORTS = {
     "BertConfig": ("fastbert.config", "BertConfig"),

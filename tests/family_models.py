@@ -121,6 +121,11 @@ def flattened(inputs, start: int) -> dict:
     return packed
 
 
+def to_device(inputs: dict, device) -> dict:
+    """The batch's tensors on `device` (the tests' device fixture: the GPU where there is one)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
 def real_tokens(output: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The entries of a per-token output [..., S, ...] (leading dims those of mask) on real tokens."""
     return output[mask.bool()] if tuple(output.shape[:mask.dim()]) == tuple(mask.shape) else output

@@ -25,27 +25,29 @@ OLD_NAME_WARNING = "ignore:`gradient_checkpointing_enable` is deprecated:FutureW
 TINY = dict(hidden_size=64, num_attention_heads=2, intermediate_size=256, vocab_size=99)
 
 
-def _model(backend, layers=2, dropout=0.1, **changes):
+def _model(backend, device="cpu", layers=2, dropout=0.1, **changes):
     torch.manual_seed(0)
     config = BertConfig.tiny(**TINY, num_hidden_layers=layers, backend=backend, hidden_dropout_prob=dropout,
                              attention_probs_dropout_prob=dropout, **changes)
-    return BertModel(config).train()
+    return BertModel(config).to(device).train()
 
 
-def _batch():
+def _batch(device="cpu"):
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=generator)
     mask = torch.ones(BATCH, SEQ, dtype=torch.long)
     mask[1, 11:] = 0
-    return ids, mask, torch.randn(BATCH, SEQ, TINY["hidden_size"], generator=generator)
+    weights = torch.randn(BATCH, SEQ, TINY["hidden_size"], generator=generator)
+    return ids.to(device), mask.to(device), weights.to(device)
 
 
 def _step(model):
     """The output and every parameter's gradient of one forward + backward under bf16 autocast (as
     `fastbert pretrain` runs), from the same RNG state."""
-    ids, mask, weights = _batch()
+    device = next(model.parameters()).device
+    ids, mask, weights = _batch(device)
     torch.manual_seed(2)  # the dropout seeds
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         out = model(input_ids=ids, attention_mask=mask).last_hidden_state
     (out.float() * weights).sum().backward()
     return out.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
@@ -57,10 +59,10 @@ def test_every_option_gives_the_gradients_of_none_bitwise(backend, unpad, device
     """With dropout in the attention and after every sublayer, padded or packed: the recomputation
     redraws the same masks, so outputs and gradients equal the stored run's bit for bit;
     gradient_checkpointing_enable() is "full"."""
-    expected_out, expected = _step(_model(backend, unpad=unpad))
-    runs = {option: _model(backend, activation_checkpointing=option, unpad=unpad)
+    expected_out, expected = _step(_model(backend, device, unpad=unpad))
+    runs = {option: _model(backend, device, activation_checkpointing=option, unpad=unpad)
             for option in ACTIVATION_CHECKPOINTING[1:]}
-    runs["gradient_checkpointing_enable"] = _model(backend, activation_checkpointing="ffn", unpad=unpad)
+    runs["gradient_checkpointing_enable"] = _model(backend, device, activation_checkpointing="ffn", unpad=unpad)
     runs["gradient_checkpointing_enable"].gradient_checkpointing_enable()
     for option, model in runs.items():
         out, grads = _step(model)
@@ -70,13 +72,13 @@ def test_every_option_gives_the_gradients_of_none_bitwise(backend, unpad, device
         assert not different, f"{option}: gradients differ from 'none' in {different}"
 
 
-def _kept_by_one_layer(option, gradient_checkpointing=False):
+def _kept_by_one_layer(option, device, gradient_checkpointing=False):
     """Bytes one bf16 BertLayer (Triton path, dropout on) keeps for the backward under `option`,
     parameters left out (each storage once), and the model."""
-    model = _model("triton", layers=1, activation_checkpointing=option).to(torch.bfloat16)
+    model = _model("triton", device, layers=1, activation_checkpointing=option).to(torch.bfloat16)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    _, mask, hidden = _batch()
+    _, mask, hidden = _batch(device)
     hidden = hidden.to(torch.bfloat16).requires_grad_()
     return _activations(model, lambda: model.encoder(hidden, AttentionLayout(attention_mask=mask))), model
 
@@ -101,14 +103,14 @@ def test_bytes_each_option_keeps_per_layer(device):
     full (and gradient_checkpointing_enable()): the layer input alone, 2 T H."""
     tokens, hidden, inner = BATCH * SEQ, TINY["hidden_size"], TINY["intermediate_size"]
     layer_input = 2 * tokens * hidden
-    none, model = _kept_by_one_layer("none")
+    none, model = _kept_by_one_layer("none", device)
     assert sum(shape[-1] == inner for _, shape in none.values()) == 1
-    assert _total(_kept_by_one_layer("ffn")[0]) == _total(none) - 2 * tokens * inner
-    attended = torch.randn(BATCH, SEQ, hidden, dtype=torch.bfloat16, requires_grad=True)
+    assert _total(_kept_by_one_layer("ffn", device)[0]) == _total(none) - 2 * tokens * inner
+    attended = torch.randn(BATCH, SEQ, hidden, dtype=torch.bfloat16, device=device, requires_grad=True)
     ffn_block = _activations(model, lambda: model.encoder.layer[0].feed_forward(attended))
-    assert _total(_kept_by_one_layer("attention")[0]) == layer_input + _total(ffn_block)
-    assert _total(_kept_by_one_layer("full")[0]) == layer_input
-    assert _total(_kept_by_one_layer("none", gradient_checkpointing=True)[0]) == layer_input
+    assert _total(_kept_by_one_layer("attention", device)[0]) == layer_input + _total(ffn_block)
+    assert _total(_kept_by_one_layer("full", device)[0]) == layer_input
+    assert _total(_kept_by_one_layer("none", device, gradient_checkpointing=True)[0]) == layer_input
 
 
 @pytest.mark.parametrize("option", ACTIVATION_CHECKPOINTING[1:])
@@ -117,10 +119,10 @@ def test_extra_flops_are_the_stated_ones(option, device):
     dropout) exceed those of "none" by recompute_flops_per_token x tokens; for "ffn" by twice that, as
     the reference has no fused op to rerun the up-projection alone and reruns the whole FFN.
     output_attentions puts the attention on matmuls, which the counter sees (CPU SDPA it does not)."""
-    ids = _batch()[0]
+    ids = _batch(device)[0]
 
     def counted(option):
-        model = _model("torch", layers=2, dropout=0.0, activation_checkpointing=option)
+        model = _model("torch", device, layers=2, dropout=0.0, activation_checkpointing=option)
         with FlopCounterMode(display=False) as counter:
             model(input_ids=ids, output_attentions=True).last_hidden_state.sum().backward()
         return counter.get_total_flops()

@@ -8,6 +8,7 @@ import triton
 
 from fastbert import reference
 from fastbert.kernels import attention as attn
+from fastbert.kernels.numerics import INTERPRETER
 from tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, assert_within_rule
 
 
@@ -293,12 +294,14 @@ def test_padded_and_packed_calls_share_an_autotune_key(device, monkeypatch):
     to run the same blocks: the key depends on what changes the compiled kernel (dtype, head dim, dropout,
     precision) and the length bucket, never on the dtypes of placeholder pointers. The interpreter has one
     config, which skips the autotuner's key: with two candidates and a stand-in benchmark, a padded call
-    with a mask, one without and the packed call at the same shapes fill one cache entry per kernel."""
-    two_configs = {attn._attention_fwd_kernel: ("BLOCK_M", "BLOCK_N"),
-                   attn._attention_bwd_kernel: ("BLOCK_MAJOR", "BLOCK_MINOR")}
-    for kernel, names in two_configs.items():
-        monkeypatch.setattr(kernel, "configs", [triton.Config(dict(zip(names, shape)), num_warps=4, num_stages=1)
-                                                for shape in ((128, 64), (64, 32))])
+    with a mask, one without and the packed call at the same shapes fill one cache entry per kernel. The two
+    are candidates of the GPU's architecture (on a GPU the launchers' pruning keeps no other)."""
+    architecture = 90 if INTERPRETER else attn._architecture()
+    two_configs = {attn._attention_fwd_kernel: (("BLOCK_M", "BLOCK_N"), attn.FWD_SHAPES[architecture][-2:]),
+                   attn._attention_bwd_kernel: (("BLOCK_MAJOR", "BLOCK_MINOR"), attn.BWD_SHAPES[architecture][-2:])}
+    for kernel, (names, shapes) in two_configs.items():
+        monkeypatch.setattr(kernel, "configs", [triton.Config(dict(zip(names, (m, n))), num_warps=w, num_stages=s)
+                                                for m, n, w, s in shapes])
         monkeypatch.setattr(kernel, "cache", {})
         monkeypatch.delitem(kernel.__dict__, "do_bench", raising=False)  # a cached benchmarker
         monkeypatch.setattr(kernel, "_do_bench", lambda call, quantiles: [1.0, 1.0, 1.0])

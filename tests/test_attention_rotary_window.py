@@ -156,23 +156,23 @@ def _block_range_kernel(RANGES, lo, hi, window, BLOCK: tl.constexpr, INNER: tl.c
     tl.store(RANGES + 2 * pid + 1, end)
 
 
-def block_ranges(seqlen, lo, hi, window, block, inner):
+def block_ranges(seqlen, lo, hi, window, block, inner, device):
     """[blocks, 2] (start, end) of the kernels' inner loops for each block of `block` positions."""
     blocks = triton.cdiv(seqlen, block)
-    ranges = torch.empty(blocks, 2, dtype=torch.int32)
+    ranges = torch.empty(blocks, 2, dtype=torch.int32, device=device)
     _block_range_kernel[(blocks,)](ranges, lo, hi, 0 if window is None else window, BLOCK=block, INNER=inner,
                                    WINDOW=window is not None)
-    return ranges
+    return ranges.cpu()
 
 
 @pytest.mark.parametrize("block,inner", [(128, 64), (64, 16), (128, 32)])
 @pytest.mark.parametrize("lo,hi", [(0, 8192), (0, 5000), (37, 4000)])
-def test_a_local_layer_visits_only_the_band(block, inner, lo, hi):
+def test_a_local_layer_visits_only_the_band(block, inner, lo, hi, device):
     """The block loops of the forward (queries x keys) and of both backward phases (_block_range) cover every
     position of [lo, hi) within the window of the block and no inner block outside it: at S = 8192 and
     ModernBERT's window of 64 a block visits at most (block + 2 w) / inner + 1 blocks, not S / inner."""
     seqlen, window = 8192, 64
-    ranges = block_ranges(seqlen, lo, hi, window, block, inner)
+    ranges = block_ranges(seqlen, lo, hi, window, block, inner, device)
     for index, (start, end) in enumerate(ranges.tolist()):
         first, last = index * block, min(index * block + block, seqlen)  # the block's positions [first, last)
         if last <= lo or first >= hi:
@@ -183,7 +183,7 @@ def test_a_local_layer_visits_only_the_band(block, inner, lo, hi):
         assert start > needed_first - inner and end == needed_end
         assert triton.cdiv(end - start, inner) <= (block + 2 * window) // inner + 1
     # without a window every live block visits all of [lo, hi)
-    full = block_ranges(seqlen, lo, hi, None, block, inner)
+    full = block_ranges(seqlen, lo, hi, None, block, inner, device)
     live = [index for index in range(full.shape[0]) if index * block < hi and index * block + block > lo]
     assert all(full[index].tolist() == [lo // inner * inner, hi] for index in live)
 

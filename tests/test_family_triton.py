@@ -7,8 +7,9 @@ import copy
 
 import pytest
 import torch
-from family_models import ARCHITECTURES, LENGTHS, TRITON_SIZES, base_loss, flattened, hf_model, padded_batch
-from tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, assert_within_rule
+from family_models import (ARCHITECTURES, LENGTHS, TRITON_SIZES, base_loss, flattened, hf_model, padded_batch,
+                           to_device)
+from tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, assert_within_rule, pytorch_in
 
 import fastbert
 
@@ -33,8 +34,10 @@ def assert_triton_within_the_rule(exact, inputs, dtype, unpad, noise_only=()):
     assert fast.config.backend == "triton" and fast.config.unpad is unpad
     mask = inputs["attention_mask"]
     real = mask.bool()
-    (out, grads), (torch_out, torch_grads), (exact_out, exact_grads) = (
-        run(model, inputs, mask) for model in (kernels, in_dtype, exact))
+    out, grads = run(kernels, inputs, mask)
+    with pytorch_in(dtype):
+        torch_out, torch_grads = run(in_dtype, inputs, mask)
+    exact_out, exact_grads = run(exact, inputs, mask)
     assert len(out.hidden_states) == exact.config.num_hidden_layers + 1
     for layer, states in enumerate(zip(out.hidden_states, torch_out.hidden_states, exact_out.hidden_states)):
         assert_within_rule(f"hidden state {layer}", *(state[real] for state in states), FORWARD_FACTOR)
@@ -54,36 +57,36 @@ def assert_triton_within_the_rule(exact, inputs, dtype, unpad, noise_only=()):
 @pytest.mark.parametrize("unpad", [False, True], ids=["padded", "unpadded"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_triton_path_within_the_rule_against_float64(arch, dtype, unpad):
-    exact = hf_model(arch, **TRITON_SIZES).double()
-    assert_triton_within_the_rule(exact, padded_batch(exact.config), dtype, unpad)
+def test_triton_path_within_the_rule_against_float64(arch, dtype, unpad, device):
+    exact = hf_model(arch, **TRITON_SIZES).double().to(device)
+    assert_triton_within_the_rule(exact, to_device(padded_batch(exact.config), device), dtype, unpad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_mpnet_bias_past_128_tokens_within_the_rule(dtype):
+def test_mpnet_bias_past_128_tokens_within_the_rule(dtype, device):
     """Distances past MPNet's 128 (the last bucket), with a table of 64 buckets of which transformers reads 32;
     unpad=True: the bias in the varlen kernel. The key biases' gradient is 0 (softmax ignores a shift of every
     score of a query); in bf16, summed over 331 tokens of rounded key gradients, its noise is the kernel's 4x
     PyTorch's, both under bf16's epsilon times the key weights' gradient (fp32 keeps the rule)."""
     exact = hf_model("mpnet", relative_attention_num_buckets=64, max_position_embeddings=260, **TRITON_SIZES)
-    exact = exact.double()
-    inputs = padded_batch(exact.config, lengths=(200, 130, 1), seq=200)
+    exact = exact.double().to(device)
+    inputs = to_device(padded_batch(exact.config, lengths=(200, 130, 1), seq=200), device)
     bf16 = dtype == torch.bfloat16
     assert_triton_within_the_rule(exact, inputs, dtype, unpad=bf16, noise_only=(".k.bias",) if bf16 else ())
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_packed_inputs_equal_the_padded_batch(arch):
-    model = fastbert.apply(hf_model(arch, **TRITON_SIZES), backend="triton")
+def test_packed_inputs_equal_the_padded_batch(arch, device):
+    model = fastbert.apply(hf_model(arch, **TRITON_SIZES).to(device), backend="triton")
     config = model.config
-    inputs = padded_batch(config)
+    inputs = to_device(padded_batch(config), device)
     mask = inputs["attention_mask"]
     padded = model(**inputs)
     base_loss(padded, mask).backward()
     expected_grads = {name: param.grad.clone() for name, param in model.named_parameters()}
     # transformers' RoBERTa and MPNet count positions from pad_token_id + 1 (RobertaEmbeddings)
     start = config.pad_token_id + 1 if arch in ("roberta", "xlm-roberta", "camembert", "mpnet") else 0
-    packed = flattened(inputs, start)
+    packed = to_device(flattened(inputs, start), device)
     assert packed["cu_seq_lens_q"].tolist() == [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
     for with_positions in (True, False):  # fastbert's default positions restart at the same offset
         model.zero_grad()
@@ -94,7 +97,7 @@ def test_packed_inputs_equal_the_padded_batch(arch):
                                    rtol=1e-5)
         if padded.get("pooler_output") is not None:
             torch.testing.assert_close(out.pooler_output, padded.pooler_output, atol=1e-5, rtol=1e-5)
-        base_loss(out, torch.ones(out.last_hidden_state.shape[:2])).backward()
+        base_loss(out, torch.ones(out.last_hidden_state.shape[:2], device=device)).backward()
         for name, param in model.named_parameters():
             torch.testing.assert_close(param.grad, expected_grads[name], atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"d {name}: {m}")

@@ -13,13 +13,13 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NAMES = ["dx", "dw1", "db1", "dw2", "db2"]
 
 
-def _inputs(rows, hidden, inner, dtype, seed=0):
+def _inputs(rows, hidden, inner, dtype, device, seed=0):
     """x [rows, hidden], w1 [inner, hidden], b1 [inner], w2 [hidden, inner], b2 [hidden], scaled so the
     pre-activation is O(1) and the GELU works on both of its sides."""
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator) * scale).to(dtype)
+        return (torch.randn(*shape, generator=generator) * scale).to(device, dtype)
 
     return [randn(rows, hidden), randn(inner, hidden, scale=hidden ** -0.5), randn(inner),
             randn(hidden, inner, scale=inner ** -0.5), randn(hidden)]
@@ -48,8 +48,8 @@ def _check_against_reference(fn, inputs, grad_out, approximate):
 @pytest.mark.parametrize("rows, hidden, inner, approximate",
                          [(1, 64, 256, "none"), (7, 37, 97, "tanh"), (113, 129, 384, "none")])
 def test_matches_reference(rows, hidden, inner, approximate, dtype, recompute_pre, device):
-    inputs = _inputs(rows, hidden, inner, dtype, seed=rows)
-    grad_out = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows + 1)).to(dtype)
+    inputs = _inputs(rows, hidden, inner, dtype, device, seed=rows)
+    grad_out = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows + 1)).to(device, dtype)
     _check_against_reference(lambda *t: kernel.feed_forward(*t, approximate, recompute_pre), inputs, grad_out,
                              approximate)
 
@@ -58,11 +58,11 @@ def test_matches_reference(rows, hidden, inner, approximate, dtype, recompute_pr
 def test_noncontiguous_inputs(dtype, device):
     """x [B, S, H] transposed from [S, B, H] (its rows do not merge: read through a copy), column-major
     weights, biases read every other element, a strided output gradient."""
-    x, w1, b1, w2, b2 = _inputs(3 * 37, 64, 160, dtype, seed=5)
+    x, w1, b1, w2, b2 = _inputs(3 * 37, 64, 160, dtype, device, seed=5)
     inputs = [x.view(37, 3, 64).transpose(0, 1), w1.t().contiguous().t(), torch.stack([b1, b1], 1)[:, 0],
               w2.t().contiguous().t(), torch.stack([b2, b2], 1)[:, 0]]
     assert not any(t.is_contiguous() for t in inputs)
-    grad_out = torch.randn(3, 37, 128, generator=torch.Generator().manual_seed(6)).to(dtype)[..., ::2]
+    grad_out = torch.randn(3, 37, 128, generator=torch.Generator().manual_seed(6)).to(device, dtype)[..., ::2]
     _check_against_reference(lambda *t: kernel.feed_forward(*t, "tanh"), inputs, grad_out, "tanh")
 
 
@@ -86,7 +86,7 @@ def test_backward_keeps_the_pre_activation_not_the_gelu_output(recompute_pre, de
     """Saved: x, w1, w2 and the pre-activation [M, N] (recompute_pre: b1 instead of the pre-activation),
     each storage once: no [M, N] GELU output. bf16, BERT's 4H inner width."""
     rows, hidden, inner = 50, 64, 256
-    inputs = [t.requires_grad_() for t in _inputs(rows, hidden, inner, torch.bfloat16)]
+    inputs = [t.requires_grad_() for t in _inputs(rows, hidden, inner, torch.bfloat16, device)]
     x, w1, b1, w2, b2 = inputs
     saved, out = saved_bytes(lambda: kernel.feed_forward(*inputs, "none", recompute_pre))
     kept = [x, w1, w2] + ([b1] if recompute_pre else [])
@@ -105,7 +105,7 @@ def test_the_forward_writes_the_pre_activation_only_for_a_backward_that_reads_it
     from fastbert.simulated.memory_tracker import MemoryTracker
 
     rows, hidden, inner = 50, 64, 256
-    inputs = [t.requires_grad_(case != "inference") for t in _inputs(rows, hidden, inner, torch.bfloat16)]
+    inputs = [t.requires_grad_(case != "inference") for t in _inputs(rows, hidden, inner, torch.bfloat16, device)]
     with torch.set_grad_enabled(case != "inference"), MemoryTracker(inputs=inputs) as tracker:
         out = kernel.feed_forward(*inputs, "none", case == "recompute_pre")
     matrix = rows * inner * 2  # one bf16 [M, N]
@@ -116,8 +116,8 @@ def test_the_forward_writes_the_pre_activation_only_for_a_backward_that_reads_it
 def test_recompute_pre_gives_bitwise_equal_gradients(device):
     """The backward reruns the forward's epilogue matmul on the same inputs: the same pre-activation
     bits, hence the same gradients, on the kernel path and on the reference's checkpoint."""
-    inputs = _inputs(97, 64, 256, torch.bfloat16, seed=7)
-    grad_out = torch.randn(97, 64, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    inputs = _inputs(97, 64, 256, torch.bfloat16, device, seed=7)
+    grad_out = torch.randn(97, 64, generator=torch.Generator().manual_seed(8)).to(device, torch.bfloat16)
     for backend in ("triton", "torch"):
         kept, recomputed = (_run(lambda *t: ops.feed_forward(*t, "tanh", recompute_pre=flag, backend=backend),
                                  inputs, grad_out) for flag in (False, True))
@@ -126,8 +126,8 @@ def test_recompute_pre_gives_bitwise_equal_gradients(device):
 
 
 def test_deterministic(device):
-    inputs = _inputs(113, 64, 256, torch.float16, seed=9)
-    grad_out = torch.randn(113, 64, generator=torch.Generator().manual_seed(10)).to(torch.float16)
+    inputs = _inputs(113, 64, 256, torch.float16, device, seed=9)
+    grad_out = torch.randn(113, 64, generator=torch.Generator().manual_seed(10)).to(device, torch.float16)
     first, second = (_run(lambda *t: kernel.feed_forward(*t, "none"), inputs, grad_out) for _ in range(2))
     assert torch.equal(first[0], second[0])
     assert all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
@@ -137,8 +137,8 @@ def test_autocast_casts_as_linear_does(device):
     """Under bf16 autocast with fp32 weights, ops.feed_forward runs the kernel on bf16 casts (as
     nn.Linear's matmuls would be cast) and the fp32 weights receive fp32 gradients; the output is what
     the kernel gives on the casts."""
-    inputs = [t.requires_grad_() for t in _inputs(37, 64, 256, torch.float32, seed=11)]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    inputs = [t.requires_grad_() for t in _inputs(37, 64, 256, torch.float32, device, seed=11)]
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
         out = ops.feed_forward(*inputs, backend="triton")
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, kernel.feed_forward(*[t.detach().bfloat16() for t in inputs]))
@@ -150,7 +150,7 @@ def test_autocast_casts_as_linear_does(device):
 def test_torch_compile_and_export(recompute_pre, device):
     """aot_eager traces the forward and the backward through the fake registrations; the compiled and
     the exported programs give the eager results bitwise."""
-    inputs = [t.requires_grad_() for t in _inputs(7, 64, 256, torch.float32, seed=12)]
+    inputs = [t.requires_grad_() for t in _inputs(7, 64, 256, torch.float32, device, seed=12)]
 
     def block(*t):
         return kernel.feed_forward(*t, "tanh", recompute_pre).square().sum()
@@ -173,7 +173,7 @@ def test_torch_compile_and_export(recompute_pre, device):
 
 
 def test_ops_dispatch_and_bad_inputs(device):
-    x, w1, b1, w2, b2 = _inputs(7, 64, 256, torch.float32, seed=13)
+    x, w1, b1, w2, b2 = _inputs(7, 64, 256, torch.float32, device, seed=13)
     assert torch.equal(ops.feed_forward(x, w1, b1, w2, b2, backend="triton"), kernel.feed_forward(x, w1, b1, w2, b2))
     assert torch.equal(ops.feed_forward(x, w1, b1, w2, b2, backend="torch"), reference.feed_forward(x, w1, b1, w2, b2))
     for args, message in [((x, w1[:, :60], b1, w2, b2), "w1 has last dimension 60"),
@@ -188,18 +188,18 @@ def test_ops_dispatch_and_bad_inputs(device):
         kernel.feed_forward(x, w1, b1, w2.half(), b2)
 
 
-def _tiny_model():
+def _tiny_model(device):
     torch.manual_seed(14)
     config = BertConfig.tiny(hidden_size=64, num_attention_heads=2, intermediate_size=256, num_hidden_layers=1,
                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, backend="triton")
-    return BertModel(config).train()
+    return BertModel(config).to(device).train()
 
 
 def test_model_fuses_plain_modules_and_calls_hooked_ones(monkeypatch, device):
     """BertLayer runs the fused FFN when BertIntermediate, BertOutput and their Linears are plain and
     unhooked, and calls the modules (their hooks run) otherwise; both give the reference's numbers."""
-    model = _tiny_model()
-    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(15))
+    model = _tiny_model(device)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(15)).to(device)
     calls = []
     fused = ops.feed_forward
     monkeypatch.setattr(ops, "feed_forward", lambda *a, **k: calls.append(1) or fused(*a, **k))
@@ -221,7 +221,7 @@ def test_gelu_backward_in_place_over_dy(device):
     from fastbert.kernels import bias_gelu
 
     generator = torch.Generator().manual_seed(16)
-    dg, pre = (torch.randn(37, 300, generator=generator).to(torch.bfloat16) for _ in range(2))
+    dg, pre = (torch.randn(37, 300, generator=generator).to(device, torch.bfloat16) for _ in range(2))
     expected = bias_gelu.bias_gelu_bwd(dg, pre, None, "tanh")
     overwritten = dg.clone()
     dh, dbias = bias_gelu.bias_gelu_bwd(overwritten, pre, None, "tanh", in_place=True)

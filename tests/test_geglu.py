@@ -15,13 +15,13 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NAMES = ["dx", "dw1", "db1", "dw2", "db2"]
 
 
-def _inputs(rows, hidden, inner, dtype, seed=0, with_bias=True, gated=True):
+def _inputs(rows, hidden, inner, dtype, device, seed=0, with_bias=True, gated=True):
     """x [rows, hidden], w1 [2 * inner, hidden] ([inner, hidden] not gated), b1, w2 [hidden, inner], b2 (None
     without bias), scaled so the pre-activation is O(1)."""
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator) * scale).to(dtype)
+        return (torch.randn(*shape, generator=generator) * scale).to(device, dtype)
 
     projected = 2 * inner if gated else inner
     w1, b1 = randn(projected, hidden, scale=hidden ** -0.5), randn(projected)
@@ -58,8 +58,8 @@ def _check_against_reference(fn, inputs, grad_out, approximate, ref=reference.fe
 def test_matches_reference(rows, hidden, inner, approximate, with_bias, dtype, recompute_pre, device):
     """Odd sizes: I not a multiple of any tile (the gate half then starts mid-tile in w1), K below and above
     one BLOCK_K."""
-    inputs = _inputs(rows, hidden, inner, dtype, seed=rows, with_bias=with_bias)
-    grad_out = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows + 1)).to(dtype)
+    inputs = _inputs(rows, hidden, inner, dtype, device, seed=rows, with_bias=with_bias)
+    grad_out = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows + 1)).to(device, dtype)
     _check_against_reference(lambda *t: kernel.feed_forward_geglu(*t, approximate, recompute_pre), inputs,
                              grad_out, approximate)
 
@@ -68,11 +68,11 @@ def test_matches_reference(rows, hidden, inner, approximate, with_bias, dtype, r
 def test_noncontiguous_inputs(dtype, device):
     """x [B, S, H] transposed from [S, B, H], column-major weights, biases read every other element, a
     strided output gradient."""
-    x, w1, b1, w2, b2 = _inputs(3 * 37, 64, 80, dtype, seed=5)
+    x, w1, b1, w2, b2 = _inputs(3 * 37, 64, 80, dtype, device, seed=5)
     inputs = [x.view(37, 3, 64).transpose(0, 1), w1.t().contiguous().t(), torch.stack([b1, b1], 1)[:, 0],
               w2.t().contiguous().t(), torch.stack([b2, b2], 1)[:, 0]]
     assert not any(t.is_contiguous() for t in inputs)
-    grad_out = torch.randn(3, 37, 128, generator=torch.Generator().manual_seed(6)).to(dtype)[..., ::2]
+    grad_out = torch.randn(3, 37, 128, generator=torch.Generator().manual_seed(6)).to(device, dtype)[..., ::2]
     _check_against_reference(lambda *t: kernel.feed_forward_geglu(*t, "none"), inputs, grad_out, "none")
 
 
@@ -87,10 +87,10 @@ def test_equals_transformers_modernbert_mlp(mlp_bias, device):
     config = ModernBertConfig(hidden_size=64, intermediate_size=96, mlp_bias=mlp_bias, hidden_activation="gelu",
                               mlp_dropout=0.0)
     torch.manual_seed(7)
-    mlp = ModernBertMLP(config).eval()
+    mlp = ModernBertMLP(config).to(device).eval()
     params = [mlp.Wi.weight, mlp.Wi.bias, mlp.Wo.weight, mlp.Wo.bias]
-    x = torch.randn(2, 37, 64)
-    grad_out = torch.randn(2, 37, 64)
+    x = torch.randn(2, 37, 64, device=device)
+    grad_out = torch.randn(2, 37, 64, device=device)
 
     def grads_of(fn, x_in, g_in):
         leaf = x_in.detach().requires_grad_()
@@ -119,8 +119,8 @@ def test_equals_transformers_modernbert_mlp(mlp_bias, device):
 def test_recompute_pre_gives_bitwise_equal_gradients(device):
     """The backward reruns the forward's gated epilogue matmul on the same inputs: the same h, hence the
     same gradients, on the kernel path and on the reference's checkpoint."""
-    inputs = _inputs(97, 64, 96, torch.bfloat16, seed=8, with_bias=False)
-    grad_out = torch.randn(97, 64, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    inputs = _inputs(97, 64, 96, torch.bfloat16, device, seed=8, with_bias=False)
+    grad_out = torch.randn(97, 64, generator=torch.Generator().manual_seed(9)).to(device, torch.bfloat16)
     for backend in ("triton", "torch"):
         kept, recomputed = (_run(lambda *t: ops.feed_forward_geglu(*t, "tanh", recompute_pre=flag, backend=backend),
                                  inputs, grad_out) for flag in (False, True))
@@ -129,8 +129,8 @@ def test_recompute_pre_gives_bitwise_equal_gradients(device):
 
 
 def test_deterministic(device):
-    inputs = _inputs(113, 64, 96, torch.float16, seed=10)
-    grad_out = torch.randn(113, 64, generator=torch.Generator().manual_seed(11)).to(torch.float16)
+    inputs = _inputs(113, 64, 96, torch.float16, device, seed=10)
+    grad_out = torch.randn(113, 64, generator=torch.Generator().manual_seed(11)).to(device, torch.float16)
     first, second = (_run(lambda *t: kernel.feed_forward_geglu(*t, "none"), inputs, grad_out) for _ in range(2))
     assert torch.equal(first[0], second[0])
     assert all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
@@ -142,9 +142,9 @@ def test_gated_elementwise_kernels(device):
     h strided (a column slice)."""
     generator = torch.Generator().manual_seed(12)
     for dtype in DTYPES:
-        h = torch.randn(37, 2 * 301, generator=generator).to(dtype)
+        h = torch.randn(37, 2 * 301, generator=generator).to(device, dtype)
         h = torch.cat([h, h], dim=1)[:, :2 * 301]
-        dg = torch.randn(37, 301, generator=generator).to(dtype)
+        dg = torch.randn(37, 301, generator=generator).to(device, dtype)
 
         def torch_geglu(t):
             a, b = t.chunk(2, dim=-1)
@@ -167,7 +167,7 @@ def test_gated_elementwise_kernels(device):
 
 def test_torch_compile(device):
     """aot_eager traces forward and backward through the fake registrations: the eager bits."""
-    inputs = [t.requires_grad_() for t in _inputs(7, 64, 96, torch.float32, seed=13, with_bias=False)
+    inputs = [t.requires_grad_() for t in _inputs(7, 64, 96, torch.float32, device, seed=13, with_bias=False)
               if t is not None]
 
     def block(x, w1, w2):
@@ -183,7 +183,7 @@ def test_torch_compile(device):
 
 
 def test_ops_dispatch_and_bad_inputs(device):
-    x, w1, b1, w2, b2 = _inputs(7, 64, 96, torch.float32, seed=14)
+    x, w1, b1, w2, b2 = _inputs(7, 64, 96, torch.float32, device, seed=14)
     assert torch.equal(ops.feed_forward_geglu(x, w1, b1, w2, b2, backend="triton"),
                        kernel.feed_forward_geglu(x, w1, b1, w2, b2))
     assert torch.equal(ops.feed_forward_geglu(x, w1, b1, w2, b2, backend="torch"),
@@ -216,8 +216,8 @@ def test_ops_dispatch_and_bad_inputs(device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_feed_forward_without_biases(dtype, device):
     """BERT's FFN with b1 = b2 = None: within the rule, both recompute settings, no bias gradients."""
-    inputs = _inputs(37, 48, 97, dtype, seed=15, with_bias=False, gated=False)
-    grad_out = torch.randn(37, 48, generator=torch.Generator().manual_seed(16)).to(dtype)
+    inputs = _inputs(37, 48, 97, dtype, device, seed=15, with_bias=False, gated=False)
+    grad_out = torch.randn(37, 48, generator=torch.Generator().manual_seed(16)).to(device, dtype)
     for recompute_pre in (False, True):
         _check_against_reference(lambda *t: ops.feed_forward(*t, "tanh", recompute_pre, backend="triton"), inputs,
                                  grad_out, "tanh", ref=reference.feed_forward)
@@ -230,9 +230,9 @@ def test_qkv_projection_without_bias(packed, dtype, device):
     gradient; the torch path takes None too."""
     generator = torch.Generator().manual_seed(17)
     shape = (37, 96) if packed else (3, 7, 96)
-    x = torch.randn(*shape, generator=generator).to(dtype)
-    weight = (torch.randn(288, 96, generator=generator) * 96 ** -0.5).to(dtype)
-    grads_out = [torch.randn(*shape[:-1], 96, generator=generator).to(dtype) for _ in range(3)]
+    x = torch.randn(*shape, generator=generator).to(device, dtype)
+    weight = (torch.randn(288, 96, generator=generator) * 96 ** -0.5).to(device, dtype)
+    grads_out = [torch.randn(*shape[:-1], 96, generator=generator).to(device, dtype) for _ in range(3)]
 
     def run(backend, x_in, w_in):
         x_leaf, w_leaf = x_in.detach().requires_grad_(), w_in.detach().requires_grad_()

@@ -47,15 +47,15 @@ def save_checkpoint(path, count: int) -> str:
     return str(path)
 
 
-def batch():
+def batch(device):
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, CONFIG.vocab_size, (2, 12), generator=generator)
+    ids = torch.randint(1, CONFIG.vocab_size, (2, 12), generator=generator).to(device)
     return dict(input_ids=ids, labels=ids)
 
 
 def gradients(model) -> dict[str, torch.Tensor]:
     model.train()
-    model(**batch()).loss.backward()
+    model(**batch(next(model.parameters()).device)).loss.backward()
     return {name: p.grad for name, p in model.named_parameters()}
 
 
@@ -65,13 +65,13 @@ def choices(caplog) -> list[str]:
 
 @pytest.mark.parametrize("count,expected", [(SIDE_COLUMNS, "output"), (SIDE_COLUMNS + 1, "input")])
 def test_from_pretrained_chooses_input_beyond_the_side_buffer_and_trains_within_the_rule(tmp_path, caplog, count,
-                                                                                         expected):
+                                                                                         expected, device):
     """SIDE_COLUMNS small weights stay "output" (the side buffer serves them); one more loads as "input", with
     one info line naming the LayerNorm, its count and the cost. Either way the Triton path's gradients are
     within the tolerance rule of the reference path's (fp32 against float64)."""
     path = save_checkpoint(tmp_path, count)
     with caplog.at_level(logging.INFO, logger="fastbert"):
-        kernels = fastbert.BertForMaskedLM.from_pretrained(path, backend="triton")
+        kernels = fastbert.BertForMaskedLM.from_pretrained(path, backend="triton").to(device)
     assert kernels.config.layer_norm_backward == expected
     assert kernels.bert.encoder.layer[0].output.config.layer_norm_backward == expected  # what the forward reads
     if expected == "input":
@@ -82,14 +82,14 @@ def test_from_pretrained_chooses_input_beyond_the_side_buffer_and_trains_within_
             "2 more activations per LayerNorm"]
     else:
         assert choices(caplog) == []
-    reference = fastbert.BertForMaskedLM.from_pretrained(path, backend="torch")
+    reference = fastbert.BertForMaskedLM.from_pretrained(path, backend="torch").to(device)
     exact = gradients(copy.deepcopy(reference).double())
     torch_grads, kernel_grads = gradients(reference), gradients(kernels)
     for name, grad in exact.items():
         assert_within_rule(name, kernel_grads[name], torch_grads[name], grad, GRADIENT_FACTOR)
 
 
-def test_an_explicit_layer_norm_backward_wins_over_the_weights(tmp_path, caplog):
+def test_an_explicit_layer_norm_backward_wins_over_the_weights(tmp_path, caplog, device):
     """layer_norm_backward="output" given to from_pretrained is kept (no info line) where the weights would
     choose "input", and then the LayerNorm with one small weight too many has NaN gradients: what the choice
     protects against."""
@@ -98,6 +98,7 @@ def test_an_explicit_layer_norm_backward_wins_over_the_weights(tmp_path, caplog)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="fastbert"):
         model = fastbert.BertForMaskedLM.from_pretrained(path, backend="triton", layer_norm_backward="output")
+    model.to(device)
     assert model.config.layer_norm_backward == "output" and choices(caplog) == []
     assert torch.isnan(gradients(model)[f"{NORM}.weight"]).any()
 
@@ -125,11 +126,11 @@ def transformers_model(count: int):
     return model
 
 
-def test_apply_chooses_input_for_a_transformers_model_and_trains_within_the_rule():
+def test_apply_chooses_input_for_a_transformers_model_and_trains_within_the_rule(device):
     """fastbert.apply on a transformers BertForMaskedLM with one small weight too many: "input", and its
     gradients within the tolerance rule of transformers' own (fp32 against float64); from_hf does the same;
     an explicit layer_norm_backward="output" is kept."""
-    original = transformers_model(SIDE_COLUMNS + 1)
+    original = transformers_model(SIDE_COLUMNS + 1).to(device)
     exact = gradients(copy.deepcopy(original).double())
     accelerated = fastbert.apply(copy.deepcopy(original), backend="triton")
     assert accelerated.bert.encoder.layer[0].output.config.layer_norm_backward == "input"

@@ -18,14 +18,14 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SHAPES = [(1, 37), (7, 129), (37, 768), (5, 7, 97)]
 
 
-def _inputs(shape, dtype, seed=0, with_bias=True):
+def _inputs(shape, dtype, device, seed=0, with_bias=True):
     """x, residual, weight (|w| >= MIN_WEIGHT: the backward from the output needs it), bias (or None),
     dy and dsummed."""
     generator = torch.Generator().manual_seed(seed)
     hidden = shape[-1]
 
     def rand(*size):
-        return torch.randn(*size, generator=generator).to(dtype)
+        return torch.randn(*size, generator=generator).to(device, dtype)
 
     weight = 1.0 + 0.5 * rand(hidden)
     weight = torch.where(weight < 0, -1.0, 1.0).to(dtype) * weight.abs().clamp(min=ln.MIN_WEIGHT)
@@ -78,8 +78,8 @@ def _assert_within_rule(kernel_fn, inputs, keep=None, dropout_p=0.0):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_return_residual_matches_reference(shape, dtype, save, with_bias, device):
-    inputs = _inputs(shape, dtype, seed=shape[0], with_bias=with_bias)
-    _assert_within_rule(_kernel(save), [t if t is None else t.to(device) for t in inputs])
+    inputs = _inputs(shape, dtype, device, seed=shape[0], with_bias=with_bias)
+    _assert_within_rule(_kernel(save), inputs)
 
 
 @pytest.mark.parametrize("save", ln.SAVE_CHOICES)
@@ -88,8 +88,8 @@ def test_return_residual_matches_reference(shape, dtype, save, with_bias, device
 def test_no_bias_equals_layer_norm_without_bias(shape, dtype, save, device):
     """bias=None without a residual against nn.LayerNorm(bias=False) (float64 for the rule, and the module
     in the test dtype for PyTorch's own error): output, dx and dweight."""
-    x, _, weight, _, dy, _ = _inputs(shape, dtype, seed=3)
-    module = torch.nn.LayerNorm(shape[-1], eps=EPS, bias=False, dtype=dtype)
+    x, _, weight, _, dy, _ = _inputs(shape, dtype, device, seed=3)
+    module = torch.nn.LayerNorm(shape[-1], eps=EPS, bias=False, dtype=dtype, device=device)
     assert module.bias is None
     with torch.no_grad():
         module.weight.copy_(weight)
@@ -114,12 +114,12 @@ def test_non_contiguous(dtype, device):
     """x a column slice, the residual a transpose, weight and bias every other element, both upstream
     gradients strided (one with zero strides, as from summed.sum())."""
     rows, hidden = 37, 129
-    x, residual, weight, bias, dy, _ = _inputs((rows, hidden), dtype, seed=5)
+    x, residual, weight, bias, dy, _ = _inputs((rows, hidden), dtype, device, seed=5)
     x = torch.cat([x, x.flip(1)], dim=1)[:, :hidden]
     residual = residual.t().contiguous().t()
     weight, bias = (torch.stack([t, t.flip(0)], dim=1).flatten()[::2] for t in (weight, bias))
     dy = torch.cat([dy, dy], dim=1)[:, ::2]
-    dsummed = torch.ones((), dtype=dtype).expand(rows, hidden)
+    dsummed = torch.ones((), dtype=dtype, device=device).expand(rows, hidden)
     assert not any(t.is_contiguous() for t in (x, residual, weight, bias, dy, dsummed))
     for save in ln.SAVE_CHOICES:
         _assert_within_rule(_kernel(save), [x, residual, weight, bias, dy, dsummed])
@@ -132,8 +132,9 @@ def test_dropout(dtype, save, device):
     0), the rule against the reference under that mask, and dx zero exactly where the forward dropped."""
     shape, dropout_p, seed = (113, 768), 0.3, 1234
     torch.manual_seed(seed)
-    _, keep_summed = ln.layer_norm(torch.ones(shape), torch.ones(shape[1]), None, EPS, torch.zeros(shape),
-                                   dropout_p, True, return_residual=True)
+    ones = torch.ones(shape, device=device)
+    _, keep_summed = ln.layer_norm(ones, ones[0], None, EPS, torch.zeros_like(ones), dropout_p, True,
+                                   return_residual=True)
     keep = keep_summed > 0
     assert torch.equal(keep_summed[keep], torch.full_like(keep_summed[keep], 1.0 / (1.0 - dropout_p)))
     dropped = 1.0 - keep.double().mean().item()
@@ -143,14 +144,14 @@ def test_dropout(dtype, save, device):
         torch.manual_seed(seed)
         return _kernel(save, dropout_p)(*args)
 
-    _, grads = _assert_within_rule(seeded, list(_inputs(shape, dtype, seed=6)), keep, dropout_p)
+    _, grads = _assert_within_rule(seeded, list(_inputs(shape, dtype, device, seed=6)), keep, dropout_p)
     assert torch.equal(grads[0] == 0, ~keep)
 
 
 def test_summed_gradient_reaches_x_and_residual(device):
     """With dy = 0 the only gradient is summed's: dresidual equals dsummed and dx equals it too (no dropout),
     bit for bit, from either backward."""
-    x, residual, weight, bias, _, dsummed = _inputs((7, 129), torch.float32, seed=7)
+    x, residual, weight, bias, _, dsummed = _inputs((7, 129), torch.float32, device, seed=7)
     for save in ln.SAVE_CHOICES:
         _, (dx, dresidual, dweight, dbias) = _run(_kernel(save), x, residual, weight, bias, torch.zeros_like(x),
                                                   dsummed)
@@ -161,13 +162,13 @@ def test_summed_gradient_reaches_x_and_residual(device):
 def test_normed_is_the_layer_norm_of_summed_as_stored(device):
     """In bf16, normed equals the kernel's own LayerNorm of the returned summed (the stream as stored, as
     transformers' `hidden = hidden + out; norm(hidden)` reads it), bit for bit."""
-    x, residual, weight, _, _, _ = _inputs((37, 768), torch.bfloat16, seed=8)
+    x, residual, weight, _, _, _ = _inputs((37, 768), torch.bfloat16, device, seed=8)
     normed, summed = ln.layer_norm(x, weight, None, EPS, residual, return_residual=True)
     assert torch.equal(normed, ln.layer_norm(summed, weight, None, EPS))
 
 
 def test_bitwise_deterministic(device):
-    x, residual, weight, bias, dy, dsummed = _inputs((113, 768), torch.bfloat16, seed=9)
+    x, residual, weight, bias, dy, dsummed = _inputs((113, 768), torch.bfloat16, device, seed=9)
 
     def run(save):
         torch.manual_seed(21)
@@ -182,7 +183,7 @@ def test_bitwise_deterministic(device):
 def test_ops_dispatch(backend, device):
     """ops.layer_norm with return_residual and bias=None: the kernel's bits on "triton", the reference's
     (transformers' pre-LN arithmetic: an addition, then F.layer_norm without a bias) on "torch"."""
-    x, residual, weight, _, _, _ = _inputs((3, 7, 129), torch.bfloat16, seed=10)
+    x, residual, weight, _, _, _ = _inputs((3, 7, 129), torch.bfloat16, device, seed=10)
     normed, summed = ops.layer_norm(x, weight, None, EPS, residual, backend=backend, return_residual=True)
     if backend == "triton":
         expected = ln.layer_norm(x, weight, None, EPS, residual, return_residual=True)
@@ -196,7 +197,7 @@ def test_ops_dispatch(backend, device):
 def test_bad_arguments(backend, device, monkeypatch):
     """Refused before any kernel runs, naming the argument."""
     monkeypatch.setattr(ln, "_layer_norm_fwd_kernel", None)  # a launch would raise TypeError, not ValueError
-    x, residual, weight, _, _, _ = _inputs((4, 64), torch.float32)
+    x, residual, weight, _, _, _ = _inputs((4, 64), torch.float32, device)
     with pytest.raises(ValueError, match="return_residual=True needs a residual"):
         ops.layer_norm(x, weight, None, EPS, None, backend=backend, return_residual=True)
     with pytest.raises(ValueError, match="bias has last dimension 63"):
@@ -209,8 +210,8 @@ def test_bad_arguments(backend, device, monkeypatch):
 
 def test_custom_op_registrations(device):
     """opcheck over the new arguments: schema, fake implementation and autograd agree with the kernel."""
-    x, residual, weight, _, _, _ = _inputs((4, 128), torch.float32, seed=11)
-    seed = torch.tensor([123], dtype=torch.int64)
+    x, residual, weight, _, _, _ = _inputs((4, 128), torch.float32, device, seed=11)
+    seed = torch.tensor([123], dtype=torch.int64, device=device)
     for save_output in (True, False):
         for dropout in (False, True):
             args = (x.clone().requires_grad_(), weight.clone().requires_grad_(), None,

@@ -182,11 +182,11 @@ def _split_columns_probe(out_ptr, cols_per_split, V):
     tl.store(out_ptr + 2 * tl.program_id(0) + 1, end)
 
 
-def test_split_columns_past_int32():
+def test_split_columns_past_int32(device):
     """A vocabulary past 2**30 in two forward splits: the second split's start + width passes 2**31 (a
     full vocabulary run is hours in the interpreter, so the split arithmetic is run alone)."""
     vocab, cols_per_split = 2**31 - 1, 2**30 + 2**10
-    out = torch.empty(4, dtype=torch.int64)
+    out = torch.empty(4, dtype=torch.int64, device=device)
     _split_columns_probe[(2,)](out, cols_per_split, vocab)
     assert out.tolist() == [0, cols_per_split, cols_per_split, vocab]
 

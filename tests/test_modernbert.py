@@ -9,13 +9,15 @@ and every gradient within 1e-5. On the Triton path (the interpreter): fp32, fp16
 tolerance rule against transformers in float64, also with a window across key blocks; packed = padded.
 What fastbert does not compute is an error naming the field.
 """
+import contextlib
 import copy
 import json
 
 import pytest
 import torch
-from family_models import VOCAB, base_loss, flattened, named_outputs, padded_batch, randomize, real_tokens
-from tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, assert_within_rule
+from family_models import (VOCAB, base_loss, flattened, named_outputs, padded_batch, randomize, real_tokens,
+                           to_device)
+from tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, assert_within_rule, pytorch_in
 
 import fastbert
 from fastbert.in_place import ACCELERATED
@@ -299,7 +301,7 @@ def test_packed_inputs_equal_the_padded_batch(native):
     rows with tokens gives the padded batch's hidden states and gradients; wrong position ids are refused."""
     theirs = hf_model()
     model = fastbert.from_hf(theirs) if native else fastbert.apply(copy.deepcopy(theirs))
-    inputs = padded_batch(theirs.config, lengths=FILLED, seq=SEQ)
+    inputs = to_device(padded_batch(theirs.config, lengths=FILLED, seq=SEQ), device)
     mask = inputs["attention_mask"]
     padded = model(**inputs)
     torch.testing.assert_close(padded.last_hidden_state[mask.bool()],
@@ -445,8 +447,10 @@ def assert_triton_within_the_rule(exact, inputs, dtype):
     assert vars(kernels)[ACCELERATED].config.backend == "triton"
     mask = inputs["attention_mask"]
     real = mask.bool()
-    (out, grads), (torch_out, torch_grads), (exact_out, exact_grads) = (
-        run(model, inputs, mask) for model in (kernels, in_dtype, exact))
+    out, grads = run(kernels, inputs, mask)
+    with pytorch_in(dtype):
+        torch_out, torch_grads = run(in_dtype, inputs, mask)
+    exact_out, exact_grads = run(exact, inputs, mask)
     assert len(out.hidden_states) == exact.config.num_hidden_layers + 1
     for layer, states in enumerate(zip(out.hidden_states, torch_out.hidden_states, exact_out.hidden_states)):
         assert_within_rule(f"hidden state {layer}", *(state[real] for state in states), FORWARD_FACTOR)
@@ -457,43 +461,47 @@ def assert_triton_within_the_rule(exact, inputs, dtype):
 
 @pytest.mark.parametrize("biases", [False, True], ids=["no-biases", "biases"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-def test_triton_path_within_the_rule_against_float64(dtype, biases):
-    exact = hf_model(**TRITON_SIZES, **(BIASES if biases else {})).double()
-    assert_triton_within_the_rule(exact, padded_batch(exact.config, lengths=LENGTHS, seq=SEQ), dtype)
+def test_triton_path_within_the_rule_against_float64(dtype, biases, device):
+    exact = hf_model(**TRITON_SIZES, **(BIASES if biases else {})).double().to(device)
+    assert_triton_within_the_rule(exact, to_device(padded_batch(exact.config, lengths=LENGTHS, seq=SEQ), device),
+                                  dtype)
 
 
-def test_triton_left_padding_within_the_rule():
+def test_triton_left_padding_within_the_rule(device):
     """Left padding on the kernels: rotary positions from each sequence's first token (transformers' from the
     row's first position), the window on offsets; the same result."""
-    exact = hf_model(**TRITON_SIZES).double()
-    assert_triton_within_the_rule(exact, left_padded(padded_batch(exact.config, lengths=LENGTHS, seq=SEQ)),
-                                  torch.float32)
+    exact = hf_model(**TRITON_SIZES).double().to(device)
+    inputs = left_padded(padded_batch(exact.config, lengths=LENGTHS, seq=SEQ))
+    assert_triton_within_the_rule(exact, to_device(inputs, device), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_triton_window_across_blocks_within_the_rule(dtype):
+def test_triton_window_across_blocks_within_the_rule(dtype, device):
     """Rows of 150 and 77 tokens with a window of 16 keys either side: the local layers' kernels skip the key
     blocks outside the band and mask its edges inside blocks; rotary positions past the first block."""
-    exact = hf_model(**TRITON_SIZES, local_attention=32, max_position_embeddings=160).double()
+    exact = hf_model(**TRITON_SIZES, local_attention=32, max_position_embeddings=160).double().to(device)
     assert exact.config.sliding_window == 16
-    assert_triton_within_the_rule(exact, padded_batch(exact.config, lengths=(150, 77, 0, 1), seq=150), dtype)
+    inputs = padded_batch(exact.config, lengths=(150, 77, 0, 1), seq=150)
+    assert_triton_within_the_rule(exact, to_device(inputs, device), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_triton_masked_lm_training_loss_within_the_rule(dtype):
+def test_triton_masked_lm_training_loss_within_the_rule(dtype, device):
     """fastbert's ModernBertForMaskedLM in training mode on the kernels (the masked-only fused loss through the
     tied decoder with its bias, no logits): the loss and every gradient (tied ones under each name) within the
     rule against transformers' in float64, with every bias present."""
-    exact = hf_model("ForMaskedLM", **TRITON_SIZES, **BIASES).double().train()
+    exact = hf_model("ForMaskedLM", **TRITON_SIZES, **BIASES).double().train().to(device)
     in_dtype = copy.deepcopy(exact).to(dtype)
     kernels = fastbert.from_hf(in_dtype, backend="triton")
     assert kernels.training and kernels.config.backend == "triton"
-    inputs = head_inputs(exact.config, "ForMaskedLM")
-    outputs = [model(**inputs) for model in (kernels, in_dtype, exact)]
+    inputs = to_device(head_inputs(exact.config, "ForMaskedLM"), device)
+    outputs = []
+    for model in (kernels, in_dtype, exact):
+        with pytorch_in(dtype) if model is in_dtype else contextlib.nullcontext():
+            outputs.append(model(**inputs))
+            outputs[-1].loss.backward()
     assert outputs[0].logits is None  # the training path materialises no [B, S, V] logits
     assert_within_rule("loss", *(out.loss.reshape(1) for out in outputs), FORWARD_FACTOR)
-    for out in outputs:
-        out.loss.backward()
     grads = [dict(model.named_parameters(remove_duplicate=False)) for model in (kernels, in_dtype, exact)]
     assert grads[0].keys() == grads[2].keys()
     for name, param in grads[2].items():
@@ -501,21 +509,21 @@ def test_triton_masked_lm_training_loss_within_the_rule(dtype):
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "applied"])
-def test_triton_packed_inputs_equal_the_padded_batch(native):
+def test_triton_packed_inputs_equal_the_padded_batch(native, device):
     """Packed (each sequence's rotary positions and window from its own start) = padded on the kernels:
     hidden states and every gradient."""
-    theirs = hf_model(**TRITON_SIZES)
+    theirs = hf_model(**TRITON_SIZES).to(device)
     model = fastbert.from_hf(theirs, backend="triton") if native else fastbert.apply(theirs, backend="triton")
-    inputs = padded_batch(theirs.config, lengths=FILLED, seq=SEQ)
+    inputs = to_device(padded_batch(theirs.config, lengths=FILLED, seq=SEQ), device)
     mask = inputs["attention_mask"]
     padded = model(**inputs)
     base_loss(padded, mask).backward()
     expected_grads = {name: param.grad.clone() for name, param in model.named_parameters()}
     model.zero_grad()
-    packed = model(**flattened(inputs, 0))
+    packed = model(**to_device(flattened(inputs, 0), device))
     torch.testing.assert_close(packed.last_hidden_state[0], padded.last_hidden_state[mask.bool()], atol=1e-5,
                                rtol=1e-5)
-    base_loss(packed, torch.ones(packed.last_hidden_state.shape[:2])).backward()
+    base_loss(packed, torch.ones(packed.last_hidden_state.shape[:2], device=device)).backward()
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, expected_grads[name], atol=1e-5, rtol=1e-5,
                                    msg=lambda m: f"d {name}: {m}")

@@ -25,7 +25,7 @@ def _cast_kernel(x_ptr, y_ptr, back_ptr, N: tl.constexpr):
     tl.store(back_ptr + offsets, cast(y, back_ptr.dtype.element_ty))
 
 
-def test_cast_to_bf16_rounds_to_nearest_even_as_torch():
+def test_cast_to_bf16_rounds_to_nearest_even_as_torch(device):
     gen = torch.Generator().manual_seed(0)
     x = torch.cat([
         torch.randn(4084, generator=gen) * 10.0 ** torch.randint(-40, 38, (4084,), generator=gen),
@@ -34,8 +34,9 @@ def test_cast_to_bf16_rounds_to_nearest_even_as_torch():
         torch.tensor([1.0 + 2.0**-8, 1.0 + 2.0**-7 + 2.0**-8]),
         torch.tensor([0x7FFFFFFF, 0xFFFFFFFF - 2**32], dtype=torch.int64).to(torch.int32).view(torch.float32),
     ])
-    y = torch.empty(4096, dtype=torch.bfloat16)
-    back = torch.empty(4096, dtype=torch.float64)
+    x = x.to(device)
+    y = torch.empty(4096, dtype=torch.bfloat16, device=device)
+    back = torch.empty(4096, dtype=torch.float64, device=device)
     _cast_kernel[(1,)](x, y, back, N=4096)
     expected = x.to(torch.bfloat16)
     finite = ~expected.isnan()
@@ -55,12 +56,12 @@ def _dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, PRECISION: tl.constexpr):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
-def test_dot(dtype, precision):
+def test_dot(dtype, precision, device):
     """1 + a @ b with fp32 accumulation; "tf32" truncates fp32 operands to 10 mantissa bits as tensor
     cores do (error ~1e-3 relative), and changes nothing for 16-bit operands."""
     gen = torch.Generator().manual_seed(1)
-    a, b = (torch.randn(32, 32, generator=gen).to(dtype) for _ in range(2))
-    out = torch.empty(32, 32)
+    a, b = (torch.randn(32, 32, generator=gen).to(device, dtype) for _ in range(2))
+    out = torch.empty(32, 32, device=device)
     _dot_kernel[(1,)](a, b, out, M=32, PRECISION=precision)
     error = (out.double() - (1.0 + a.double() @ b.double())).abs().max().item()
     if dtype == torch.float32 and precision == "tf32":

@@ -1,6 +1,6 @@
 """PERF.md's section "Memory of a training step on an 80 GB GPU (exact accounting, no GPU needed)", from the rows
 of the newest `fastbert bench --suite memory` run (fastbert.bench.memory_cases) and, where a GPU has run
-`benchmarks/gpu_check.sh OUTDIR memory`, the measured peaks beside the plan (suite "memory-gpu-check")."""
+`python benchmarks/memory_gpu_check.py OUTDIR`, the measured peaks beside the plan (suite "memory-gpu-check")."""
 from __future__ import annotations
 
 from fastbert.bench.model_cases import SIZES
@@ -9,7 +9,7 @@ from fastbert.bench.memory_cases import (FASTBERT, HF_EAGER, HF_SDPA, MEGATRON_S
 from fastbert.simulated.device_fit import GiB
 
 COMMAND = "fastbert bench --suite memory --out benchmarks/results"
-GPU_CHECK_COMMAND = "benchmarks/gpu_check.sh OUTDIR memory"
+GPU_CHECK_COMMAND = "python benchmarks/memory_gpu_check.py OUTDIR"
 TITLE = "Memory of a training step on an 80 GB GPU (exact accounting, no GPU needed)"
 GOAL_SEQLEN = 512
 GOALS = {"base_sbh": PAPER_SBH, "base_peak": 0.45, "base_batch": 2.5, "large_peak": 0.6}

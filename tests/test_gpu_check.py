@@ -1,0 +1,91 @@
+"""benchmarks/gpu_check.sh on the CPU (FASTBERT_CHECK_DEVICE=cpu), with stand-in stages: a pytest run cut at a
+tiny limit by SIGINT still prints its failures with their tracebacks and writes its JUnit XML; a bench stage
+that outlives its limit is stopped and its rows so far are kept; the summary printed last is at most 40 lines
+and names the failures; and the checkout imports fastbert.kernels without an install."""
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+
+FAKE_TESTS = textwrap.dedent('''
+    import time
+    import pytest
+
+    def test_passes():
+        pass
+
+    @pytest.mark.parametrize("n", range(30))
+    def test_fails(n):
+        assert n < 0, f"planted failure {n}"
+
+    def test_outlives_the_limit():
+        time.sleep(600)
+''')
+
+# a bench stand-in: writes one row, then (for the models stage) sleeps past its limit
+FAKE_BENCH = textwrap.dedent('''
+    import json, os, sys, time
+    out = sys.argv[sys.argv.index("--out") + 1]
+    os.makedirs(out, exist_ok=True)
+    rows = [{"case": "inference/base", "provider": "fastbert", "status": "ok"},
+            {"case": "layer_norm/rows", "provider": "triton", "status": "error", "error": "RuntimeError: planted"}]
+    json.dump(rows, open(os.path.join(out, "gpu-stand-in.json"), "w"))
+    if "train" in sys.argv[sys.argv.index("--only") + 1].split("(?!")[0]:
+        time.sleep(600)
+''')
+
+
+def _run_check(tmp_path, **limits):
+    (tmp_path / "test_planted.py").write_text(FAKE_TESTS)
+    (tmp_path / "fake_bench.py").write_text(FAKE_BENCH)
+    env = {**os.environ, "FASTBERT_CHECK_DEVICE": "cpu", "FASTBERT_CHECK_TESTS": str(tmp_path / "test_planted.py"),
+           "FASTBERT_CHECK_WORKERS": "2", "FASTBERT_CHECK_BENCH": f"{sys.executable} {tmp_path / 'fake_bench.py'}",
+           **limits}
+    out = tmp_path / "out"
+    result = subprocess.run(["bash", str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path)
+    return result, out
+
+
+def test_a_stopped_run_reports_what_it_found(tmp_path):
+    result, out = _run_check(tmp_path, FASTBERT_CHECK_TESTS_S="40", FASTBERT_CHECK_MODELS_S="3",
+                             FASTBERT_CHECK_OPS_S="20")
+    assert result.returncode != 0  # stages were stopped
+    stages = {line.split()[0]: line.split()[1:] for line in (out / "stages.tsv").read_text().splitlines()}
+    assert stages["tests"][0] == "124" and stages["models"][0] == "124" and stages["ops"][0] == "0"
+    log = (out / "tests.log").read_text()
+    # SIGINT reached pytest: it reported the interrupt, then every failure with its short traceback
+    assert "KeyboardInterrupt" in log
+    assert "planted failure 29" in log and "assert n < 0" in log
+    xml = (out / "tests.xml").read_text()
+    assert xml.count("<testcase") >= 31 and "planted failure 0" in xml
+    summary = result.stdout.strip().splitlines()
+    assert summary == (out / "summary.txt").read_text().strip().splitlines()
+    assert len(summary) <= 40
+    assert any(line.startswith("tests   STOPPED at its 40 s limit") for line in summary)
+    assert any(line.startswith("models  STOPPED at its 3 s limit") for line in summary)
+    assert any("test_fails[0]: AssertionError: planted failure 0" in line for line in summary)
+    assert any("and 10 more failures" in line for line in summary)
+    assert "bench-ops: 2 rows: 1 error, 1 ok" in summary
+    assert any("first error: layer_norm/rows [triton]: RuntimeError: planted" in line for line in summary)
+    assert json.loads(next((out / "bench-models").glob("*.json")).read_text())[0]["status"] == "ok"
+
+
+def test_the_checkout_imports_its_kernels_without_an_install(tmp_path):
+    """fastbert/ and kernels/ copied without the fastbert/kernels link, on PYTHONPATH: fastbert.kernels is the
+    copy's kernels/, as setup.py's package_dir maps it."""
+    for folder in ("fastbert", "kernels"):
+        shutil.copytree(ROOT / folder, tmp_path / folder, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "kernels") if folder == "fastbert" else None)
+    assert not (tmp_path / "fastbert" / "kernels").exists()
+    found = subprocess.run([sys.executable, "-c", "import fastbert.kernels.numerics as n; print(n.__file__)"],
+                           env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True,
+                           cwd=tmp_path, timeout=120)
+    assert found.returncode == 0, found.stderr
+    assert pathlib.Path(found.stdout.strip()) == tmp_path / "kernels" / "numerics.py"
