@@ -132,9 +132,9 @@ def label_budget(seqlen: int) -> int:
 
 
 def build_model(case: MemoryCase, provider: str, device: str | torch.device = "meta") -> torch.nn.Module:
-    """The case's model on `device` (meta: sizes only): fastbert on its Triton path, or transformers' BERT with
-    the provider's attention. Inference models hold bf16 weights; training models fp32 (autocast computes in
-    bf16)."""
+    """The case's model on `device` (meta: sizes only): fastbert with backend "auto" (in a plan: the paths
+    fastbert.paths chooses on the planned H100), or transformers' BERT with the provider's attention. Inference
+    models hold bf16 weights; training models fp32 (autocast computes in bf16)."""
     config = case.bert_config
     if case.mode == "pretrain":
         config = config.replace(max_predictions_per_seq=label_budget(case.seqlen))
@@ -142,7 +142,7 @@ def build_model(case: MemoryCase, provider: str, device: str | torch.device = "m
     if provider == FASTBERT:
         from fastbert.architectures import model_class
 
-        config = config.replace(backend="triton")
+        config = config.replace(backend="auto")
         if case.checkpointing != "none":
             config = config.replace(activation_checkpointing=case.checkpointing)
         with torch.device(device):
