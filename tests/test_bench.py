@@ -223,3 +223,23 @@ def test_modernbert_flops_count_the_geglu_and_the_windows():
     lengths = torch.tensor([9])
     assert (encoder_flops(ModernBertConfig.tiny(local_attention=64), lengths, pooler=False)
             - encoder_flops(narrow, lengths, pooler=False)) == 2 * 4 * 128 * (81 - attention_pairs(lengths, 2))
+
+
+def test_gpu_suite_measures_the_whole_model_comparisons_first():
+    """What users compare first comes first, so a short budget still yields it: BERT-base training and inference,
+    fastbert against transformers' SDPA, then against SDPA + torch.compile, then every op's rows."""
+    items = runner.work_items("gpu")
+    first_op = next(i for i, item in enumerate(items) if isinstance(item.case, op_cases.OpCase))
+    headline = [item for item in items[:first_op] if isinstance(item.case, model_cases.ModelCase)]
+    assert len(headline) == first_op  # nothing but models before the first op
+    providers = {(item.case.name, item.provider) for item in headline}
+    for case in model_cases.gpu_model_cases():
+        if case.size == "base" and case.mode in ("train", "inference"):
+            for provider in {model_cases.FASTBERT, model_cases.HF_SDPA, model_cases.HF_COMPILE} & set(case.providers):
+                assert (case.name, provider) in providers, (case.name, provider)
+    assert ("train/base,batch=256,seqlen=128", model_cases.HF_COMPILE) in providers
+    compiled = [i for i, item in enumerate(headline) if item.provider == model_cases.HF_COMPILE]
+    assert min(compiled) == len(headline) - len(compiled)  # the compiles (a minute each) after the rest
+    assert {item.case.size for item in headline} == {"base"}
+    assert model_cases.HF_EAGER not in {item.provider for item in headline}
+
