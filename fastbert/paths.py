@@ -27,7 +27,7 @@ time). A size that is symbolic (torch.compile with dynamic shapes) is left out o
 specialised on.
 
 Missing measurements: a class without rows takes the nearest measured class of the op (fewest half-octave steps
-summed over its sizes; a tie goes to the larger sizes); a dtype without rows, its 16-bit sibling's (bf16 <->
+summed over its sizes; a tie goes to the class larger in its first differing size, in the order above); a dtype without rows, its 16-bit sibling's (bf16 <->
 fp16), else the kernel; an op without rows, the kernel; an architecture without rows (compute capability, e.g.
 sm_89), the nearest measured one (a tie goes to the older). The choice is cached per (device capability, op,
 dtype, direction, shapes): a call costs the host a tuple and a dict lookup.

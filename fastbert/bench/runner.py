@@ -258,15 +258,19 @@ SMOKE_CAVEAT = ("smoke run: tiny shapes, 3 timed calls on the CPU; it checks tha
 
 
 def summary(rows: list[dict]) -> str:
-    """A plain-text table of the rows, for the terminal; a smoke run's says first that its times are noise."""
+    """A plain-text table of the rows, for the terminal; a smoke run's says first that its times are noise.
+    Column "auto": * on the op rows of the path backend="auto" runs there (fastbert.paths' committed table)."""
+    from fastbert.bench.path_table import chosen_provider
+
     lines = [SMOKE_CAVEAT] if any(r.get("suite") == "smoke" for r in rows) else []
-    lines += [f"{'case':<58} {'provider':<16} {'dir':<10} {'status':<7} {'ms':>9} {'TFLOP/s':>8} "
-             f"{'GB/s':>8} {'peak MB':>9}"]
+    lines += [f"{'case':<58} {'provider':<16} {'auto':<4} {'dir':<10} {'status':<7} {'ms':>9} {'TFLOP/s':>8} "
+              f"{'GB/s':>8} {'peak MB':>9}"]
     for r in rows:
         mem = r.get("peak_mem_extra_bytes") if r.get("peak_mem_bytes") is None else r.get("peak_mem_bytes")
         cells = [f"{r.get('median_ms', float('nan')):9.3f}", _fmt(r.get("tflops"), 8, 1), _fmt(r.get("gbps"), 8, 0),
                  _fmt(None if mem is None else mem / 2 ** 20, 9, 1)]
-        lines.append(f"{r['case'][:58]:<58} {r['provider']:<16} {str(r.get('direction', '')):<10} "
+        chosen = "*" if chosen_provider(r) == r["provider"] else ""
+        lines.append(f"{r['case'][:58]:<58} {r['provider']:<16} {chosen:<4} {str(r.get('direction', '')):<10} "
                      f"{r['status']:<7} " + " ".join(cells))
     return "\n".join(lines)
 
