@@ -2,8 +2,10 @@
 kernel (`fastbert.kernels.<op>`) and the pure-PyTorch reference (`fastbert.reference`).
 
 `backend` is "auto" (default; None means the same), "triton" or "torch".
-- auto: Triton when the tensors are on CUDA and Triton imports, the reference otherwise. The
-  environment variable FASTBERT_BACKEND=triton|torch changes what "auto" means.
+- auto: on CUDA tensors (when Triton imports) the path measured fastest for the op's shape class on the
+  nearest measured GPU architecture: the Triton kernel, the reference, or cuBLAS's GEMM followed by a
+  Triton elementwise kernel (fastbert.paths, the committed table fastbert/paths.json); the reference
+  otherwise. The environment variable FASTBERT_BACKEND=triton|torch changes what "auto" means.
 - triton: the kernels. On CPU tensors this needs TRITON_INTERPRET=1 (Triton's interpreter);
   otherwise it raises RuntimeError rather than silently running something else.
 - torch: the reference, everywhere.
@@ -23,7 +25,7 @@ import os
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from fastbert import reference
+from fastbert import paths, reference
 from fastbert.kernels.arguments import check_relative_bias, check_rotary_window
 
 BACKENDS = ("auto", "triton", "torch")
@@ -49,8 +51,16 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_backend(backend: str | None, *tensors: torch.Tensor | None) -> str:
-    """Return "triton" or "torch" for these tensors, or raise if the request cannot run."""
+# the ops whose kernels compute in the autocast dtype: under autocast, their table rows are that dtype's
+MATMUL_OPS = frozenset({"linear_bias_gelu", "feed_forward", "feed_forward_geglu", "qkv_projection", "attention",
+                        "linear_cross_entropy"})
+
+
+def resolve_backend(backend: str | None, *tensors: torch.Tensor | None, op: str | None = None) -> str:
+    """Return the path to run for these tensors: "triton", "torch", or, for "auto" on a GPU where
+    fastbert.paths' table chooses it, "cublas_then_bias_gelu" (op linear_bias_gelu and the FFNs); raise if the
+    request cannot run. op: the fastbert.paths op whose measurements "auto" reads on a GPU (the tensors as
+    paths.SIZES takes them, the op's input first); None: "auto" means the kernel there."""
     backend = "auto" if backend is None else backend
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -66,7 +76,16 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor | None) -> str:
         if env in ("triton", "torch"):
             backend = env
         else:
-            return "triton" if on_cuda and TRITON_IMPORT_ERROR is None else "torch"
+            # meta tensors in a memory plan stand for the planned GPU's (paths.planned_architecture)
+            capability = paths.planned_capability() if on_meta else None
+            if TRITON_IMPORT_ERROR is not None or not (on_cuda or capability):
+                return "torch"
+            if op is None:
+                return "triton"
+            first = tensors[0]
+            # planned meta tensors read CUDA's autocast state too (autocast_dtype)
+            dtype = (autocast_dtype("matmul", "cuda") if op in MATMUL_OPS else None) or first.dtype
+            return paths.choose(op, tensors, dtype, capability or paths.device_capability(first.device))
     if backend == "triton":
         if TRITON_IMPORT_ERROR is not None:
             raise RuntimeError(f"backend='triton' was requested but Triton does not import ({TRITON_IMPORT_ERROR})")
@@ -163,7 +182,7 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
         raise ValueError(f"eps must be > 0, got {eps!r}")
     if save not in LAYER_NORM_SAVES:
         raise ValueError(f"save must be one of {LAYER_NORM_SAVES}, got {save!r}")
-    if resolve_backend(backend, x, weight, bias, residual) == "triton":
+    if resolve_backend(backend, x, weight, bias, residual, op="layer_norm") == "triton":
         x, weight, bias, residual, out_dtype = _layer_norm_inputs(x, weight, bias, residual)
         return KERNELS["layer_norm"].layer_norm(x, weight, bias, eps, residual, dropout_p, training, out_dtype,
                                                 save, return_residual)
@@ -176,7 +195,7 @@ def bias_gelu(x, bias, approximate="none", backend=None):
     _check_last_dim("bias", bias, x.shape[-1], "x's last dimension")
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
-    if resolve_backend(backend, x, bias) == "triton":
+    if resolve_backend(backend, x, bias, op="bias_gelu") == "triton":
         x, bias = _cast((x, bias), _promoted_dtype(x, bias))  # x + bias, as PyTorch promotes it
         return KERNELS["bias_gelu"].bias_gelu(x, bias, approximate)
     return reference.bias_gelu(x, bias, approximate)
@@ -185,16 +204,19 @@ def bias_gelu(x, bias, approximate="none", backend=None):
 def linear_bias_gelu(x, weight, bias, approximate="none", backend=None):
     """gelu(x @ weight.T + bias), the FFN up-projection and its activation.
 
-    x [..., K]; weight [N, K]; bias [N]. On the Triton path this is the faster of the two measured
-    forms (see PERF.md): a matmul with bias + GELU in its epilogue, or cuBLAS then `bias_gelu`.
+    x [..., K]; weight [N, K]; bias [N]. backend="triton" runs kernels/bias_gelu.py's LINEAR_BIAS_GELU_FORM
+    (a matmul with bias + GELU in its epilogue); "auto" on a GPU may run its other form, cuBLAS then the
+    bias + GELU kernel ("cublas_then_bias_gelu"), where fastbert.paths measured it faster.
     """
     _check_last_dim("weight", weight, x.shape[-1], "x's last dimension")
     _check_last_dim("bias", bias, weight.shape[0], "weight's output size")
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
-    if resolve_backend(backend, x, weight, bias) == "triton":
+    path = resolve_backend(backend, x, weight, bias, op="linear_bias_gelu")
+    if path != "torch":
         x, weight, bias = _matmul_inputs(x, weight, bias)
-        return KERNELS["bias_gelu"].linear_bias_gelu(x, weight, bias, approximate)
+        return KERNELS["bias_gelu"].linear_bias_gelu(x, weight, bias, approximate,
+                                                     form=None if path == "triton" else path)
     return reference.linear_bias_gelu(x, weight, bias, approximate)
 
 
@@ -212,7 +234,7 @@ def qkv_projection(x, weight, bias, num_heads, backend=None):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {(3 * hidden, hidden)}")
     if bias is not None and tuple(bias.shape) != (3 * hidden,):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(3 * hidden,)}")
-    if resolve_backend(backend, x, weight, bias) == "triton":
+    if resolve_backend(backend, x, weight, bias, op="qkv_projection") == "triton":
         x, weight, bias = _matmul_inputs(x, weight, bias)
         return KERNELS["qkv"].qkv_projection(x, weight, bias, num_heads)
     return reference.qkv_projection(x, weight, bias, num_heads)
@@ -251,7 +273,10 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
     _check_attention_args(q, k, v, attention_mask, dropout_p)
     check_relative_bias(relative_bias, relative_buckets, q.shape[1], q.device)
     check_rotary_window(rotary_base, window, q.shape[-1])
-    if resolve_backend(backend, q, k, v, attention_mask, relative_bias, relative_buckets) == "triton":
+    # SDPA is a candidate path only for plain dense attention (fastbert.paths)
+    plain = attention_mask is None and relative_bias is None and rotary_base is None and window is None
+    if resolve_backend(backend, q, k, v, attention_mask, relative_bias, relative_buckets,
+                       op="attention" if plain else None) == "triton":
         q, k, v = _matmul_inputs(q, k, v)
         return KERNELS["attention"].attention(q, k, v, attention_mask, dropout_p, scale, training, relative_bias,
                                               relative_buckets, **_position_options(rotary_base, window))
@@ -317,7 +342,7 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
-    if resolve_backend(backend, x, weight, bias, target) == "triton":
+    if resolve_backend(backend, x, weight, bias, target, op="linear_cross_entropy") == "triton":
         x, weight, bias = _matmul_inputs(x, weight, bias)
         return KERNELS["mlm_loss"].linear_cross_entropy(x, weight, bias, target, ignore_index, reduction,
                                                         label_smoothing)
@@ -370,9 +395,11 @@ def _feed_forward(name, x, w1, b1, w2, b2, approximate, recompute_pre, backend):
     """feed_forward or feed_forward_geglu (`name`, the function of that name in kernels/ffn.py and in the
     reference), checked, then dispatched."""
     _check_feed_forward_args(x, w1, b1, w2, b2, approximate, gated=name == "feed_forward_geglu")
-    if resolve_backend(backend, x, w1, b1, w2, b2) == "triton":
+    path = resolve_backend(backend, x, w1, b1, w2, b2, op=name)
+    if path != "torch":
         x, w1, b1, w2, b2 = _matmul_inputs(x, w1, b1, w2, b2)
-        return getattr(KERNELS["ffn"], name)(x, w1, b1, w2, b2, approximate, recompute_pre)
+        return getattr(KERNELS["ffn"], name)(x, w1, b1, w2, b2, approximate, recompute_pre,
+                                             form="epilogue" if path == "triton" else path)
     function = getattr(reference, name)
     if recompute_pre and torch.is_grad_enabled():
         return checkpoint(function, x, w1, b1, w2, b2, approximate, use_reentrant=False)

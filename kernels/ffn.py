@@ -40,21 +40,28 @@
 # Biases are optional (b1, b2 None: ModernBERT's mlp_bias=False): the epilogue adds none and the
 # backward sums no columns for them.
 #
+# form (kernels/bias_gelu.py's LINEAR_BIAS_GELU_FORMS) picks how h and g are made, forward and recompute:
+# "epilogue" (above) or "cublas_then_bias_gelu": h by cuBLAS (addmm), then g from h by the elementwise
+# kernel the backward recomputes it with (bias_gelu / geglu forward). Same saves, same backward; g is the
+# GELU of the rounded h, as the backward's recomputed g always is. fastbert.paths picks the faster per GPU.
+#
 # Limits: as kernels/matmul.py and kernels/bias_gelu.py: x [M, K], w1 [N, K] ([2N, K] gated), b1 [N] ([2N])
 # or None, w2 [K2, N], b2 [K2] or None, of one dtype (fp32, fp16, bf16), any strides, M >= 0.
 # Sources: Megatron-LM's fused bias-GELU with recomputation; Korthikanti et al. 2022 (selective
 # activation recomputation).
 import torch
 
-from fastbert.kernels.bias_gelu import (APPROXIMATIONS, bias_gelu_bwd, bias_gelu_fwd, geglu_bwd, geglu_fwd,
-                                        linear_bias_gelu_fwd)
+from fastbert.kernels.bias_gelu import (APPROXIMATIONS, LINEAR_BIAS_GELU_FORMS, bias_gelu_bwd, bias_gelu_fwd,
+                                        geglu_bwd, geglu_fwd, linear_bias_gelu_fwd)
 from fastbert.kernels.fused_op import fused_op
 from fastbert.kernels.matmul import DTYPES
 
 
-def _check(x, w1, b1, w2, b2, approximate, gated=False) -> None:
+def _check(x, w1, b1, w2, b2, approximate, gated=False, form="epilogue") -> None:
     if approximate not in APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
+    if form not in LINEAR_BIAS_GELU_FORMS:
+        raise ValueError(f"form must be one of {LINEAR_BIAS_GELU_FORMS}, got {form!r}")
     if x.dtype not in DTYPES:
         raise ValueError(f"x has dtype {x.dtype}; supported dtypes are {DTYPES}")
     for name, t in (("w1", w1), ("w2", w2)):
@@ -74,20 +81,32 @@ def _check(x, w1, b1, w2, b2, approximate, gated=False) -> None:
             raise ValueError(f"{name} has dtype {t.dtype} on {t.device}, expected x's {x.dtype} on {x.device}")
 
 
-def feed_forward_fwd(x, w1, b1, w2, b2, approximate, keep_pre=True, gated=False):
+def _up_projection(x, w1, b1, approximate, keep_pre, gated, form):
+    """(g, h): g = gelu(h) [M, N] (gated: gelu(a) * b), h = x @ w1.T + b1 [M, N] ([M, 2N] gated), or None
+    without keep_pre; made by `form` (header)."""
+    if form == "epilogue":
+        return linear_bias_gelu_fwd(x, w1, b1, approximate, store_pre=keep_pre, gated=gated)
+    pre = x @ w1.t() if b1 is None else torch.addmm(b1, x, w1.t())
+    g = geglu_fwd(pre, approximate) if gated else bias_gelu_fwd(pre, None, approximate)
+    return g, pre if keep_pre else None
+
+
+def feed_forward_fwd(x, w1, b1, w2, b2, approximate, keep_pre=True, gated=False, form="epilogue"):
     """(out, h): out = gelu(h) @ w2.T + b2 [M, K2] (gated: (gelu(a) * b) @ w2.T + b2), h = x @ w1.T + b1
     [M, N] ([M, 2N] gated), both contiguous; without keep_pre h is never written (an empty [0, N] stands for
-    it): nothing will read it. b1, b2 may be None."""
-    g, pre = linear_bias_gelu_fwd(x, w1, b1, approximate, store_pre=keep_pre, gated=gated)
+    it): nothing will read it. b1, b2 may be None. form: how h and gelu(h) are made (header)."""
+    g, pre = _up_projection(x, w1, b1, approximate, keep_pre, gated, form)
     out = g @ w2.t() if b2 is None else torch.addmm(b2, g, w2.t())
     return out, x.new_empty((0, w1.shape[0])) if pre is None else pre
 
 
-def feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate, gated=False, has_b1=True, has_b2=True):
+def feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate, gated=False, has_b1=True, has_b2=True,
+                     form="epilogue"):
     """Gradients (dx, dw1, db1, dw2, db2) of feed_forward_fwd's out; pre None recomputes h from x and b1
-    (b1 is read only then). db1, db2 are None where has_b1, has_b2 say there is no bias."""
+    (b1 is read only then, by `form`: the forward's). db1, db2 are None where has_b1, has_b2 say there is no
+    bias."""
     if pre is None:
-        _, pre = linear_bias_gelu_fwd(x, w1, b1, approximate, gated=gated)
+        _, pre = _up_projection(x, w1, b1, approximate, True, gated, form)
     g = geglu_fwd(pre, approximate) if gated else bias_gelu_fwd(pre, None, approximate)  # [M, N]
     dw2 = dout.t() @ g
     del g
@@ -106,24 +125,24 @@ def feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate, gated=False, has_b1=
 @fused_op("fastbert::feed_forward")
 def _feed_forward_op(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
                      b2: torch.Tensor | None, approximate: str, keep_pre: bool,
-                     gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     gated: bool = False, form: str = "epilogue") -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, h); h is internal: kept for the backward with keep_pre, else empty and the backward
     (if any) reruns the up-projection."""
-    return feed_forward_fwd(x, w1, b1, w2, b2, approximate, keep_pre, gated)
+    return feed_forward_fwd(x, w1, b1, w2, b2, approximate, keep_pre, gated, form)
 
 
 @_feed_forward_op.register_fake
-def _(x, w1, b1, w2, b2, approximate, keep_pre, gated=False):
+def _(x, w1, b1, w2, b2, approximate, keep_pre, gated=False, form="epilogue"):
     return x.new_empty((x.shape[0], w2.shape[0])), x.new_empty((x.shape[0] if keep_pre else 0, w1.shape[0]))
 
 
 @fused_op("fastbert::feed_forward_bwd")
 def _feed_forward_bwd_op(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
                          w2: torch.Tensor, pre: torch.Tensor | None, approximate: str, gated: bool = False,
-                         has_b1: bool = True, has_b2: bool = True
+                         has_b1: bool = True, has_b2: bool = True, form: str = "epilogue"
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """feed_forward_bwd with an empty [0] for each bias gradient that has no bias (a custom op returns tensors)."""
-    dx, dw1, db1, dw2, db2 = feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate, gated, has_b1, has_b2)
+    dx, dw1, db1, dw2, db2 = feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate, gated, has_b1, has_b2, form)
     return dx, dw1, _or_empty(db1, dout), dw2, _or_empty(db2, dout)
 
 
@@ -132,17 +151,17 @@ def _or_empty(t, like):
 
 
 @_feed_forward_bwd_op.register_fake
-def _(dout, x, w1, b1, w2, pre, approximate, gated=False, has_b1=True, has_b2=True):
+def _(dout, x, w1, b1, w2, pre, approximate, gated=False, has_b1=True, has_b2=True, form="epilogue"):
     return (torch.empty_like(x), torch.empty_like(w1), w1.new_empty(w1.shape[:1] if has_b1 else (0,)),
             torch.empty_like(w2), w2.new_empty(w2.shape[:1] if has_b2 else (0,)))
 
 
 def _feed_forward_setup(ctx, inputs, output):
-    x, w1, b1, w2, b2, approximate, keep_pre, gated = inputs
+    x, w1, b1, w2, b2, approximate, keep_pre, gated, form = inputs
     # h, or b1 to rerun the up-projection
     ctx.save_for_backward(x, w1, w2, *((None, output[1]) if keep_pre else (b1, None)))
     ctx.approximate = approximate
-    ctx.gated = gated
+    ctx.gated, ctx.form = gated, form
     ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
 
 
@@ -150,8 +169,8 @@ def _feed_forward_backward(ctx, dout, dpre):
     # h is internal (feed_forward returns out only), so dpre is None.
     x, w1, w2, b1, pre = ctx.saved_tensors
     dx, dw1, db1, dw2, db2 = _feed_forward_bwd_op(dout, x, w1, b1, w2, pre, ctx.approximate, ctx.gated,
-                                                  ctx.has_b1, ctx.has_b2)
-    return (dx, dw1, db1 if ctx.has_b1 else None, dw2, db2 if ctx.has_b2 else None, None, None, None)
+                                                  ctx.has_b1, ctx.has_b2, ctx.form)
+    return (dx, dw1, db1 if ctx.has_b1 else None, dw2, db2 if ctx.has_b2 else None, None, None, None, None)
 
 
 _feed_forward_op.register_autograd(_feed_forward_backward, setup_context=_feed_forward_setup)
@@ -159,26 +178,28 @@ _feed_forward_op.register_autograd(_feed_forward_backward, setup_context=_feed_f
 
 def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
                  b2: torch.Tensor | None, approximate: str = "none", recompute_pre: bool = False,
-                 gated: bool = False) -> torch.Tensor:
+                 gated: bool = False, form: str = "epilogue") -> torch.Tensor:
     """gelu(x @ w1.T + b1) @ w2.T + b2, differentiable in all five tensors; gated (GeGLU):
     (gelu(a) * b) @ w2.T + b2 with [a, b] = x @ w1.T + b1 split in halves.
 
     x [..., K] (any strides), w1 [N, K] ([2N, K] gated), b1 [N] ([2N]) or None, w2 [K2, N], b2 [K2] or
     None, one dtype (fp32, fp16, bf16). Returns [..., K2]. The backward keeps x and the weights, plus h
-    [M, N] ([M, 2N]) unless recompute_pre (then it reruns the up-projection). Raises ValueError on
-    mismatched shapes, dtypes or an unknown approximation.
+    [M, N] ([M, 2N]) unless recompute_pre (then it reruns the up-projection). form: "epilogue" or
+    "cublas_then_bias_gelu" (header). Raises ValueError on mismatched shapes, dtypes, an unknown
+    approximation or form.
     """
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]: a view whenever the leading dims merge
-    _check(x2, w1, b1, w2, b2, approximate, gated)
+    _check(x2, w1, b1, w2, b2, approximate, gated, form)
     # h is written only for a backward that reads it: an inference forward never holds it beside the GELU
     # output while the second matmul runs (one [M, N] less at its peak), and recompute_pre reruns it anyway
     backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, w1, b1, w2, b2))
-    out, _ = _feed_forward_op(x2, w1, b1, w2, b2, approximate, backward and not recompute_pre, gated)
+    out, _ = _feed_forward_op(x2, w1, b1, w2, b2, approximate, backward and not recompute_pre, gated, form)
     return out.view(*x.shape[:-1], w2.shape[0])
 
 
 def feed_forward_geglu(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
-                       b2: torch.Tensor | None, approximate: str = "none", recompute_pre: bool = False) -> torch.Tensor:
+                       b2: torch.Tensor | None, approximate: str = "none", recompute_pre: bool = False,
+                       form: str = "epilogue") -> torch.Tensor:
     """ModernBERT's FFN: (gelu(h[..., :I]) * h[..., I:]) @ w2.T + b2 with h = x @ w1.T + b1; w1 [2I, K],
     b1 [2I] or None, w2 [K2, I], b2 [K2] or None. `feed_forward` with gated=True."""
-    return feed_forward(x, w1, b1, w2, b2, approximate, recompute_pre, gated=True)
+    return feed_forward(x, w1, b1, w2, b2, approximate, recompute_pre, gated=True, form=form)

@@ -223,3 +223,76 @@ def test_modernbert_flops_count_the_geglu_and_the_windows():
     lengths = torch.tensor([9])
     assert (encoder_flops(ModernBertConfig.tiny(local_attention=64), lengths, pooler=False)
             - encoder_flops(narrow, lengths, pooler=False)) == 2 * 4 * 128 * (81 - attention_pairs(lengths, 2))
+
+
+def test_gpu_suite_measures_the_whole_model_comparisons_first():
+    """What users compare first comes first, so a short budget still yields it: BERT-base training and inference,
+    fastbert against transformers' SDPA, then against SDPA + torch.compile, then every op's rows."""
+    items = runner.work_items("gpu")
+    first_op = next(i for i, item in enumerate(items) if isinstance(item.case, op_cases.OpCase))
+    headline = [item for item in items[:first_op] if isinstance(item.case, model_cases.ModelCase)]
+    assert len(headline) == first_op  # nothing but models before the first op
+    providers = {(item.case.name, item.provider) for item in headline}
+    for case in model_cases.gpu_model_cases():
+        if case.size == "base" and case.mode in ("train", "inference"):
+            for provider in {model_cases.FASTBERT, model_cases.HF_SDPA, model_cases.HF_COMPILE} & set(case.providers):
+                assert (case.name, provider) in providers, (case.name, provider)
+    assert ("train/base,batch=256,seqlen=128", model_cases.HF_COMPILE) in providers
+    compiled = [i for i, item in enumerate(headline) if item.provider == model_cases.HF_COMPILE]
+    assert min(compiled) == len(headline) - len(compiled)  # the compiles (a minute each) after the rest
+    assert {item.case.size for item in headline} == {"base"}
+    assert model_cases.HF_EAGER not in {item.provider for item in headline}
+
+
+def _h100_row(op, shape, provider, direction, ms, dtype="bfloat16"):
+    case = f"{op}/" + ",".join(f"{k}={v}" for k, v in shape.items())
+    return {"suite": "gpu", "device": "NVIDIA H100 80GB HBM3", "device_type": "cuda", "date": "2026-01-01",
+            "op": op, "case": case, "shape": shape, "dtype": dtype, "provider": provider, "direction": direction,
+            "status": "ok", "median_ms": ms}
+
+
+def test_summary_and_op_tables_mark_the_path_auto_runs():
+    """The committed table chooses PyTorch's LayerNorm at 16384 x 768 on sm_90 and the Triton MLM loss: the
+    terminal summary stars those providers' rows and PERF.md's per-op tables mark them "(auto)"."""
+    shape = {"rows": 16384, "hidden": 768, "dropout_p": 0.1}
+    rows = [_h100_row("layer_norm", shape, p, "fwd+bwd", ms) for p, ms in
+            (("fastbert", 0.7), (op_cases.EAGER, 0.25), (op_cases.TORCH, 0.24))]
+    starred = [line.split()[1] for line in runner.summary(rows).splitlines()[1:] if line.split()[2] == "*"]
+    assert starred == [op_cases.EAGER]
+    table = "\n".join(report.op_section("layer_norm", rows))
+    assert "0.250 ms (auto)" in table and table.count("(auto)") == 1
+    mlm = {"batch": 32, "seqlen": 512, "hidden": 768, "vocab": 30522, "labelled": 0.15}
+    rows = [_h100_row("mlm_head", mlm, p, "fwd", 1.0) for p in ("fastbert", op_cases.EAGER)]
+    fastbert_cell = "\n".join(report.op_section("mlm_head", rows)).split("| fwd |")[1].split("|")[0]
+    assert fastbert_cell.strip() == "1.000 ms (auto)"
+
+
+def test_floors_are_the_cases_counts_over_the_h100s_peaks():
+    """LayerNorm at 16384 x 768 in bf16 moves 3 x 25,165,824 bytes forward: 25.2 us at 3.0 TB/s; the QKV
+    projection at 32 x 512 x 768 is 2 x 16384 x 768 x 2304 FLOPs forward: 73.4 us at 790 TFLOP/s. Each provider's
+    time is read against its case's floor; without an H100 run the measured side is not yet measured."""
+    from fastbert.bench import floors
+
+    cases = {c.name: c for c in op_cases.gpu_op_cases()}
+    layer_norm = cases["layer_norm/rows=16384,hidden=768,dropout_p=0.1"]
+    qkv = cases["qkv_projection/batch=32,seqlen=512,hidden=768,heads=12"]
+    assert floors.floor_ms(layer_norm, "fwd") == (pytest.approx(3 * 16384 * 768 * 2 / 3.0e12 * 1e3), "memory")
+    assert floors.floor_ms(qkv, "fwd+bwd") == (pytest.approx(3 * 2 * 16384 * 768 * 2304 / 790e12 * 1e3), "compute")
+    assert all(floors.floor_ms(c, d)[0] > 0 for c in cases.values() for d in op_cases.DIRECTIONS)
+    assert "not yet measured" in "\n".join(floors.floors_section({}))
+    floor = floors.floor_ms(layer_norm, "fwd")[0]
+    row = _h100_row("layer_norm", layer_norm.shape, "fastbert", "fwd", 2 * floor)
+    text = "\n".join(floors.floors_section({("gpu", row["device"]): [row]}))
+    assert f"| layer_norm rows=16384,hidden=768,dropout_p=0.1 | fwd | memory | {1e3 * floor:,.1f} us | " \
+           f"{2e3 * floor:,.1f} us (2.0x) |" in text
+    assert sum(line.startswith("| ") for line in text.splitlines()) == 1 + len(cases) * len(op_cases.DIRECTIONS)
+
+
+def test_perf_md_has_the_path_table_and_the_floors_beside_its_sections():
+    rows = report.load_rows(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results"))
+    text = report.render(rows, plots_dir=None)
+    headings = [line for line in text.splitlines() if line.startswith("## ")]
+    for heading in ("## Status", "## Peak references", "## Targets", "## The FFN up-projection's form",
+                    "## The faster path per op (issue 26)", "## Floors (issue 26)"):
+        assert heading in headings, heading
+    assert "Read with care" in text and "| layer_norm | tokens=16384,hidden=768 | bfloat16 |" in text

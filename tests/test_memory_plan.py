@@ -219,3 +219,52 @@ def test_a_plan_through_the_launchers_saves_what_each_op_saves(checkpointing):
     assert plan["saved"] == embeddings + layers * layer + pooler + mlm + nsp
     assert plan["phase_of_peak"] == "backward"
 
+
+
+# A plan of a memory case's fastbert model in a process of its own (the kernels compiled-kernel ones, as above),
+# with fastbert.paths' lookup replaced: one that answers `chosen` per op (else the kernel) and records the
+# architecture it is asked for. argv: [backend, chosen] of each plan, in order.
+_PLAN_FOLLOWS_THE_CHOICE = """
+import json, sys
+import torch
+from fastbert import BertConfig, paths
+from fastbert.bench import memory_cases
+from fastbert.simulated.memory_plan import plan_step
+
+asked, chosen = set(), {}
+def lookup(table, capability, op, dtype, direction, classed):
+    asked.add(capability)
+    return chosen.get(op, "triton")
+paths.lookup = lookup
+
+case = memory_cases.MemoryCase("pretrain", "tiny", 32, 2, "adamw", config=BertConfig.tiny(num_hidden_layers=2))
+saved = []
+for backend, plan_choices in json.loads(sys.argv[1]):
+    chosen.clear()
+    chosen.update(plan_choices)
+    paths._CHOSEN.clear()
+    model = memory_cases.build_model(case, "fastbert")
+    model.config.backend = backend
+    saved.append(plan_step(model, memory_cases.make_inputs(case, 2), optimizer="adamw",
+                           precision="bf16").saved_for_backward_bytes)
+backend = memory_cases.build_model(case, "fastbert").config.backend
+print(json.dumps({"saved": saved, "asked": sorted(asked), "backend": backend}))
+"""
+
+
+def test_the_memory_plan_plans_the_paths_auto_chooses_on_the_planned_gpu():
+    """A memory case plans fastbert with backend "auto", which in a plan chooses as on the planned H100 (sm_90):
+    with every op choosing its kernel the plan is the explicit Triton path's, and a table choosing PyTorch's
+    LayerNorm (which keeps its input, not its output) or the FFN's PyTorch path (which keeps the GELU output
+    besides the pre-activation) plans more saved bytes."""
+    plans = [["auto", {}], ["triton", {}], ["auto", {"layer_norm": "torch"}], ["auto", {"linear_bias_gelu": "torch"}]]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _PLAN_FOLLOWS_THE_CHOICE, json.dumps(plans)],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout.splitlines()[-1])
+    auto_triton, explicit_triton, torch_layer_norm, torch_ffn = got["saved"]
+    assert got["backend"] == "auto"
+    assert got["asked"] == [90]
+    assert auto_triton == explicit_triton
+    assert torch_layer_norm > explicit_triton and torch_ffn > explicit_triton

@@ -104,12 +104,13 @@ def memory_cases() -> list[MemoryCase]:
 
 
 def build_model(case: MemoryCase, provider: str, device: str | torch.device = "meta") -> torch.nn.Module:
-    """The case's model on `device` (meta: sizes only): fastbert on its Triton path, or transformers' BERT with
-    the provider's attention. Inference models hold bf16 weights; training models fp32 (autocast computes in
-    bf16)."""
+    """The case's model on `device` (meta: sizes only): fastbert with backend "auto" (in a plan: the paths
+    fastbert.paths chooses on the planned H100), or transformers' BERT with the provider's attention. Inference
+    models hold bf16 weights; training models fp32 (autocast computes in bf16)."""
     config = case.bert_config
     head = {"pretrain": training_head(config), "finetune": "ForSequenceClassification", "inference": "Model"}[case.mode]
     if provider == FASTBERT:
+        config = config.replace(backend="auto")
         if case.checkpointing != "none":
             config = config.replace(activation_checkpointing=case.checkpointing)
         model = (pretraining_model(config, case.seqlen, head, device) if case.mode == "pretrain"

@@ -12,8 +12,9 @@ Providers (every case has the first four; some add a variant of fastbert's):
 
 Each provider maps the case's inputs to the outputs the backward differentiates. FLOPs follow
 DESIGN.md (matmul 2MNK, its backward twice that; attention 4 * heads * d * sum(L_i^2), backward
-2.5x). Bytes are the least a fused kernel must move, the same figure for every provider, so GB/s
-reads as effective bandwidth against the measured copy bandwidth.
+2.5x; the MLM head's on its labelled rows only). Bytes are the least a fused kernel must move, the
+same figure for every provider, so GB/s reads as effective bandwidth against the measured copy
+bandwidth.
 """
 from __future__ import annotations
 
@@ -223,10 +224,14 @@ def mlm_head_case(batch: int, seqlen: int, hidden: int, vocab: int, dtype: torch
     every position through the transform and the decoder, then F.cross_entropy on the full
     logits in fp32 (what autocast gives HF's loss).
     """
-    def make_inputs(device):
-        g = _generator()
+    def make_labels(g):
         labels = torch.randint(0, vocab, (batch, seqlen), generator=g)
         labels[torch.rand((batch, seqlen), generator=g) >= label_fraction] = -100
+        return labels
+
+    def make_inputs(device):
+        g = _generator()
+        labels = make_labels(g)
         return {"hidden_states": _randn((batch, seqlen, hidden), device, dtype, g),
                 "dense_weight": _randn((hidden, hidden), device, dtype, g, scale=hidden ** -0.5),
                 "dense_bias": _randn((hidden,), device, dtype, g),
@@ -251,8 +256,11 @@ def mlm_head_case(batch: int, seqlen: int, hidden: int, vocab: int, dtype: torch
         return (F.cross_entropy(logits.float().view(-1, vocab), labels.view(-1), ignore_index=-100),)
 
     shape = {"batch": batch, "seqlen": seqlen, "hidden": hidden, "vocab": vocab, "labelled": label_fraction}
+    # the job's least work: the transform and the decoder on the labelled rows (HF's head does every row)
+    matmul = 2 * int((make_labels(_generator()) != -100).sum()) * hidden * (hidden + vocab)
     return OpCase("mlm_head", shape, dtype, make_inputs,
                   {FASTBERT: masked_only("triton"), EAGER: masked_only("torch"), TORCH: hf_head},
+                  flops=_by_direction(matmul, 2 * matmul),
                   notes={TORCH: "HF's head: all positions, full logits, F.cross_entropy",
                          EAGER: "labelled rows only, chunked reference cross entropy"})
 

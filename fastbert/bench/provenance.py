@@ -68,11 +68,20 @@ def _static(device_type: str, device_label: str) -> dict:
     }
 
 
+def architecture(device: torch.device) -> str | None:
+    """A CUDA device's architecture, e.g. "sm_90" (what fastbert.paths' table is keyed by); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
 def provenance(device: torch.device, command: list[str] | None = None) -> dict:
     """Fields shared by every row of one run."""
     command = sys.argv if command is None else command
     return {
         **_static(device.type, device_name(device)),
+        "architecture": architecture(device),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         # other work on the machine slows CPU timings; the load says how much there was
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,

@@ -13,7 +13,9 @@ import logging
 import os
 
 from fastbert.bench.compile_report import compile_section, newest_run
+from fastbert.bench.floors import floors_section
 from fastbert.bench.memory_report import memory_section
+from fastbert.bench.path_table import chosen_provider, table_section
 from fastbert.bench.prepare_report import prepare_data_section
 from fastbert.command import configure_logging
 
@@ -81,12 +83,13 @@ def _mib(value) -> str:
     return "-" if value is None else f"{value / 2 ** 20:,.1f}"
 
 
-def _cell(row: dict | None, figure: str) -> str:
+def _cell(row: dict | None, figure: str, chosen: bool = False) -> str:
+    """One provider's figures; chosen: the path backend="auto" runs there, marked "(auto)"."""
     if row is None:
         return ""
     if row["status"] != "ok":
-        return row["status"] + (" (time budget)" if row["status"] == "skipped" else "")
-    text = f"{row['median_ms']:.3f} ms"
+        return row["status"] + (" (time budget)" if row["status"] == "skipped" else "") + (" (auto)" if chosen else "")
+    text = f"{row['median_ms']:.3f} ms" + (" (auto)" if chosen else "")
     if figure == "tflops" and row.get("tflops"):
         text += f" · {row['tflops']:.1f} TFLOP/s"
     if figure == "gbps" and row.get("gbps"):
@@ -121,7 +124,8 @@ def op_section(op: str, rows: list[dict]) -> list[str]:
         for direction in directions or [None]:
             by_provider = {r["provider"]: r for r in case_rows if r.get("direction") == direction}
             by_provider.update({r["provider"]: r for r in unmeasured})
-            cells = [_cell(by_provider.get(p), figure) for p in providers]
+            chosen = chosen_provider(next(iter(by_provider.values())))
+            cells = [_cell(by_provider.get(p), figure, p == chosen) for p in providers]
             lines.append(f"| {shape} | {direction or '-'} | " + " | ".join(cells) +
                          f" | {_speedup(by_provider, 'fastbert', 'fastbert-eager')} | "
                          f"{_speedup(by_provider, 'fastbert', 'torch')} |")
@@ -389,6 +393,8 @@ def render(rows: list[dict], plots_dir: str | None = None, suites=DEFAULT_SUITES
     out += [f"| {a} | {b} | {c} |" for a, b, c in PUBLISHED] + [""]
     out += ["## Targets", ""] + targets(runs) + [""]
     out += ["## The FFN up-projection's form", ""] + ffn_form_lines(gpu_runs) + [""]
+    out += table_section()
+    out += floors_section(gpu_runs, PROVIDER_ORDER)
     out += prepare_data_section(rows, provenance_line)
     images = plots(runs, plots_dir) if plots_dir else []
     for (suite, device), rows in runs.items():

@@ -85,16 +85,28 @@ def work_items(suite: str) -> list[WorkItem]:
         return [WorkItem(c, p, 0) for c in cases for p in c.provider_names() if p not in excluded]
     if suite == "cpu-memory":
         return [WorkItem(c, p, 0) for c in op_cases.cpu_memory_cases() for p in (op_cases.EAGER, op_cases.TORCH)]
-    # order: every op's non-compiled providers, training, inference, capacity, then the compiles
-    items = []
-    for case in op_cases.gpu_op_cases():
-        items += [WorkItem(case, p, 4, 30.0) if p == op_cases.COMPILE else WorkItem(case, p, 0, 5.0)
-                  for p in case.provider_names()]
-    for case in model_cases.gpu_model_cases():
-        base = {"train": 1, "inference": 2, "capacity": 3}[case.mode]
-        items += [WorkItem(case, p, 5, 120.0) if p == model_cases.HF_COMPILE else WorkItem(case, p, base, 20.0)
-                  for p in case.provider_names()]
+    items = [WorkItem(case, p, *GPU_ORDER["compiled op" if p == op_cases.COMPILE else "op"])
+             for case in op_cases.gpu_op_cases() for p in case.provider_names()]
+    items += [WorkItem(case, p, *GPU_ORDER[model_item_kind(case, p)])
+              for case in model_cases.gpu_model_cases() for p in case.provider_names()]
     return sorted(items, key=lambda item: item.priority)  # stable: case order kept within a priority
+
+
+# The GPU suite's order, what a short budget keeps first: what users compare first (BERT-base training and
+# inference, fastbert against transformers' SDPA, then against SDPA + torch.compile), then every op's
+# providers, then the other models and providers, then the ops' compiles. kind -> (priority, needs_s).
+GPU_ORDER = {"headline model": (0, 20.0), "headline compiled model": (1, 120.0), "op": (2, 5.0),
+             "other model": (3, 20.0), "compiled op": (4, 30.0), "other compiled model": (5, 120.0)}
+HEADLINE_SIZE = "base"  # BERT-base, the model of issue 26's whole-model targets
+HEADLINE_PROVIDERS = frozenset({model_cases.FASTBERT, model_cases.UNPAD, model_cases.HF_SDPA})
+
+
+def model_item_kind(case: model_cases.ModelCase, provider: str) -> str:
+    """The GPU_ORDER kind of a whole-model item."""
+    headline = case.size == HEADLINE_SIZE and case.mode in ("train", "inference")
+    if provider == model_cases.HF_COMPILE:
+        return "headline compiled model" if headline else "other compiled model"
+    return "headline model" if headline and provider in HEADLINE_PROVIDERS else "other model"
 
 
 def derived(row: dict, peaks: dict) -> dict:
@@ -246,15 +258,19 @@ SMOKE_CAVEAT = ("smoke run: tiny shapes, 3 timed calls on the CPU; it checks tha
 
 
 def summary(rows: list[dict]) -> str:
-    """A plain-text table of the rows, for the terminal; a smoke run's says first that its times are noise."""
+    """A plain-text table of the rows, for the terminal; a smoke run's says first that its times are noise.
+    Column "auto": * on the op rows of the path backend="auto" runs there (fastbert.paths' committed table)."""
+    from fastbert.bench.path_table import chosen_provider
+
     lines = [SMOKE_CAVEAT] if any(r.get("suite") == "smoke" for r in rows) else []
-    lines += [f"{'case':<58} {'provider':<16} {'dir':<10} {'status':<7} {'ms':>9} {'TFLOP/s':>8} "
-             f"{'GB/s':>8} {'peak MB':>9}"]
+    lines += [f"{'case':<58} {'provider':<16} {'auto':<4} {'dir':<10} {'status':<7} {'ms':>9} {'TFLOP/s':>8} "
+              f"{'GB/s':>8} {'peak MB':>9}"]
     for r in rows:
         mem = r.get("peak_mem_extra_bytes") if r.get("peak_mem_bytes") is None else r.get("peak_mem_bytes")
         cells = [f"{r.get('median_ms', float('nan')):9.3f}", _fmt(r.get("tflops"), 8, 1), _fmt(r.get("gbps"), 8, 0),
                  _fmt(None if mem is None else mem / 2 ** 20, 9, 1)]
-        lines.append(f"{r['case'][:58]:<58} {r['provider']:<16} {str(r.get('direction', '')):<10} "
+        chosen = "*" if chosen_provider(r) == r["provider"] else ""
+        lines.append(f"{r['case'][:58]:<58} {r['provider']:<16} {chosen:<4} {str(r.get('direction', '')):<10} "
                      f"{r['status']:<7} " + " ".join(cells))
     return "\n".join(lines)
 

@@ -64,7 +64,8 @@ def plan_step(model: nn.Module, batch: dict[str, torch.Tensor], *, mode: str = "
               settings: OptimizerSettings = OptimizerSettings()) -> StepMemory:
     """Plan one step of `model` on `batch`, both on the meta device.
 
-    model: a fastbert model (with config.backend = "triton" to plan the kernels; "torch" plans the reference)
+    model: a fastbert model (config.backend "auto" plans the paths the H100 runs, fastbert.paths; "triton" the
+    kernels; "torch" the reference)
     or a transformers one, built under `torch.device("meta")`; its parameters stay where they are (for
     "bf16-weights" they are cast and cast back). batch: the forward's keyword arguments, meta tensors (with
     labels in "train" mode unless loss_fn computes the loss). mode: "train" (forward, backward, clipping, the

@@ -4,7 +4,8 @@ A fake CUDA tensor cannot be made with a CPU build of torch, so meta tensors (si
 `planned_gpu()` makes the rest of the stack act as it does on the GPU:
 - Triton: the stand-in driver of an H100 (stand_in_gpu) in skip-compile mode: fastbert's launchers run their
   host code unchanged (argument checks, tile choices, allocations, autotuners), and no kernel is compiled or
-  launched. fastbert.ops accepts backend="triton" on meta tensors for this.
+  launched. fastbert.ops accepts backend="triton" on meta tensors for this, and backend="auto" chooses the
+  path the H100 runs (fastbert.paths.planned_architecture).
 - SDPA: `F.scaled_dot_product_attention` goes to the aten op an H100 runs with the flash backend,
   `_scaled_dot_product_flash_attention` (16-bit inputs and no mask), else to the memory-efficient one, which
   takes a mask and fp32 (the next backend PyTorch tries). On meta, SDPA itself would take the math path and
@@ -260,6 +261,7 @@ def planned_gpu(dtype: torch.dtype | None = None, sdpa: str = "flash"):
     from torch.fx.experimental import _config as fx_config
     from triton import knobs
 
+    from fastbert.paths import planned_architecture
     from fastbert.simulated.stand_in_gpu import H100, LaunchLog, install
 
     if sdpa not in SDPA_BACKENDS:
@@ -285,6 +287,7 @@ def planned_gpu(dtype: torch.dtype | None = None, sdpa: str = "flash"):
                                                   _checkpoint_device_type(checkpoint_module._infer_device_type)))
             stack.enter_context(mock.patch.object(torch.amp, "autocast", _planned_autocast))
             stack.enter_context(_MetaAsCuda())
+            stack.enter_context(planned_architecture(H100.capability))  # backend="auto" chooses as on the H100
             if dtype is not None:
                 stack.enter_context(autocast(dtype))
             yield

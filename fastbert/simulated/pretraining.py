@@ -24,10 +24,10 @@ def label_budget(seqlen: int) -> int:
 
 def fastbert_model(config, head: str, device: str | torch.device = "meta") -> torch.nn.Module:
     """fastbert's `head` model of config ("ForPreTraining", "ForMaskedLM", "Model", ...; see
-    architectures.model_class) on its Triton path (backend="triton"), built on `device` (meta: sizes only)."""
+    architectures.model_class) with config.backend as it is (inside planned_gpu, "auto" runs the paths the planned
+    H100 runs: fastbert.paths), built on `device` (meta: sizes only)."""
     from fastbert.architectures import model_class  # imports transformers: only when a model is built
 
-    config = config.replace(backend="triton")
     with torch.device(device):
         return model_class(config, head)(config)
 

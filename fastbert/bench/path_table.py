@@ -1,0 +1,211 @@
+"""fastbert/paths.json, the table backend="auto" chooses from on a GPU (fastbert.paths), written from the GPU
+suite's rows: `python benchmarks/choose_paths.py` after a GPU run has been copied into benchmarks/results/.
+
+For the newest GPU-suite run of each architecture, every op row maps to the op fastbert.paths looks up, its
+shape class, dtype and direction ("fwd": inference, "fwd+bwd": training), and each provider to the
+implementation it runs (PROVIDER_IMPLEMENTATION); the table keeps, per class, the median times of those
+implementations and the fastest, `chosen`. Which rows decide which op (row_class):
+  layer_norm -> layer_norm; bias_gelu -> bias_gelu; ffn_up -> linear_bias_gelu (and the FFNs' up-projection);
+  qkv_projection -> qkv_projection; attention without padding -> attention (padded attention keeps the kernel,
+  see fastbert.paths); mlm_head (the MLM transform, LayerNorm and loss together) -> linear_cross_entropy.
+The provider "torch" (PyTorch's own ops as a user writes them) is shown in PERF.md but chooses nothing: it is
+not a path of fastbert.ops ("fastbert-eager", the reference that backend="torch" runs, is).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import logging
+import os
+
+import torch
+
+from fastbert import paths
+from fastbert.command import configure_logging
+
+logger = logging.getLogger("fastbert.bench")
+PROVIDER_IMPLEMENTATION = {"fastbert": "triton", "fastbert-eager": "torch", "fastbert-split": "cublas_then_bias_gelu"}
+IMPLEMENTATION_PROVIDER = {implementation: provider for provider, implementation in PROVIDER_IMPLEMENTATION.items()}
+# The compute capability of the GPUs whose rows predate the rows' "architecture" field (the first H100 run)
+DEVICE_ARCHITECTURES = {"NVIDIA H100": "sm_90", "NVIDIA H200": "sm_90", "NVIDIA A100": "sm_80"}
+REGENERATE = "python benchmarks/choose_paths.py"
+SUITE_OPS = ("layer_norm", "bias_gelu", "ffn_up", "qkv_projection", "attention", "mlm_head")  # op_cases' ops
+
+
+def architecture(row: dict) -> str:
+    """The row's GPU architecture, e.g. "sm_90": its "architecture" field, else known from its device name.
+    Raises ValueError for a device of neither."""
+    if row.get("architecture"):
+        return row["architecture"]
+    for prefix, arch in DEVICE_ARCHITECTURES.items():
+        if row["device"].startswith(prefix):
+            return arch
+    raise ValueError(f"the rows of {row['device']!r} name no architecture; rerun the suite (its rows record it) "
+                     f"or add the device to DEVICE_ARCHITECTURES")
+
+
+def row_class(row: dict) -> tuple[str, tuple[int, ...]] | None:
+    """(fastbert.paths op, sizes in its SIZES order) that an op row of the GPU suite measures; None for rows no
+    choice reads (peaks, models, padded attention)."""
+    op, shape = row["op"], row["shape"]
+    if op in ("layer_norm", "bias_gelu"):
+        return op, (shape["rows"], shape["hidden" if op == "layer_norm" else "features"])
+    if op == "ffn_up":
+        return "linear_bias_gelu", (shape["rows"], shape["hidden"], shape["intermediate"])
+    if op == "qkv_projection":
+        return op, (shape["batch"] * shape["seqlen"], shape["hidden"])
+    if op == "attention" and shape["padding"] == 0:
+        return op, (shape["batch"] * shape["seqlen"], shape["seqlen"], shape["head_dim"])
+    if op == "mlm_head":
+        labelled = round(shape["batch"] * shape["seqlen"] * shape["labelled"])
+        return "linear_cross_entropy", (labelled, shape["hidden"], shape["vocab"])
+    return None
+
+
+def newest_runs(rows: list[dict]) -> dict[str, list[dict]]:
+    """{architecture: the rows of its newest GPU-suite run} (a run: the rows sharing one date)."""
+    runs: dict[str, tuple[str, list[dict]]] = {}
+    for row in rows:
+        if row.get("suite") != "gpu":
+            continue
+        arch = architecture(row)
+        date, run = runs.get(arch, ("", []))
+        if row["date"] > date:
+            runs[arch] = (row["date"], [row])
+        elif row["date"] == date:
+            run.append(row)
+    return {arch: run for arch, (_, run) in sorted(runs.items())}
+
+
+def build_table(rows: list[dict], sources: dict[str, str] | None = None) -> dict:
+    """The table fastbert.paths loads, from GPU-suite rows: per architecture, op, class, dtype and direction,
+    each implementation's median ms and the fastest. Cases of one class add up (an implementation counts where
+    it measured every case). sources: {date: file} of the runs, recorded with each architecture."""
+    table = {"generated_by": REGENERATE, "architectures": {}}
+    for arch, run in newest_runs(rows).items():
+        times: dict[tuple, dict[str, list[float]]] = {}
+        cases: dict[tuple, set[str]] = {}
+        for row in run:
+            measured = row_class(row) if row["status"] == "ok" else None
+            implementation = PROVIDER_IMPLEMENTATION.get(row["provider"])
+            if measured is None or implementation is None or row.get("direction") not in paths.DIRECTIONS:
+                continue
+            op, sizes = measured
+            key = (op, paths.class_name(op, sizes), row["dtype"], row["direction"])
+            times.setdefault(key, {}).setdefault(implementation, []).append(row["median_ms"])
+            cases.setdefault(key, set()).add(row["case"])
+        ops: dict = {}
+        for key, by_implementation in times.items():
+            op, name, dtype, direction = key
+            complete = {i: sum(t) for i, t in by_implementation.items() if len(t) == len(cases[key])}
+            if not complete:
+                continue
+            ops.setdefault(op, {}).setdefault(name, {}).setdefault(dtype, {})[direction] = {
+                "chosen": min(complete, key=complete.get), "ms": {i: round(t, 4) for i, t in complete.items()}}
+        first = run[0]
+        table["architectures"][arch] = {
+            "source": {"device": first["device"], "date": first["date"], "commit": first.get("commit"),
+                       "torch": first.get("torch"), "triton": first.get("triton"), "command": first.get("command"),
+                       "file": (sources or {}).get(first["date"])},
+            "ops": ops}
+    return table
+
+
+def chosen_provider(row: dict, table: dict | None = None) -> str | None:
+    """The provider whose path backend="auto" runs for this op row's case on the row's device (CPU: the
+    reference, "fastbert-eager"), by `table` (a fastbert.paths.load result; default the committed one); None
+    for rows of no op (peaks, models, other suites)."""
+    if row["op"] not in SUITE_OPS:
+        return None
+    if row.get("device_type") != "cuda":
+        return IMPLEMENTATION_PROVIDER["torch"]
+    measured = row_class(row)
+    if measured is None:  # padded attention: the kernel
+        return IMPLEMENTATION_PROVIDER["triton"]
+
+    op, sizes = measured
+    direction = "fwd" if row.get("direction") == "fwd" else "fwd+bwd"
+    implementation = paths.lookup(paths.TABLE if table is None else table, int(architecture(row).removeprefix("sm_")),
+                                  op, getattr(torch, row["dtype"]), direction, paths.buckets(sizes))
+    return IMPLEMENTATION_PROVIDER[implementation]
+
+
+def load_results(results_dir: str) -> tuple[list[dict], dict[str, str]]:
+    """(rows of every gpu-*.json under results_dir, {run date: file path})."""
+    rows, sources = [], {}
+    for path in sorted(glob.glob(os.path.join(results_dir, "gpu-*.json"))):
+        with open(path, encoding="utf-8") as f:
+            run = json.load(f)
+        rows += run
+        sources.update({row["date"]: path for row in run})
+    return rows, sources
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="choose_paths", description="Write fastbert/paths.json, the table "
+                                "backend='auto' chooses from on a GPU, from the GPU suite's rows.")
+    p.add_argument("--results", default="benchmarks/results", help="directory of the gpu-*.json result files")
+    p.add_argument("--out", default=paths.TABLE_PATH, help="the table to write")
+    args = p.parse_args(argv)
+    configure_logging("choose_paths")
+    rows, sources = load_results(args.results)
+    table = build_table(rows, sources)
+    if not table["architectures"]:
+        raise SystemExit(f"no GPU-suite rows under {args.results}: nothing to choose from")
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    chosen = sum(len(d) for a in table["architectures"].values() for c in a["ops"].values() for t in c.values()
+                 for d in t.values())
+    logger.info(f"wrote {args.out}: {chosen} choices for {', '.join(table['architectures'])}")
+    return 0
+
+
+# What the first H100 run's op rows measured (its README's profile): say so next to a table built from them.
+HOST_BOUND_RUNS = {"2026-11-26T11:06:58+00:00": (
+    "**Read with care:** this run's op rows were taken while each fused op cost 300-450 us of host time per "
+    "call (the torch.profiler tables of the same session, profile-bert-base.txt beside its rows): where an op's "
+    "GPU time is below that, its Triton rows time the host, not the kernel, so the table chooses PyTorch's path "
+    "for most ops. Rerun the GPU suite once the launchers' host cost is down, then "
+    "`python benchmarks/choose_paths.py` and `python benchmarks/make_perf.py`.")}
+
+
+def table_section(path: str = paths.TABLE_PATH) -> list[str]:
+    """PERF.md's section on the committed table: per architecture, op, class and dtype, what "auto" runs for
+    inference (fwd) and training (fwd+bwd), with the median times it chose from."""
+    with open(path, encoding="utf-8") as f:
+        table = json.load(f)
+    lines = ["## The faster path per op (issue 26)", "",
+             'On CUDA tensors, backend="auto" runs each fused op\'s implementation measured fastest at its shape class '
+             "on the nearest measured GPU architecture (fastbert/paths.py: the shape classes, the fallbacks): "
+             "`triton` (the kernel, what backend=\"triton\" runs), `torch` (the PyTorch reference: cuBLAS, SDPA, "
+             "PyTorch's LayerNorm and GELU) or `cublas_then_bias_gelu` (cuBLAS's GEMM, then the Triton bias + GELU "
+             f"kernel). The table is fastbert/paths.json, written by `{REGENERATE}` from the GPU suite's rows; the "
+             "chosen implementation is in bold, with the median ms of each measured one. The per-op tables below "
+             "mark the chosen provider \"(auto)\".", ""]
+    if not table["architectures"]:
+        return lines + ["No GPU run has been measured yet: \"auto\" runs the kernels.", ""]
+    for arch, entry in table["architectures"].items():
+        source = entry["source"]
+        commit = (source["commit"] or "unknown")[:12]
+        lines += [f"### {arch}: {source['device']}", "",
+                  f"*From {source.get('file') or 'the run'} ({source['date']}, commit {commit}, "
+                  f"torch {source['torch']}, triton {source['triton']}): `{source['command']}`.*", ""]
+        if source["date"] in HOST_BOUND_RUNS:
+            lines += [HOST_BOUND_RUNS[source["date"]], ""]
+        lines += ["| op | shape class | dtype | inference (fwd) | training (fwd+bwd) |", "|---|---|---|---|---|"]
+        for op, classes in entry["ops"].items():
+            for name, dtypes in classes.items():
+                for dtype, directions in dtypes.items():
+                    cells = [_choice_cell(directions.get(d)) for d in paths.DIRECTIONS]
+                    lines.append(f"| {op} | {name} | {dtype} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def _choice_cell(measured: dict | None) -> str:
+    if measured is None:
+        return "not yet measured"
+    return " · ".join(f"**{i} {ms:.3f}**" if i == measured["chosen"] else f"{i} {ms:.3f}"
+                      for i, ms in measured["ms"].items())
