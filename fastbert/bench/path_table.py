@@ -3,8 +3,8 @@ suite's rows: `python benchmarks/choose_paths.py` after a GPU run has been copie
 
 For the newest GPU-suite run of each architecture, every op row maps to the op fastbert.paths looks up, its
 shape class, dtype and direction ("fwd": inference, "fwd+bwd": training), and each provider to the
-implementation it runs (PROVIDER_IMPLEMENTATION); the table keeps, per class, the median times of those
-implementations and the fastest, `chosen`. Which rows decide which op (row_class):
+implementation it runs (PROVIDER_IMPLEMENTATION); the table keeps, per class, the median times of the op's
+candidates (fastbert.paths.CANDIDATES: those that keep what the kernel keeps) and the fastest, `chosen`. Which rows decide which op (row_class):
   layer_norm -> layer_norm; bias_gelu -> bias_gelu; ffn_up -> linear_bias_gelu (and the FFNs' up-projection);
   qkv_projection -> qkv_projection; attention without padding -> attention (padded attention keeps the kernel,
   see fastbert.paths); mlm_head (the MLM transform, LayerNorm and loss together) -> linear_cross_entropy.
@@ -98,7 +98,8 @@ def build_table(rows: list[dict], sources: dict[str, str] | None = None) -> dict
         ops: dict = {}
         for key, by_implementation in times.items():
             op, name, dtype, direction = key
-            complete = {i: sum(t) for i, t in by_implementation.items() if len(t) == len(cases[key])}
+            complete = {i: sum(t) for i, t in by_implementation.items()
+                        if len(t) == len(cases[key]) and i in paths.CANDIDATES[op]}
             if not complete:
                 continue
             ops.setdefault(op, {}).setdefault(name, {}).setdefault(dtype, {})[direction] = {
