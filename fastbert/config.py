@@ -271,6 +271,19 @@ class BertConfig(ConfigBase):
         ours = {v: k for k, v in self.hf_names.items()}
         return {ours.get(k, k): v for k, v in values.items()}
 
+    def __getattribute__(self, name: str):
+        # The models read their config on every forward, hundreds of times. transformers' PreTrainedConfig
+        # resolves each read through two Python-level __getattribute__ overrides (its attribute_map, and
+        # heterogeneous per-layer configs, which fastbert's are not): 3-6 us a read. A field the instance holds
+        # (never one of attribute_map's aliases: setting an alias sets its target) comes from its __dict__ at once.
+        # Other names (properties, methods) skip those overrides too, but for attribute_map's aliases.
+        values = object.__getattribute__(self, "__dict__")
+        if name in values:
+            return values[name]
+        if name in getattr(type(self), "attribute_map", ()):
+            return super().__getattribute__(name)
+        return object.__getattribute__(self, name)
+
     def __getattr__(self, name: str):
         """Only reached for names the instance lacks: the architecture's own spelling of a field (hf_names)."""
         if name in type(self).hf_names:

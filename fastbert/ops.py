@@ -18,7 +18,6 @@ allows it (`torch.backends.cuda.matmul.fp32_precision = "tf32"`, or `torch.set_f
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 
@@ -51,34 +50,52 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# True while fastbert.simulated.host_time.stubbed_launches() is entered: Triton's active driver is a stand-in
+# GPU's whose launches run nothing, so backend="triton" takes CPU tensors and the kernels' host code runs on
+# them as on the GPU (`fastbert bench --suite host`)
+_LAUNCHES_STUBBED = [False]
+
+
+def set_launches_stubbed(stubbed: bool) -> None:
+    _LAUNCHES_STUBBED[0] = stubbed
+
+
 # the ops whose kernels compute in the autocast dtype: under autocast, their table rows are that dtype's
 MATMUL_OPS = frozenset({"linear_bias_gelu", "feed_forward", "feed_forward_geglu", "qkv_projection", "attention",
                         "linear_cross_entropy"})
+
+
+def _devices(tensors) -> str:
+    """"cuda" or "meta" when every tensor (None skipped) is on that kind of device, else "other"."""
+    kind = None
+    for t in tensors:
+        if t is not None:
+            here = "cuda" if t.is_cuda else "meta" if t.is_meta else "other"
+            if kind is None:
+                kind = here
+            elif here != kind:
+                return "other"
+    return kind or "other"
 
 
 def resolve_backend(backend: str | None, *tensors: torch.Tensor | None, op: str | None = None) -> str:
     """Return the path to run for these tensors: "triton", "torch", or, for "auto" on a GPU where
     fastbert.paths' table chooses it, "cublas_then_bias_gelu" (op linear_bias_gelu and the FFNs); raise if the
     request cannot run. op: the fastbert.paths op whose measurements "auto" reads on a GPU (the tensors as
-    paths.SIZES takes them, the op's input first); None: "auto" means the kernel there."""
-    backend = "auto" if backend is None else backend
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    on_cuda = all(t.is_cuda for t in tensors if t is not None)
-    # meta tensors stand for CUDA tensors in a memory plan (fastbert.simulated.meta_gpu): the launchers run their
-    # host code on them and the stand-in driver launches nothing (outside a plan, the custom ops run their
-    # shape-only fake registrations on meta); "auto" still means the reference there
-    on_meta = all(t.is_meta for t in tensors if t is not None)
-    if backend == "auto":
+    paths.SIZES takes them, the op's input first); None: "auto" means the kernel there. Runs on every op
+    call: a few attribute reads."""
+    if backend is None or backend == "auto":
         env = os.environ.get("FASTBERT_BACKEND", "")
-        if env not in ("", "auto", "triton", "torch"):
-            raise ValueError(f"FASTBERT_BACKEND must be 'auto', 'triton' or 'torch', got {env!r}")
         if env in ("triton", "torch"):
             backend = env
+        elif env not in ("", "auto"):
+            raise ValueError(f"FASTBERT_BACKEND must be 'auto', 'triton' or 'torch', got {env!r}")
         else:
-            # meta tensors in a memory plan stand for the planned GPU's (paths.planned_architecture)
-            capability = paths.planned_capability() if on_meta else None
-            if TRITON_IMPORT_ERROR is not None or not (on_cuda or capability):
+            devices = _devices(tensors)
+            # meta tensors stand for CUDA tensors in a memory plan (fastbert.simulated.meta_gpu), of the planned
+            # GPU (paths.planned_architecture); outside a plan "auto" means the reference on them
+            capability = paths.planned_capability() if devices == "meta" else None
+            if TRITON_IMPORT_ERROR is not None or not (devices == "cuda" or capability):
                 return "torch"
             if op is None:
                 return "triton"
@@ -86,15 +103,20 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor | None, op: str 
             # planned meta tensors read CUDA's autocast state too (autocast_dtype)
             dtype = (autocast_dtype("matmul", "cuda") if op in MATMUL_OPS else None) or first.dtype
             return paths.choose(op, tensors, dtype, capability or paths.device_capability(first.device))
-    if backend == "triton":
-        if TRITON_IMPORT_ERROR is not None:
-            raise RuntimeError(f"backend='triton' was requested but Triton does not import ({TRITON_IMPORT_ERROR})")
-        if not on_cuda and not on_meta and not interpreter_enabled():
-            devices = sorted({str(t.device) for t in tensors if t is not None})
-            raise RuntimeError(
-                f"backend='triton' needs CUDA tensors, got tensors on {devices}; set TRITON_INTERPRET=1 "
-                "(before importing fastbert) to run the kernels on CPU in Triton's interpreter, "
-                "or use backend='torch'")
+    if backend == "torch":
+        return backend
+    if backend != "triton":
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if TRITON_IMPORT_ERROR is not None:
+        raise RuntimeError(f"backend='triton' was requested but Triton does not import ({TRITON_IMPORT_ERROR})")
+    # meta tensors: the launchers run their host code on them in a memory plan, where the stand-in driver
+    # launches nothing (outside a plan, the custom ops run their shape-only fake registrations on meta)
+    if _devices(tensors) == "other" and not _LAUNCHES_STUBBED[0] and not interpreter_enabled():
+        devices = sorted({str(t.device) for t in tensors if t is not None})
+        raise RuntimeError(
+            f"backend='triton' needs CUDA tensors, got tensors on {devices}; set TRITON_INTERPRET=1 "
+            "(before importing fastbert) to run the kernels on CPU in Triton's interpreter, "
+            "or use backend='torch'")
     return backend
 
 
@@ -122,18 +144,16 @@ def autocast_dtype(op: str, device_type: str) -> torch.dtype | None:
 
 
 def _cast(tensors, dtype):
-    return [t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype else t for t in tensors]
-
-
-def _promoted_dtype(*tensors) -> torch.dtype:
-    """The dtype of elementwise arithmetic on these tensors, as PyTorch promotes it."""
-    dtypes = [t.dtype for t in tensors if t is not None]
-    return functools.reduce(torch.promote_types, dtypes)
+    return [t.to(dtype) if t is not None and t.dtype != dtype and t.is_floating_point() else t for t in tensors]
 
 
 def _matmul_inputs(*tensors):
     """One dtype for every operand of a matmul-type kernel: the autocast dtype, else the first tensor's."""
-    return _cast(tensors, autocast_dtype("matmul", tensors[0].device.type) or tensors[0].dtype)
+    first = tensors[0]
+    dtype = autocast_dtype("matmul", first.device.type) or first.dtype
+    if all(t is None or t.dtype == dtype for t in tensors):
+        return tensors
+    return _cast(tensors, dtype)
 
 
 def _layer_norm_inputs(x, weight, bias, residual):
@@ -141,7 +161,9 @@ def _layer_norm_inputs(x, weight, bias, residual):
     them in one; it upcasts each element itself, so no fp32 copy of a 16-bit activation is made), weight
     and bias as they are (it reads them in their own dtype, as F.layer_norm does); the output in the
     autocast dtype under CUDA autocast, else in x's."""
-    x, residual = _cast((x, residual), _promoted_dtype(x, residual))
+    if residual is not None and residual.dtype != x.dtype:
+        dtype = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(dtype), residual.to(dtype)
     return x, weight, bias, residual, autocast_dtype("layer_norm", x.device.type) or x.dtype
 
 
@@ -196,7 +218,8 @@ def bias_gelu(x, bias, approximate="none", backend=None):
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
     if resolve_backend(backend, x, bias, op="bias_gelu") == "triton":
-        x, bias = _cast((x, bias), _promoted_dtype(x, bias))  # x + bias, as PyTorch promotes it
+        if x.dtype != bias.dtype:  # x + bias, as PyTorch promotes it
+            x, bias = _cast((x, bias), torch.promote_types(x.dtype, bias.dtype))
         return KERNELS["bias_gelu"].bias_gelu(x, bias, approximate)
     return reference.bias_gelu(x, bias, approximate)
 

@@ -89,6 +89,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -747,11 +748,27 @@ def _row_stats_strides(stats: torch.Tensor, varlen: bool) -> tuple[int, int]:
     return (0, stats.stride(0)) if varlen else (stats.stride(0), stats.stride(1))
 
 
+_PLACEHOLDERS: dict = {}
+
+
 def _placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An empty tensor for a pointer the kernels do not read. Its dtype is the real argument's: the
-    autotuner keys on every tensor argument's dtype, so a placeholder of another dtype (q's, say) would
-    tune the padded and the packed calls apart, and they could run different blocks."""
-    return torch.empty(0, dtype=dtype, device=device)
+    """An empty tensor for a pointer the kernels do not read (one per dtype and device, kept). Its dtype is the
+    real argument's: the autotuner keys on every tensor argument's dtype, so a placeholder of another dtype (q's,
+    say) would tune the padded and the packed calls apart, and they could run different blocks."""
+    placeholder = _PLACEHOLDERS.get((dtype, device))
+    if placeholder is None:
+        placeholder = _PLACEHOLDERS[(dtype, device)] = torch.empty(0, dtype=dtype, device=device)
+    return placeholder
+
+
+# The bounds of the last key mask: every layer of an encoder takes its forward's one mask, forward and backward,
+# so they are computed once, not per call. Kept with a weak reference to the mask and its version (an in-place
+# change computes them anew), and never while a CUDA graph is captured, whose replays must compute them.
+_LAST_MASK: list = [None]
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _mask_and_bounds(q, key_mask):
@@ -760,13 +777,20 @@ def _mask_and_bounds(q, key_mask):
     if key_mask is None:
         bounds = _placeholder(torch.int32, q.device)
         return _placeholder(torch.uint8, q.device), bounds, bounds, 0, 0
+    last = _LAST_MASK[0]
+    capturing = _capturing(key_mask)
+    if last is not None and last[0]() is key_mask and last[1] == key_mask._version and not capturing:
+        return last[2]
     keep = key_mask != 0  # [B, S] bool
     seqlen = keep.shape[1]
     positions = torch.arange(seqlen, device=keep.device, dtype=torch.int32)
     lo = torch.where(keep, positions, seqlen).amin(dim=1).to(torch.int32)
     hi = torch.where(keep, positions + 1, 0).amax(dim=1).to(torch.int32)
     mask = keep.view(torch.uint8)
-    return mask, lo, hi, mask.stride(0), mask.stride(1)
+    bounds = mask, lo, hi, mask.stride(0), mask.stride(1)
+    if not capturing:
+        _LAST_MASK[0] = (weakref.ref(key_mask), key_mask._version, bounds)
+    return bounds
 
 
 def _cu_seqlens_pointer(q, cu_seqlens):

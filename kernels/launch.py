@@ -17,7 +17,8 @@
 # microseconds, and launchers call them several times per launch.
 from __future__ import annotations
 
-from typing import Callable, Sequence, Union
+import operator
+from typing import Callable, Union
 
 import torch
 import triton
@@ -46,18 +47,41 @@ def _launch_hooks_active() -> bool:
 
 
 class _Entry:
-    __slots__ = ("compiled", "tail", "grid", "grid_meta")
+    __slots__ = ("compiled", "tail", "grid_meta")
 
-    def __init__(self, compiled, tail: tuple, grid, grid_meta: dict):
+    def __init__(self, compiled, tail: tuple, grid_meta: dict):
         self.compiled = compiled  # Triton's CompiledKernel
         self.tail = tail  # the arguments after the positional ones, in the kernel's order: constexprs and config
-        self.grid = grid  # the grid, or a callable of grid_meta (the constexprs and the autotuned config)
-        self.grid_meta = grid_meta
+        self.grid_meta = grid_meta  # what a grid callable reads: the constexprs and the autotuned config
+
+
+def _getter(positions: list[int]):
+    """args -> the tuple of args at these positions (operator.itemgetter returns a bare item for one)."""
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        (only,) = positions
+        return lambda args: (args[only],)
+    return operator.itemgetter(*positions)
+
+
+class _Layout:
+    """Where the tensors and the ints of one tuple of argument types are."""
+    __slots__ = ("tensors", "ints")
+
+    def __init__(self, types: tuple):
+        self.tensors = _getter([i for i, t in enumerate(types) if issubclass(t, torch.Tensor)])
+        self.ints = _getter([i for i, t in enumerate(types) if t is int or t is bool])
 
 
 class KernelLauncher:
-    """Launches one @triton.jit kernel, autotuned or not, through a per-signature cache. Grid callables read
-    only the constexpr keywords and the autotuned config from their argument (all of fastbert's do)."""
+    """Launches one @triton.jit kernel, autotuned or not, through a cache of Triton's choices. Grid callables
+    read only the constexpr keywords and the autotuned config from their argument (all of fastbert's do).
+
+    Two levels: a call's exact key (the argument types, every int's value, each tensor's dtype and 16-byte
+    alignment, the constexprs) finds its kernel in one dict lookup; a key not seen yet is reduced to Triton's
+    specialisation (ints by 1 / a multiple of 16 / width, but the autotuner's key arguments by value), so that
+    a token count that changes from batch to batch reuses the kernel Triton chose, without Triton's launch."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -66,9 +90,20 @@ class KernelLauncher:
         self.arg_names: list[str] = list(jit.arg_names)
         keys = set(self.autotuner.keys) if self.autotuner is not None else set()
         self.key_positions = frozenset(i for i, name in enumerate(self.arg_names) if name in keys)
-        self.entries: dict = {}
+        self.layouts: dict[tuple, _Layout] = {}
+        self.by_key: dict = {}  # exact key -> _Entry
+        self.by_specialisation: dict = {}  # Triton's specialisation -> _Entry
 
-    def signature(self, args: Sequence, constexprs: dict) -> tuple:
+    def key(self, args: tuple, constexprs: dict) -> tuple:
+        types = tuple(map(type, args))
+        layout = self.layouts.get(types)
+        if layout is None:
+            layout = self.layouts[types] = _Layout(types)
+        alignment = tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in layout.tensors(args)])
+        return types, layout.ints(args), alignment, tuple(constexprs.items())
+
+    def specialisation(self, args: tuple, constexprs: dict) -> tuple:
+        """What Triton's kernel cache and the autotuner's key depend on."""
         keys, tensor = self.key_positions, torch.Tensor
         spec = [(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, tensor)
                 else a if a is None or i in keys
@@ -79,21 +114,26 @@ class KernelLauncher:
         return tuple(spec)
 
     def __call__(self, grid: Grid, *args, **constexprs):
-        signature = self.signature(args, constexprs)
-        entry = self.entries.get(signature)
-        if entry is None or _launch_hooks_active():
-            return self._first(signature, grid, args, constexprs)
-        dims = entry.grid(entry.grid_meta) if callable(entry.grid) else entry.grid
-        compiled = entry.compiled
         driver = triton.runtime.driver.active
-        stream = driver.get_current_stream(driver.get_current_device())
-        compiled.run(dims[0], dims[1] if len(dims) > 1 else 1, dims[2] if len(dims) > 2 else 1, stream,
-                     compiled.function, compiled.packed_metadata, None, None, None, *args, *entry.tail)
+        device = driver.get_current_device()
+        # per device (a compiled kernel is loaded on one) and driver (a stand-in's stubs never reach a GPU)
+        key = (device, driver, self.key(args, constexprs))
+        entry = self.by_key.get(key)
+        if entry is None or _launch_hooks_active():
+            specialisation = (device, driver, self.specialisation(args, constexprs))
+            entry = self.by_specialisation.get(specialisation)
+            if entry is None or _launch_hooks_active():
+                return self._first(key, specialisation, grid, args, constexprs)
+            self._keep(self.by_key, key, entry)
+        dims = grid(entry.grid_meta) if callable(grid) else grid
+        compiled = entry.compiled
+        compiled.run(dims[0], dims[1] if len(dims) > 1 else 1, dims[2] if len(dims) > 2 else 1,
+                     driver.get_current_stream(device), compiled.function, compiled.packed_metadata, None, None,
+                     None, *args, *entry.tail)
         return compiled
 
-    def _first(self, signature, grid, args, constexprs):
-        """Triton's own launch; its compiled kernel (None where a stand-in driver skipped it) is kept for the
-        signature."""
+    def _first(self, key, specialisation, grid, args, constexprs):
+        """Triton's own launch; its compiled kernel (None where a stand-in driver skipped it) is kept."""
         compiled = self.kernel[grid](*args, **constexprs)
         if compiled is None:
             return compiled
@@ -103,11 +143,16 @@ class KernelLauncher:
             if config.pre_hook is not None:  # a hook runs per launch: leave such kernels to Triton
                 return compiled
             meta.update(config.kwargs)
-        tail = tuple(meta[name] for name in self.arg_names[len(args):])
-        if len(self.entries) >= SIGNATURES_PER_KERNEL:
-            self.entries.clear()
-        self.entries[signature] = _Entry(compiled, tail, grid, meta)
+        entry = _Entry(compiled, tuple(meta[name] for name in self.arg_names[len(args):]), meta)
+        self._keep(self.by_specialisation, specialisation, entry)
+        self._keep(self.by_key, key, entry)
         return compiled
+
+    @staticmethod
+    def _keep(cache: dict, key, entry: _Entry) -> None:
+        if len(cache) >= SIGNATURES_PER_KERNEL:
+            cache.clear()
+        cache[key] = entry
 
 
 _LAUNCHERS: dict = {}
@@ -120,3 +165,8 @@ def launch(kernel, grid: Grid, *args, **constexprs):
     if launcher is None:
         launcher = _LAUNCHERS[id(kernel)] = KernelLauncher(kernel)
     return launcher(grid, *args, **constexprs)
+
+
+def clear_cache() -> None:
+    """Forget every kept kernel (fastbert.simulated.host_time, after stubbing the launches)."""
+    _LAUNCHERS.clear()

@@ -146,14 +146,15 @@ def _layer_norm_fwd_kernel(
     B,  # [H] bias; read only when HAS_BIAS
     Y,  # [rows, H] output, contiguous, fp32, fp16 or bf16
     SUM,  # [rows, H] contiguous, X's dtype: the pre-norm rows dropout(x) + residual; written when STORE_SUM
-    MEAN,  # [rows] fp32 mean of each pre-norm row
-    RSTD,  # [rows] fp32 1 / sqrt(var + eps) of each pre-norm row
+    MEAN,  # [rows] fp32 mean of each pre-norm row; written when STORE_STATS
+    RSTD,  # [rows] fp32 1 / sqrt(var + eps) of each pre-norm row; written when STORE_STATS
     SEED,  # [1] int64 Philox seed; read only when HAS_DROPOUT
     SIDE,  # [rows, SIDE_COLUMNS] fp32 xhat of the small-weight columns (_side_slots); written when SAVE_SIDE
     stride_x_row, stride_x_col, stride_r_row, stride_r_col,
     n_rows, H, eps, dropout_p, dropout_scale, min_weight,
     HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_SUM: tl.constexpr,
-    SAVE_SIDE: tl.constexpr, SIDE_COLUMNS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    STORE_STATS: tl.constexpr, SAVE_SIDE: tl.constexpr, SIDE_COLUMNS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_H)
@@ -177,8 +178,9 @@ def _layer_norm_fwd_kernel(
     if HAS_BIAS:
         y += cast(tl.load(B + cols, mask=col_exists, other=0.0), tl.float32)[None, :]
     tl.store(Y + rows[:, None] * H + cols[None, :], cast(y, Y.dtype.element_ty), mask=in_tile)
-    tl.store(MEAN + rows, mean, mask=row_exists)
-    tl.store(RSTD + rows, rstd, mask=row_exists)
+    if STORE_STATS:  # for a backward; an inference forward writes y (and summed) alone
+        tl.store(MEAN + rows, mean, mask=row_exists)
+        tl.store(RSTD + rows, rstd, mask=row_exists)
     if SAVE_SIDE:
         slot = _side_slots(w, col_exists, min_weight, SIDE_COLUMNS)
         side_offsets = rows[:, None] * SIDE_COLUMNS + slot[None, :]
@@ -323,45 +325,61 @@ def _backward_split(device: torch.device, rows: int, block_rows: int) -> tuple[i
     return cdiv(rows, rows_per_program), rows_per_program
 
 
-@fused_op("fastbert::layer_norm_fwd")
-def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                   residual: Optional[torch.Tensor], seed: Optional[torch.Tensor], eps: float, dropout_p: float,
-                   out_dtype: torch.dtype, save_output: bool, store_sum: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x, residual [rows, H] (any strides); weight [H]; bias [H] or None; seed int64 [1] or None (no dropout).
-
-    Returns y [rows, H] contiguous in out_dtype, the fp32 mean [rows] and rstd [rows] of the pre-norm
-    rows, with save_output the fp32 side buffer [rows, SIDE_COLUMNS] (xhat of the columns whose
-    |weight| < MIN_WEIGHT), else an empty [0], and with store_sum the pre-norm rows summed =
-    dropout(x) + residual [rows, H] contiguous in x's dtype (y is then their LayerNorm as stored), else
-    an empty [0]. save_output chooses what autograd keeps for the backward (see `layer_norm`). Raises
-    ValueError for unsupported sizes or dtypes.
-    """
-    _check_inputs(x, weight, bias, residual, out_dtype)
+def _forward(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output, store_sum, store_stats):
+    """The forward launch: (y, mean, rstd, side, summed), the last four as in `layer_norm_fwd`; without
+    store_stats (an inference forward) mean, rstd and side are None, neither allocated nor written."""
     rows, hidden = x.shape
     x = _with_int32_columns(x)
     residual = None if residual is None else _with_int32_columns(residual)
     y = torch.empty((rows, hidden), dtype=out_dtype, device=x.device)
-    mean = torch.empty(rows, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-    # zero-filled: slots without a small-weight column are never written, but are part of the op's output
-    side = torch.zeros(_side_shape(rows, save_output), dtype=torch.float32, device=x.device)
     summed = torch.empty(_sum_shape(x, store_sum), dtype=x.dtype, device=x.device)
+    mean = rstd = side = None
+    if store_stats:
+        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        # zero-filled: slots without a small-weight column are never written, but are part of the op's output
+        side = torch.zeros(_side_shape(rows, save_output), dtype=torch.float32, device=x.device)
     if rows == 0:
         return y, mean, rstd, side, summed
     block_rows, block_h, num_warps = _tile(hidden)
     res = x if residual is None else residual  # a placeholder pointer when there is no residual
     # placeholder pointers (never read or written) for the buffers a flag leaves out
     launch(_layer_norm_fwd_kernel, (cdiv(rows, block_rows),),
-        x, res, weight.contiguous(), weight if bias is None else bias.contiguous(), y, summed if store_sum else y,
-        mean, rstd, x if seed is None else seed, side if save_output else rstd,
-        x.stride(0), x.stride(1), res.stride(0), res.stride(1),
-        rows, hidden, eps, dropout_p, 1.0 / (1.0 - dropout_p), MIN_WEIGHT,
-        HAS_RESIDUAL=residual is not None, HAS_DROPOUT=seed is not None, HAS_BIAS=bias is not None,
-        STORE_SUM=store_sum, SAVE_SIDE=save_output, SIDE_COLUMNS=SIDE_COLUMNS, BLOCK_ROWS=block_rows,
-        BLOCK_H=block_h, num_warps=num_warps,
-    )
+           x, res, weight.contiguous(), weight if bias is None else bias.contiguous(), y, summed if store_sum else y,
+           y if mean is None else mean, y if rstd is None else rstd, x if seed is None else seed,
+           side if save_output else y, x.stride(0), x.stride(1), res.stride(0), res.stride(1),
+           rows, hidden, eps, dropout_p, 1.0 / (1.0 - dropout_p), MIN_WEIGHT,
+           HAS_RESIDUAL=residual is not None, HAS_DROPOUT=seed is not None, HAS_BIAS=bias is not None,
+           STORE_SUM=store_sum, STORE_STATS=store_stats, SAVE_SIDE=save_output, SIDE_COLUMNS=SIDE_COLUMNS,
+           BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=num_warps)
     return y, mean, rstd, side, summed
+
+
+@fused_op("fastbert::layer_norm_fwd")
+def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   residual: Optional[torch.Tensor], seed: Optional[torch.Tensor], eps: float, dropout_p: float,
+                   out_dtype: torch.dtype, save_output: bool, store_sum: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, residual [rows, H] (any strides, checked by `layer_norm`); weight [H]; bias [H] or None; seed int64 [1]
+    or None (no dropout).
+
+    Returns y [rows, H] contiguous in out_dtype, the fp32 mean [rows] and rstd [rows] of the pre-norm
+    rows, with save_output the fp32 side buffer [rows, SIDE_COLUMNS] (xhat of the columns whose
+    |weight| < MIN_WEIGHT), else an empty [0], and with store_sum the pre-norm rows summed =
+    dropout(x) + residual [rows, H] contiguous in x's dtype (y is then their LayerNorm as stored), else
+    an empty [0]. save_output chooses what autograd keeps for the backward (see `layer_norm`).
+    """
+    return _forward(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output, store_sum, True)
+
+
+@fused_op("fastbert::layer_norm_infer")
+def layer_norm_infer(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     residual: Optional[torch.Tensor], seed: Optional[torch.Tensor], eps: float, dropout_p: float,
+                     out_dtype: torch.dtype, store_sum: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layer_norm_fwd` where no backward follows: (y, summed) only; no statistics written or allocated."""
+    y, _, _, _, summed = _forward(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, False, store_sum,
+                                  False)
+    return y, summed
 
 
 def _side_shape(rows: int, save_output: bool) -> tuple[int, ...]:
@@ -370,6 +388,12 @@ def _side_shape(rows: int, save_output: bool) -> tuple[int, ...]:
 
 def _sum_shape(x: torch.Tensor, store_sum: bool) -> tuple[int, ...]:
     return tuple(x.shape) if store_sum else (0,)
+
+
+@layer_norm_infer.register_fake
+def _(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, store_sum):
+    _check_inputs(x, weight, bias, residual, out_dtype)
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(_sum_shape(x, store_sum))
 
 
 @layer_norm_fwd.register_fake
@@ -498,13 +522,18 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     if save not in SAVE_CHOICES:
         raise ValueError(f"save must be one of {SAVE_CHOICES}, got {save!r}")
-    hidden = x.shape[-1]
     use_dropout = training and dropout_p > 0.0
     seed = philox_seed(x.device) if use_dropout else None
-    # the side buffer only when a backward can follow (not at inference)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, residual))
-    y, _, _, _, summed = layer_norm_fwd(x.reshape(-1, hidden), weight, bias,
-                                        None if residual is None else residual.reshape(-1, hidden),
-                                        seed, float(eps), float(dropout_p) if use_dropout else 0.0, out_dtype,
-                                        save == "output" and needs_grad, return_residual)
-    return (y.view(x.shape), summed.view(x.shape)) if return_residual else y.view(x.shape)
+    dropout_p = float(dropout_p) if use_dropout else 0.0
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    residual_rows = residual if residual is None or residual.dim() == 2 else residual.reshape(rows.shape)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+                                    or (residual is not None and residual.requires_grad)):
+        y, _, _, _, summed = layer_norm_fwd(rows, weight, bias, residual_rows, seed, float(eps), dropout_p, out_dtype,
+                                            save == "output", return_residual)
+    else:  # no backward can follow: no statistics, no side buffer
+        y, summed = layer_norm_infer(rows, weight, bias, residual_rows, seed, float(eps), dropout_p, out_dtype,
+                                     return_residual)
+    if x.dim() != 2:
+        y, summed = y.view(x.shape), summed.view(x.shape) if return_residual else summed
+    return (y, summed) if return_residual else y

@@ -234,11 +234,17 @@ def _layer_norm_cases(b: Batch) -> list[tuple[str, str, Callable]]:
             _implementation(layer_norm.layer_norm_bwd)(y, *inputs, weight, weight, _seed(p), mean, stats, p, x.dtype,
                                                        residual is not None)
 
-        # save="input" is also what inference runs (no side buffer)
+        def inference(p=p, tensors=tensors):
+            x, weight, residual = tensors()
+            _implementation(layer_norm.layer_norm_infer)(x, weight, weight, residual, _seed(p), LAYER_NORM_EPS, p,
+                                                         b.dtype, False)
+
         variant = f"residual={residual},dropout_p={p}" + (",x=float32" if x_dtype != b.dtype else "")
         for save in layer_norm.SAVE_CHOICES:
             cases += [("layer_norm.layer_norm_fwd", f"{variant},save={save}", functools.partial(forward, save)),
                       ("layer_norm.layer_norm_bwd", f"{variant},save={save}", functools.partial(backward, save))]
+        if p == 0.0:  # inference: no statistics, no side buffer
+            cases.append(("layer_norm.layer_norm_infer", variant, inference))
     return cases
 
 
@@ -375,6 +381,14 @@ def _modernbert_cases(dtype) -> list[tuple[str, str, Callable]]:
 
             variant = f"no bias,{'residual out' if residual else 'residual=False'},save={save}"
             cases += [("layer_norm.layer_norm_fwd", variant, forward), ("layer_norm.layer_norm_bwd", variant, backward)]
+
+        def inference(residual=residual):
+            _implementation(layer_norm.layer_norm_infer)(
+                tokens(m.hidden), _meta(m.hidden, dtype=dtype), None, tokens(m.hidden) if residual else None,
+                None, LAYER_NORM_EPS, 0.0, dtype, residual)
+
+        cases.append(("layer_norm.layer_norm_infer", f"no bias,{'residual out' if residual else 'residual=False'}",
+                      inference))
     return cases
 
 
