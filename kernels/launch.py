@@ -24,6 +24,8 @@ import torch
 import triton
 from triton.runtime.autotuner import Autotuner
 
+from fastbert.kernels.numerics import INTERPRETER
+
 Grid = Union[tuple, Callable[[dict], tuple]]
 # Signatures kept per kernel: packed inputs change the token count (an int argument) from batch to batch; past
 # this many the cache starts again rather than grow without bound.
@@ -160,7 +162,10 @@ _LAUNCHERS: dict = {}
 
 def launch(kernel, grid: Grid, *args, **constexprs):
     """kernel[grid](*args, **constexprs), with the host work of repeated signatures cached (see the header).
-    Tensor and scalar arguments positionally, constexprs (num_warps and num_stages included) by keyword."""
+    Tensor and scalar arguments positionally, constexprs (num_warps and num_stages included) by keyword.
+    Under Triton's interpreter (no driver, nothing compiled) Triton's own launch."""
+    if INTERPRETER:
+        return kernel[grid](*args, **constexprs)
     launcher = _LAUNCHERS.get(id(kernel))  # by id: a JITFunction hashes in Python
     if launcher is None:
         launcher = _LAUNCHERS[id(kernel)] = KernelLauncher(kernel)

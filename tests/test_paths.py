@@ -83,24 +83,41 @@ def test_a_shape_class_maps_to_its_committed_implementation(op, sizes, dtype, di
 
 
 def test_the_committed_table_chooses_both_paths():
-    """The first H100 run's rows: PyTorch's LayerNorm for training, the Triton bias + GELU for inference, and the
-    Triton MLM loss either way; these choices differ by direction, so the direction is read."""
-    layer_norm, bias_gelu = (16384, 768), (16384, 3072)
-    assert _resolve("layer_norm", layer_norm, torch.bfloat16, "fwd+bwd") == "torch"
-    assert _resolve("bias_gelu", bias_gelu, torch.bfloat16, "fwd") == "triton"
-    assert _resolve("bias_gelu", bias_gelu, torch.bfloat16, "fwd+bwd") == "torch"
-    assert _resolve("linear_cross_entropy", (2458, 768, 30522), torch.bfloat16, "fwd+bwd") == "triton"
+    """The first H100 run's rows: cuBLAS's QKV projection for training at hidden 768 and the kernel at 1024, the
+    Triton bias + GELU for inference and PyTorch's for training, the Triton LayerNorm and MLM loss either way
+    (no other candidate); these choices differ by direction and class, so both are read."""
+    bf16 = torch.bfloat16
+    assert _resolve("qkv_projection", (16384, 768), bf16, "fwd+bwd") == "torch"
+    assert _resolve("qkv_projection", (16384, 1024), bf16, "fwd+bwd") == "triton"
+    assert _resolve("bias_gelu", (16384, 3072), bf16, "fwd") == "triton"
+    assert _resolve("bias_gelu", (16384, 3072), bf16, "fwd+bwd") == "torch"
+    for direction in paths.DIRECTIONS:
+        assert _resolve("layer_norm", (16384, 768), bf16, direction) == "triton"
+        assert _resolve("linear_cross_entropy", (2458, 768, 30522), bf16, direction) == "triton"
+
+
+def test_auto_chooses_only_what_keeps_the_kernels_saves(tmp_path):
+    """An implementation that keeps more for the backward than the kernel (PyTorch's LayerNorm, the FFN's
+    reference) is never a choice: a table naming one is refused, and building one from rows leaves it out even
+    where it was measured faster."""
+    with pytest.raises(ValueError, match="layer_norm .* chooses 'torch', not one of its candidates"):
+        _table(tmp_path, {"sm_90": {"layer_norm": {"tokens=16384,hidden=768": {"bfloat16": {"fwd+bwd": "torch"}}}}})
+    shape = {"rows": 16384, "hidden": 768, "dropout_p": 0.1}
+    table = path_table.build_table([_row("layer_norm", shape, "fastbert", "fwd+bwd", 3.0),
+                                    _row("layer_norm", shape, "fastbert-eager", "fwd+bwd", 1.0)])
+    measured = table["architectures"]["sm_90"]["ops"]["layer_norm"]["tokens=16384,hidden=768"]["bfloat16"]
+    assert measured["fwd+bwd"] == {"chosen": "triton", "ms": {"triton": 3.0}}
 
 
 def test_explicit_backends_override_the_table(monkeypatch):
     """backend="triton" runs the kernel where the table chooses PyTorch's path, backend="torch" the reference
     where it chooses the kernel; so does FASTBERT_BACKEND for "auto"."""
-    layer_norm, loss = (16384, 768), (2458, 768, 30522)
-    assert _resolve("layer_norm", layer_norm, torch.bfloat16, "fwd+bwd") == "torch"
-    assert _resolve("layer_norm", layer_norm, torch.bfloat16, "fwd+bwd", backend="triton") == "triton"
+    qkv, loss = (16384, 768), (2458, 768, 30522)
+    assert _resolve("qkv_projection", qkv, torch.bfloat16, "fwd+bwd") == "torch"
+    assert _resolve("qkv_projection", qkv, torch.bfloat16, "fwd+bwd", backend="triton") == "triton"
     assert _resolve("linear_cross_entropy", loss, torch.bfloat16, "fwd+bwd", backend="torch") == "torch"
     monkeypatch.setenv("FASTBERT_BACKEND", "triton")
-    assert _resolve("layer_norm", layer_norm, torch.bfloat16, "fwd+bwd") == "triton"
+    assert _resolve("qkv_projection", qkv, torch.bfloat16, "fwd+bwd") == "triton"
 
 
 def _table(tmp_path, architectures):
@@ -117,39 +134,39 @@ def test_an_unknown_architecture_gets_the_nearest_measured_one(tmp_path, monkeyp
     """sm_89 and sm_100 take sm_90's choice, sm_84 sm_80's; sm_85 is as near both and takes the older."""
     row = {"tokens=16384,hidden=768": {"bfloat16": {"fwd+bwd": "torch"}}}
     monkeypatch.setattr(paths, "TABLE", _table(tmp_path, {
-        "sm_80": {"layer_norm": {"tokens=16384,hidden=768": {"bfloat16": {"fwd+bwd": "triton"}}}},
-        "sm_90": {"layer_norm": row}}))
+        "sm_80": {"qkv_projection": {"tokens=16384,hidden=768": {"bfloat16": {"fwd+bwd": "triton"}}}},
+        "sm_90": {"qkv_projection": row}}))
     for capability, chosen in ((89, "torch"), (100, "torch"), (84, "triton"), (85, "triton"), (90, "torch")):
-        assert _resolve("layer_norm", (16384, 768), torch.bfloat16, "fwd+bwd", capability) == chosen, capability
+        assert _resolve("qkv_projection", (16384, 768), torch.bfloat16, "fwd+bwd", capability) == chosen, capability
 
 
 def test_missing_classes_dtypes_and_ops_fall_back(tmp_path, monkeypatch, fresh_choices):
     """An unmeasured class takes the nearest measured one (fewest half-octaves; a tie to the larger); fp16 reads
     bf16's rows; fp32, which no row measured, and an op without rows run the kernel."""
-    monkeypatch.setattr(paths, "TABLE", _table(tmp_path, {"sm_90": {"layer_norm": {
+    monkeypatch.setattr(paths, "TABLE", _table(tmp_path, {"sm_90": {"qkv_projection": {
         "tokens=16384,hidden=768": {"bfloat16": {"fwd+bwd": "torch"}},
         "tokens=16384,hidden=3072": {"bfloat16": {"fwd+bwd": "triton"}}}}}))
     bf16 = torch.bfloat16
-    assert _resolve("layer_norm", (16384, 1024), bf16, "fwd+bwd") == "torch"  # 1 half-octave from 768, 3 from 3072
-    assert _resolve("layer_norm", (16384, 2048), bf16, "fwd+bwd") == "triton"  # 1 from 3072, 3 from 768
-    assert _resolve("layer_norm", (16384, 1536), bf16, "fwd+bwd") == "triton"  # 2 from each: the larger
-    assert _resolve("layer_norm", (64, 768), bf16, "fwd+bwd") == "torch"  # tokens far off; hidden decides
-    assert _resolve("layer_norm", (16384, 768), torch.float16, "fwd+bwd") == "torch"
-    assert _resolve("layer_norm", (16384, 768), torch.float32, "fwd+bwd") == "triton"
-    assert _resolve("layer_norm", (16384, 768), bf16, "fwd") == "triton"  # no forward rows
+    assert _resolve("qkv_projection", (16384, 1024), bf16, "fwd+bwd") == "torch"  # 1 half-octave from 768, 3 from 3072
+    assert _resolve("qkv_projection", (16384, 2048), bf16, "fwd+bwd") == "triton"  # 1 from 3072, 3 from 768
+    assert _resolve("qkv_projection", (16384, 1536), bf16, "fwd+bwd") == "triton"  # 2 from each: the larger
+    assert _resolve("qkv_projection", (64, 768), bf16, "fwd+bwd") == "torch"  # tokens far off; hidden decides
+    assert _resolve("qkv_projection", (16384, 768), torch.float16, "fwd+bwd") == "torch"
+    assert _resolve("bias_gelu", (16384, 768), torch.float32, "fwd+bwd") == "triton"
+    assert _resolve("qkv_projection", (16384, 768), bf16, "fwd") == "triton"  # no forward rows
     assert _resolve("bias_gelu", (16384, 3072), bf16, "fwd+bwd") == "triton"
 
 
 def test_auto_reads_the_autocast_dtype_for_matmul_ops(tmp_path, monkeypatch, fresh_choices):
-    """fp32 inputs under bf16 autocast compute in bf16: the matmul-type ops read bf16's rows (LayerNorm, whose
+    """fp32 inputs under bf16 autocast compute in bf16: the matmul-type ops read bf16's rows (bias + GELU, whose
     inputs autocast leaves as they are, keeps its own dtype)."""
     monkeypatch.setattr(paths, "TABLE", _table(tmp_path, {"sm_90": {
         "qkv_projection": {"tokens=16384,hidden=768": {"bfloat16": {"fwd+bwd": "torch"}}},
-        "layer_norm": {"tokens=16384,hidden=768": {"bfloat16": {"fwd+bwd": "torch"}}}}}))
+        "bias_gelu": {"tokens=16384,features=768": {"bfloat16": {"fwd+bwd": "torch"}}}}}))
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type: device_type == "cuda")
     monkeypatch.setattr(torch, "get_autocast_dtype", lambda device_type: torch.bfloat16)
     assert _resolve("qkv_projection", (16384, 768), torch.float32, "fwd+bwd") == "torch"
-    assert _resolve("layer_norm", (16384, 768), torch.float32, "fwd+bwd") == "triton"
+    assert _resolve("bias_gelu", (16384, 768), torch.float32, "fwd+bwd") == "triton"
 
 
 def test_plain_meta_and_cpu_tensors_keep_the_reference():
@@ -193,8 +210,9 @@ def test_build_table_chooses_the_fastest_measured_path_of_the_newest_run():
             _row("ffn_up", shape, "fastbert", "fwd", 0.1, device="NVIDIA A100-SXM4-80GB", architecture="sm_80")]
     table = path_table.build_table(rows)
     fwd = table["architectures"]["sm_90"]["ops"]["linear_bias_gelu"]["tokens=16384,hidden=768,intermediate=3072"]
+    # the reference ("fastbert-eager") keeps the GELU output too: no candidate of the FFNs, which read this class
     assert fwd["bfloat16"]["fwd"] == {"chosen": "cublas_then_bias_gelu",
-                                      "ms": {"triton": 3.0, "cublas_then_bias_gelu": 1.0, "torch": 2.0}}
+                                      "ms": {"triton": 3.0, "cublas_then_bias_gelu": 1.0}}
     assert set(table["architectures"]) == {"sm_80", "sm_90"}
 
 
