@@ -91,10 +91,9 @@ def qkv_projection_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                        num_heads: int) -> torch.Tensor:
     """x [B, S, H] -> qkv [3, B, heads, S, d]; x [T, H] -> qkv [3, T, heads, d]; contiguous.
 
-    weight [3H, H] (query, key, value rows in that order), bias [3H] or None, one dtype; x any strides.
-    Raises ValueError on mismatched shapes or dtypes.
+    weight [3H, H] (query, key, value rows in that order), bias [3H] or None, one dtype; x any strides (checked
+    by `qkv_projection`).
     """
-    _check(x, weight, bias, num_heads)
     hidden = x.shape[-1]
     head_dim = hidden // num_heads
     if x.dim() == 3:
@@ -187,4 +186,6 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     weight [3H, H], bias [3H] or None. Raises ValueError on mismatched shapes, dtypes or num_heads.
     """
     _check(x, weight, bias, num_heads)
-    return _QKVProjection.apply(x, weight, bias, num_heads)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return _QKVProjection.apply(x, weight, bias, num_heads)
+    return _qkv_projection_op(x, weight, bias, num_heads).unbind(0)
