@@ -24,7 +24,8 @@ from fastbert import hf, ops, outputs
 from fastbert.bases import ModelBase
 from fastbert.config import BertConfig
 from fastbert.validation import (IGNORE_INDEX, PACKED_ARGUMENTS, HF_PACKED_ALIASES, check_label_budget, check_labels,
-                                 check_model_inputs, check_packed_inputs, key_padding_mask, packed_arguments)
+                                 check_model_inputs, check_on_device, check_packed_inputs, key_padding_mask,
+                                 packed_arguments)
 
 
 @dataclass
@@ -549,8 +550,9 @@ class BertModel(BertPreTrainedModel):
     def _forward_packed(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                         output_hidden_states, output_attentions, validate, cu_seqlens, max_seqlen=None):
         config = self.config
-        if max_seqlen is None:  # not given: read from cu_seqlens (a host sync; give it for static shapes)
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        if max_seqlen is None:  # not given: a bound from the shapes (reading the longest would be a host sync)
+            max_seqlen = min((input_ids if input_ids is not None else inputs_embeds).shape[1],
+                             config.max_sequence_length)
         check_packed_inputs(config, input_ids, attention_mask, inputs_embeds, cu_seqlens, max_seqlen,
                             output_attentions, validate)
         check_model_inputs(config, input_ids, None, token_type_ids, position_ids, inputs_embeds, validate,
@@ -1013,9 +1015,9 @@ class BertForQuestionAnswering(BertPreTrainedModel):
                 positions = positions.reshape(-1).clamp(0, seqlen)
                 if mask is not None and validate and not torch.compiler.is_compiling():
                     on_padding = (positions < seqlen) & ~mask.bool().gather(1, positions.clamp(max=seqlen - 1)[:, None])[:, 0]
-                    if bool(on_padding.any()):
-                        raise ValueError(f"{name} points at padding in example(s) "
-                                         f"{on_padding.nonzero().flatten().tolist()}: padding is never an answer")
+                    check_on_device(~on_padding.any(), f"{name} points at padding: padding is never an answer",
+                                    lambda: f"{name} points at padding in example(s) "
+                                            f"{on_padding.nonzero().flatten().tolist()}: padding is never an answer")
                 clamped.append(positions)
             start, end = clamped
             loss = (F.cross_entropy(start_logits, start, ignore_index=seqlen)
