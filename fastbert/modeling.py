@@ -474,12 +474,14 @@ class BertModel(BertPreTrainedModel):
     """Embeddings, L encoder layers and the [CLS] pooler.
 
     Layouts: padded input_ids [B, S] with attention_mask (1 = token, 0 = padding; transformers' 4-D
-    masks are accepted when they mask keys only); with config.unpad the padding is removed once after
-    the embeddings and every layer runs on the T real tokens. Packed inputs need no mask: input_ids
-    [1, T] with cu_seqlens int32 [B+1] and max_seqlen (>= the longest sequence), as transformers'
-    DataCollatorWithFlattening gives them (its cu_seq_lens_q / max_length_q names are accepted too);
-    position_ids default to restarting at each sequence. Packed inputs have static shapes (no host sync),
-    for torch.compile and torch.export; padded inputs with unpad=True have a data-dependent token count.
+    masks are accepted when they mask keys only); with config.unpad the layers run on packed rows
+    (ops.unpad: the real tokens first, then the padding, each sequence's padding a sequence of its own), B*S
+    of them, so no FLOP is saved on padding. Packed inputs need no mask: input_ids [1, T] with cu_seqlens
+    int32 [B+1] and max_seqlen (>= the longest sequence; default min(T, the longest sequence the positions
+    allow)), as transformers' DataCollatorWithFlattening gives them (its cu_seq_lens_q / max_length_q names
+    are accepted too); position_ids default to restarting at each sequence: the exact T tokens. Every layout
+    has sizes from the shapes and no value check waits for the device: no host sync, static shapes for
+    torch.compile, torch.export and CUDA graphs.
     """
 
     def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
