@@ -594,20 +594,21 @@ def gelu_dense_norm(config: BertConfig, dense: nn.Module, norm: nn.LayerNorm, hi
 
 def labelled_positions(labels, budget: int) -> torch.Tensor | None:
     """Which positions the MLM loss reads: an index into the flattened [B*S] positions of labels [B, S]
-    (-100 = not labelled), or None for all of them.
+    (-100 = not labelled), or None for all of them. Sizes from the shapes: no host sync, static for
+    torch.compile / export.
 
-    budget 0: exactly the labelled positions (their number is data-dependent: one host sync). Under
-    torch.compile / export, budget 0 reads every position instead (static; unlabelled rows are ignored by
-    the loss, so the result is the same). budget K > 0: K positions per sequence, the labelled ones first in
-    order, then unlabelled ones that the loss ignores (B*K rows, static, no sync)."""
+    budget 0: every position, the labelled ones first in order, then the unlabelled ones, which the loss
+    ignores (B*S rows): the loss, the accuracy and the gradients of the labelled positions alone (in the same
+    order, so the loss's sums run as they would over those rows), at the cost of the head's transform and
+    decoder over every row (a kernel could skip the all-ignored row blocks at the end). budget K > 0: K
+    positions per sequence, the labelled ones first in order, then unlabelled ones that the loss ignores
+    (B*K rows)."""
     seqlen = labels.shape[-1]
-    if budget == 0 and torch.compiler.is_compiling():
-        budget = seqlen
-    if budget == 0:
-        return (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)  # [N]
+    if budget == 0:  # a stable sort on "unlabelled" puts the labelled positions first, in order
+        return torch.sort((labels.reshape(-1) == IGNORE_INDEX).to(torch.uint8), stable=True).indices  # [B*S]
     if budget >= seqlen:
         return None
-    # a stable sort on "unlabelled" puts each sequence's labelled positions first, in order
+    # the same per sequence: each sequence's labelled positions first, in order
     order = torch.sort((labels == IGNORE_INDEX).to(torch.uint8), dim=-1, stable=True).indices[..., :budget]
     starts = torch.arange(0, labels.numel(), seqlen, device=labels.device)  # each sequence's first position
     return (order + starts[:, None]).reshape(-1)  # [B*K]
@@ -644,7 +645,7 @@ class VocabularyHead:
         """Cross entropy over the labelled positions (labels != -100), averaged over them: the transform runs
         on the rows `labelled_positions` picks (max_predictions as config.max_predictions_per_seq), and the
         fused decoder + softmax never holds [rows, V] logits. Returns (loss, accuracy, masked_accuracy),
-        0-dim tensors; no host sync when max_predictions > 0.
+        0-dim tensors; no host sync.
 
         shown_masked: bool [B, S] or None, the positions whose input is [MASK]. With it, masked_accuracy is
         the accuracy at those positions alone, which copying the input cannot raise (one more forward of
@@ -763,8 +764,8 @@ def _set_path(root: nn.Module, path: str, value) -> None:
 class BertForPreTraining(MLMHeadMixin, BertPreTrainedModel):
     """BERT's pretraining model: masked LM + next sentence prediction; loss = MLM + NSP.
 
-    With labels the MLM loss runs on the labelled positions only (BertLMPredictionHead.masked_loss; set
-    config.max_predictions_per_seq for static shapes without host syncs).
+    With labels the MLM loss is that of the labelled positions only (BertLMPredictionHead.masked_loss; set
+    config.max_predictions_per_seq to run the head on that many positions per sequence instead of all).
     return_logits: None (default) returns prediction_logits when there are no labels or in eval mode;
     False never materialises them (the training path); True always does. mask_token_id (with labels):
     also report mlm_mask_accuracy, the accuracy at the positions whose input is that token.
