@@ -186,3 +186,33 @@ def test_unpad_rows_of_padding_reach_no_result_and_no_gradient():
     b.loss.backward()
     for (name, p), q in zip(padded.named_parameters(), unpadded.parameters()):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_on_a_gpu_a_default_forward_and_step_never_sync(case):
+    """What the counter counts on CPU, CUDA's sync debug mode checks on a GPU: after two warm-up steps (Triton's
+    autotuning synchronizes), a forward (and for training cases its backward and a fused AdamW step) raises on
+    any synchronizing CUDA call."""
+    torch.manual_seed(0)
+    model, inputs, train = CASES[case]()
+    model = model.cuda().train(train)
+    inputs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in inputs.items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if train else None
+
+    def step():
+        output = model(**inputs)
+        if train:
+            output.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    step()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
