@@ -37,6 +37,7 @@ _EXPORTS = {
     "from_hf": ("fastbert.architectures", "from_hf"),
     "apply": ("fastbert.in_place", "apply"),
     "load_config": ("fastbert.architectures", "load_config"),
+    "CapturedForward": ("fastbert.captured", "CapturedForward"),
     **{name: ("fastbert.modeling", name) for name in (
         "BertModel", "BertForPreTraining", "BertForMaskedLM", "BertForNextSentencePrediction",
         "BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering",

@@ -24,7 +24,8 @@ from fastbert import hf, ops, outputs
 from fastbert.bases import ModelBase
 from fastbert.config import BertConfig
 from fastbert.validation import (IGNORE_INDEX, PACKED_ARGUMENTS, HF_PACKED_ALIASES, check_label_budget, check_labels,
-                                 check_model_inputs, check_packed_inputs, key_padding_mask, packed_arguments)
+                                 check_model_inputs, check_on_device, check_packed_inputs, key_padding_mask,
+                                 packed_arguments)
 
 
 @dataclass
@@ -473,12 +474,14 @@ class BertModel(BertPreTrainedModel):
     """Embeddings, L encoder layers and the [CLS] pooler.
 
     Layouts: padded input_ids [B, S] with attention_mask (1 = token, 0 = padding; transformers' 4-D
-    masks are accepted when they mask keys only); with config.unpad the padding is removed once after
-    the embeddings and every layer runs on the T real tokens. Packed inputs need no mask: input_ids
-    [1, T] with cu_seqlens int32 [B+1] and max_seqlen (>= the longest sequence), as transformers'
-    DataCollatorWithFlattening gives them (its cu_seq_lens_q / max_length_q names are accepted too);
-    position_ids default to restarting at each sequence. Packed inputs have static shapes (no host sync),
-    for torch.compile and torch.export; padded inputs with unpad=True have a data-dependent token count.
+    masks are accepted when they mask keys only); with config.unpad the layers run on packed rows
+    (ops.unpad: the real tokens first, then the padding, each sequence's padding a sequence of its own), B*S
+    of them, so no FLOP is saved on padding. Packed inputs need no mask: input_ids [1, T] with cu_seqlens
+    int32 [B+1] and max_seqlen (>= the longest sequence; default min(T, the longest sequence the positions
+    allow)), as transformers' DataCollatorWithFlattening gives them (its cu_seq_lens_q / max_length_q names
+    are accepted too); position_ids default to restarting at each sequence: the exact T tokens. Every layout
+    has sizes from the shapes and no value check waits for the device: no host sync, static shapes for
+    torch.compile, torch.export and CUDA graphs.
     """
 
     def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
@@ -549,8 +552,9 @@ class BertModel(BertPreTrainedModel):
     def _forward_packed(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                         output_hidden_states, output_attentions, validate, cu_seqlens, max_seqlen=None):
         config = self.config
-        if max_seqlen is None:  # not given: read from cu_seqlens (a host sync; give it for static shapes)
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        if max_seqlen is None:  # not given: a bound from the shapes (reading the longest would be a host sync)
+            max_seqlen = min((input_ids if input_ids is not None else inputs_embeds).shape[1],
+                             config.max_sequence_length)
         check_packed_inputs(config, input_ids, attention_mask, inputs_embeds, cu_seqlens, max_seqlen,
                             output_attentions, validate)
         check_model_inputs(config, input_ids, None, token_type_ids, position_ids, inputs_embeds, validate,
@@ -590,20 +594,21 @@ def gelu_dense_norm(config: BertConfig, dense: nn.Module, norm: nn.LayerNorm, hi
 
 def labelled_positions(labels, budget: int) -> torch.Tensor | None:
     """Which positions the MLM loss reads: an index into the flattened [B*S] positions of labels [B, S]
-    (-100 = not labelled), or None for all of them.
+    (-100 = not labelled), or None for all of them. Sizes from the shapes: no host sync, static for
+    torch.compile / export.
 
-    budget 0: exactly the labelled positions (their number is data-dependent: one host sync). Under
-    torch.compile / export, budget 0 reads every position instead (static; unlabelled rows are ignored by
-    the loss, so the result is the same). budget K > 0: K positions per sequence, the labelled ones first in
-    order, then unlabelled ones that the loss ignores (B*K rows, static, no sync)."""
+    budget 0: every position, the labelled ones first in order, then the unlabelled ones, which the loss
+    ignores (B*S rows): the loss, the accuracy and the gradients of the labelled positions alone (in the same
+    order, so the loss's sums run as they would over those rows), at the cost of the head's transform and
+    decoder over every row (a kernel could skip the all-ignored row blocks at the end). budget K > 0: K
+    positions per sequence, the labelled ones first in order, then unlabelled ones that the loss ignores
+    (B*K rows)."""
     seqlen = labels.shape[-1]
-    if budget == 0 and torch.compiler.is_compiling():
-        budget = seqlen
-    if budget == 0:
-        return (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)  # [N]
+    if budget == 0:  # a stable sort on "unlabelled" puts the labelled positions first, in order
+        return torch.sort((labels.reshape(-1) == IGNORE_INDEX).to(torch.uint8), stable=True).indices  # [B*S]
     if budget >= seqlen:
         return None
-    # a stable sort on "unlabelled" puts each sequence's labelled positions first, in order
+    # the same per sequence: each sequence's labelled positions first, in order
     order = torch.sort((labels == IGNORE_INDEX).to(torch.uint8), dim=-1, stable=True).indices[..., :budget]
     starts = torch.arange(0, labels.numel(), seqlen, device=labels.device)  # each sequence's first position
     return (order + starts[:, None]).reshape(-1)  # [B*K]
@@ -640,7 +645,7 @@ class VocabularyHead:
         """Cross entropy over the labelled positions (labels != -100), averaged over them: the transform runs
         on the rows `labelled_positions` picks (max_predictions as config.max_predictions_per_seq), and the
         fused decoder + softmax never holds [rows, V] logits. Returns (loss, accuracy, masked_accuracy),
-        0-dim tensors; no host sync when max_predictions > 0.
+        0-dim tensors; no host sync.
 
         shown_masked: bool [B, S] or None, the positions whose input is [MASK]. With it, masked_accuracy is
         the accuracy at those positions alone, which copying the input cannot raise (one more forward of
@@ -759,8 +764,8 @@ def _set_path(root: nn.Module, path: str, value) -> None:
 class BertForPreTraining(MLMHeadMixin, BertPreTrainedModel):
     """BERT's pretraining model: masked LM + next sentence prediction; loss = MLM + NSP.
 
-    With labels the MLM loss runs on the labelled positions only (BertLMPredictionHead.masked_loss; set
-    config.max_predictions_per_seq for static shapes without host syncs).
+    With labels the MLM loss is that of the labelled positions only (BertLMPredictionHead.masked_loss; set
+    config.max_predictions_per_seq to run the head on that many positions per sequence instead of all).
     return_logits: None (default) returns prediction_logits when there are no labels or in eval mode;
     False never materialises them (the training path); True always does. mask_token_id (with labels):
     also report mlm_mask_accuracy, the accuracy at the positions whose input is that token.
@@ -1013,9 +1018,9 @@ class BertForQuestionAnswering(BertPreTrainedModel):
                 positions = positions.reshape(-1).clamp(0, seqlen)
                 if mask is not None and validate and not torch.compiler.is_compiling():
                     on_padding = (positions < seqlen) & ~mask.bool().gather(1, positions.clamp(max=seqlen - 1)[:, None])[:, 0]
-                    if bool(on_padding.any()):
-                        raise ValueError(f"{name} points at padding in example(s) "
-                                         f"{on_padding.nonzero().flatten().tolist()}: padding is never an answer")
+                    check_on_device(~on_padding.any(), f"{name} points at padding: padding is never an answer",
+                                    lambda: f"{name} points at padding in example(s) "
+                                            f"{on_padding.nonzero().flatten().tolist()}: padding is never an answer")
                 clamped.append(positions)
             start, end = clamped
             loss = (F.cross_entropy(start_logits, start, ignore_index=seqlen)

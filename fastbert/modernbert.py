@@ -23,7 +23,7 @@ from fastbert.modeling import (AttentionLayout, BertForMaskedLM, BertModel, Bert
                                HeadDropout, SelfAttention, VocabularyHead, _recompute, gelu_dense_norm,
                                is_plain_linear, run_layers, sequence_classification_loss,
                                token_classification_loss)
-from fastbert.validation import key_padding_mask
+from fastbert.validation import check_on_device, key_padding_mask
 
 
 def layer_norm(config: ModernBertConfig, norm: nn.LayerNorm, hidden, **kwargs):
@@ -212,10 +212,10 @@ def _check_offsets(position_ids, attention_mask, kwargs) -> None:
         real = torch.ones_like(shift, dtype=torch.bool) if mask is None else mask.bool()
         shift = shift.expand(real.shape)
         first = shift.gather(-1, real.int().argmax(dim=-1, keepdim=True))  # [B, 1]
-    if not bool(((shift == first) | ~real).all()):
-        raise ValueError("ModernBERT's position_ids must count up by one within each sequence (0, 1, ... or from "
-                         "any start): fastbert rotates q and k by each token's offset in its sequence inside the "
-                         "attention kernel, which equals the rotation by such positions")
+    check_on_device(((shift == first) | ~real).all(),
+                    "ModernBERT's position_ids must count up by one within each sequence (0, 1, ... or from any "
+                    "start): fastbert rotates q and k by each token's offset in its sequence inside the attention "
+                    "kernel, which equals the rotation by such positions")
 
 
 class ModernBertPredictionHead(nn.Module):

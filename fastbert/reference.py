@@ -185,41 +185,69 @@ def attention_with_probs(q, k, v, attention_mask=None, dropout_p=0.0, scale=None
 def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None, training=True, relative_bias=None,
                      relative_buckets=None, rotary_base=None, window=None):
     """Attention over packed sequences. q, k, v [T, heads, d]; cu_seqlens int32 [B+1]. The positions (the
-    relative bias's, the rotary angles', the window's) are those inside each sequence."""
+    relative bias's, the rotary angles', the window's) are those inside each sequence. Rows in no sequence
+    (past cu_seqlens[-1]) come out as zeros. Runs `attention` on the padded layout [B, heads, max_seqlen, d],
+    built with sizes from the shapes (no host sync)."""
+    batch = cu_seqlens.numel() - 1
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [B]
-    positions = torch.arange(max_seqlen, device=q.device)
-    mask = positions[None, :] < lengths[:, None]  # [B, S]
-    indices = mask.flatten().nonzero().flatten()
-    batch = lengths.numel()
+    mask = torch.arange(max_seqlen, device=q.device)[None, :] < lengths[:, None]  # [B, S]
+    positions = packed_positions(cu_seqlens, q.shape[0], max_seqlen)
 
     def to_padded(t):  # [T, heads, d] -> [B, heads, S, d]
-        return pad(t, indices, batch, max_seqlen).transpose(1, 2)
+        return pad(t, positions, batch, max_seqlen).transpose(1, 2)
 
     out = attention(to_padded(q), to_padded(k), to_padded(v), mask, dropout_p, scale, training, relative_bias,
                     relative_buckets, rotary_base, window)
-    return out.transpose(1, 2).flatten(0, 1)[indices]  # [T, heads, d]
+    out = F.pad(out.transpose(1, 2).flatten(0, 1), (0, 0, 0, 0, 0, 1))  # [B*S + 1, heads, d]: a zero row last
+    return out.index_select(0, positions)  # [T, heads, d]
+
+
+def packed_positions(cu_seqlens, rows: int, max_seqlen: int) -> torch.Tensor:
+    """int64 [rows]: the position of each packed row in the padded layout [B, max_seqlen] flattened
+    (sequence * max_seqlen + its offset in the sequence), with B = cu_seqlens.numel() - 1; B * max_seqlen, one
+    past the end, for a row in no sequence (past cu_seqlens[-1]) or past max_seqlen in its own. Device ops on
+    cu_seqlens and the shapes: no host sync."""
+    batch = cu_seqlens.numel() - 1
+    row = torch.arange(rows, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    sequence = torch.searchsorted(cu_seqlens[1:], row, right=True)  # [rows] in [0, B]: B past the last
+    offset = (row - cu_seqlens[sequence]).long()
+    inside = (sequence < batch) & (offset < max_seqlen)
+    return torch.where(inside, sequence * max_seqlen + offset, batch * max_seqlen)
 
 
 def unpad(hidden, attention_mask):
-    """Remove padding. hidden [B, S, ...]; attention_mask [B, S].
+    """Padded [B, S, ...] to packed rows, every size taken from the shapes (no host sync, static for
+    torch.compile / torch.export). hidden [B, S, ...]; attention_mask [B, S] (1 = token, 0 = padding).
 
-    Returns (packed [T, ...], indices int64 [T] into the flattened B*S positions,
-    cu_seqlens int32 [B+1], max_seqlen int). Lengths come from the mask's row sums, so the
-    packed order follows the mask's 1s left to right. max_seqlen is the padded width S, a bound
-    on every length that the varlen attention accepts: reading the true longest length back would
-    cost a host sync and make the size data-dependent for torch.compile / torch.export.
+    Returns (packed [B*S, ...], indices int64 [B*S], cu_seqlens int32 [2B + 1], max_seqlen = S):
+    - packed: the T real tokens first, sequence by sequence in order, then the B*S - T padding tokens, in order;
+    - cu_seqlens: the B sequences (its first B + 1 entries, ending at T), then each sequence's padding as a
+      sequence of its own (S - its length tokens, possibly none), so that every row belongs to a sequence of
+      at most S tokens: the varlen attention writes every row, and padding never attends to a real token or
+      the reverse, so the real rows' results are those of the exact packing;
+    - indices: each row's position in the flattened B*S positions, B*S (past the end) for a padding row,
+      which `pad` drops.
+    The cost of static sizes: every op after this runs on B*S rows (no FLOP saved on padding; the attention
+    runs over each sequence's padding too). Packed inputs built on the host (cu_seqlens, max_seqlen) give
+    exact sizes instead.
     """
+    batch, seqlen = attention_mask.shape
     keep = attention_mask.to(torch.bool)
     lengths = keep.sum(dim=1, dtype=torch.int32)  # [B]
-    indices = keep.flatten().nonzero().flatten()  # [T]
-    cu_seqlens = F.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
-    return hidden.flatten(0, 1)[indices], indices, cu_seqlens, attention_mask.shape[1]
+    flat_keep = keep.flatten()
+    # a stable sort on "is padding" puts the real tokens first, in their order, then the padding in its order
+    order = torch.sort((~flat_keep).to(torch.uint8), stable=True).indices  # [B*S]
+    cu_seqlens = F.pad(torch.cumsum(torch.cat([lengths, seqlen - lengths]), dim=0, dtype=torch.int32), (1, 0))
+    indices = torch.where(flat_keep[order], order, batch * seqlen)
+    return hidden.flatten(0, 1).index_select(0, order), indices, cu_seqlens, seqlen
 
 
 def pad(packed, indices, batch, seqlen):
-    """Inverse of `unpad`: scatter packed [T, ...] back to zeros-filled [B, S, ...]."""
-    out = packed.new_zeros((batch * seqlen, *packed.shape[1:]))
-    out = out.index_copy(0, indices, packed)  # out-of-place, so autograd flows to `packed`
+    """Inverse of `unpad`: packed rows [R, ...] scattered to their positions `indices` (int64 [R], into the
+    flattened B*S) in zeros [B, S, ...]; rows whose index is B*S (unpad's padding rows) are dropped, and get
+    no gradient."""
+    out = packed.new_zeros((batch * seqlen + 1, *packed.shape[1:]))  # the last row takes the dropped rows
+    out = out.index_copy(0, indices, packed)[:-1]  # out-of-place, so autograd flows to `packed`
     return out.view(batch, seqlen, *packed.shape[1:])
 
 

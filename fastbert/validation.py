@@ -1,13 +1,16 @@
 """Input checks run before any kernel: each error names the argument, the bad value and the limit.
 
-Shape and dtype checks cost nothing and always run. Value checks (ids in range) read the tensor's
-min and max, a device sync on GPU; `validate=False` skips those for training loops that trust their data,
-and they are skipped while torch.compile traces. Also here: the transformers keyword arguments a forward
-accepts, and the conversion of transformers' 4-D attention masks to fastbert's key padding mask.
+Shape and dtype checks read metadata and always run. Value checks (ids in range, mask values, labels, the
+label budget, ...) run on the device without a host sync (`check_on_device`): on CPU a failed one raises
+ValueError at once, naming the bad value; on CUDA it is an asynchronous device-side assert that fails the
+next sync. `validate=False` skips the value checks (it is never needed for speed: they cost a few small
+kernels), and they are skipped while torch.compile traces. Also here: the transformers keyword arguments a
+forward accepts, and the conversion of transformers' 4-D attention masks to fastbert's key padding mask.
 """
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -29,6 +32,25 @@ UNSET_HF_ARGUMENTS = ("encoder_hidden_states", "encoder_attention_mask", "past_k
 _REPORTED_UNKNOWN: set[str] = set()
 
 
+# the CUDA kernel of torch._assert_async(cond, msg) holds messages of fewer characters than this
+_DEVICE_MESSAGE_LIMIT = 255
+
+
+def check_on_device(ok: torch.Tensor, message: str, explain: Callable[[], str] | None = None) -> None:
+    """Assert `ok` (a one-element bool tensor) without a host sync: torch._assert_async(ok, message).
+
+    CPU tensors: a False `ok` raises ValueError at once, with explain() when given (the message with the
+    offending value, read only on this error path) or `message`. CUDA tensors: nothing waits; a False `ok`
+    is a device-side assert that fails the next host sync (RuntimeError "device-side assert triggered", with
+    `message` printed by the kernel), after which the CUDA context is unusable, as after an out-of-range
+    index in PyTorch's own kernels. Meta tensors (memory plans) have no values: nothing is checked.
+    """
+    try:
+        torch._assert_async(ok, message[:_DEVICE_MESSAGE_LIMIT - 1])
+    except RuntimeError:  # only a CPU assert raises here, and only when ok is False
+        raise ValueError(message if explain is None else explain()) from None
+
+
 def _check_integer(name: str, tensor: torch.Tensor) -> None:
     if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
         raise ValueError(f"{name} must be an integer tensor (token ids), got dtype {tensor.dtype}")
@@ -42,18 +64,20 @@ def _check_index_dtype(name: str, tensor: torch.Tensor) -> None:
 
 
 def _check_range(name: str, tensor: torch.Tensor, limit: int, limit_name: str, ignore: int | None = None) -> None:
-    """Every value in [0, limit), except `ignore` where given. Skipped while torch.compile traces:
-    reading values back to the host would break the graph."""
+    """Every value in [0, limit), except `ignore` where given: one min/max pass and one device assert (no
+    host sync). Skipped while torch.compile traces."""
     if torch.compiler.is_compiling() or tensor.numel() == 0:
         return
-    # ignored entries become 0, a valid value, so one min/max pass (one host sync) covers the rest
+    # ignored entries become 0, a valid value, so one min/max pass covers the rest
     values = tensor if ignore is None else tensor.masked_fill(tensor == ignore, 0)
-    low, high = torch.stack(torch.aminmax(values)).tolist()
-    if low < 0:
-        allowed = f"-100 or [0, {limit_name}={limit})" if ignore is not None else f"[0, {limit_name}={limit})"
-        raise ValueError(f"{name} contains {low}, outside {allowed}")
-    if high >= limit:
-        raise ValueError(f"{name} contains {high}, which is >= {limit_name} ({limit})")
+    low, high = torch.aminmax(values)
+    allowed = f"-100 or [0, {limit_name}={limit})" if ignore is not None else f"[0, {limit_name}={limit})"
+
+    def explain() -> str:
+        if low < 0:
+            return f"{name} contains {int(low)}, outside {allowed}"
+        return f"{name} contains {int(high)}, which is >= {limit_name} ({limit})"
+    check_on_device((low >= 0) & (high < limit), f"{name} contains a value outside {allowed}", explain)
 
 
 def check_model_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
@@ -85,8 +109,8 @@ def check_model_inputs(config, input_ids, attention_mask, token_type_ids, positi
             continue
         if name == "attention_mask":
             if validate and tensor.is_floating_point() and not torch.compiler.is_compiling():
-                if not bool(((tensor == 0) | (tensor == 1)).all()):
-                    raise ValueError("attention_mask must hold 1 for tokens and 0 for padding; got other values")
+                check_on_device(((tensor == 0) | (tensor == 1)).all(),
+                                "attention_mask must hold 1 for tokens and 0 for padding; got other values")
         else:
             _check_index_dtype(name, tensor)
         if tuple(tensor.shape) != shape and not (name == "position_ids" and tuple(tensor.shape) == (1, shape[1])):
@@ -158,16 +182,15 @@ def key_padding_mask(attention_mask: torch.Tensor | None, validate: bool) -> tor
     else:
         if validate and not torch.compiler.is_compiling():
             soft = (attention_mask != 0) & (attention_mask > -1e4)
-            if bool(soft.any()):
-                raise ValueError("a 4-D float attention_mask must be additive: 0 to attend and a large negative "
-                                 "value (<= -1e4, e.g. torch.finfo(dtype).min) to mask; got other values")
+            check_on_device(~soft.any(), "a 4-D float attention_mask must be additive: 0 to attend and a large "
+                            "negative value (<= -1e4, e.g. torch.finfo(dtype).min) to mask; got other values")
         keep = attention_mask == 0
     keep = keep[:, 0]  # [B, 1 or S, S]
     if validate and keep.shape[1] > 1 and not torch.compiler.is_compiling():
-        if not bool((keep == keep[:, :1]).all()):
-            raise ValueError("a 4-D attention_mask whose query rows mask different keys (e.g. block-diagonal "
-                             "packing) is not supported: fastbert masks padding keys only; pass packed inputs "
-                             "with cu_seqlens and max_seqlen instead")
+        check_on_device((keep == keep[:, :1]).all(),
+                        "a 4-D attention_mask whose query rows mask different keys (e.g. block-diagonal packing) is "
+                        "not supported: fastbert masks padding keys only; pass packed inputs with cu_seqlens and "
+                        "max_seqlen instead")
     return keep[:, 0]
 
 
@@ -190,21 +213,20 @@ def check_packed_inputs(config, input_ids, attention_mask, inputs_embeds, cu_seq
                          f" got {max_seqlen!r}")
     if validate and not torch.compiler.is_compiling():
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        first, total, shortest, longest = torch.stack(
-            [cu_seqlens[0], cu_seqlens[-1], lengths.min(), lengths.max()]).tolist()
-        if first != 0 or total != source.shape[1] or shortest < 1:
-            raise ValueError(f"cu_seqlens must rise from 0 to the number of tokens ({source.shape[1]}) in steps "
-                             f">= 1, got {cu_seqlens.tolist()}")
-        if longest > max_seqlen:
-            raise ValueError(f"max_seqlen ({max_seqlen}) is shorter than the longest sequence ({longest})")
+        rises = f"cu_seqlens must rise from 0 to the number of tokens ({source.shape[1]}) in steps >= 1"
+        check_on_device((cu_seqlens[0] == 0) & (cu_seqlens[-1] == source.shape[1]) & (lengths.min() >= 1), rises,
+                        lambda: f"{rises}, got {cu_seqlens.tolist()}")
+        shorter = f"max_seqlen ({max_seqlen}) is shorter than the longest sequence"
+        check_on_device(lengths.max() <= max_seqlen, shorter, lambda: f"{shorter} ({int(lengths.max())})")
 
 
 def check_label_budget(labels: torch.Tensor | None, budget: int, validate: bool) -> None:
     """With max_predictions_per_seq = K > 0 the MLM loss reads K positions per sequence: a sequence with
     more labels would silently lose some, so it is an error (checked when `validate`)."""
-    if labels is None or budget == 0 or not validate or torch.compiler.is_compiling():
+    if labels is None or budget == 0 or not validate or torch.compiler.is_compiling() or not labels.numel():
         return
-    most = int((labels != IGNORE_INDEX).sum(dim=-1).max()) if labels.numel() else 0
-    if most > budget:
-        raise ValueError(f"labels has a sequence with {most} labelled tokens, more than "
-                         f"max_predictions_per_seq ({budget}); raise it or label fewer tokens")
+    most = (labels != IGNORE_INDEX).sum(dim=-1).max()
+    check_on_device(most <= budget, f"labels has a sequence with more labelled tokens than max_predictions_per_seq "
+                    f"({budget}); raise it or label fewer tokens",
+                    lambda: f"labels has a sequence with {int(most)} labelled tokens, more than "
+                            f"max_predictions_per_seq ({budget}); raise it or label fewer tokens")

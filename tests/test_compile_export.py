@@ -56,7 +56,7 @@ def test_bert_model_compiles_fullgraph_and_exports(layout):
 
 
 def test_exported_unpad_model_takes_other_padding():
-    """unpad=True has a data-dependent token count: the export keeps it symbolic, not the traced value."""
+    """unpad=True takes its sizes from the shapes: an export of one batch runs another padding."""
     torch.manual_seed(0)
     model = fastbert.BertModel(config(unpad=True)).eval()
     exported = torch.export.export(model, (), padded_batch()[0]).module()
@@ -101,7 +101,7 @@ def test_mlm_heads_with_labels_compile_and_export(name, budget):
         grad = torch.zeros_like(p) if p.grad is None else p.grad
         torch.testing.assert_close(grad, grads[n], atol=1e-6, rtol=1e-4, msg=lambda m: f"{n}: {m}")
     exported = torch.export.export(model, (), {**inputs, "labels": labels})
-    assert host_reads(exported) == []  # under tracing budget 0 reads every position: static too
+    assert host_reads(exported) == []  # budget 0 reads every position, the labelled ones first: static too
     torch.testing.assert_close(exported.module()(**inputs, labels=labels).loss, expected.loss, atol=1e-6, rtol=1e-5)
 
 

@@ -19,6 +19,7 @@ from fastbert.finetune import FinetuneConfig, finetune
 from fastbert.finetune import cli as finetune_cli
 from fastbert.finetune.readers import DataError
 from fastbert.finetune.train import uses_bf16_autocast
+from fastbert.host_syncs import HostSyncCounter
 
 POSITIVE = ["great", "good", "fine", "nice"]
 NEGATIVE = ["bad", "awful", "poor", "sad"]
@@ -146,6 +147,27 @@ def run(tmp_path, tiny_model, task, train, eval, **options):
     cfg = FinetuneConfig(task, tiny_model, str(train), str(eval), out=str(tmp_path / "out"), **{**FAST, **options})
     result = finetune(cfg)
     return result["best"], cfg.out
+
+
+@pytest.mark.parametrize("task", ["classification", "question-answering"])
+def test_a_steady_state_step_never_syncs_with_the_host(tmp_path, tiny_model, task):
+    """Steps 4 to 6 add no host sync to steps 1 to 3 (input checks on, the progress bar shown): the set-up,
+    the last step's loss reading and the save are the same in both runs."""
+    if task == "classification":
+        train, options = tmp_path / "train.tsv", {}
+        write_sentiment(train, 64, seed=1)
+    else:  # windows of 8 context tokens: some answers are outside the window, positions on [CLS]
+        train, options = tmp_path / "train.json", dict(max_seq_length=14, doc_stride=4, max_query_length=3)
+        write_squad(train, 40, seed=7)
+
+    def syncs(steps):
+        cfg = FinetuneConfig(task, tiny_model, str(train), None, out=str(tmp_path / f"out{steps}"), batch_size=4,
+                             max_steps=steps, **options, **{**FAST, "progress": True})
+        with HostSyncCounter() as counter:
+            assert finetune(cfg)["steps"] == steps
+        return counter.calls
+
+    assert syncs(6) == syncs(3)
 
 
 def test_classification_beats_majority(tmp_path, tiny_model):

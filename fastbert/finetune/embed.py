@@ -25,6 +25,7 @@ import sys
 import numpy as np
 import torch
 
+from fastbert.captured import CapturedForward, length_buckets
 from fastbert.command import run_command
 from fastbert.files import output_lock, replaced_file, write_text
 from fastbert.finetune.encoding import Packer, collate, tokenizer_for
@@ -76,7 +77,9 @@ def embed(model, packer: Packer, texts: list[tuple[str, str | None]], layers=(-4
     With `out` the features are written batch by batch into a .npy file beside it (memory-mapped, so
     per-token features of a large input never sit in memory whole), renamed to `out` when complete (an
     interrupted run leaves the previous file, never one with unwritten rows of zeros); the returned
-    array is the mapping. A tqdm bar shows sequences per second (`progress`, on a terminal).
+    array is the mapping. A tqdm bar shows sequences per second (`progress`, on a terminal). The forward runs
+    through fastbert.captured.CapturedForward: batches padded to `batch_size` rows and to a power-of-two length
+    bucket, on a GPU as replayed CUDA graphs (one per bucket).
     Raises ValueError for unknown options or layers outside the model.
     """
     if batch_size < 1:
@@ -103,13 +106,17 @@ def embed(model, packer: Packer, texts: list[tuple[str, str | None]], layers=(-4
 
     device = model.device
     model.eval()
+    # on a GPU one CUDA graph per (batch size, length bucket), replayed; on CPU the same shapes run eagerly
+    forward = CapturedForward(model, batch_sizes=(batch_size,), length_buckets=length_buckets(max(map(len, tokens))),
+                              output_hidden_states=not pooled)
     with (replaced_file(out) if out else contextlib.nullcontext()) as partial, \
             tqdm(total=len(features), unit="seq", desc="embedding", disable=None if progress else True) as bar:
         result = (np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=shape) if out
                   else np.zeros(shape, dtype=np.float32))
         for start in range(0, len(features), batch_size):
-            batch = {k: v.to(device) for k, v in collate(features[start:start + batch_size], packer.pad_id).items()}
-            output = model(**batch, output_hidden_states=not pooled)
+            batch = {k: v.to(device, non_blocking=True)
+                     for k, v in collate(features[start:start + batch_size], packer.pad_id).items()}
+            output = forward(**batch)
             rows = slice(start, start + len(batch["input_ids"]))
             bar.update(len(batch["input_ids"]))
             if pooled:

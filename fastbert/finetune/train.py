@@ -33,7 +33,7 @@ from fastbert.finetune.encoding import Packer, collate, save_tokenizer_files, to
 from fastbert.finetune.loading import checkpoint_directory, load_config, load_task_model, resolve_device
 from fastbert.finetune.squad import QuestionAnsweringTask
 from fastbert.finetune.tasks import ChoiceTask, Columns, SequenceTask, Task, TokenTask
-from fastbert.train.optim import linear_warmup_decay, param_groups
+from fastbert.train.optim import build_optimizer, linear_warmup_decay
 from fastbert.train.run import compute_dtype
 
 TASKS = ("classification", "regression", "token-classification", "question-answering", "multiple-choice")
@@ -41,6 +41,8 @@ PAPER_LEARNING_RATES = (2e-5, 3e-5, 4e-5, 5e-5)  # the paper's fine-tuning grid 
 CONFIG_FILE = "finetune_config.json"  # marks a directory as a `fastbert finetune` output
 LOWER_IS_BETTER = ("mse", "loss")
 PRECISIONS = ("auto", "fp32", "bf16")
+# training steps between the progress bar's loss readings (each one a host sync; the steps between wait for nothing)
+LOSS_SHOWN_EVERY = 50
 logger = logging.getLogger("fastbert.finetune")
 # task -> (text column, text pair column) when the flags leave them unset: GLUE's and SWAG's names
 DEFAULT_COLUMNS = {"classification": ("sentence", None), "regression": ("sentence", None),
@@ -241,8 +243,8 @@ def train_loop(cfg: FinetuneConfig, model, task: Task, train_inputs: list[dict],
     total_steps = steps_per_epoch * cfg.epochs
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)
-    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
-                                  betas=(0.9, 0.999), eps=1e-6)
+    optimizer = build_optimizer(model, "adamw", cfg.learning_rate, (0.9, 0.999), 1e-6, cfg.weight_decay,
+                                sharded=False)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, linear_warmup_decay(int(cfg.warmup_proportion * total_steps), total_steps))
     history: list[dict] = []
@@ -254,10 +256,11 @@ def train_loop(cfg: FinetuneConfig, model, task: Task, train_inputs: list[dict],
     bar = tqdm(total=total_steps, unit="step", desc=f"fine-tuning ({task.name})", dynamic_ncols=True,
                disable=not cfg.progress)
     step, seen, started = 0, 0, time.perf_counter()
+    unshown, unshown_loss = 0, torch.zeros((), device=device)  # steps since the bar showed the loss, their sum
     for epoch in range(cfg.epochs):
         order = torch.randperm(len(train_inputs), generator=generator).tolist()
         for batch in batches(train_inputs, cfg.batch_size, task.packer.pad_id, order):
-            batch = {k: v.to(device) for k, v in batch.items()}
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 loss = model(**batch).loss
             loss.backward()
@@ -267,9 +270,12 @@ def train_loop(cfg: FinetuneConfig, model, task: Task, train_inputs: list[dict],
             optimizer.zero_grad(set_to_none=True)
             step += 1
             seen += len(batch["input_ids"])
-            if not bar.disable:  # reading the loss is a device sync: only when it is shown
-                bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{schedule.get_last_lr()[0]:.2e}",
+            unshown, unshown_loss = unshown + 1, unshown_loss + loss.detach().float()
+            # reading the loss is a host sync: only every LOSS_SHOWN_EVERY steps, and only when it is shown
+            if not bar.disable and (unshown == LOSS_SHOWN_EVERY or step == total_steps):
+                bar.set_postfix(loss=f"{unshown_loss.item() / unshown:.4f}", lr=f"{schedule.get_last_lr()[0]:.2e}",
                                 examples_per_s=f"{seen / (time.perf_counter() - started):.1f}", refresh=False)
+                unshown, unshown_loss = 0, torch.zeros((), device=device)
             bar.update()
             if step >= total_steps:
                 break

@@ -5,7 +5,7 @@ Nothing in a step waits for the device: the loss sums, the gradient norm and the
 stay device tensors (metrics.Window reads them once per metrics line), a bad update is skipped on
 the device (the optimizer's found_inf, as torch's fused optimizers take it), and what the host knows
 about a batch (its masked tokens, sequences, tokens and FLOPs) is counted on the host, in the loader
-thread (host_stats).
+thread (host_stats). The model's input checks stay on (validate=True): they run on the device.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def train_step(run: Run, micro_batches: list[dict], host: HostStats, masked_glob
         mb = {k: v.to(env.device, non_blocking=True) for k, v in mb.items()}
         with distributed.gradient_sync(run.wrapped, i == len(micro_batches) - 1):
             with autocast:
-                output = run.wrapped(**mb, return_logits=False, validate=False, mask_token_id=mask_id)
+                output = run.wrapped(**mb, return_logits=False, mask_token_id=mask_id)
                 if cfg.objective == MLM_NSP:
                     terms = (output.mlm_loss, output.mlm_accuracy, output.mlm_mask_accuracy, output.nsp_loss,
                              output.nsp_accuracy)
