@@ -23,14 +23,17 @@ def parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, reference and torch providers "
                       "(a few seconds; what CI runs)")
-    mode.add_argument("--suite", choices=("gpu", "cpu-memory", "data", "smoke", "compile", "memory"),
+    mode.add_argument("--suite", choices=("gpu", "cpu-memory", "data", "smoke", "compile", "memory", "host"),
                       help="gpu: the whole suite on one CUDA GPU (H100/H200, under 10 minutes); cpu-memory: the "
                            "MLM head's peak memory and time at full size on the CPU; data: pretraining batches "
                            "built per CPU-second by the input pipeline (about a minute); compile: every kernel "
                            "compiled for H100 (sm_90a) and A100 (sm_80) without a GPU, in every config its launcher "
                            "can pick: registers, spills, shared memory, HGMMA/HMMA, occupancy (CPU-heavy); "
                            "memory: the planned memory of BERT-base and -large training and inference steps on an "
-                           "80 GB GPU, fastbert against transformers, on meta tensors (no GPU, a few minutes)")
+                           "80 GB GPU, fastbert against transformers, on meta tensors (no GPU, a few minutes); "
+                           "host: the host's microseconds per fused op call and per BERT-base and ModernBERT-base "
+                           "forward and training step, beside PyTorch and transformers, and their host syncs, "
+                           "with the Triton launches stubbed (no GPU, a few minutes)")
     # a user's results go to their cache, wherever the command runs: never into a checkout's committed results
     p.add_argument("--out", default=os.path.join(cache_dir(), "bench"),
                    help="directory for the JSON file (default: %(default)s, under FASTBERT_CACHE or XDG_CACHE_HOME "
@@ -48,6 +51,8 @@ def parser() -> argparse.ArgumentParser:
                    "--seq-length and --batch")
     p.add_argument("--seq-length", type=int, metavar="S", help="memory suite with --model: tokens per sequence")
     p.add_argument("--batch", type=int, metavar="B", help="memory suite with --model: sequences per step")
+    p.add_argument("--quick", action="store_true", help="host suite: a few calls per row, to check that every "
+                   "row runs (what CI runs), not to measure")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--quiet", action="store_true", help="no summary table at the end")
     return p
@@ -67,14 +72,15 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         return _memory(args, command)
     if args.model is not None or args.seq_length is not None or args.batch is not None:
         raise ValueError("--model, --seq-length and --batch belong to --suite memory")
+    from fastbert.bench.host_suite import summary as host_summary
     from fastbert.bench.runner import GPUUnavailable, run_suite, summary
 
     try:
-        path, rows = run_suite(suite, args.out, args.only, args.budget, not args.no_progress, command)
+        path, rows = run_suite(suite, args.out, args.only, args.budget, not args.no_progress, command, args.quick)
     except GPUUnavailable as exc:
         raise ValueError(str(exc)) from None
     if not args.quiet:
-        print(summary(rows))
+        print(host_summary(rows) if suite == "host" else summary(rows))
     failed = [r for r in rows if r["status"] in ("error", "oom")]
     logger.info(f"{len(rows)} rows ({len(failed)} failed) written to {path}")
     return 1 if any(r["status"] == "error" for r in rows) else 0

@@ -33,7 +33,7 @@ from fastbert.bench.timing import memory_meter_name, peak_memory, time_ms, timer
 
 logger = logging.getLogger("fastbert.bench")
 
-SUITES = ("smoke", "gpu", "cpu-memory", "data")
+SUITES = ("smoke", "gpu", "cpu-memory", "data", "host")
 GPU_BUDGET_S = 480.0
 STATUS = ("ok", "oom", "error", "skipped")
 
@@ -179,8 +179,9 @@ def case_fields(case) -> dict:
 
 
 def run_suite(suite: str, out_dir: str, only: str | None = None, budget_s: float | None = None,
-              progress: bool = True, command: list[str] | None = None) -> tuple[str, list[dict]]:
-    """Run a suite; return the path of the JSON file written under out_dir and its rows."""
+              progress: bool = True, command: list[str] | None = None, quick: bool = False) -> tuple[str, list[dict]]:
+    """Run a suite; return the path of the JSON file written under out_dir and its rows. quick (host suite):
+    a few calls per row, to check that every row runs (CI), not to measure."""
     if suite not in SUITES:
         raise ValueError(f"suite must be one of {SUITES}, got {suite!r}")
     device = suite_device(suite)
@@ -193,6 +194,12 @@ def run_suite(suite: str, out_dir: str, only: str | None = None, budget_s: float
         from fastbert.bench import data_suite
         rows = [{**common, "timer": data_suite.CPU_CLOCK, "memory_meter": None, **row}
                 for row in data_suite.measure(progress)]
+        write_rows(path, rows)
+        return path, rows
+    if suite == "host":
+        from fastbert.bench import host_suite
+        rows = [{**common, "timer": host_suite.CPU_CLOCK, "memory_meter": None, **row}
+                for row in host_suite.measure(quick, progress, only)]
         write_rows(path, rows)
         return path, rows
     items = work_items(suite)

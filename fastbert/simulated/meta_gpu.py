@@ -268,8 +268,8 @@ def planned_gpu(dtype: torch.dtype | None = None, sdpa: str = "flash"):
         raise ValueError(f"sdpa must be one of {SDPA_BACKENDS}, got {sdpa!r}")
     # Triton's driver config keeps the active driver in _active (None: the default, which needs a GPU)
     previous_driver, previous_hook = triton.runtime.driver._active, knobs.runtime.jit_cache_hook
-    tuned = _autotuner_choices()
-    install(H100, LaunchLog(), compile_kernels=False)
+    tuned = autotuner_choices()
+    install(H100, LaunchLog(), kernels="skip")
     try:
         with contextlib.ExitStack() as stack:
             # torch's fused optimizers, and the multi-tensor (foreach) path of clip_grad_norm_, accept the
@@ -299,7 +299,7 @@ def planned_gpu(dtype: torch.dtype | None = None, sdpa: str = "flash"):
             tuner.cache.update(choices)
 
 
-def _autotuner_choices() -> dict:
+def autotuner_choices() -> dict:
     """{autotuner: its cache of chosen configs} of fastbert's kernels. A plan's autotuners time every config
     alike and keep the first; on a GPU, the training that follows a plan must not inherit that choice."""
     from triton.runtime.autotuner import Autotuner

@@ -255,16 +255,37 @@ class StandInDriver(DriverBase):
         return compile_candidate
 
 
-def install(gpu: GPU, log: LaunchLog, registers_of=None, compile_kernels: bool = True) -> StandInDriver:
-    """Make a stand-in for `gpu` Triton's active driver, and announce each compile to `log`.
+class _StubKernel:
+    """What Triton's kernel cache holds for a launch in stub mode: a compiled kernel that launches nothing."""
+    function = None
+    packed_metadata = None
 
-    compile_kernels=False (a memory plan, which needs the host code and not the kernels): Triton binds and
-    specialises every launch's arguments as usual, then skips the compile and the launch (`JITFunction.run`
-    returns None), so no cubin is made, registers_of is never called and nothing reaches `log`; the
-    autotuners' benchmark calls are skipped the same way and every candidate gets the same time.
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, *args):
+        pass
+
+
+KERNEL_MODES = ("compile", "skip", "stub")
+
+
+def install(gpu: GPU, log: LaunchLog, registers_of=None, kernels: str = "compile") -> StandInDriver:
+    """Make a stand-in for `gpu` Triton's active driver. kernels (KERNEL_MODES) says what a launch does:
+
+    "compile": every compile is announced to `log`, then made for `gpu`, and the launch logged (the compile audit).
+    "skip" (a memory plan, which needs the host code and not the kernels): Triton binds and specialises every
+    launch's arguments as usual, then skips the compile and the launch (`JITFunction.run` returns None), so no
+    cubin is made, registers_of is never called and nothing reaches `log`; the autotuners' benchmark calls are
+    skipped the same way and every candidate gets the same time.
+    "stub" (the host suite, which times the host code): as "skip" on a signature's first launch, which puts a
+    kernel that runs nothing in Triton's cache, so every later launch takes Triton's (and fastbert's) steady
+    path to a launcher call, as on a GPU, with only the launch itself left out.
     """
     from triton import knobs
 
+    if kernels not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
     driver = StandInDriver(gpu, log, registers_of)
     triton.runtime.driver.set_active(driver)
 
@@ -278,5 +299,9 @@ def install(gpu: GPU, log: LaunchLog, registers_of=None, compile_kernels: bool =
     def skip(**_):
         return True  # a true answer makes Triton skip the compile and the launch
 
-    knobs.runtime.jit_cache_hook = announce if compile_kernels else skip
+    def stub(key, fn, compile, **_):
+        fn.jit_function.device_caches[compile["device"]][0][key] = _StubKernel()
+        return True
+
+    knobs.runtime.jit_cache_hook = {"compile": announce, "skip": skip, "stub": stub}[kernels]
     return driver

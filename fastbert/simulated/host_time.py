@@ -1,0 +1,75 @@
+"""The host time of fastbert's kernels without a GPU: every Triton launch stubbed, everything else real.
+
+`stubbed_launches()` makes the stand-in driver of an H100 Triton's active driver in stub mode
+(stand_in_gpu.install, kernels="stub"): the first launch of each signature puts a kernel that runs nothing in
+Triton's cache, so every later launch takes the steady path a GPU takes (fastbert's argument checks, tile
+choices, allocations and launch cache, Triton's launcher call) up to the launch itself, which is left out. It
+also lets backend="triton" take CPU tensors (fastbert.ops.set_launches_stubbed): outputs are allocated and
+never written, so no result is meaningful, only the time the host spends. What a GPU adds per launch (the
+driver's cuLaunchKernel, a few microseconds) is not counted; PyTorch's own ops on CPU tensors are timed with
+their (small) CPU arithmetic.
+
+`host_microseconds(fn)`: the CPU time of this thread per call of fn, the least of several repeats: thread
+time, not wall time, so other processes on the machine do not count.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from fastbert import ops
+from fastbert.simulated.meta_gpu import autotuner_choices
+from fastbert.simulated.stand_in_gpu import H100, LaunchLog, install
+
+
+@contextlib.contextmanager
+def stubbed_launches():
+    """While entered, Triton launches run nothing and fastbert's kernels take CPU tensors (module docstring).
+    On leaving, the driver, the autotuners' choices and fastbert's launch cache are as before."""
+    import triton
+    from triton import knobs
+
+    from fastbert.kernels import launch
+
+    previous_driver, previous_hook = triton.runtime.driver._active, knobs.runtime.jit_cache_hook
+    tuned = autotuner_choices()
+    install(H100, LaunchLog(), kernels="stub")
+    ops.set_launches_stubbed(True)
+    try:
+        yield
+    finally:
+        ops.set_launches_stubbed(False)
+        triton.runtime.driver.set_active(previous_driver)
+        knobs.runtime.jit_cache_hook = previous_hook
+        launch.clear_cache()  # its stubs are keyed by the stand-in driver, but need not be kept
+        for tuner, choices in tuned.items():
+            tuner.cache.clear()
+            tuner.cache.update(choices)
+
+
+def host_microseconds(fn, number: int = 50, repeats: int = 5, warmup: int = 5) -> float:
+    """Thread CPU microseconds per call of fn: the least mean over `repeats` runs of `number` calls, after
+    `warmup` calls (the first call of a signature compiles or stubs, and autotunes)."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time_ns()
+        for _ in range(number):
+            fn()
+        best = min(best, (time.thread_time_ns() - start) / number / 1e3)
+    return best
+
+
+@contextlib.contextmanager
+def one_thread():
+    """One intra-op torch thread while entered: PyTorch's CPU arithmetic then costs the host one thread's time,
+    and no second thread spins."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
