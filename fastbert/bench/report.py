@@ -14,6 +14,7 @@ import os
 
 from fastbert.bench.compile_report import compile_section, newest_run
 from fastbert.bench.floors import floors_section
+from fastbert.bench.host_report import host_section
 from fastbert.bench.memory_report import memory_section
 from fastbert.bench.path_table import chosen_provider, table_section
 from fastbert.bench.prepare_report import prepare_data_section
@@ -383,6 +384,7 @@ def render(rows: list[dict], plots_dir: str | None = None, suites=DEFAULT_SUITES
         out += [f"The CPU memory measurement of the MLM head is not yet measured: `{CPU_MEMORY_COMMAND}`.", ""]
     if not any(k[0] == "data" for k in runs):
         out += [f"The input pipeline's rate (issue 13) is not yet measured: `{DATA_COMMAND}`.", ""]
+    out += host_section(rows, provenance_line)
     out += compile_section(newest_run(rows), gpu_measured=bool(gpu_runs))
     out += memory_section(rows)
     out += ["## Peak references", ""]

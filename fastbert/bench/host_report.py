@@ -1,0 +1,49 @@
+"""PERF.md's section on host time: the newest `fastbert bench --suite host` run, op by op and model by model."""
+from __future__ import annotations
+
+HOST_COMMAND = "fastbert bench --suite host --out benchmarks/results"
+# The done-when of issue 25: a fused op's host time at most this many times PyTorch's same job
+OP_LIMIT = 1.5
+
+
+def _newest(rows: list[dict]) -> list[dict]:
+    runs: dict[str, list[dict]] = {}
+    for row in rows:
+        if row.get("suite") == "host":
+            runs.setdefault(row["date"], []).append(row)
+    return runs[max(runs)] if runs else []
+
+
+def host_section(rows: list[dict], provenance_line) -> list[str]:
+    """The section's lines: every op's and model's host microseconds per call, fastbert beside the comparison
+    (PyTorch's same job for an op, transformers with SDPA for a model), their ratio and host syncs per call."""
+    out = ["## Host time per call (no GPU)", ""]
+    run = _newest(rows)
+    if not run:
+        return out + [f"Not yet measured: `{HOST_COMMAND}`.", ""]
+    out += ["What the host spends per call, measured without a GPU: fastbert's launchers run on CPU tensors with "
+            "every Triton launch stubbed (the steady path of a GPU launch up to the driver's launch call, which "
+            "is not counted), PyTorch's ops and transformers' models run on the same CPU tensors at sizes where "
+            "their arithmetic is small (`fastbert/bench/host_suite.py`). Thread CPU time, least mean of repeated "
+            "groups of calls. Ops: `fwd` is an inference call (no_grad, dropout off), `fwd+bwd` a training "
+            "forward and its backward, against the same job written with PyTorch's ops. Models: BERT-base's and "
+            "ModernBERT-base's graphs (every layer and op, 2 heads of 32, hidden 64), fastbert (backend "
+            "\"triton\") against transformers with SDPA, both with default arguments: `fwd` an inference forward "
+            "of a padded batch, `fwd+bwd` a pretraining step (loss, backward, AdamW). Syncs: what would make the "
+            f"host wait for a GPU in one call (`fastbert.host_syncs`). The limit for an op is {OP_LIMIT}x; for a "
+            "model, transformers' own time.", ""]
+    by_key = {(r["case"], r["direction"], r["provider"]): r for r in run if r.get("status") == "ok"}
+    out += ["| case | direction | fastbert us | PyTorch / transformers us | ratio | within | syncs (fastbert / other) |",
+            "|---|---|---|---|---|---|---|"]
+    for (case, direction, provider), row in by_key.items():
+        if provider != "fastbert":
+            continue
+        other = next((r for (c, d, p), r in by_key.items() if c == case and d == direction and p != provider), None)
+        if other is None:
+            continue
+        ratio = row["host_us"] / other["host_us"]
+        limit = OP_LIMIT if row["op"] != "model" else 1.0
+        out.append(f"| {case} | {direction} | {row['host_us']:.1f} | {other['host_us']:.1f} ({other['provider']}) "
+                   f"| {ratio:.2f} | {'yes' if ratio <= limit else '**no**'} | {row['host_syncs']} / "
+                   f"{other['host_syncs']} |")
+    return out + ["", provenance_line(run), ""]
