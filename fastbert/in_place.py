@@ -4,8 +4,11 @@ one on fastbert's kernels, in place.
 
 Every transformers base model inside `model` (BertModel, RobertaModel, ...: TRANSFORMERS_BASES) keeps its
 class, its head and its parameters: its embeddings, encoder (DistilBERT's transformer) and pooler are
-replaced by fastbert's modules built around the very same leaf modules (the Embeddings, Linears and
-LayerNorms, or whatever wrapper a tool put in their place), and its forward becomes fastbert's.
+replaced by fastbert's modules built around the very same leaf modules (the Embeddings, Linears,
+LayerNorms and Dropouts, or whatever wrapper a tool put in their place), and its forward becomes fastbert's.
+Dropout follows transformers' switches as transformers does, read at each forward: each Dropout module's p
+and training mode (ModernBERT's attention also its float attention_dropout), never the config, which
+transformers reads only when it builds the modules.
 Parameters are shared, never copied, so an optimizer, a Trainer, a pipeline
 or a PEFT model built earlier keeps working; state_dict keys are unchanged. Heads and their losses stay
 transformers' code.
@@ -61,17 +64,19 @@ def _accelerate(bert: nn.Module, fast_class: type, config_overrides: dict) -> No
     config = architectures.config_from_dict(bert.config.to_dict(), **config_overrides)
     with torch.device("meta"):
         fast = fast_class(config, add_pooling_layer=getattr(bert, "pooler", None) is not None)
+    fast.train(bert.training)  # before taking transformers' leaves, which keep their own modes
     before = {id(p) for p in bert.parameters()}
     for name, module in list(fast.named_modules()):
-        if module._parameters:  # a leaf that holds weights: take transformers' module at the same path
+        if not module._modules:  # a leaf (weights, a Dropout): take transformers' module at the same path
             parent, _, attribute = name.rpartition(".")
             setattr(fast.get_submodule(parent), attribute, bert.get_submodule(name))
+        elif hasattr(module, "attention_dropout"):  # ModernBERT's attention: its rate is a float attribute
+            module.attention_dropout = bert.get_submodule(name).attention_dropout
     if {id(p) for p in fast.parameters()} != before:
         raise ValueError(f"fastbert.apply: the parameters of {type(bert).__name__} do not map one to one onto "
                          f"fastbert's {fast_class.__name__}; it is left unchanged")
     if "layer_norm_backward" not in config_overrides:
         choose_layer_norm_backward(fast, config)  # the weights are transformers', already loaded
-    fast.train(bert.training)
     # transformers' position_ids / token_type_ids buffers (non-persistent: in no state_dict), which clients read
     for name, buffer in bert.embeddings.named_buffers(recurse=False):
         persistent = name not in bert.embeddings._non_persistent_buffers_set

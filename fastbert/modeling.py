@@ -59,6 +59,23 @@ def is_plain_linear(module: nn.Module) -> bool:
     return is_unhooked(module, nn.Linear)
 
 
+def dropout_rate(dropout: nn.Module) -> float | None:
+    """The rate a fused op applies in place of the module `dropout`, read at each forward as transformers'
+    modules read theirs: an nn.Dropout's p in training mode, 0 in eval mode; 0 for nn.Identity (transformers'
+    ModernBERT without dropout). None for anything else (a subclass, a wrapper, a hooked module): the caller
+    then calls the module."""
+    if is_unhooked(dropout, nn.Dropout):
+        return dropout.p if dropout.training else 0.0
+    return 0.0 if is_unhooked(dropout, nn.Identity) else None
+
+
+def run_dropout(dropout: nn.Module, hidden, config: BertConfig):
+    """dropout(hidden) through ops.dropout (no mask kept on the Triton path) at dropout_rate's rate; a module
+    it cannot read is called."""
+    rate = dropout_rate(dropout)
+    return dropout(hidden) if rate is None else ops.dropout(hidden, rate, backend=config.backend)
+
+
 def _gelu_linear(dense: nn.Module, hidden: torch.Tensor, config: BertConfig, approximate: str | None = None):
     """gelu(dense(hidden)): fused with the matmul for a plain Linear, else after calling the module.
     approximate: GELU's form, config.gelu_approximate unless given."""
@@ -83,6 +100,7 @@ class BertEmbeddings(nn.Module):
         if config.type_vocab_size:
             self.token_type_embeddings = nn.Embedding(config.type_vocab_size, width)
         self.LayerNorm = nn.LayerNorm(width, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def default_position_ids(self, input_ids, seqlen: int, device) -> torch.Tensor:
         """[B or 1, S]: 0..S-1, or for positions from the padding index, as transformers' RoBERTa counts them:
@@ -107,14 +125,15 @@ class BertEmbeddings(nn.Module):
             embeds = embeds + self.token_type_embeddings(token_type_ids)
         hidden = ops.layer_norm(embeds, self.LayerNorm.weight, self.LayerNorm.bias, self.config.layer_norm_eps,
                                 backend=self.config.backend, save=self.config.layer_norm_backward)
-        return ops.dropout(hidden, self.config.hidden_dropout_prob, self.training, backend=self.config.backend)
+        return run_dropout(self.dropout, hidden, self.config)
 
 
 class SelfAttention(nn.Module):
     """Multi-head self-attention (the one implementation of the family): the context of every token,
     before the output projection. Subclasses hold the query, key and value Linears under their
-    architecture's names and return them from `linears`. When all three are plain Linears, one fused
-    projection reads their concatenated weights; otherwise each module is called."""
+    architecture's names and return them from `linears`, and say in `probs_dropout` at what rate the
+    attention probabilities drop. When all three are plain Linears, one fused projection reads their
+    concatenated weights; otherwise each module is called."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -122,6 +141,11 @@ class SelfAttention(nn.Module):
 
     def linears(self) -> tuple[nn.Module, nn.Module, nn.Module]:
         raise NotImplementedError
+
+    def probs_dropout(self) -> float:
+        """The dropout rate of the attention probabilities now: transformers' attention reads its Dropout's p
+        at each forward, in its own training mode."""
+        return self.dropout.p if self.training else 0.0
 
     def attention_options(self) -> dict:
         """The architecture's extra keywords of ops.attention (ModernBERT: rotary_base, window)."""
@@ -141,7 +165,7 @@ class SelfAttention(nn.Module):
 
     def forward(self, hidden, layout: AttentionLayout, output_attentions: bool = False):
         config = self.config
-        dropout_p = config.attention_probs_dropout_prob if self.training else 0.0
+        dropout_p = self.probs_dropout()
         q, k, v = self.project(hidden)
         probs = None
         bias = {} if layout.relative_bias is None else dict(relative_bias=layout.relative_bias,
@@ -169,16 +193,21 @@ class BertSelfAttention(SelfAttention):
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
 
     def linears(self):
         return self.query, self.key, self.value
 
 
-def add_and_norm(config: BertConfig, norm: nn.LayerNorm, projected, residual, dropout_p: float, training: bool):
-    """norm(dropout(projected) + residual), one fused op: a sublayer's output after its projection."""
+def add_and_norm(config: BertConfig, norm: nn.LayerNorm, projected, residual, dropout: nn.Module | None, **kwargs):
+    """norm(dropout(projected) + residual), one fused op: a sublayer's output after its projection. dropout:
+    the sublayer's Dropout module (its rate read now, dropout_rate), or None for no dropout. kwargs go to
+    ops.layer_norm (return_residual)."""
+    rate = 0.0 if dropout is None else dropout_rate(dropout)
+    if rate is None:  # a module fastbert cannot read: called, then no dropout in the fused op
+        projected, rate = dropout(projected), 0.0
     return ops.layer_norm(projected, norm.weight, norm.bias, config.layer_norm_eps, residual=residual,
-                          dropout_p=dropout_p, training=training, backend=config.backend,
-                          save=config.layer_norm_backward)
+                          dropout_p=rate, backend=config.backend, save=config.layer_norm_backward, **kwargs)
 
 
 class BertSelfOutput(nn.Module):
@@ -187,14 +216,14 @@ class BertSelfOutput(nn.Module):
         self.config = config
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, hidden, residual):
         return self.add_and_norm(self.dense(hidden), residual)
 
     def add_and_norm(self, projected, residual):
         """LayerNorm(dropout(projected) + residual): the sublayer's output after its projection."""
-        return add_and_norm(self.config, self.LayerNorm, projected, residual, self.config.hidden_dropout_prob,
-                            self.training)
+        return add_and_norm(self.config, self.LayerNorm, projected, residual, self.dropout)
 
 
 class BertAttention(nn.Module):
