@@ -179,3 +179,20 @@ def test_models_without_token_types_take_and_ignore_them_as_transformers(name):
         plain = model(input_ids=ids)[0]
         given = model(input_ids=ids, token_type_ids=torch.ones_like(ids))[0]
     assert torch.equal(plain, given)
+
+
+def test_config_loads_what_transformers_loads_and_the_model_refuses_it(tmp_path):
+    """hidden_size=32 with 12 heads: transformers builds, saves and loads the config (an override of the same
+    kind too) and refuses the model; fastbert's config loads it alike and its model build names the fields."""
+    transformers.BertConfig(hidden_size=32, num_attention_heads=12).save_pretrained(tmp_path)
+    theirs, ours = transformers.BertConfig.from_pretrained(tmp_path), fastbert.BertConfig.from_pretrained(tmp_path)
+    assert (ours.hidden_size, ours.num_attention_heads) == (theirs.hidden_size, theirs.num_attention_heads) == (32, 12)
+    overridden = {cls.from_pretrained(tmp_path, num_attention_heads=5).num_attention_heads
+                  for cls in (transformers.BertConfig, fastbert.BertConfig)}
+    assert overridden == {5}
+    with pytest.raises(ValueError, match=r"hidden size \(32\) is not a multiple of the number of attention heads"):
+        transformers.BertModel(theirs)
+    with pytest.raises(ValueError, match=r"hidden_size \(32\) must be divisible by num_attention_heads \(12\)"):
+        fastbert.BertModel(ours)
+    with pytest.raises(ValueError, match="backend"):  # fastbert's own switches, which transformers never sees
+        fastbert.BertConfig.from_pretrained(tmp_path, backend="cuda")
