@@ -423,44 +423,43 @@ class BertPreTrainedModel(ModelBase):
     def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
                                 mean_resizing: bool = True) -> nn.Embedding:
         """A word embedding table of `new_num_tokens` rows (rounded up to `pad_to_multiple_of`): the old rows
-        kept, new rows the mean of the old ones (mean_resizing) or N(0, initializer_range); the MLM
-        decoder and its bias follow; config.vocab_size and model.vocab_size are updated (as transformers')."""
+        kept, new rows the mean of the old ones (mean_resizing) or N(0, initializer_range); an untied MLM
+        decoder and its bias likewise from their own old rows, a tied decoder's bias with zeros (as
+        transformers'); config.vocab_size and model.vocab_size are updated (as transformers'). ValueError for a
+        pad_to_multiple_of that is not an integer >= 1 (transformers' error type)."""
+        if pad_to_multiple_of is not None and (isinstance(pad_to_multiple_of, bool)
+                                               or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
+            raise ValueError(f"pad_to_multiple_of must be an integer >= 1 (the vocabulary is padded to a multiple of "
+                             f"it), got {pad_to_multiple_of!r}")
         old = self.get_input_embeddings()
         size = old.num_embeddings if new_num_tokens is None else new_num_tokens
         if pad_to_multiple_of is not None:
             size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
         if size == old.num_embeddings:
             return old
+        std = self.config.initializer_range
         new = nn.Embedding(size, old.embedding_dim, padding_idx=old.padding_idx, device=old.weight.device,
                            dtype=old.weight.dtype)
-        kept = min(size, old.num_embeddings)
-        with torch.no_grad():
-            new.weight[:kept] = old.weight[:kept]
-            if size > kept and mean_resizing:
-                new.weight[kept:] = old.weight.mean(dim=0)
-            elif size > kept:
-                new.weight[kept:].normal_(0.0, self.config.initializer_range)
+        resize_rows(new.weight, old.weight, mean_resizing, std)
         new.weight.requires_grad_(old.weight.requires_grad)
         self.set_input_embeddings(new)
         if isinstance(self, MLMHeadMixin):
-            if not self.config.tie_word_embeddings:  # the trained decoder's rows stay; new rows as the embeddings'
+            untied = not self.config.tie_word_embeddings
+            if untied:  # the trained decoder's rows stay; new rows from its own, as transformers'
                 old_decoder = self.get_output_embeddings()
                 old_bias = getattr(old_decoder, "bias", None)  # the family's decoders own one
                 decoder = nn.Linear(old.embedding_dim, size, bias=old_bias is not None, device=old.weight.device,
                                     dtype=old.weight.dtype)
-                with torch.no_grad():
-                    decoder.weight.copy_(new.weight)
-                    decoder.weight[:kept] = old_decoder.weight[:kept]
-                    if old_bias is not None:
-                        decoder.bias.zero_()
-                        decoder.bias[:kept] = old_bias[:kept]
+                resize_rows(decoder.weight, old_decoder.weight, mean_resizing, std)
+                if old_bias is not None:
+                    resize_rows(decoder.bias, old_bias, mean_resizing, 0.0)
                 decoder._is_hf_initialized = True  # its rows are set: a later post_init keeps them
                 _set_path(self, self.decoder_path, decoder)
             # the head's bias where the logits read it (tied; BERT's, beside a decoder without one); an untied
             # decoder's own bias came with it above, and the unused head bias beside it (RoBERTa's) stays as it
             # is, as transformers leaves it
-            if self.config.tie_word_embeddings or not self.vocabulary_head().bias_in_decoder:
-                self.resize_output_bias(size, kept)
+            if not untied or not self.vocabulary_head().bias_in_decoder:
+                self.resize_output_bias(size, mean_resizing and untied)
         new._is_hf_initialized = True
         self.config.vocab_size = self.vocab_size = size
         self.tie_weights()
@@ -768,16 +767,30 @@ class MLMHeadMixin:
         if getattr(new_embeddings, "bias", None) is not None:
             _set_path(self, self.bias_path, new_embeddings.bias)
 
-    def resize_output_bias(self, size: int, kept: int) -> None:
-        """The decoder's bias at `size` entries, its first `kept` kept (resize_token_embeddings)."""
+    def resize_output_bias(self, size: int, mean: bool) -> None:
+        """The decoder's bias at `size` entries, its old ones kept, new ones their mean (mean) or zero
+        (resize_token_embeddings)."""
         old = self.get_parameter(self.bias_path)
         bias = old.new_zeros(size)
-        bias[:kept] = old.detach()[:kept]
+        resize_rows(bias, old, mean, 0.0)
         bias = nn.Parameter(bias, requires_grad=old.requires_grad)
         _set_path(self, self.bias_path, bias)
         decoder = self.get_output_embeddings()
         if getattr(decoder, "bias", None) is old:  # RoBERTa's decoder adds the head's bias itself
             decoder.bias = bias
+
+
+@torch.no_grad()
+def resize_rows(new: torch.Tensor, old: torch.Tensor, mean_resizing: bool, std: float) -> None:
+    """Fill `new` (a resized table [V', ...] or bias [V']) from `old` [V, ...] as transformers' resize_token_embeddings
+    does: old's rows kept, rows past them the mean of old's (mean_resizing, computed in fp32; transformers samples
+    around it at 1e-9 of their covariance) or N(0, std) (std 0: zeros)."""
+    kept = min(len(new), len(old))
+    new[:kept] = old[:kept]
+    if len(new) > kept and mean_resizing:
+        new[kept:] = old.float().mean(dim=0).to(new.dtype)
+    elif len(new) > kept:
+        new[kept:].normal_(0.0, std)
 
 
 def _set_path(root: nn.Module, path: str, value) -> None:

@@ -196,3 +196,43 @@ def test_config_loads_what_transformers_loads_and_the_model_refuses_it(tmp_path)
         fastbert.BertModel(ours)
     with pytest.raises(ValueError, match="backend"):  # fastbert's own switches, which transformers never sees
         fastbert.BertConfig.from_pretrained(tmp_path, backend="cuda")
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "distilbert", "electra"])
+def test_resize_with_untied_weights_initialises_new_output_rows_as_transformers(arch):
+    """With tie_word_embeddings=False, transformers gives the new decoder rows the mean of the old decoder rows
+    (sampled around it at 1e-9 of their covariance) and a decoder bias the mean of the old bias: fastbert's own
+    model resized alike gives transformers' logits for the new ids, and the input rows as before."""
+    from family_models import hf_model, randomize
+    if arch == "bert":
+        theirs = randomize(tiny_hf("BertForMaskedLM", tie_word_embeddings=False))
+        # transformers 5's untied BERT adds its decoder's own bias; fastbert's adds the head's (cls.predictions.bias,
+        # what a tied or transformers 4 checkpoint holds): equal here, so the comparison is the resize's alone
+        theirs.cls.predictions.decoder.bias.data.copy_(theirs.cls.predictions.bias.data)
+    else:
+        theirs = hf_model(arch, "ForMaskedLM", tie_word_embeddings=False)
+    ours = fastbert.from_hf(theirs)
+    size = theirs.config.vocab_size + 5
+    for model in (theirs, ours):
+        torch.manual_seed(1)
+        model.resize_token_embeddings(size)
+    head = ours.vocabulary_head()  # the decoder and the bias its logits add (BERT's: the head's)
+    torch.testing.assert_close(head.decoder.weight, theirs.get_output_embeddings().weight, atol=1e-4, rtol=0)
+    torch.testing.assert_close(head.bias, theirs.get_output_embeddings().bias, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours.get_input_embeddings().weight, theirs.get_input_embeddings().weight, atol=1e-4,
+                               rtol=0)
+    ids = torch.tensor([[5, size - 1, size - 3, 7, 9]])
+    with torch.no_grad():
+        expected = theirs.eval()(input_ids=ids).logits
+        torch.testing.assert_close(ours.eval()(input_ids=ids).logits, expected, atol=1e-4, rtol=0)
+    assert expected.shape[-1] == size
+
+
+def test_resize_refuses_a_pad_to_multiple_of_that_is_not_an_integer_as_transformers():
+    """transformers raises ValueError for pad_to_multiple_of=1.3; so does fastbert, before nn.Embedding's TypeError."""
+    for model in (tiny_hf("BertForMaskedLM"), fastbert.from_hf(tiny_hf("BertForMaskedLM"))):
+        with pytest.raises(ValueError, match=r"1\.3.*integer|integer.*1\.3"):
+            model.resize_token_embeddings(124, pad_to_multiple_of=1.3)
+        assert model.get_input_embeddings().num_embeddings == 120  # left as it was
+    resized = fastbert.from_hf(tiny_hf("BertForMaskedLM")).resize_token_embeddings(121, pad_to_multiple_of=8)
+    assert resized.num_embeddings == tiny_hf("BertForMaskedLM").resize_token_embeddings(121, 8).num_embeddings == 128
