@@ -16,6 +16,7 @@ transformers' code.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 from torch import nn
@@ -84,22 +85,31 @@ def _accelerate(bert: nn.Module, fast_class: type, config_overrides: dict) -> No
     for name, child in fast.named_children():  # embeddings, encoder / transformer, pooler: fastbert's modules
         setattr(bert, name, child)
     vars(bert)[ACCELERATED] = fast  # not a registered child: its modules already are bert's
-    bert.forward = functools.partial(_forward, fast, bert.config)
+    # transformers' arguments, as code that reads the signature sees them (Trainer keeps the dataset columns
+    # a forward names; sentence-transformers passes the features it names)
+    signature = inspect.signature(bert.forward)
+    forward = functools.partial(_forward, fast, bert.config, signature)
+    forward.__signature__ = signature
+    bert.forward = forward
 
 
-def _forward(fast: nn.Module, hf_config, *args, output_hidden_states=None, output_attentions=None,
-             return_dict=None, **kwargs):
-    """fastbert's BertModel.forward, with the defaults read from transformers' config, which clients change
-    at run time (sentence-transformers sets output_hidden_states), and the vocabulary size, which
-    transformers' resize_token_embeddings changes there (the input check reads fastbert's config)."""
+def _forward(fast: nn.Module, hf_config, signature: inspect.Signature, *args, **kwargs):
+    """fastbert's BertModel.forward called with the arguments of transformers' forward (`signature`: bound to it,
+    so a positional argument means what it means there and a wrong call is its TypeError), with the defaults
+    read from transformers' config, which clients change at run time (sentence-transformers sets
+    output_hidden_states), and the vocabulary size, which transformers' resize_token_embeddings changes there
+    (the input check reads fastbert's config)."""
     from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
+    arguments = signature.bind(*args, **kwargs).arguments
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(arguments.pop(name, {}))
+    for name in ("output_hidden_states", "output_attentions", "return_dict"):
+        if arguments.get(name) is None:
+            arguments[name] = getattr(hf_config, name)
     fast.config.vocab_size = hf_config.vocab_size
-    result = fast.forward(
-        *args, **kwargs,
-        output_hidden_states=hf_config.output_hidden_states if output_hidden_states is None else output_hidden_states,
-        output_attentions=hf_config.output_attentions if output_attentions is None else output_attentions,
-        return_dict=hf_config.return_dict if return_dict is None else return_dict)
+    result = fast.forward(**arguments)
     if isinstance(result, tuple):
         return result
     # transformers' own output class: its heads also read the decoder fields (BertLMHeadModel: cache), None here

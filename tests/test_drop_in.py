@@ -1,5 +1,7 @@
 """fastbert as a drop-in for transformers' BERT (issue 19's defects): each test does the same thing with
 transformers and with fastbert and asserts that both behave alike (results, exception types, what is accepted)."""
+import copy
+
 import pytest
 import torch
 
@@ -236,3 +238,31 @@ def test_resize_refuses_a_pad_to_multiple_of_that_is_not_an_integer_as_transform
         assert model.get_input_embeddings().num_embeddings == 120  # left as it was
     resized = fastbert.from_hf(tiny_hf("BertForMaskedLM")).resize_token_embeddings(121, pad_to_multiple_of=8)
     assert resized.num_embeddings == tiny_hf("BertForMaskedLM").resize_token_embeddings(121, 8).num_embeddings == 128
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "distilbert", "electra", "mpnet", "modernbert"])
+def test_applied_forward_keeps_the_signature_of_transformers_forward(arch):
+    """Code reads a forward's signature (Trainer keeps the dataset columns it names, sentence-transformers the
+    features): after apply it is transformers' own, and positional arguments mean what they mean there."""
+    import inspect
+
+    from family_models import hf_model, padded_batch
+    if arch == "modernbert":
+        from test_modernbert import hf_model as modernbert
+        theirs = modernbert("Model")
+    else:
+        theirs = tiny_hf() if arch == "bert" else hf_model(arch)
+    expected = inspect.signature(theirs.forward)
+    ours = fastbert.apply(copy.deepcopy(theirs))
+    assert inspect.signature(ours.forward) == expected
+    head = fastbert.apply(tiny_hf("BertForSequenceClassification"))
+    assert inspect.signature(head.bert.forward) == inspect.signature(tiny_hf().forward)
+    batch = padded_batch(theirs.config, lengths=(7, 4), seq=7)
+    named = [p for p in expected.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    # up to six (BERT's sixth is encoder_hidden_states, which fastbert's own forward takes by keyword only)
+    positional = [batch["input_ids"], batch["attention_mask"]] + [None] * (min(len(named), 6) - 2)
+    mask = batch["attention_mask"].bool()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(*positional)[0][mask], theirs(*positional)[0][mask], atol=1e-5, rtol=1e-5)
+    with pytest.raises(TypeError, match="too many positional arguments"):
+        ours(*[None] * (len(named) + 1))  # more than transformers' forward takes
