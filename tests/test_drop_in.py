@@ -266,3 +266,23 @@ def test_applied_forward_keeps_the_signature_of_transformers_forward(arch):
         torch.testing.assert_close(ours(*positional)[0][mask], theirs(*positional)[0][mask], atol=1e-5, rtol=1e-5)
     with pytest.raises(TypeError, match="too many positional arguments"):
         ours(*[None] * (len(named) + 1))  # more than transformers' forward takes
+
+
+def test_a_mismatched_head_is_reported_in_transformers_words(tmp_path, caplog):
+    """transformers' load report says MISMATCH, "Reinit due to size mismatch - ckpt: ... vs model: ..." for a head
+    of another size; fastbert's one warning line says the same of each key."""
+    tiny_hf("BertForSequenceClassification", num_labels=2).save_pretrained(tmp_path)
+    with caplog.at_level("WARNING", logger="fastbert"):
+        fastbert.BertForSequenceClassification.from_pretrained(tmp_path, num_labels=3, ignore_mismatched_sizes=True)
+    assert "mismatched keys (reinit due to size mismatch)" in caplog.text
+    assert "classifier.weight ckpt: (2, 32) vs model: (3, 32)" in caplog.text
+
+
+def test_from_pretrained_under_a_meta_device_is_refused_as_transformers(tmp_path):
+    """transformers refuses from_pretrained inside `with torch.device("meta")` (it would load nothing), a
+    RuntimeError; fastbert too, where it loaded the weights onto the CPU regardless."""
+    tiny_hf().save_pretrained(tmp_path)
+    for cls in (transformers.BertModel, fastbert.BertModel):
+        with pytest.raises(RuntimeError, match="meta"), torch.device("meta"):
+            cls.from_pretrained(tmp_path)
+    assert fastbert.BertModel.from_pretrained(tmp_path).embeddings.word_embeddings.weight.device.type == "cpu"
