@@ -11,12 +11,21 @@ and training mode (ModernBERT's attention also its float attention_dropout), nev
 transformers reads only when it builds the modules.
 Parameters are shared, never copied, so an optimizer, a Trainer, a pipeline
 or a PEFT model built earlier keeps working; state_dict keys are unchanged. Heads and their losses stay
-transformers' code.
+transformers' code, but for the training step of the masked-LM heads (BertForPreTraining, BertForMaskedLM and
+the family's *ForMaskedLM): in training mode with labels (BertForPreTraining: with both labels, without which
+transformers computes no loss) their loss is fastbert's masked-only loss (the head's transform on the labelled
+positions only, the decoder fused with the cross entropy, no [B, S, V] logits) through fastbert's head class
+built around transformers' modules, and their logits are None. return_logits=True asks for transformers' own
+forward there too, return_logits=False for the fused loss in eval mode as well (fastbert's own MLM classes
+take the same switch).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 import inspect
+import logging
 
 import torch
 from torch import nn
@@ -24,7 +33,13 @@ from torch import nn
 from fastbert import architectures
 from fastbert.hf import choose_layer_norm_backward
 
+logger = logging.getLogger("fastbert")
+
 ACCELERATED = "_fastbert_model"  # instance attribute of an accelerated transformers base model
+ACCELERATED_HEAD = "_fastbert_head"  # instance attribute of a transformers MLM head model: fastbert's head on it
+# transformers' MLM heads whose loss is its loss_function, which takes Trainer's num_items_in_batch (a sum over
+# the batch's labels divided by it); the others' is a mean CrossEntropyLoss whatever Trainer passes
+SUMMED_LOSS_HEADS = ("ModernBertForMaskedLM",)
 # transformers' base model classes fastbert accelerates (module, class name): fastbert's class of that name
 TRANSFORMERS_BASES = (("bert", "BertModel"), ("roberta", "RobertaModel"), ("xlm_roberta", "XLMRobertaModel"),
                       ("camembert", "CamembertModel"), ("electra", "ElectraModel"),
@@ -33,7 +48,6 @@ TRANSFORMERS_BASES = (("bert", "BertModel"), ("roberta", "RobertaModel"), ("xlm_
 
 def _transformers_bases() -> dict[type, type]:
     """transformers' base model class -> fastbert's."""
-    import importlib
     return {getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name):
             architectures.MODEL_CLASSES[name] for module, name in TRANSFORMERS_BASES}
 
@@ -58,7 +72,93 @@ def apply(model: nn.Module, **config_overrides) -> nn.Module:
     for base, fast_class in found:
         if ACCELERATED not in vars(base):
             _accelerate(base, fast_class, config_overrides)
+    for head in model.modules():
+        if _is_transformers_mlm_head(head) and ACCELERATED_HEAD not in vars(head):
+            _accelerate_mlm_head(head)
     return model
+
+
+def _is_transformers_mlm_head(module: nn.Module) -> bool:
+    """A transformers MLM head model (of a class fastbert has with a masked-only loss) whose base is accelerated."""
+    from fastbert.modeling import MLMHeadMixin
+
+    name = type(module).__name__
+    fast_class = architectures.MODEL_CLASSES.get(name)
+    base = getattr(module, getattr(module, "base_model_prefix", ""), None)
+    return (fast_class is not None and issubclass(fast_class, MLMHeadMixin)
+            and getattr(importlib.import_module("transformers"), name, None) is type(module)
+            and base is not None and ACCELERATED in vars(base))
+
+
+def _accelerate_mlm_head(head: nn.Module) -> None:
+    """Give a transformers MLM head model the fused masked-only loss for its training step: fastbert's class of
+    the same name built around transformers' modules (its base: transformers' base, accelerated; its head's
+    leaves and the parameters its modules hold themselves: transformers'), called by the head's forward where
+    it may (_mlm_forward). A head whose parameters do not map onto fastbert's keeps transformers' forward."""
+    prefix = head.base_model_prefix
+    base = getattr(head, prefix)
+    with torch.device("meta"):
+        fast = architectures.MODEL_CLASSES[type(head).__name__](vars(base)[ACCELERATED].config)
+    setattr(fast, prefix, base)  # transformers' base, whose forward is fastbert's
+    for name, module in list(fast.named_modules()):
+        if name in ("", prefix) or name.startswith(prefix + "."):
+            continue
+        theirs = _submodule(head, name)
+        if theirs is None:
+            continue  # a path transformers lacks leaves a meta parameter, which the check below finds
+        if not module._modules:  # a leaf: transformers' module at the same path
+            parent, _, attribute = name.rpartition(".")
+            setattr(fast.get_submodule(parent), attribute, theirs)
+        else:  # the parameters a module holds itself (BERT's and RoBERTa's head bias)
+            for attribute in list(module._parameters):
+                setattr(module, attribute, getattr(theirs, attribute, None))
+    if {id(p) for p in fast.parameters()} != {id(p) for p in head.parameters()}:
+        logger.info("fastbert.apply: the head of %s does not map onto fastbert's %s; its loss stays transformers'",
+                    type(head).__name__, type(fast).__name__)
+        return
+    vars(head)[ACCELERATED_HEAD] = fast  # not a registered child: its modules already are head's
+    signature = inspect.signature(head.forward)
+    forward = functools.partial(_mlm_forward, head, fast, signature)
+    forward.__signature__ = signature
+    head.forward = forward
+
+
+def _submodule(root: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _mlm_forward(head: nn.Module, fast: nn.Module, signature: inspect.Signature, *args,
+                 return_logits: bool | None = None, **kwargs):
+    """The MLM head model's forward (see the module docstring): transformers' own (its class's), or with labels
+    in training mode (return_logits None) or with return_logits=False, fastbert's fused masked-only loss with no
+    logits, in transformers' output class (its tuple with return_dict=False)."""
+    arguments = signature.bind(*args, **kwargs).arguments
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(arguments.pop(name, {}))
+    labels = [arguments.get(name) for name in ("labels", "next_sentence_label") if name in signature.parameters]
+    logits = return_logits if return_logits is not None else not head.training
+    if logits or any(label is None for label in labels):
+        return type(head).forward(head, **arguments)
+    return_dict = arguments.pop("return_dict", None)
+    num_items = arguments.pop("num_items_in_batch", None)
+    result = fast(**arguments, return_logits=False, return_dict=True)
+    if num_items is not None and type(head).__name__ in SUMMED_LOSS_HEADS:  # transformers' sum over num_items
+        result.loss = result.loss * (labels[0] != -100).sum() / num_items
+    output_class = _output_class(head)
+    output = output_class(**{f.name: getattr(result, f.name, None) for f in dataclasses.fields(output_class)})
+    return_dict = head.config.return_dict if return_dict is None else return_dict
+    return output if return_dict else output.to_tuple()
+
+
+def _output_class(head: nn.Module) -> type:
+    """transformers' output class of the head's forward (BertForPreTraining's own, MaskedLMOutput else)."""
+    from transformers.modeling_outputs import MaskedLMOutput
+
+    return getattr(importlib.import_module(type(head).__module__), f"{type(head).__name__}Output", MaskedLMOutput)
 
 
 def _accelerate(bert: nn.Module, fast_class: type, config_overrides: dict) -> None:

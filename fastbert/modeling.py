@@ -709,6 +709,10 @@ class BertLMPredictionHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def vocabulary_head(self) -> VocabularyHead:
+        # a decoder with a bias of its own (transformers', after fastbert.apply) adds that one, as transformers'
+        # logits do (the head's bias, tied, unless tie_word_embeddings is False); fastbert's adds the head's
+        if getattr(self.decoder, "bias", None) is not None:
+            return VocabularyHead(self.config, self.transform, self.decoder, self.decoder.bias, bias_in_decoder=True)
         return VocabularyHead(self.config, self.transform, self.decoder, self.bias)
 
     def forward(self, sequence_output):
