@@ -100,27 +100,54 @@ def _accelerate_mlm_head(head: nn.Module) -> None:
     with torch.device("meta"):
         fast = architectures.MODEL_CLASSES[type(head).__name__](vars(base)[ACCELERATED].config)
     setattr(fast, prefix, base)  # transformers' base, whose forward is fastbert's
-    for name, module in list(fast.named_modules()):
-        if name in ("", prefix) or name.startswith(prefix + "."):
-            continue
-        theirs = _submodule(head, name)
-        if theirs is None:
-            continue  # a path transformers lacks leaves a meta parameter, which the check below finds
-        if not module._modules:  # a leaf: transformers' module at the same path
-            parent, _, attribute = name.rpartition(".")
-            setattr(fast.get_submodule(parent), attribute, theirs)
-        else:  # the parameters a module holds itself (BERT's and RoBERTa's head bias)
-            for attribute in list(module._parameters):
-                setattr(module, attribute, getattr(theirs, attribute, None))
+    _take_modules(fast, head, skip=prefix)
     if {id(p) for p in fast.parameters()} != {id(p) for p in head.parameters()}:
         logger.info("fastbert.apply: the head of %s does not map onto fastbert's %s; its loss stays transformers'",
                     type(head).__name__, type(fast).__name__)
         return
     vars(head)[ACCELERATED_HEAD] = fast  # not a registered child: its modules already are head's
-    signature = inspect.signature(head.forward)
-    forward = functools.partial(_mlm_forward, head, fast, signature)
+    _replace_forward(head, _mlm_forward, head, fast)
+
+
+def _take_modules(fast: nn.Module, theirs: nn.Module, skip: str | None = None) -> None:
+    """Put transformers' modules of `theirs` into fastbert's `fast` at the same paths: every leaf (weights, a
+    Dropout, or whatever wrapper a tool put there), the parameters a module holds itself (BERT's and RoBERTa's
+    head bias), ModernBERT's float attention_dropout. Paths under `skip` and paths transformers lacks are left
+    as they are (a weight left behind fails the caller's parameter check)."""
+    taken = [named for child, subtree in fast.named_children() if child != skip
+             for named in subtree.named_modules(prefix=child)]
+    for name, module in taken:
+        source = _submodule(theirs, name)
+        if source is None:
+            continue
+        if not module._modules:
+            parent, _, attribute = name.rpartition(".")
+            setattr(fast.get_submodule(parent), attribute, source)
+            continue
+        for attribute in [a for a in module._parameters if isinstance(getattr(source, a, None), nn.Parameter)]:
+            setattr(module, attribute, getattr(source, attribute))
+        if hasattr(module, "attention_dropout"):  # ModernBERT's attention: its rate is a float attribute
+            module.attention_dropout = source.attention_dropout
+
+
+def _replace_forward(module: nn.Module, function, *leading) -> None:
+    """module.forward becomes function(*leading, signature, ...), keeping the signature of the forward it replaces
+    (transformers'), which code reads: Trainer keeps the dataset columns a forward names, sentence-transformers
+    passes the features it names."""
+    signature = inspect.signature(module.forward)
+    forward = functools.partial(function, *leading, signature)
     forward.__signature__ = signature
-    head.forward = forward
+    module.forward = forward
+
+
+def _bound(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    """The arguments of a call by their names in `signature` (what **kwargs took merged in): positional ones mean
+    what they mean there, and a call it does not take is its TypeError."""
+    arguments = signature.bind(*args, **kwargs).arguments
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(arguments.pop(name, {}))
+    return arguments
 
 
 def _submodule(root: nn.Module, path: str) -> nn.Module | None:
@@ -135,14 +162,12 @@ def _mlm_forward(head: nn.Module, fast: nn.Module, signature: inspect.Signature,
     """The MLM head model's forward (see the module docstring): transformers' own (its class's), or with labels
     in training mode (return_logits None) or with return_logits=False, fastbert's fused masked-only loss with no
     logits, in transformers' output class (its tuple with return_dict=False)."""
-    arguments = signature.bind(*args, **kwargs).arguments
-    for name, parameter in signature.parameters.items():
-        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-            arguments.update(arguments.pop(name, {}))
+    arguments = _bound(signature, args, kwargs)
     labels = [arguments.get(name) for name in ("labels", "next_sentence_label") if name in signature.parameters]
     logits = return_logits if return_logits is not None else not head.training
-    if logits or any(label is None for label in labels):
+    if logits or any(label is None for label in labels) or _hooked_head(head):
         return type(head).forward(head, **arguments)
+    _take_modules(fast, head, skip=head.base_model_prefix)  # what replaced them since (resize_token_embeddings)
     return_dict = arguments.pop("return_dict", None)
     num_items = arguments.pop("num_items_in_batch", None)
     result = fast(**arguments, return_logits=False, return_dict=True)
@@ -152,6 +177,15 @@ def _mlm_forward(head: nn.Module, fast: nn.Module, signature: inspect.Signature,
     output = output_class(**{f.name: getattr(result, f.name, None) for f in dataclasses.fields(output_class)})
     return_dict = head.config.return_dict if return_dict is None else return_dict
     return output if return_dict else output.to_tuple()
+
+
+def _hooked_head(head: nn.Module) -> bool:
+    """Whether a module of the head (outside its base) has hooks, which only transformers' forward runs (the fused
+    path calls the head's leaves, wrapped or hooked, but not the modules around them)."""
+    from fastbert.modeling import is_unhooked
+
+    return any(not is_unhooked(module, type(module)) for name, child in head.named_children()
+               if name != head.base_model_prefix for module in child.modules())
 
 
 def _output_class(head: nn.Module) -> type:
@@ -167,12 +201,7 @@ def _accelerate(bert: nn.Module, fast_class: type, config_overrides: dict) -> No
         fast = fast_class(config, add_pooling_layer=getattr(bert, "pooler", None) is not None)
     fast.train(bert.training)  # before taking transformers' leaves, which keep their own modes
     before = {id(p) for p in bert.parameters()}
-    for name, module in list(fast.named_modules()):
-        if not module._modules:  # a leaf (weights, a Dropout): take transformers' module at the same path
-            parent, _, attribute = name.rpartition(".")
-            setattr(fast.get_submodule(parent), attribute, bert.get_submodule(name))
-        elif hasattr(module, "attention_dropout"):  # ModernBERT's attention: its rate is a float attribute
-            module.attention_dropout = bert.get_submodule(name).attention_dropout
+    _take_modules(fast, bert)
     if {id(p) for p in fast.parameters()} != before:
         raise ValueError(f"fastbert.apply: the parameters of {type(bert).__name__} do not map one to one onto "
                          f"fastbert's {fast_class.__name__}; it is left unchanged")
@@ -185,12 +214,7 @@ def _accelerate(bert: nn.Module, fast_class: type, config_overrides: dict) -> No
     for name, child in fast.named_children():  # embeddings, encoder / transformer, pooler: fastbert's modules
         setattr(bert, name, child)
     vars(bert)[ACCELERATED] = fast  # not a registered child: its modules already are bert's
-    # transformers' arguments, as code that reads the signature sees them (Trainer keeps the dataset columns
-    # a forward names; sentence-transformers passes the features it names)
-    signature = inspect.signature(bert.forward)
-    forward = functools.partial(_forward, fast, bert.config, signature)
-    forward.__signature__ = signature
-    bert.forward = forward
+    _replace_forward(bert, _forward, fast, bert.config)
 
 
 def _forward(fast: nn.Module, hf_config, signature: inspect.Signature, *args, **kwargs):
@@ -201,10 +225,7 @@ def _forward(fast: nn.Module, hf_config, signature: inspect.Signature, *args, **
     (the input check reads fastbert's config)."""
     from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
-    arguments = signature.bind(*args, **kwargs).arguments
-    for name, parameter in signature.parameters.items():
-        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-            arguments.update(arguments.pop(name, {}))
+    arguments = _bound(signature, args, kwargs)
     for name in ("output_hidden_states", "output_attentions", "return_dict"):
         if arguments.get(name) is None:
             arguments[name] = getattr(hf_config, name)

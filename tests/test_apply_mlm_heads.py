@@ -142,3 +142,29 @@ def test_apply_twice_and_state_dict_unchanged():
     assert fastbert.apply(ours) is ours and vars(ours)[ACCELERATED_HEAD] is head
     assert ours.state_dict().keys() == theirs.state_dict().keys()
     assert {id(p) for p in head.parameters()} == {id(p) for p in ours.parameters()}
+
+
+@pytest.mark.parametrize("arch", ["bert-pretraining", "bert-untied", "roberta-untied", "modernbert"])
+def test_fused_loss_after_resize_and_with_a_hooked_head_equals_transformers(arch, fused_calls):
+    """resize_token_embeddings after apply puts new decoder modules and biases into transformers' head: the fused
+    loss reads them. A hook on a module of the head (not a leaf) runs only in transformers' forward, which is
+    then taken."""
+    theirs = MODELS[arch]().train()
+    ours = fastbert.apply(copy.deepcopy(theirs))
+    size = theirs.config.vocab_size + 4
+    for model in (theirs, ours):
+        torch.manual_seed(1)
+        model.resize_token_embeddings(size)
+    inputs = inputs_for(theirs)
+    inputs["labels"][0, 1] = size - 1  # a new token
+    with torch.no_grad():
+        expected = theirs(**inputs).loss
+        torch.testing.assert_close(ours(**inputs).loss, expected, atol=1e-5, rtol=1e-5)
+        assert len(fused_calls) == 1
+        seen = []
+        head = ours.get_output_embeddings()
+        parent = next(m for m in ours.modules() if head in m.children())
+        if parent is not ours:
+            parent.register_forward_hook(lambda *args: seen.append(1))
+            torch.testing.assert_close(ours(**inputs).loss, expected, atol=1e-5, rtol=1e-5)
+            assert seen and len(fused_calls) == 1
