@@ -228,23 +228,29 @@ class BertConfig(ConfigBase):
         config.update_known(overrides, "BertConfig.replace")
         return config
 
-    def update_known(self, overrides: dict[str, Any], caller: str) -> None:
+    def update_known(self, overrides: dict[str, Any], caller: str, validate: bool = True) -> None:
         """Set attributes the config already has (fields, HF's common fields, keys of its config.json),
-        then validate. An unknown name is a TypeError: it is a typo or a setting this config does not hold,
-        never a new key to write into config.json."""
+        then validate (validate=False: fastbert's own switches only, as a config read from config.json is
+        taken as transformers takes it, and checked when a model is built). An unknown name is a TypeError:
+        it is a typo or a setting this config does not hold, never a new key to write into config.json."""
         unknown = sorted(k for k in overrides if not hasattr(self, k))
         if unknown:
             raise TypeError(f"{caller} got unknown argument(s) {unknown}: not a field of BertConfig "
                             f"(e.g. {', '.join(list(OWN_FIELDS)[:4])}, num_labels, id2label)")
         for key, value in overrides.items():
             setattr(self, key, value)
-        self.validate()
+        if validate:
+            self.validate()
+        else:
+            self.validate_switches()
 
     # HF config.json -----------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, values: dict[str, Any], **overrides: Any) -> "BertConfig":
         """Build from HF config.json's dict (refusing non-BERT model types), then apply `overrides`, each a
-        field or a key the dict holds (as transformers' from_pretrained applies its keyword arguments)."""
+        field or a key the dict holds (as transformers' from_pretrained applies its keyword arguments). Sizes
+        a model refuses (hidden_size not divisible by num_attention_heads, ...) load, as in transformers: the
+        model build names them."""
         values = dict(values)
         model_type = values.pop("model_type", cls.model_type)
         if model_type != cls.model_type:
@@ -258,7 +264,7 @@ class BertConfig(ConfigBase):
         if "num_labels" in values and "id2label" in values and len(values["id2label"]) != values["num_labels"]:
             values.pop("id2label"), values.pop("label2id", None)  # num_labels asks for other labels: default names
         config = cls(**values)
-        config.update_known(overrides, "BertConfig.from_dict")
+        config.update_known(overrides, "BertConfig.from_dict", validate=False)
         return config
 
     @classmethod

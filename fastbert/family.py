@@ -20,7 +20,7 @@ from fastbert.family_config import (MPNET_BUCKETS, MPNET_MAX_DISTANCE, Camembert
                                     ElectraConfig, MPNetConfig, RobertaConfig, XLMRobertaConfig)
 from fastbert.modeling import (AttentionLayout, BertEncoder, BertForMaskedLM, BertLayer, BertModel,
                                BertPreTrainedModel, EncoderLayer, SelfAttention, VocabularyHead, _recompute,
-                               add_and_norm, fused_feed_forward, gelu_dense_norm, is_unhooked)
+                               add_and_norm, fused_feed_forward, gelu_dense_norm, is_unhooked, run_dropout)
 
 
 # RoBERTa, XLM-RoBERTa, CamemBERT: BERT's modules and names; positions from the padding index (config) -----
@@ -195,6 +195,7 @@ class DistilBertSelfAttention(SelfAttention):
         self.k_lin = nn.Linear(config.hidden_size, config.hidden_size)
         self.v_lin = nn.Linear(config.hidden_size, config.hidden_size)
         self.out_lin = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
 
     def linears(self):
         return self.q_lin, self.k_lin, self.v_lin
@@ -208,10 +209,11 @@ class FFN(nn.Module):
         self.config = config
         self.lin1 = nn.Linear(config.hidden_size, config.intermediate_size)
         self.lin2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, hidden):
         hidden = self.lin2(F.gelu(self.lin1(hidden), approximate=self.config.gelu_approximate))
-        return ops.dropout(hidden, self.config.hidden_dropout_prob, self.training, backend=self.config.backend)
+        return run_dropout(self.dropout, hidden, self.config)
 
 
 class TransformerBlock(EncoderLayer):
@@ -228,19 +230,17 @@ class TransformerBlock(EncoderLayer):
 
     def attention_block(self, hidden, layout: AttentionLayout, output_attentions: bool):
         context, probs = self.attention(hidden, layout, output_attentions)
-        return add_and_norm(self.config, self.sa_layer_norm, self.attention.out_lin(context), hidden, 0.0,
-                            self.training), probs
+        return add_and_norm(self.config, self.sa_layer_norm, self.attention.out_lin(context), hidden, None), probs
 
     def feed_forward(self, attended, recompute: bool = False):
         c = self.config
         if is_unhooked(self.ffn, FFN):
             projected = fused_feed_forward(c, self.ffn.lin1, self.ffn.lin2, attended, recompute)
             if projected is not None:
-                return add_and_norm(c, self.output_layer_norm, projected, attended, c.hidden_dropout_prob,
-                                    self.training)
+                return add_and_norm(c, self.output_layer_norm, projected, attended, self.ffn.dropout)
 
         def block(a):
-            return add_and_norm(c, self.output_layer_norm, self.ffn(a), a, 0.0, self.training)
+            return add_and_norm(c, self.output_layer_norm, self.ffn(a), a, None)
         return _recompute(block, attended) if recompute else block(attended)
 
 
@@ -314,9 +314,14 @@ class MPNetSelfAttention(SelfAttention):
         self.k = nn.Linear(config.hidden_size, config.hidden_size)
         self.v = nn.Linear(config.hidden_size, config.hidden_size)
         self.o = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
 
     def linears(self):
         return self.q, self.k, self.v
+
+    def probs_dropout(self) -> float:
+        """transformers' MPNet calls its Dropout on the probabilities: the Dropout's own training mode counts."""
+        return self.dropout.p if self.dropout.training else 0.0
 
 
 class MPNetAttention(nn.Module):
@@ -327,11 +332,11 @@ class MPNetAttention(nn.Module):
         self.config = config
         self.attn = MPNetSelfAttention(config)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, hidden, layout: AttentionLayout, output_attentions: bool = False):
         context, probs = self.attn(hidden, layout, output_attentions)
-        return add_and_norm(self.config, self.LayerNorm, self.attn.o(context), hidden,
-                            self.config.hidden_dropout_prob, self.training), probs
+        return add_and_norm(self.config, self.LayerNorm, self.attn.o(context), hidden, self.dropout), probs
 
 
 class MPNetLayer(BertLayer):

@@ -143,14 +143,14 @@ class ModernBertConfig(BertConfig):
             self.rope_parameters = {SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": local_theta},
                                     FULL_ATTENTION: {"rope_type": "default", "rope_theta": global_theta}}
 
-    def update_known(self, overrides: dict[str, Any], caller: str) -> None:
+    def update_known(self, overrides: dict[str, Any], caller: str, validate: bool = True) -> None:
         """BertConfig.update_known; a new num_hidden_layers without layer_types gets layer_types in the same
         pattern (global every n-th layer, n read from the current list)."""
         if "num_hidden_layers" in overrides and "layer_types" not in overrides:
             fulls = [i for i, kind in enumerate(self.layer_types) if kind == FULL_ATTENTION]
             every = fulls[1] - fulls[0] if len(fulls) > 1 else len(self.layer_types)
             overrides = {**overrides, "layer_types": layer_pattern(overrides["num_hidden_layers"], every)}
-        super().update_known(overrides, caller)
+        super().update_known(overrides, caller, validate)
 
     def convert_rope_params_to_dict(self, **kwargs: Any) -> dict[str, Any]:
         """transformers' PreTrainedConfig would flatten rope_parameters to one layer type here; __init__ above

@@ -242,10 +242,13 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: s
     for module in model.modules():  # loaded or initialised above: a later post_init re-initialises none of it
         module._is_hf_initialized = True
     model.tie_weights()
-    other_sizes = sorted(f"{key} {ours} (checkpoint {theirs})" for key, theirs, ours in mismatched)
+    # in transformers' load report's words (MISSING, UNEXPECTED, MISMATCH: "Reinit due to size mismatch - ckpt:
+    # ... vs model: ..."), on one line of the fastbert logger where transformers prints a table
+    other_sizes = sorted(f"{key} ckpt: {theirs} vs model: {ours}" for key, theirs, ours in mismatched)
     reported = [f"{what} {keys}" for what, keys in (("missing keys (newly initialised)", missing),
                                                      ("unexpected keys (ignored)", unexpected),
-                                                     ("other shapes (newly initialised)", other_sizes)) if keys]
+                                                     ("mismatched keys (reinit due to size mismatch)", other_sizes))
+                if keys]
     if reported:
         logger.warning("%s from %s: %s", type(model).__name__, source, "; ".join(reported))
     return {"missing_keys": set(missing), "unexpected_keys": set(unexpected), "mismatched_keys": mismatched,
@@ -303,6 +306,10 @@ def load_pretrained(cls, name_or_path, *model_args, config=None, output_loading_
                     use_safetensors=None, device_map=None, adapter_kwargs=None, ignore_mismatched_sizes=False,
                     **kwargs):
     """`Model.from_pretrained` (see its docstring)."""
+    if torch.get_default_device().type == "meta":  # as transformers refuses it
+        raise RuntimeError(f"{cls.__name__}.from_pretrained under a meta device (with torch.device('meta') or "
+                           "torch.set_default_device('meta')) would load no weights; build an empty model there "
+                           f"with {cls.__name__}(config), or load outside it")
     if model_args:
         raise TypeError(f"{cls.__name__}.from_pretrained takes no positional arguments after the path, got "
                         f"{len(model_args)}; pass config fields as keywords")

@@ -4,15 +4,28 @@ one on fastbert's kernels, in place.
 
 Every transformers base model inside `model` (BertModel, RobertaModel, ...: TRANSFORMERS_BASES) keeps its
 class, its head and its parameters: its embeddings, encoder (DistilBERT's transformer) and pooler are
-replaced by fastbert's modules built around the very same leaf modules (the Embeddings, Linears and
-LayerNorms, or whatever wrapper a tool put in their place), and its forward becomes fastbert's.
+replaced by fastbert's modules built around the very same leaf modules (the Embeddings, Linears,
+LayerNorms and Dropouts, or whatever wrapper a tool put in their place), and its forward becomes fastbert's.
+Dropout follows transformers' switches as transformers does, read at each forward: each Dropout module's p
+and training mode (ModernBERT's attention also its float attention_dropout), never the config, which
+transformers reads only when it builds the modules.
 Parameters are shared, never copied, so an optimizer, a Trainer, a pipeline
 or a PEFT model built earlier keeps working; state_dict keys are unchanged. Heads and their losses stay
-transformers' code.
+transformers' code, but for the training step of the masked-LM heads (BertForPreTraining, BertForMaskedLM and
+the family's *ForMaskedLM): in training mode with labels (BertForPreTraining: with both labels, without which
+transformers computes no loss) their loss is fastbert's masked-only loss (the head's transform on the labelled
+positions only, the decoder fused with the cross entropy, no [B, S, V] logits) through fastbert's head class
+built around transformers' modules, and their logits are None. return_logits=True asks for transformers' own
+forward there too, return_logits=False for the fused loss in eval mode as well (fastbert's own MLM classes
+take the same switch).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
+import inspect
+import logging
 
 import torch
 from torch import nn
@@ -20,7 +33,13 @@ from torch import nn
 from fastbert import architectures
 from fastbert.hf import choose_layer_norm_backward
 
+logger = logging.getLogger("fastbert")
+
 ACCELERATED = "_fastbert_model"  # instance attribute of an accelerated transformers base model
+ACCELERATED_HEAD = "_fastbert_head"  # instance attribute of a transformers MLM head model: fastbert's head on it
+# transformers' MLM heads whose loss is its loss_function, which takes Trainer's num_items_in_batch (a sum over
+# the batch's labels divided by it); the others' is a mean CrossEntropyLoss whatever Trainer passes
+SUMMED_LOSS_HEADS = ("ModernBertForMaskedLM",)
 # transformers' base model classes fastbert accelerates (module, class name): fastbert's class of that name
 TRANSFORMERS_BASES = (("bert", "BertModel"), ("roberta", "RobertaModel"), ("xlm_roberta", "XLMRobertaModel"),
                       ("camembert", "CamembertModel"), ("electra", "ElectraModel"),
@@ -29,7 +48,6 @@ TRANSFORMERS_BASES = (("bert", "BertModel"), ("roberta", "RobertaModel"), ("xlm_
 
 def _transformers_bases() -> dict[type, type]:
     """transformers' base model class -> fastbert's."""
-    import importlib
     return {getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name):
             architectures.MODEL_CLASSES[name] for module, name in TRANSFORMERS_BASES}
 
@@ -54,24 +72,141 @@ def apply(model: nn.Module, **config_overrides) -> nn.Module:
     for base, fast_class in found:
         if ACCELERATED not in vars(base):
             _accelerate(base, fast_class, config_overrides)
+    for head in model.modules():
+        if _is_transformers_mlm_head(head) and ACCELERATED_HEAD not in vars(head):
+            _accelerate_mlm_head(head)
     return model
+
+
+def _is_transformers_mlm_head(module: nn.Module) -> bool:
+    """A transformers MLM head model (of a class fastbert has with a masked-only loss) whose base is accelerated."""
+    from fastbert.modeling import MLMHeadMixin
+
+    name = type(module).__name__
+    fast_class = architectures.MODEL_CLASSES.get(name)
+    base = getattr(module, getattr(module, "base_model_prefix", ""), None)
+    return (fast_class is not None and issubclass(fast_class, MLMHeadMixin)
+            and getattr(importlib.import_module("transformers"), name, None) is type(module)
+            and base is not None and ACCELERATED in vars(base))
+
+
+def _accelerate_mlm_head(head: nn.Module) -> None:
+    """Give a transformers MLM head model the fused masked-only loss for its training step: fastbert's class of
+    the same name built around transformers' modules (its base: transformers' base, accelerated; its head's
+    leaves and the parameters its modules hold themselves: transformers'), called by the head's forward where
+    it may (_mlm_forward). A head whose parameters do not map onto fastbert's keeps transformers' forward."""
+    prefix = head.base_model_prefix
+    base = getattr(head, prefix)
+    with torch.device("meta"):
+        fast = architectures.MODEL_CLASSES[type(head).__name__](vars(base)[ACCELERATED].config)
+    setattr(fast, prefix, base)  # transformers' base, whose forward is fastbert's
+    _take_modules(fast, head, skip=prefix)
+    if {id(p) for p in fast.parameters()} != {id(p) for p in head.parameters()}:
+        logger.info("fastbert.apply: the head of %s does not map onto fastbert's %s; its loss stays transformers'",
+                    type(head).__name__, type(fast).__name__)
+        return
+    vars(head)[ACCELERATED_HEAD] = fast  # not a registered child: its modules already are head's
+    _replace_forward(head, _mlm_forward, head, fast)
+
+
+def _take_modules(fast: nn.Module, theirs: nn.Module, skip: str | None = None) -> None:
+    """Put transformers' modules of `theirs` into fastbert's `fast` at the same paths: every leaf (weights, a
+    Dropout, or whatever wrapper a tool put there), the parameters a module holds itself (BERT's and RoBERTa's
+    head bias), ModernBERT's float attention_dropout. Paths under `skip` and paths transformers lacks are left
+    as they are (a weight left behind fails the caller's parameter check)."""
+    taken = [named for child, subtree in fast.named_children() if child != skip
+             for named in subtree.named_modules(prefix=child)]
+    for name, module in taken:
+        source = _submodule(theirs, name)
+        if source is None:
+            continue
+        if not module._modules:
+            parent, _, attribute = name.rpartition(".")
+            setattr(fast.get_submodule(parent), attribute, source)
+            continue
+        for attribute in [a for a in module._parameters if isinstance(getattr(source, a, None), nn.Parameter)]:
+            setattr(module, attribute, getattr(source, attribute))
+        if hasattr(module, "attention_dropout"):  # ModernBERT's attention: its rate is a float attribute
+            module.attention_dropout = source.attention_dropout
+
+
+def _replace_forward(module: nn.Module, function, *leading) -> None:
+    """module.forward becomes function(*leading, signature, ...), keeping the signature of the forward it replaces
+    (transformers'), which code reads: Trainer keeps the dataset columns a forward names, sentence-transformers
+    passes the features it names."""
+    signature = inspect.signature(module.forward)
+    forward = functools.partial(function, *leading, signature)
+    forward.__signature__ = signature
+    module.forward = forward
+
+
+def _bound(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    """The arguments of a call by their names in `signature` (what **kwargs took merged in): positional ones mean
+    what they mean there, and a call it does not take is its TypeError."""
+    arguments = signature.bind(*args, **kwargs).arguments
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(arguments.pop(name, {}))
+    return arguments
+
+
+def _submodule(root: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _mlm_forward(head: nn.Module, fast: nn.Module, signature: inspect.Signature, *args,
+                 return_logits: bool | None = None, **kwargs):
+    """The MLM head model's forward (see the module docstring): transformers' own (its class's), or with labels
+    in training mode (return_logits None) or with return_logits=False, fastbert's fused masked-only loss with no
+    logits, in transformers' output class (its tuple with return_dict=False)."""
+    arguments = _bound(signature, args, kwargs)
+    labels = [arguments.get(name) for name in ("labels", "next_sentence_label") if name in signature.parameters]
+    logits = return_logits if return_logits is not None else not head.training
+    if logits or any(label is None for label in labels) or _hooked_head(head):
+        return type(head).forward(head, **arguments)
+    _take_modules(fast, head, skip=head.base_model_prefix)  # what replaced them since (resize_token_embeddings)
+    return_dict = arguments.pop("return_dict", None)
+    num_items = arguments.pop("num_items_in_batch", None)
+    result = fast(**arguments, return_logits=False, return_dict=True)
+    if num_items is not None and type(head).__name__ in SUMMED_LOSS_HEADS:  # transformers' sum over num_items
+        result.loss = result.loss * (labels[0] != -100).sum() / num_items
+    output_class = _output_class(head)
+    output = output_class(**{f.name: getattr(result, f.name, None) for f in dataclasses.fields(output_class)})
+    return_dict = head.config.return_dict if return_dict is None else return_dict
+    return output if return_dict else output.to_tuple()
+
+
+def _hooked_head(head: nn.Module) -> bool:
+    """Whether a module of the head (outside its base) has hooks, which only transformers' forward runs (the fused
+    path calls the head's leaves, wrapped or hooked, but not the modules around them)."""
+    from fastbert.modeling import is_unhooked
+
+    return any(not is_unhooked(module, type(module)) for name, child in head.named_children()
+               if name != head.base_model_prefix for module in child.modules())
+
+
+def _output_class(head: nn.Module) -> type:
+    """transformers' output class of the head's forward (BertForPreTraining's own, MaskedLMOutput else)."""
+    from transformers.modeling_outputs import MaskedLMOutput
+
+    return getattr(importlib.import_module(type(head).__module__), f"{type(head).__name__}Output", MaskedLMOutput)
 
 
 def _accelerate(bert: nn.Module, fast_class: type, config_overrides: dict) -> None:
     config = architectures.config_from_dict(bert.config.to_dict(), **config_overrides)
     with torch.device("meta"):
         fast = fast_class(config, add_pooling_layer=getattr(bert, "pooler", None) is not None)
+    fast.train(bert.training)  # before taking transformers' leaves, which keep their own modes
     before = {id(p) for p in bert.parameters()}
-    for name, module in list(fast.named_modules()):
-        if module._parameters:  # a leaf that holds weights: take transformers' module at the same path
-            parent, _, attribute = name.rpartition(".")
-            setattr(fast.get_submodule(parent), attribute, bert.get_submodule(name))
+    _take_modules(fast, bert)
     if {id(p) for p in fast.parameters()} != before:
         raise ValueError(f"fastbert.apply: the parameters of {type(bert).__name__} do not map one to one onto "
                          f"fastbert's {fast_class.__name__}; it is left unchanged")
     if "layer_norm_backward" not in config_overrides:
         choose_layer_norm_backward(fast, config)  # the weights are transformers', already loaded
-    fast.train(bert.training)
     # transformers' position_ids / token_type_ids buffers (non-persistent: in no state_dict), which clients read
     for name, buffer in bert.embeddings.named_buffers(recurse=False):
         persistent = name not in bert.embeddings._non_persistent_buffers_set
@@ -79,22 +214,23 @@ def _accelerate(bert: nn.Module, fast_class: type, config_overrides: dict) -> No
     for name, child in fast.named_children():  # embeddings, encoder / transformer, pooler: fastbert's modules
         setattr(bert, name, child)
     vars(bert)[ACCELERATED] = fast  # not a registered child: its modules already are bert's
-    bert.forward = functools.partial(_forward, fast, bert.config)
+    _replace_forward(bert, _forward, fast, bert.config)
 
 
-def _forward(fast: nn.Module, hf_config, *args, output_hidden_states=None, output_attentions=None,
-             return_dict=None, **kwargs):
-    """fastbert's BertModel.forward, with the defaults read from transformers' config, which clients change
-    at run time (sentence-transformers sets output_hidden_states), and the vocabulary size, which
-    transformers' resize_token_embeddings changes there (the input check reads fastbert's config)."""
+def _forward(fast: nn.Module, hf_config, signature: inspect.Signature, *args, **kwargs):
+    """fastbert's BertModel.forward called with the arguments of transformers' forward (`signature`: bound to it,
+    so a positional argument means what it means there and a wrong call is its TypeError), with the defaults
+    read from transformers' config, which clients change at run time (sentence-transformers sets
+    output_hidden_states), and the vocabulary size, which transformers' resize_token_embeddings changes there
+    (the input check reads fastbert's config)."""
     from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
+    arguments = _bound(signature, args, kwargs)
+    for name in ("output_hidden_states", "output_attentions", "return_dict"):
+        if arguments.get(name) is None:
+            arguments[name] = getattr(hf_config, name)
     fast.config.vocab_size = hf_config.vocab_size
-    result = fast.forward(
-        *args, **kwargs,
-        output_hidden_states=hf_config.output_hidden_states if output_hidden_states is None else output_hidden_states,
-        output_attentions=hf_config.output_attentions if output_attentions is None else output_attentions,
-        return_dict=hf_config.return_dict if return_dict is None else return_dict)
+    result = fast.forward(**arguments)
     if isinstance(result, tuple):
         return result
     # transformers' own output class: its heads also read the decoder fields (BertLMHeadModel: cache), None here

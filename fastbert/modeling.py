@@ -60,6 +60,23 @@ def is_plain_linear(module: nn.Module) -> bool:
     return is_unhooked(module, nn.Linear)
 
 
+def dropout_rate(dropout: nn.Module) -> float | None:
+    """The rate a fused op applies in place of the module `dropout`, read at each forward as transformers'
+    modules read theirs: an nn.Dropout's p in training mode, 0 in eval mode; 0 for nn.Identity (transformers'
+    ModernBERT without dropout). None for anything else (a subclass, a wrapper, a hooked module): the caller
+    then calls the module."""
+    if is_unhooked(dropout, nn.Dropout):
+        return dropout.p if dropout.training else 0.0
+    return 0.0 if is_unhooked(dropout, nn.Identity) else None
+
+
+def run_dropout(dropout: nn.Module, hidden, config: BertConfig):
+    """dropout(hidden) through ops.dropout (no mask kept on the Triton path) at dropout_rate's rate; a module
+    it cannot read is called."""
+    rate = dropout_rate(dropout)
+    return dropout(hidden) if rate is None else ops.dropout(hidden, rate, backend=config.backend)
+
+
 def _gelu_linear(dense: nn.Module, hidden: torch.Tensor, config: BertConfig, approximate: str | None = None):
     """gelu(dense(hidden)): fused with the matmul for a plain Linear, else after calling the module.
     approximate: GELU's form, config.gelu_approximate unless given."""
@@ -84,6 +101,7 @@ class BertEmbeddings(nn.Module):
         if config.type_vocab_size:
             self.token_type_embeddings = nn.Embedding(config.type_vocab_size, width)
         self.LayerNorm = nn.LayerNorm(width, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def default_position_ids(self, input_ids, seqlen: int, device) -> torch.Tensor:
         """[B or 1, S]: 0..S-1, or for positions from the padding index, as transformers' RoBERTa counts them:
@@ -108,14 +126,15 @@ class BertEmbeddings(nn.Module):
             embeds = embeds + self.token_type_embeddings(token_type_ids)
         hidden = ops.layer_norm(embeds, self.LayerNorm.weight, self.LayerNorm.bias, self.config.layer_norm_eps,
                                 backend=self.config.backend, save=self.config.layer_norm_backward)
-        return ops.dropout(hidden, self.config.hidden_dropout_prob, self.training, backend=self.config.backend)
+        return run_dropout(self.dropout, hidden, self.config)
 
 
 class SelfAttention(nn.Module):
     """Multi-head self-attention (the one implementation of the family): the context of every token,
     before the output projection. Subclasses hold the query, key and value Linears under their
-    architecture's names and return them from `linears`. When all three are plain Linears, one fused
-    projection reads their concatenated weights; otherwise each module is called."""
+    architecture's names and return them from `linears`, and say in `probs_dropout` at what rate the
+    attention probabilities drop. When all three are plain Linears, one fused projection reads their
+    concatenated weights; otherwise each module is called."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -123,6 +142,11 @@ class SelfAttention(nn.Module):
 
     def linears(self) -> tuple[nn.Module, nn.Module, nn.Module]:
         raise NotImplementedError
+
+    def probs_dropout(self) -> float:
+        """The dropout rate of the attention probabilities now: transformers' attention reads its Dropout's p
+        at each forward, in its own training mode."""
+        return self.dropout.p if self.training else 0.0
 
     def attention_options(self) -> dict:
         """The architecture's extra keywords of ops.attention (ModernBERT: rotary_base, window)."""
@@ -142,7 +166,7 @@ class SelfAttention(nn.Module):
 
     def forward(self, hidden, layout: AttentionLayout, output_attentions: bool = False):
         config = self.config
-        dropout_p = config.attention_probs_dropout_prob if self.training else 0.0
+        dropout_p = self.probs_dropout()
         q, k, v = self.project(hidden)
         probs = None
         bias = {} if layout.relative_bias is None else dict(relative_bias=layout.relative_bias,
@@ -170,16 +194,21 @@ class BertSelfAttention(SelfAttention):
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
 
     def linears(self):
         return self.query, self.key, self.value
 
 
-def add_and_norm(config: BertConfig, norm: nn.LayerNorm, projected, residual, dropout_p: float, training: bool):
-    """norm(dropout(projected) + residual), one fused op: a sublayer's output after its projection."""
+def add_and_norm(config: BertConfig, norm: nn.LayerNorm, projected, residual, dropout: nn.Module | None, **kwargs):
+    """norm(dropout(projected) + residual), one fused op: a sublayer's output after its projection. dropout:
+    the sublayer's Dropout module (its rate read now, dropout_rate), or None for no dropout. kwargs go to
+    ops.layer_norm (return_residual)."""
+    rate = 0.0 if dropout is None else dropout_rate(dropout)
+    if rate is None:  # a module fastbert cannot read: called, then no dropout in the fused op
+        projected, rate = dropout(projected), 0.0
     return ops.layer_norm(projected, norm.weight, norm.bias, config.layer_norm_eps, residual=residual,
-                          dropout_p=dropout_p, training=training, backend=config.backend,
-                          save=config.layer_norm_backward)
+                          dropout_p=rate, backend=config.backend, save=config.layer_norm_backward, **kwargs)
 
 
 class BertSelfOutput(nn.Module):
@@ -188,14 +217,14 @@ class BertSelfOutput(nn.Module):
         self.config = config
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, hidden, residual):
         return self.add_and_norm(self.dense(hidden), residual)
 
     def add_and_norm(self, projected, residual):
         """LayerNorm(dropout(projected) + residual): the sublayer's output after its projection."""
-        return add_and_norm(self.config, self.LayerNorm, projected, residual, self.config.hidden_dropout_prob,
-                            self.training)
+        return add_and_norm(self.config, self.LayerNorm, projected, residual, self.dropout)
 
 
 class BertAttention(nn.Module):
@@ -395,44 +424,43 @@ class BertPreTrainedModel(ModelBase):
     def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
                                 mean_resizing: bool = True) -> nn.Embedding:
         """A word embedding table of `new_num_tokens` rows (rounded up to `pad_to_multiple_of`): the old rows
-        kept, new rows the mean of the old ones (mean_resizing) or N(0, initializer_range); the MLM
-        decoder and its bias follow; config.vocab_size and model.vocab_size are updated (as transformers')."""
+        kept, new rows the mean of the old ones (mean_resizing) or N(0, initializer_range); an untied MLM
+        decoder and its bias likewise from their own old rows, a tied decoder's bias with zeros (as
+        transformers'); config.vocab_size and model.vocab_size are updated (as transformers'). ValueError for a
+        pad_to_multiple_of that is not an integer >= 1 (transformers' error type)."""
+        if pad_to_multiple_of is not None and (isinstance(pad_to_multiple_of, bool)
+                                               or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
+            raise ValueError(f"pad_to_multiple_of must be an integer >= 1 (the vocabulary is padded to a multiple of "
+                             f"it), got {pad_to_multiple_of!r}")
         old = self.get_input_embeddings()
         size = old.num_embeddings if new_num_tokens is None else new_num_tokens
         if pad_to_multiple_of is not None:
             size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
         if size == old.num_embeddings:
             return old
+        std = self.config.initializer_range
         new = nn.Embedding(size, old.embedding_dim, padding_idx=old.padding_idx, device=old.weight.device,
                            dtype=old.weight.dtype)
-        kept = min(size, old.num_embeddings)
-        with torch.no_grad():
-            new.weight[:kept] = old.weight[:kept]
-            if size > kept and mean_resizing:
-                new.weight[kept:] = old.weight.mean(dim=0)
-            elif size > kept:
-                new.weight[kept:].normal_(0.0, self.config.initializer_range)
+        resize_rows(new.weight, old.weight, mean_resizing, std)
         new.weight.requires_grad_(old.weight.requires_grad)
         self.set_input_embeddings(new)
         if isinstance(self, MLMHeadMixin):
-            if not self.config.tie_word_embeddings:  # the trained decoder's rows stay; new rows as the embeddings'
+            untied = not self.config.tie_word_embeddings
+            if untied:  # the trained decoder's rows stay; new rows from its own, as transformers'
                 old_decoder = self.get_output_embeddings()
                 old_bias = getattr(old_decoder, "bias", None)  # the family's decoders own one
                 decoder = nn.Linear(old.embedding_dim, size, bias=old_bias is not None, device=old.weight.device,
                                     dtype=old.weight.dtype)
-                with torch.no_grad():
-                    decoder.weight.copy_(new.weight)
-                    decoder.weight[:kept] = old_decoder.weight[:kept]
-                    if old_bias is not None:
-                        decoder.bias.zero_()
-                        decoder.bias[:kept] = old_bias[:kept]
+                resize_rows(decoder.weight, old_decoder.weight, mean_resizing, std)
+                if old_bias is not None:
+                    resize_rows(decoder.bias, old_bias, mean_resizing, 0.0)
                 decoder._is_hf_initialized = True  # its rows are set: a later post_init keeps them
                 _set_path(self, self.decoder_path, decoder)
             # the head's bias where the logits read it (tied; BERT's, beside a decoder without one); an untied
             # decoder's own bias came with it above, and the unused head bias beside it (RoBERTa's) stays as it
             # is, as transformers leaves it
-            if self.config.tie_word_embeddings or not self.vocabulary_head().bias_in_decoder:
-                self.resize_output_bias(size, kept)
+            if not untied or not self.vocabulary_head().bias_in_decoder:
+                self.resize_output_bias(size, mean_resizing and untied)
         new._is_hf_initialized = True
         self.config.vocab_size = self.vocab_size = size
         self.tie_weights()
@@ -686,6 +714,10 @@ class BertLMPredictionHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def vocabulary_head(self) -> VocabularyHead:
+        # a decoder with a bias of its own (transformers', after fastbert.apply) adds that one, as transformers'
+        # logits do (the head's bias, tied, unless tie_word_embeddings is False); fastbert's adds the head's
+        if getattr(self.decoder, "bias", None) is not None:
+            return VocabularyHead(self.config, self.transform, self.decoder, self.decoder.bias, bias_in_decoder=True)
         return VocabularyHead(self.config, self.transform, self.decoder, self.bias)
 
     def forward(self, sequence_output):
@@ -744,16 +776,30 @@ class MLMHeadMixin:
         if getattr(new_embeddings, "bias", None) is not None:
             _set_path(self, self.bias_path, new_embeddings.bias)
 
-    def resize_output_bias(self, size: int, kept: int) -> None:
-        """The decoder's bias at `size` entries, its first `kept` kept (resize_token_embeddings)."""
+    def resize_output_bias(self, size: int, mean: bool) -> None:
+        """The decoder's bias at `size` entries, its old ones kept, new ones their mean (mean) or zero
+        (resize_token_embeddings)."""
         old = self.get_parameter(self.bias_path)
         bias = old.new_zeros(size)
-        bias[:kept] = old.detach()[:kept]
+        resize_rows(bias, old, mean, 0.0)
         bias = nn.Parameter(bias, requires_grad=old.requires_grad)
         _set_path(self, self.bias_path, bias)
         decoder = self.get_output_embeddings()
         if getattr(decoder, "bias", None) is old:  # RoBERTa's decoder adds the head's bias itself
             decoder.bias = bias
+
+
+@torch.no_grad()
+def resize_rows(new: torch.Tensor, old: torch.Tensor, mean_resizing: bool, std: float) -> None:
+    """Fill `new` (a resized table [V', ...] or bias [V']) from `old` [V, ...] as transformers' resize_token_embeddings
+    does: old's rows kept, rows past them the mean of old's (mean_resizing, computed in fp32; transformers samples
+    around it at 1e-9 of their covariance) or N(0, std) (std 0: zeros)."""
+    kept = min(len(new), len(old))
+    new[:kept] = old[:kept]
+    if len(new) > kept and mean_resizing:
+        new[kept:] = old.float().mean(dim=0).to(new.dtype)
+    elif len(new) > kept:
+        new[kept:].normal_(0.0, std)
 
 
 def _set_path(root: nn.Module, path: str, value) -> None:

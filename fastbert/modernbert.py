@@ -20,9 +20,9 @@ from fastbert import ops, outputs
 from fastbert.config import GELU_APPROXIMATION
 from fastbert.family_config import ModernBertConfig
 from fastbert.modeling import (AttentionLayout, BertForMaskedLM, BertModel, BertPreTrainedModel, EncoderLayer,
-                               HeadDropout, SelfAttention, VocabularyHead, _recompute, gelu_dense_norm,
-                               is_plain_linear, run_layers, sequence_classification_loss,
-                               token_classification_loss)
+                               HeadDropout, SelfAttention, VocabularyHead, _recompute, add_and_norm, dropout_rate,
+                               gelu_dense_norm, is_plain_linear, run_dropout, run_layers,
+                               sequence_classification_loss, token_classification_loss)
 from fastbert.validation import check_on_device, key_padding_mask
 
 
@@ -40,23 +40,30 @@ class ModernBertEmbeddings(nn.Module):
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.norm_bias)
+        self.drop = nn.Dropout(config.embedding_dropout)
 
     def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None):
         embeds = self.tok_embeddings(input_ids) if inputs_embeds is None else inputs_embeds  # [B, S, H]
-        hidden = layer_norm(self.config, self.norm, embeds)
-        return ops.dropout(hidden, self.config.embedding_dropout, self.training, backend=self.config.backend)
+        return run_dropout(self.drop, layer_norm(self.config, self.norm, embeds), self.config)
 
 
 class ModernBertAttention(SelfAttention):
     """Wqkv (one Linear [3H, H]) -> attention with rotary positions (and a window on local layers) -> the
-    context; Wo is applied by the layer, fused with the residual add and mlp_norm."""
+    context; Wo and out_drop are applied by the layer, fused with the residual add and mlp_norm. Dropout
+    switches as transformers': the float attention_dropout on the probabilities, the module out_drop after Wo
+    (an nn.Identity where the config's attention_dropout is 0), both read at each forward."""
 
     def __init__(self, config: ModernBertConfig, layer: int):
         super().__init__(config)
+        self.attention_dropout = config.attention_probs_dropout_prob
         self.Wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.attention_bias)
         self.Wo = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
+        self.out_drop = nn.Dropout(self.attention_dropout) if self.attention_dropout > 0.0 else nn.Identity()
         self.rotary_base = config.layer_rope_base(layer)
         self.window = config.layer_window(layer)
+
+    def probs_dropout(self) -> float:
+        return self.attention_dropout if self.training else 0.0
 
     def project(self, hidden):
         """q, k, v each [B, heads, S, d] (padded hidden [B, S, H]) or [T, heads, d] (packed [T, H])."""
@@ -80,18 +87,19 @@ class ModernBertMLP(nn.Module):
         super().__init__()
         self.config = config
         self.Wi = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.drop = nn.Dropout(config.mlp_dropout)
         self.Wo = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, hidden, recompute: bool = False):
         c = self.config
-        if is_plain_linear(self.Wi) and is_plain_linear(self.Wo) and not (self.training and c.mlp_dropout):
+        if is_plain_linear(self.Wi) and is_plain_linear(self.Wo) and dropout_rate(self.drop) == 0.0:
             return ops.feed_forward_geglu(hidden, self.Wi.weight, self.Wi.bias, self.Wo.weight, self.Wo.bias,
                                           c.gelu_approximate, recompute_pre=recompute, backend=c.backend)
 
         def unfused(x):
             value, gate = self.Wi(x).chunk(2, dim=-1)
             gated = F.gelu(value, approximate=c.gelu_approximate) * gate
-            return self.Wo(ops.dropout(gated, c.mlp_dropout, self.training, backend=c.backend))
+            return self.Wo(run_dropout(self.drop, gated, c))
         return _recompute(unfused, hidden) if recompute else unfused(hidden)
 
 
@@ -112,9 +120,8 @@ class ModernBertEncoderLayer(EncoderLayer):
         c = self.config
         normed = hidden if isinstance(self.attn_norm, nn.Identity) else layer_norm(c, self.attn_norm, hidden)
         context, probs = self.attn(normed, layout, output_attentions)
-        mlp_input, stream = layer_norm(c, self.mlp_norm, self.attn.Wo(context), residual=hidden,
-                                       dropout_p=c.attention_probs_dropout_prob, training=self.training,
-                                       return_residual=True)
+        mlp_input, stream = add_and_norm(c, self.mlp_norm, self.attn.Wo(context), hidden, self.attn.out_drop,
+                                         return_residual=True)
         return (stream, mlp_input), probs
 
     def feed_forward(self, attended, recompute: bool = False):

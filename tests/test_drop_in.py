@@ -1,5 +1,7 @@
 """fastbert as a drop-in for transformers' BERT (issue 19's defects): each test does the same thing with
 transformers and with fastbert and asserts that both behave alike (results, exception types, what is accepted)."""
+import copy
+
 import pytest
 import torch
 
@@ -179,3 +181,108 @@ def test_models_without_token_types_take_and_ignore_them_as_transformers(name):
         plain = model(input_ids=ids)[0]
         given = model(input_ids=ids, token_type_ids=torch.ones_like(ids))[0]
     assert torch.equal(plain, given)
+
+
+def test_config_loads_what_transformers_loads_and_the_model_refuses_it(tmp_path):
+    """hidden_size=32 with 12 heads: transformers builds, saves and loads the config (an override of the same
+    kind too) and refuses the model; fastbert's config loads it alike and its model build names the fields."""
+    transformers.BertConfig(hidden_size=32, num_attention_heads=12).save_pretrained(tmp_path)
+    theirs, ours = transformers.BertConfig.from_pretrained(tmp_path), fastbert.BertConfig.from_pretrained(tmp_path)
+    assert (ours.hidden_size, ours.num_attention_heads) == (theirs.hidden_size, theirs.num_attention_heads) == (32, 12)
+    overridden = {cls.from_pretrained(tmp_path, num_attention_heads=5).num_attention_heads
+                  for cls in (transformers.BertConfig, fastbert.BertConfig)}
+    assert overridden == {5}
+    with pytest.raises(ValueError, match=r"hidden size \(32\) is not a multiple of the number of attention heads"):
+        transformers.BertModel(theirs)
+    with pytest.raises(ValueError, match=r"hidden_size \(32\) must be divisible by num_attention_heads \(12\)"):
+        fastbert.BertModel(ours)
+    with pytest.raises(ValueError, match="backend"):  # fastbert's own switches, which transformers never sees
+        fastbert.BertConfig.from_pretrained(tmp_path, backend="cuda")
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "distilbert", "electra"])
+def test_resize_with_untied_weights_initialises_new_output_rows_as_transformers(arch):
+    """With tie_word_embeddings=False, transformers gives the new decoder rows the mean of the old decoder rows
+    (sampled around it at 1e-9 of their covariance) and a decoder bias the mean of the old bias: fastbert's own
+    model resized alike gives transformers' logits for the new ids, and the input rows as before."""
+    from family_models import hf_model, randomize
+    if arch == "bert":
+        theirs = randomize(tiny_hf("BertForMaskedLM", tie_word_embeddings=False))
+        # transformers 5's untied BERT adds its decoder's own bias; fastbert's adds the head's (cls.predictions.bias,
+        # what a tied or transformers 4 checkpoint holds): equal here, so the comparison is the resize's alone
+        theirs.cls.predictions.decoder.bias.data.copy_(theirs.cls.predictions.bias.data)
+    else:
+        theirs = hf_model(arch, "ForMaskedLM", tie_word_embeddings=False)
+    ours = fastbert.from_hf(theirs)
+    size = theirs.config.vocab_size + 5
+    for model in (theirs, ours):
+        torch.manual_seed(1)
+        model.resize_token_embeddings(size)
+    head = ours.vocabulary_head()  # the decoder and the bias its logits add (BERT's: the head's)
+    torch.testing.assert_close(head.decoder.weight, theirs.get_output_embeddings().weight, atol=1e-4, rtol=0)
+    torch.testing.assert_close(head.bias, theirs.get_output_embeddings().bias, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours.get_input_embeddings().weight, theirs.get_input_embeddings().weight, atol=1e-4,
+                               rtol=0)
+    ids = torch.tensor([[5, size - 1, size - 3, 7, 9]])
+    with torch.no_grad():
+        expected = theirs.eval()(input_ids=ids).logits
+        torch.testing.assert_close(ours.eval()(input_ids=ids).logits, expected, atol=1e-4, rtol=0)
+    assert expected.shape[-1] == size
+
+
+def test_resize_refuses_a_pad_to_multiple_of_that_is_not_an_integer_as_transformers():
+    """transformers raises ValueError for pad_to_multiple_of=1.3; so does fastbert, before nn.Embedding's TypeError."""
+    for model in (tiny_hf("BertForMaskedLM"), fastbert.from_hf(tiny_hf("BertForMaskedLM"))):
+        with pytest.raises(ValueError, match=r"1\.3.*integer|integer.*1\.3"):
+            model.resize_token_embeddings(124, pad_to_multiple_of=1.3)
+        assert model.get_input_embeddings().num_embeddings == 120  # left as it was
+    resized = fastbert.from_hf(tiny_hf("BertForMaskedLM")).resize_token_embeddings(121, pad_to_multiple_of=8)
+    assert resized.num_embeddings == tiny_hf("BertForMaskedLM").resize_token_embeddings(121, 8).num_embeddings == 128
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "distilbert", "electra", "mpnet", "modernbert"])
+def test_applied_forward_keeps_the_signature_of_transformers_forward(arch):
+    """Code reads a forward's signature (Trainer keeps the dataset columns it names, sentence-transformers the
+    features): after apply it is transformers' own, and positional arguments mean what they mean there."""
+    import inspect
+
+    from family_models import hf_model, padded_batch
+    if arch == "modernbert":
+        from test_modernbert import hf_model as modernbert
+        theirs = modernbert("Model")
+    else:
+        theirs = tiny_hf() if arch == "bert" else hf_model(arch)
+    expected = inspect.signature(theirs.forward)
+    ours = fastbert.apply(copy.deepcopy(theirs))
+    assert inspect.signature(ours.forward) == expected
+    head = fastbert.apply(tiny_hf("BertForSequenceClassification"))
+    assert inspect.signature(head.bert.forward) == inspect.signature(tiny_hf().forward)
+    batch = padded_batch(theirs.config, lengths=(7, 4), seq=7)
+    named = [p for p in expected.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    # up to six (BERT's sixth is encoder_hidden_states, which fastbert's own forward takes by keyword only)
+    positional = [batch["input_ids"], batch["attention_mask"]] + [None] * (min(len(named), 6) - 2)
+    mask = batch["attention_mask"].bool()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(*positional)[0][mask], theirs(*positional)[0][mask], atol=1e-5, rtol=1e-5)
+    with pytest.raises(TypeError, match="too many positional arguments"):
+        ours(*[None] * (len(named) + 1))  # more than transformers' forward takes
+
+
+def test_a_mismatched_head_is_reported_in_transformers_words(tmp_path, caplog):
+    """transformers' load report says MISMATCH, "Reinit due to size mismatch - ckpt: ... vs model: ..." for a head
+    of another size; fastbert's one warning line says the same of each key."""
+    tiny_hf("BertForSequenceClassification", num_labels=2).save_pretrained(tmp_path)
+    with caplog.at_level("WARNING", logger="fastbert"):
+        fastbert.BertForSequenceClassification.from_pretrained(tmp_path, num_labels=3, ignore_mismatched_sizes=True)
+    assert "mismatched keys (reinit due to size mismatch)" in caplog.text
+    assert "classifier.weight ckpt: (2, 32) vs model: (3, 32)" in caplog.text
+
+
+def test_from_pretrained_under_a_meta_device_is_refused_as_transformers(tmp_path):
+    """transformers refuses from_pretrained inside `with torch.device("meta")` (it would load nothing), a
+    RuntimeError; fastbert too, where it loaded the weights onto the CPU regardless."""
+    tiny_hf().save_pretrained(tmp_path)
+    for cls in (transformers.BertModel, fastbert.BertModel):
+        with pytest.raises(RuntimeError, match="meta"), torch.device("meta"):
+            cls.from_pretrained(tmp_path)
+    assert fastbert.BertModel.from_pretrained(tmp_path).embeddings.word_embeddings.weight.device.type == "cpu"
