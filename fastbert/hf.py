@@ -154,8 +154,13 @@ def normalize_keys(state: dict[str, torch.Tensor], tied: bool = True) -> dict[st
             key = key[: -len("beta")] + "bias"
         out[key] = value
     if "cls.predictions.decoder.bias" in out:
+        # the bias transformers' logits add: its decoder's, tied to cls.predictions.bias, or with untied weights a
+        # parameter of its own (cls.predictions.bias then unused), which is what fastbert's head bias must hold
         bias = out.pop("cls.predictions.decoder.bias")
-        out.setdefault("cls.predictions.bias", bias)
+        if tied:
+            out.setdefault("cls.predictions.bias", bias)
+        else:
+            out["cls.predictions.bias"] = bias
     if tied:
         out.pop("cls.predictions.decoder.weight", None)
     return out
@@ -362,6 +367,9 @@ def hf_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor] | None 
             continue
         seen.add(identity)
         out[key] = value.to("cpu").contiguous()
+    if "cls.predictions.bias" in out and not getattr(model.config, "tie_word_embeddings", True):
+        # transformers' untied BERT head adds its decoder's own bias (normalize_keys): written as that too
+        out["cls.predictions.decoder.bias"] = out["cls.predictions.bias"].clone()
     return out
 
 

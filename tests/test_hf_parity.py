@@ -246,3 +246,25 @@ def test_outputs_behave_as_transformers_model_outputs():
     assert isinstance(hidden, tuple) and len(hidden) == 2 and len(hidden[1]) == 3
     model.config.output_hidden_states = True  # transformers' config defaults are read at forward time
     assert len(model(input_ids=torch.ones(2, 5, dtype=torch.long)).hidden_states) == 3
+
+
+def test_an_untied_mlm_heads_bias_loads_and_saves_as_transformers(tmp_path):
+    """transformers 5's BertLMPredictionHead adds its decoder's own bias: tied to cls.predictions.bias, or with
+    tie_word_embeddings=False a separate parameter (cls.predictions.bias then unused). fastbert's head adds
+    cls.predictions.bias: it must hold the decoder's bias of an untied checkpoint, and a checkpoint fastbert writes
+    must give transformers that bias back."""
+    torch.manual_seed(0)
+    hf = transformers.BertForMaskedLM(hf_config(tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        hf.cls.predictions.decoder.bias.normal_()
+        hf.cls.predictions.bias.normal_()  # unused by transformers' forward: must not be what fastbert adds
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    expected = hf(input_ids=ids).logits
+    hf.save_pretrained(tmp_path / "hf")
+    for ours in (fastbert.from_hf(hf), fastbert.BertForMaskedLM.from_pretrained(tmp_path / "hf")):
+        with torch.no_grad():
+            torch.testing.assert_close(ours.eval()(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
+    ours.save_pretrained(tmp_path / "ours")
+    back = transformers.BertForMaskedLM.from_pretrained(tmp_path / "ours").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
