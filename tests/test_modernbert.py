@@ -301,7 +301,7 @@ def test_packed_inputs_equal_the_padded_batch(native):
     rows with tokens gives the padded batch's hidden states and gradients; wrong position ids are refused."""
     theirs = hf_model()
     model = fastbert.from_hf(theirs) if native else fastbert.apply(copy.deepcopy(theirs))
-    inputs = to_device(padded_batch(theirs.config, lengths=FILLED, seq=SEQ), device)
+    inputs = padded_batch(theirs.config, lengths=FILLED, seq=SEQ)
     mask = inputs["attention_mask"]
     padded = model(**inputs)
     torch.testing.assert_close(padded.last_hidden_state[mask.bool()],
