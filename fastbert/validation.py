@@ -47,7 +47,9 @@ def check_on_device(ok: torch.Tensor, message: str, explain: Callable[[], str] |
     """
     try:
         torch._assert_async(ok, message[:_DEVICE_MESSAGE_LIMIT - 1])
-    except RuntimeError:  # only a CPU assert raises here, and only when ok is False
+    except RuntimeError:
+        if ok.device.type != "cpu":  # an earlier kernel's error surfacing at this launch: not this check's
+            raise
         raise ValueError(message if explain is None else explain()) from None
 
 
