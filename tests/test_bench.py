@@ -252,15 +252,15 @@ def _h100_row(op, shape, provider, direction, ms, dtype="bfloat16"):
 
 
 def test_summary_and_op_tables_mark_the_path_auto_runs():
-    """The committed table chooses PyTorch's LayerNorm at 16384 x 768 on sm_90 and the Triton MLM loss: the
-    terminal summary stars those providers' rows and PERF.md's per-op tables mark them "(auto)"."""
-    shape = {"rows": 16384, "hidden": 768, "dropout_p": 0.1}
-    rows = [_h100_row("layer_norm", shape, p, "fwd+bwd", ms) for p, ms in
-            (("fastbert", 0.7), (op_cases.EAGER, 0.25), (op_cases.TORCH, 0.24))]
+    """The committed table chooses cuBLAS's QKV projection at 32 x 512 x 768 on sm_90 for training and the Triton
+    MLM loss: the terminal summary stars those providers' rows and PERF.md's per-op tables mark them "(auto)"."""
+    shape = {"batch": 32, "seqlen": 512, "hidden": 768, "heads": 12}
+    rows = [_h100_row("qkv_projection", shape, p, "fwd+bwd", ms) for p, ms in
+            (("fastbert", 0.9), (op_cases.EAGER, 0.58), (op_cases.TORCH, 0.6))]
     starred = [line.split()[1] for line in runner.summary(rows).splitlines()[1:] if line.split()[2] == "*"]
     assert starred == [op_cases.EAGER]
-    table = "\n".join(report.op_section("layer_norm", rows))
-    assert "0.250 ms (auto)" in table and table.count("(auto)") == 1
+    table = "\n".join(report.op_section("qkv_projection", rows))
+    assert "0.580 ms (auto)" in table and table.count("(auto)") == 1
     mlm = {"batch": 32, "seqlen": 512, "hidden": 768, "vocab": 30522, "labelled": 0.15}
     rows = [_h100_row("mlm_head", mlm, p, "fwd", 1.0) for p in ("fastbert", op_cases.EAGER)]
     fastbert_cell = "\n".join(report.op_section("mlm_head", rows)).split("| fwd |")[1].split("|")[0]

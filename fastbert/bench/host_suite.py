@@ -197,7 +197,10 @@ def _model_calls(size: str, provider: str) -> Callable[[str], Callable[[], None]
         config = model_config(size)
         mode = "inference" if direction == "fwd" else "train"
         model = model_cases.build_model(provider, config, mode, torch.device("cpu"))
-        tensors = model_cases.make_batch(config, MODEL_BATCH, MODEL_SEQLEN, True, torch.device("cpu"))["tensors"]
+        batch = model_cases.make_batch(config, MODEL_BATCH, MODEL_SEQLEN, True, torch.device("cpu"))
+        tensors = batch["tensors"]
+        if provider == FASTBERT and mode == "train":  # the MLM head's static budget, as `fastbert pretrain` sets it
+            model.config.max_predictions_per_seq = batch["most_labelled"]
         if mode == "inference":
             inputs = {k: tensors[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in tensors}
 

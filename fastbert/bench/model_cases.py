@@ -99,7 +99,9 @@ def make_batch(config: fastbert.BertConfig, batch: int, seqlen: int, padded: boo
     next_sentence_label = torch.randint(0, 2, (batch,), generator=g)
     if training_head(config) == "ForPreTraining":
         tensors["next_sentence_label"] = next_sentence_label
-    return {"tensors": {k: v.to(device) for k, v in tensors.items()}, "lengths": lengths}
+    most_labelled = int((labels != -100).sum(dim=1).max())  # on the host, before the batch goes to the device
+    return {"tensors": {k: v.to(device) for k, v in tensors.items()}, "lengths": lengths,
+            "most_labelled": most_labelled}
 
 
 def model_flops(config: fastbert.BertConfig, lengths: torch.Tensor, labelled: int, mode: str) -> float:
@@ -139,15 +141,14 @@ def make_step(provider: str, model: torch.nn.Module, optimizer, mode: str, tenso
     fastbert_model = provider in (FASTBERT, UNPAD, EAGER)
     if mode == "inference":
         inputs = {k: tensors[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in tensors}
-        extra = {"validate": False} if fastbert_model else {}
 
         def infer():
             with torch.inference_mode():
-                model(**inputs, **extra)
+                model(**inputs)
         return infer
 
-    # validate=False: the checks sync with the host; return_logits=False: the training path
-    extra = {"validate": False, "return_logits": False} if fastbert_model else {}
+    # default arguments, the input checks on (they run on the device); return_logits=False: the training path
+    extra = {"return_logits": False} if fastbert_model else {}
 
     def train_step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -176,6 +177,10 @@ class ProviderRun:
 
     def step_for(self, batch: int, padded: bool) -> tuple[Callable[[], None], dict]:
         data = make_batch(self.case.config, batch, self.case.seqlen, padded, self.device)
+        if self.provider in (FASTBERT, UNPAD, EAGER) and self.case.mode != "inference":
+            # as `fastbert pretrain` runs it: the MLM head on a static budget of positions per sequence, the batch's
+            # most labelled, counted on the host (budget 0 would run the head's decoder on every position)
+            self.model.config.max_predictions_per_seq = data["most_labelled"]
         step = make_step(self.provider, self.model, self.optimizer, self.case.mode, data["tensors"], self.device)
         return step, data
 

@@ -32,6 +32,12 @@ def stubbed_launches():
     from triton import knobs
 
     from fastbert.kernels import launch
+    from fastbert.kernels.numerics import INTERPRETER
+
+    if INTERPRETER:
+        raise RuntimeError("timing the host needs Triton's compiled-kernel path, and fastbert was imported with "
+                           "TRITON_INTERPRET=1 (Triton's interpreter runs every kernel in numpy); run it in a "
+                           "process without that variable")
 
     previous_driver, previous_hook = triton.runtime.driver._active, knobs.runtime.jit_cache_hook
     tuned = autotuner_choices()

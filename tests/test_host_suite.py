@@ -1,0 +1,83 @@
+"""`fastbert bench --suite host` (what CI runs of it, --quick) and the stubbed launches it stands on: rows for every
+op and model beside their comparison, the models' default forwards and steps without host syncs, and nothing left
+behind when the stubs go. The suite times Triton's compiled-kernel path, so it runs in a process of its own without
+the interpreter that tests/conftest.py sets."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fastbert.bench import host_report, host_suite, report
+
+STUBS_AND_BACK = """
+import torch, triton
+from fastbert import ops
+from fastbert.simulated.host_time import host_microseconds, stubbed_launches
+x, weight, bias = torch.randn(4, 32), torch.ones(32), torch.zeros(32)
+before = triton.runtime.driver._active
+with stubbed_launches():
+    assert ops.layer_norm(x, weight, bias, backend="triton").shape == x.shape
+    assert host_microseconds(lambda: ops.layer_norm(x, weight, bias, backend="triton"), number=2, repeats=1) > 0
+assert triton.runtime.driver._active is before
+try:
+    ops.layer_norm(x, weight, bias, backend="triton")
+except RuntimeError as exc:
+    assert "needs CUDA tensors" in str(exc)
+else:
+    raise AssertionError("the kernels took CPU tensors after the stubs were gone")
+"""
+
+
+def _compiled_path(code: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, *args] if not code else [sys.executable, "-c", code], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_every_case_has_a_comparison():
+    cases = host_suite.host_cases()
+    ops_measured = {case.op for case in cases}
+    assert {"layer_norm", "bias_gelu", "linear_bias_gelu", "feed_forward", "qkv_projection", "attention",
+            "attention_varlen", "linear_cross_entropy", "dropout", "model"} == ops_measured
+    for case in cases:
+        assert set(case.providers) in ({host_suite.FASTBERT, host_suite.TORCH},
+                                       {host_suite.FASTBERT, host_suite.HF_SDPA}), case.name
+
+
+def test_the_quick_suite_writes_rows_perf_reads(tmp_path):
+    done = _compiled_path("", "-m", "fastbert.bench", "--suite", "host", "--quick", "--out", str(tmp_path),
+                          "--no-progress", "--only", "^(layer_norm|dropout|model/base)")
+    assert done.returncode == 0, done.stderr
+    (path,) = tmp_path.glob("host-*.json")
+    rows = json.loads(path.read_text())
+    assert {(r["op"], r["provider"], r["direction"]) for r in rows} == {
+        (op, provider, direction) for op, providers in (("layer_norm", ("fastbert", "torch")),
+                                                        ("dropout", ("fastbert", "torch")),
+                                                        ("model", ("fastbert", "hf-sdpa")))
+        for provider in providers for direction in host_suite.DIRECTIONS}
+    assert all(r["status"] == "ok" and r["host_us"] > 0 and r["suite"] == "host" for r in rows)
+    # issue 25: fastbert's default forward and training step make the host wait zero times
+    assert [r["host_syncs"] for r in rows if r["op"] == "model" and r["provider"] == "fastbert"] == [0, 0]
+    assert "model/base" in done.stdout and "ratio" in done.stdout
+    section = "\n".join(host_report.host_section(rows, report.provenance_line))
+    assert section.count("| model/base") == 2 and "fastbert bench --suite host" in section
+
+
+def test_stubbed_launches_leave_nothing_behind():
+    """Inside, backend="triton" takes CPU tensors and launches nothing; after, Triton's driver is what it was and
+    the kernels refuse CPU tensors again."""
+    done = _compiled_path(STUBS_AND_BACK)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_interpreter_is_refused():
+    """Under TRITON_INTERPRET=1 (this process) every kernel would run in numpy: the host cannot be timed."""
+    from fastbert.kernels.numerics import INTERPRETER
+    from fastbert.simulated.host_time import stubbed_launches
+
+    if not INTERPRETER:
+        pytest.skip("this process runs Triton's compiled kernels (a GPU): no interpreter to refuse")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"), stubbed_launches():
+        pass
