@@ -36,12 +36,20 @@ def one_thread():
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU for speed or size (full-size cases, timings); "
                                        "every dtype, bf16 included, is tested in the interpreter at smaller sizes")
+    config.addinivalue_line("markers", "slow(reason): the README's second test command's share, slow by nature "
+                                       "(the compile gates, full-size cases, end-to-end runs, the cross products of "
+                                       "dtypes, layouts and architectures); the first keeps each kernel and model "
+                                       "path in fp32 and bf16")
     # fastbert talks through the `fastbert` logger; a warning attributed to one of its own lines (its own
     # warnings.warn, or a library's whose stacklevel points into fastbert) tells users nothing: a test error
     config.addinivalue_line("filterwarnings", "error:::fastbert")
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for mark in item.iter_markers("slow"):
+            if not mark.kwargs.get("reason"):
+                raise pytest.UsageError(f"{item.nodeid}: a slow mark says why: pytest.mark.slow(reason=...)")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -11,6 +11,8 @@ from fastbert.kernels import bias_gelu as kernel
 from fastbert.kernels import matmul
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+FULL_SIZE = pytest.mark.slow(reason="1000 rows of BERT-large's width in the interpreter; odd sizes and several "
+                                    "row blocks are the smaller cases'")
 
 
 def _run(fn, inputs, grad_out):
@@ -33,7 +35,7 @@ def _check_against_reference(fn, ref_fn, inputs, grad_out, names):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
-@pytest.mark.parametrize("rows, hidden", [(1, 384), (7, 1000), (113, 768), (1000, 1024)])
+@pytest.mark.parametrize("rows, hidden", [(1, 384), (7, 1000), (113, 768), pytest.param(1000, 1024, marks=FULL_SIZE)])
 def test_bias_gelu_matches_reference(rows, hidden, approximate, dtype, device):
     torch.manual_seed(rows + hidden)
     x = 3 * torch.randn(rows, hidden, device=device, dtype=dtype)
@@ -62,7 +64,7 @@ def test_bias_gelu_noncontiguous_and_batched(dtype, device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows, in_features, out_features, approximate",
                          [(1, 384, 1536, "none"), (7, 1000, 384, "tanh"), (113, 768, 1000, "none"),
-                          (1000, 1024, 384, "tanh")])
+                          pytest.param(1000, 1024, 384, "tanh", marks=FULL_SIZE)])
 def test_linear_bias_gelu_matches_reference(rows, in_features, out_features, approximate, dtype, form, device):
     torch.manual_seed(rows + in_features)
     x = torch.randn(rows, in_features, device=device, dtype=dtype)

@@ -34,6 +34,8 @@ KERNELS = {"_matmul_fwd_kernel", "_bias_gelu_fwd_kernel", "_bias_gelu_bwd_kernel
            "_attention_fwd_kernel", "_attention_bwd_preprocess_kernel", "_attention_bwd_kernel",
            "_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_mlm_loss_fwd_kernel", "_mlm_loss_bwd_kernel",
            "_dropout_kernel"}
+# the fixture `audit` builds every kernel for two GPU targets with two Tritons: CPU-minutes with an empty Triton cache
+COMPILES = pytest.mark.slow(reason="the compile gates: every kernel built for sm_90a and sm_80 with both Tritons")
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +61,7 @@ def _failures(rows, gate):
     return [failure for name, failure in compile_audit.gate_failures(rows) if name == gate]
 
 
+@COMPILES
 def test_every_kernel_compiles_for_both_gpus_with_both_tritons(audit):
     assert not _failures(audit, "compiles")
     tritons = {r["triton"] for r in audit}
@@ -70,18 +73,22 @@ def test_every_kernel_compiles_for_both_gpus_with_both_tritons(audit):
         assert compiled == KERNELS, f"Triton {triton}, {target}, {dtype}: missing {KERNELS - compiled}"
 
 
+@COMPILES
 def test_matmul_kernels_use_warpgroup_mma_on_sm90a(audit):
     assert not _failures(audit, "warpgroup MMA")
 
 
+@COMPILES
 def test_no_config_a_launcher_can_pick_spills(audit):
     assert not _failures(audit, "no spill")
 
 
+@COMPILES
 def test_shared_memory_fits_the_gpu(audit):
     assert not _failures(audit, "shared memory")
 
 
+@COMPILES
 def test_autotuned_kernels_compile_every_candidate(audit):
     """The gates see every config an autotuner can pick, not only the one it would pick here."""
     candidates = [r for r in audit if r["kernel"] == "_attention_fwd_kernel" and r["target"] == "sm_90a"
@@ -90,6 +97,7 @@ def test_autotuned_kernels_compile_every_candidate(audit):
     assert len(configs) > 1
 
 
+@COMPILES
 def test_matmul_kernel_list_is_every_kernel_with_tensor_core_instructions(audit):
     """MATMUL_KERNELS (the warpgroup-MMA gate's list) are the kernels whose sm_80 build has MMA instructions."""
     with_mma = {r["kernel"] for r in audit if r["target"] == "sm_80" and r["mma"]}

@@ -346,6 +346,7 @@ def test_task_models_are_transformers_heads_on_fastbert(checkpoints, tmp_path):
         load_task_model(config, "ForPreTraining", checkpoints["distilbert"], 0.1, None)
 
 
+@pytest.mark.slow(reason="an end-to-end fine-tuning run on the kernels in the interpreter")
 @pytest.mark.parametrize("arch", ["roberta", "mpnet"])
 def test_classification_on_fastbert_kernels(arch, tmp_path):
     """--backend triton: fine-tuning runs the family on fastbert's Triton kernels (under the interpreter on a

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 
@@ -53,6 +55,7 @@ def _run_check(tmp_path, **limits):
     return result, out
 
 
+@pytest.mark.slow(reason="waits out the GPU check's stage limits (40 s and more) in a whole run of its script")
 def test_a_stopped_run_reports_what_it_found(tmp_path):
     result, out = _run_check(tmp_path, FASTBERT_CHECK_TESTS_S="40", FASTBERT_CHECK_MODELS_S="3",
                              FASTBERT_CHECK_OPS_S="20")

@@ -5,6 +5,8 @@ import ast
 import pathlib
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -102,6 +104,8 @@ def forbidden_for_simulated(modules) -> list[str]:
                   or (m.startswith("fastbert.train") and m not in ALLOWED_FROM_TRAIN))
 
 
+@pytest.mark.slow(reason="a fresh interpreter importing torch per entry point; the import graph's circles are "
+                         "test_the_import_graph_has_no_circle's")
 def test_each_module_imports_first_in_a_fresh_interpreter_and_simulated_stays_below():
     """Every entry point imported first, in a fresh interpreter each. A circle fails only while one of its modules
     is half-initialised, that is within the chain of imports one statement starts, so which module starts it is

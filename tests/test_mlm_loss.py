@@ -83,6 +83,9 @@ def _gpu_tiles(monkeypatch):
     monkeypatch.setattr(mlm_loss, "_config", mlm_loss._gpu_config)
 
 
+# BERT's vocabulary: the interpreter's tiles over 30522 columns; many tiles and splits at a small V are
+# test_gpu_tiles_odd_sizes_strided_inputs's
+FULL_VOCABULARY = pytest.mark.slow(reason="the full 30522-token vocabulary in the interpreter")
 # (rows, labelled, vocab, hidden, dtype, reduction, label_smoothing, ignore_index, bias)
 CASES = [
     *[(50, 37, 1000, 384, dtype, reduction, smoothing, ignore, True)
@@ -92,12 +95,12 @@ CASES = [
     (320, 300, 1000, 768, torch.float16, "mean", 0.1, -1, True),
     (320, 300, 1000, 768, torch.float32, "sum", 0.0, -100, False),
     (1, 1, 1000, 384, torch.float32, "mean", 0.0, -100, False),
-    (3, 1, 30522, 768, torch.float32, "mean", 0.1, -100, True),
-    (3, 1, 30522, 768, torch.float16, "sum", 0.0, 7, True),
-    (40, 37, 30522, 384, torch.float32, "mean", 0.2, -100, True),
+    pytest.param(3, 1, 30522, 768, torch.float32, "mean", 0.1, -100, True, marks=FULL_VOCABULARY),
+    pytest.param(3, 1, 30522, 768, torch.float16, "sum", 0.0, 7, True, marks=FULL_VOCABULARY),
+    pytest.param(40, 37, 30522, 384, torch.float32, "mean", 0.2, -100, True, marks=FULL_VOCABULARY),
     (50, 37, 1000, 384, torch.bfloat16, "mean", 0.1, -100, True),
     (320, 300, 1000, 768, torch.bfloat16, "sum", 0.0, 3, False),
-    (3, 1, 30522, 768, torch.bfloat16, "mean", 0.1, -100, True),
+    pytest.param(3, 1, 30522, 768, torch.bfloat16, "mean", 0.1, -100, True, marks=FULL_VOCABULARY),
 ]
 
 

@@ -58,7 +58,9 @@ def test_triton_model_matches_reference(unpad, device):
         torch.testing.assert_close(grads[name].grad, param.grad, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("unpad", [False, True], ids=["padded", "unpadded"])
+@pytest.mark.parametrize("unpad", [pytest.param(False, marks=pytest.mark.slow(
+    reason="bf16 padded: the padded kernels are fp32's here, bf16's in each kernel's tests")), True],
+    ids=["padded", "unpadded"])
 def test_triton_model_bf16_within_the_rule(unpad, device):
     """The model in bf16 on the kernels against the same weights in float64 on the reference: every
     hidden state, the logits, both losses and every parameter's gradient are within DESIGN.md's rule

@@ -334,6 +334,7 @@ def _cli_args(data, out, steps):
     return args + [x for k, v in SMALL.items() for x in (f"--model.{k}", str(v))]
 
 
+@pytest.mark.slow(reason="four end-to-end pretraining runs in their own processes")
 def test_runs_exit_cleanly_when_finished_or_sigtermed(data, tmp_path):
     """Status 0 every time: never 134, the abort of a prefetch thread still in torch code at exit."""
     for round in range(2):  # each round: a run to its end and a SIGTERMed one, side by side
@@ -409,6 +410,7 @@ def assert_same_losses(two, one, what):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (what, a["step"], key)
 
 
+@pytest.mark.slow(reason="end-to-end pretraining runs under torchrun, two processes and one")
 def test_torchrun_two_processes_match_one(data, tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
@@ -520,6 +522,7 @@ def chance_levels(dataset) -> tuple[float, float, float]:
 DEMO_TEST_STEPS = 300  # the demo shortened (its warm-up and decay scaled along): about 35 CPU-seconds of training
 
 
+@pytest.mark.slow(reason="the demo pretraining run, shortened to 300 steps, and a fine-tuning run")
 def test_the_demo_learns(tmp_path, monkeypatch, capsys):
     """The demo, run as the README says but shorter, scores above what a model that does not learn
     scores, by 4 standard errors of the predictions the compared rows hold; its last line names the model

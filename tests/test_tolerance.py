@@ -40,7 +40,8 @@ def _bits(capability, dtype):
     return result.stdout
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow(
+    reason="three fresh interpreters again; bf16 is the one whose bits differed"))])
 def test_pytorch_in_gives_the_same_bits_on_every_cpu_capability(dtype):
     """(Without pytorch_in, this block's bf16 gradient already differs between default and avx2.)"""
     bits = {capability: _bits(capability, dtype) for capability in ("default", "avx2", None)}
