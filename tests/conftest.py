@@ -17,6 +17,11 @@ if not torch.cuda.is_available():
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # pytest -n N: N processes share the cores, which torch's intra-op threads default to in each; a thread
+    # beyond a process's share only spins (see one_thread): test_dropout_switches.py took twice the CPU time
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture
 def device():

@@ -483,9 +483,9 @@ def test_triton_left_padding_within_the_rule(device):
     assert_triton_within_the_rule(exact, to_device(inputs, device), torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow(
-    reason="S = 150 in bf16: the band across blocks is fp32's here and the kernel's in bf16 in "
-           "test_attention_rotary_window"))], ids=["fp32", "bf16"])
+@pytest.mark.slow(reason="S = 150 on the kernels; the band across key blocks is test_attention_rotary_window's (S = "
+                         "129) in fp32 and bf16, the local layers on the kernels test_triton_path_within_the_rule's")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_window_across_blocks_within_the_rule(dtype, device):
     """Rows of 150 and 77 tokens with a window of 16 keys either side: the local layers' kernels skip the key
     blocks outside the band and mask its edges inside blocks; rotary positions past the first block."""

@@ -275,6 +275,7 @@ SIGNALLED_RANK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow(reason="end-to-end pretraining runs under torchrun, two processes")
 def test_sigterm_to_one_rank_stops_every_rank_and_rank_0_names_the_signal(data, tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text(SIGNALLED_RANK)
