@@ -17,6 +17,7 @@
 # microseconds, and launchers call them several times per launch.
 from __future__ import annotations
 
+import inspect
 import operator
 from typing import Callable, Union
 
@@ -90,6 +91,8 @@ class KernelLauncher:
         self.autotuner = kernel if isinstance(kernel, Autotuner) else None
         jit = kernel.fn if self.autotuner is not None else kernel
         self.arg_names: list[str] = list(jit.arg_names)
+        self.defaults = {name: p.default for name, p in inspect.signature(jit.fn).parameters.items()
+                         if p.default is not inspect.Parameter.empty}
         keys = set(self.autotuner.keys) if self.autotuner is not None else set()
         self.key_positions = frozenset(i for i, name in enumerate(self.arg_names) if name in keys)
         self.layouts: dict[tuple, _Layout] = {}
@@ -145,7 +148,8 @@ class KernelLauncher:
             if config.pre_hook is not None:  # a hook runs per launch: leave such kernels to Triton
                 return compiled
             meta.update(config.kwargs)
-        entry = _Entry(compiled, tuple(meta[name] for name in self.arg_names[len(args):]), meta)
+        entry = _Entry(compiled, tuple(meta[name] if name in meta else self.defaults[name]
+                                       for name in self.arg_names[len(args):]), meta)
         self._keep(self.by_specialisation, specialisation, entry)
         self._keep(self.by_key, key, entry)
         return compiled
