@@ -763,7 +763,8 @@ def _placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 # The bounds of the last key mask: every layer of an encoder takes its forward's one mask, forward and backward,
 # so they are computed once, not per call. Kept with a weak reference to the mask and its version (an in-place
-# change computes them anew), and never while a CUDA graph is captured, whose replays must compute them.
+# change computes them anew); never for an inference-mode tensor (it has no version, and a static input buffer
+# refilled in place must not read old bounds) nor while a CUDA graph is captured, whose replays must compute them.
 _LAST_MASK: list = [None]
 
 
@@ -778,8 +779,8 @@ def _mask_and_bounds(q, key_mask):
         bounds = _placeholder(torch.int32, q.device)
         return _placeholder(torch.uint8, q.device), bounds, bounds, 0, 0
     last = _LAST_MASK[0]
-    capturing = _capturing(key_mask)
-    if last is not None and last[0]() is key_mask and last[1] == key_mask._version and not capturing:
+    cacheable = not key_mask.is_inference() and not _capturing(key_mask)
+    if cacheable and last is not None and last[0]() is key_mask and last[1] == key_mask._version:
         return last[2]
     keep = key_mask != 0  # [B, S] bool
     seqlen = keep.shape[1]
@@ -788,7 +789,7 @@ def _mask_and_bounds(q, key_mask):
     hi = torch.where(keep, positions + 1, 0).amax(dim=1).to(torch.int32)
     mask = keep.view(torch.uint8)
     bounds = mask, lo, hi, mask.stride(0), mask.stride(1)
-    if not capturing:
+    if cacheable:
         _LAST_MASK[0] = (weakref.ref(key_mask), key_mask._version, bounds)
     return bounds
 

@@ -34,7 +34,8 @@ OP_TITLES = {
     "attention": "Attention, padded and varlen (issue 4)",
     "mlm_head": "MLM head + loss (issue 5)",
 }
-PROVIDER_ORDER = ("fastbert", "fastbert-split", "fastbert-varlen", "fastbert-unpad", "fastbert-eager", "torch",
+PROVIDER_ORDER = ("fastbert", "fastbert-split", "fastbert-varlen", "fastbert-unpad", "fastbert-graph", "fastbert-apply",
+                  "fastbert-eager", "torch",
                   "torch.compile", "hf-sdpa", "hf-eager", "hf-sdpa+compile")
 # Published by others, not measured here: shown so our ratios can be read against them.
 PUBLISHED = [

@@ -98,7 +98,8 @@ def work_items(suite: str) -> list[WorkItem]:
 GPU_ORDER = {"headline model": (0, 20.0), "headline compiled model": (1, 120.0), "op": (2, 5.0),
              "other model": (3, 20.0), "compiled op": (4, 30.0), "other compiled model": (5, 120.0)}
 HEADLINE_SIZE = "base"  # BERT-base, the model of issue 26's whole-model targets
-HEADLINE_PROVIDERS = frozenset({model_cases.FASTBERT, model_cases.UNPAD, model_cases.HF_SDPA})
+HEADLINE_PROVIDERS = frozenset({model_cases.FASTBERT, model_cases.UNPAD, model_cases.HF_SDPA, model_cases.APPLY,
+                                model_cases.GRAPH})
 
 
 def model_item_kind(case: model_cases.ModelCase, provider: str) -> str:
