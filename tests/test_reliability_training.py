@@ -38,6 +38,19 @@ def test_first_metrics_line_after_a_resume_averages_the_uninterrupted_runs_steps
     assert losses(parts) == losses(whole)  # step 4's line averages steps 3 and 4, not 4 alone
 
 
+def test_a_resume_from_a_checkpoint_at_a_logging_step_logs_the_uninterrupted_runs_lines(data, tmp_path):
+    """A checkpoint saved at a step that also wrote a metrics line (the defaults: --log-every 10, --save-every
+    1000) carries no window: the first line after a resume from it averages the steps after it alone."""
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    pretrain.train(config(data, whole, log_every=2, save_every=2, keep_checkpoints=10), SMALL)
+    shutil.copytree(whole, parts)
+    for step in checkpoint_steps(parts)[1:]:  # as a run killed once step 2's checkpoint was written
+        shutil.rmtree(parts / "checkpoints" / f"step_{step:08d}")
+    pretrain.train(config(data, parts, log_every=2, save_every=2, keep_checkpoints=10), SMALL)
+    assert [r["step"] for r in losses(parts)] == [2, 4, 6]
+    assert losses(parts) == losses(whole)  # step 4's line averages steps 3 and 4, not 1 to 4
+
+
 def test_non_finite_stop_names_the_checkpoint_before_the_bad_steps_and_saves_none_during_them(
         data, tmp_path, monkeypatch):
     forward = BertForPreTraining.forward

@@ -116,6 +116,7 @@ class Reading:
     skipped: int  # steps whose update was skipped, since the last read
     bad: list[tuple[int, bool]]  # (step, a non-finite loss or gradient) of each step since the last read
     grad_norm: float  # of the last step, before clipping
+    logged: bool = False  # its metrics line was written (Window.record): the window starts afresh
 
 
 class Window:
@@ -170,8 +171,9 @@ class Window:
 
     @staticmethod
     def carry(reading: Reading) -> dict:
-        """The window so far, for a checkpoint (see `carried`)."""
-        return {**reading.sums, "elapsed": reading.elapsed}
+        """The window so far, for a checkpoint (see `carried`): empty once the reading was logged, so that
+        the first line after a resume from a checkpoint at a logging step averages only the steps after it."""
+        return {} if reading.logged else {**reading.sums, "elapsed": reading.elapsed}
 
     def record(self, reading: Reading, peak_flops: float, **fields) -> dict:
         """One metrics line: the given fields (step, phase, ...) and the averages and rates of the window;
@@ -194,6 +196,7 @@ class Window:
         self.sums.zero_()
         self.tokens = self.flops = self.elapsed_before = 0.0
         self.start = time.perf_counter()
+        reading.logged = True
         return record
 
 
