@@ -328,9 +328,9 @@ class BertConfig(ConfigBase):
         """Write HF config.json (a file path, or a directory to write config.json into)."""
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-            f.write("\n")
+        from fastbert.files import write_text  # replaced whole; a full disk is a message naming the file
+
+        write_text(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         """config.json into `save_directory` (created if needed), as transformers' method of that name."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from fastbert.data.examples import MLM_NSP
+from fastbert.files import append_text, write_text
 
 logger = logging.getLogger("fastbert.train")
 
@@ -215,11 +216,7 @@ class MetricsLog:
             os.remove(path)
             return
         # lines a crashed run wrote after its last checkpoint would be repeated by the resumed run
-        kept = [line for line, record in self._records() if record["step"] <= resume_step]
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(tmp, path)
+        write_text(path, "".join(line for line, record in self._records() if record["step"] <= resume_step))
 
     def _records(self) -> list[tuple[str, dict]]:
         with open(self.path, encoding="utf-8") as f:
@@ -238,8 +235,8 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         if self.enabled:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+            append_text(self.path, json.dumps(record) + "\n", kept="its earlier lines are unchanged; the same "
+                        "command resumes from the last checkpoint")
 
 
 def _parse_record(line: str) -> dict | None:

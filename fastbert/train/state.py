@@ -133,13 +133,16 @@ class Saver:
                 pending.result()
             if weights is not None:
                 _save_weights(run, weights, os.path.join(directory, MODEL_DIR))
-            torch.save(trainer, os.path.join(directory, TRAINER_FILE))
+            # through a Python file: a failed write is then an OSError with its errno behind torch's RuntimeError
+            with open(os.path.join(directory, TRAINER_FILE), "wb") as f:
+                torch.save(trainer, f)
             with open(os.path.join(directory, RUN_FILE), "w", encoding="utf-8") as f:
                 json.dump(record, f, indent=2)
 
         if env.is_main:
+            need = None if run.sharded else tensor_bytes([weights, trainer])
             self.writer.submit(lambda: checkpoint.save_checkpoint(run.checkpoints, progress.step, write,
-                                                                  run.cfg.keep_checkpoints, run.pinned))
+                                                                  run.cfg.keep_checkpoints, run.pinned, need))
         elif pending is not None:
             self.writer.submit(pending.result)
         return os.path.join(run.checkpoints, checkpoint.checkpoint_name(progress.step))
@@ -157,6 +160,11 @@ class Saver:
     def close(self) -> None:
         """Let a write in progress finish (after an error elsewhere: its own error is not raised)."""
         self.writer.join()
+
+
+def tensor_bytes(tree) -> int:
+    """Bytes of the tensors in `tree` (nested dicts / lists): about what a checkpoint of them takes on disk."""
+    return sum(leaf.numel() * leaf.element_size() for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor))
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
