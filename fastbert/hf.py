@@ -137,7 +137,9 @@ def read_state_dict(path: str | os.PathLike, use_safetensors: bool | None = None
         try:
             state.update(reader(file))
         except Exception as exc:  # safetensors, pickle and OS errors all mean: this file is unreadable
-            raise CheckpointError(f"{file}: cannot read the weights ({type(exc).__name__}: {exc})") from exc
+            error = CheckpointError(f"{file}: cannot read the weights ({type(exc).__name__}: {exc})")
+            error.file = file
+            raise error from exc
     return state
 
 

@@ -338,6 +338,17 @@ def test_non_finite_regression_labels_are_refused(tmp_path, tiny_model, value):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("value", ["nan", "NaN"])
+def test_a_nan_classification_label_is_refused(tmp_path, tiny_model, value):
+    """Not a class of its own: pandas (and so datasets' CSV reader, which transformers' examples use) reads it as
+    a missing label."""
+    (tmp_path / "train.tsv").write_text(f"sentence\tlabel\nthe movie\t1\nthe film\t{value}\nthe plot\t0\n")
+    with pytest.raises(DataError, match=rf"train.tsv:3: label '{value}' in column 'label' is a missing value \(NaN\)"):
+        finetune(FinetuneConfig("classification", tiny_model, str(tmp_path / "train.tsv"), out=str(tmp_path / "out"),
+                                **FAST))
+    assert not (tmp_path / "out").exists()
+
+
 def test_misaligned_squad_answer_is_refused(tmp_path, tiny_model):
     write_squad(tmp_path / "train.json", 4, seed=0)
     data = json.loads((tmp_path / "train.json").read_text())

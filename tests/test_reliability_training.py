@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -237,6 +238,43 @@ def test_a_full_tmpfs_during_a_save_keeps_the_previous_checkpoint_and_says_so(da
         assert_checkpoint_not_saved(run_fastbert(["pretrain", *argv]), "No space left on device", disk / "run")
         resize(disk, "4m")
         assert pretrain.main(argv) == 0 and checkpoint_steps(disk / "run") == [4, 6]
+
+
+@pytest.mark.parametrize("file", ["trainer.pt", "model/model.safetensors", "run.json"])
+def test_a_damaged_newest_checkpoint_names_the_file_and_the_previous_one(data, tmp_path, capsys, file):
+    argv = cli(data, tmp_path, "--save-every", "2")
+    assert pretrain.main([*argv, "--stop-at", "4"]) == 0
+    damaged = tmp_path / "checkpoints" / "step_00000004" / file
+    damaged.write_bytes(damaged.read_bytes()[:300])  # truncated
+    capsys.readouterr()
+    assert pretrain.main(argv) == 2
+    err = capsys.readouterr().err
+    previous = tmp_path / "checkpoints" / "step_00000002"
+    assert f"the checkpoint {damaged.parents[1 if '/' in file else 0]} is damaged: {damaged} cannot be read (" in err
+    assert f"; resume from the previous one with --resume {previous}, or start afresh with --resume never" in err
+    assert "Traceback" not in err
+    assert pretrain.main([*argv, "--resume", str(previous)]) == 0 and checkpoint_steps(tmp_path)[-1] == 6
+
+
+def test_a_second_ctrl_c_stops_at_once_with_a_message_not_a_traceback(data, tmp_path, capsys, monkeypatch):
+    step = pretrain.train_step
+
+    def interrupted_twice_in_step_4(*args, **kwargs):
+        interrupted_twice_in_step_4.calls = getattr(interrupted_twice_in_step_4, "calls", 0) + 1
+        if interrupted_twice_in_step_4.calls == 4:
+            os.kill(os.getpid(), signal.SIGINT)  # asks for a checkpoint at the next step
+            os.kill(os.getpid(), signal.SIGINT)  # stops at once
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(pretrain, "train_step", interrupted_twice_in_step_4)
+    try:
+        assert pretrain.main(cli(data, tmp_path, "--save-every", "2")) == 130
+    except KeyboardInterrupt:  # which would stop pytest itself
+        pytest.fail("the KeyboardInterrupt reached the command's caller: a traceback")
+    previous = tmp_path / "checkpoints" / "step_00000002"
+    assert capsys.readouterr().err.endswith("error: interrupted by a second Ctrl-C: stopped at once, without a "
+                                            f"checkpoint; the same command resumes from {previous}\n")
+    assert checkpoint_steps(tmp_path) == [2] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_truncated_last_metrics_line_is_dropped_with_a_warning(data, resumable, caplog):

@@ -5,7 +5,8 @@ directory fsync'ed, then renamed: a crash or a full disk leaves the complete che
 temporary directory that is removed (at once after an error, else by the next run); the previous
 checkpoints are untouched until the new one is complete. A full disk is a message naming the
 checkpoint, the space it needs and the previous checkpoint (fastbert.files.writing, as for every
-output). What a checkpoint holds is state.py's.
+output); a damaged one, when resumed, names the file and the previous checkpoint to resume from.
+What a checkpoint holds is state.py's.
 
 The run line: the checkpoints a run builds on. A run that starts afresh in a directory that has
 checkpoints or metrics, or rolls back to an older checkpoint, first moves what does not belong to its
@@ -38,8 +39,22 @@ def read_run_file(path: str) -> dict | None:
     file = os.path.join(path, RUN_FILE)
     if not os.path.isfile(file):
         return None
-    with open(file, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise damaged(path, file, exc) from None
+
+
+def damaged(path: str, file: str, exc: BaseException) -> ValueError:
+    """The error of a checkpoint whose `file` cannot be read (truncated, overwritten): naming it, and the
+    previous checkpoint to resume from instead."""
+    match = _NAME.match(os.path.basename(os.path.normpath(path)))
+    previous = latest_checkpoint(os.path.dirname(os.path.normpath(path)), before=int(match.group(1))) if match else None
+    instead = f"resume from the previous one with --resume {previous}" if previous else "there is no earlier one"
+    reason = str(exc).split(". ")[0]  # torch's adds paragraphs of advice
+    return ValueError(f"the checkpoint {path} is damaged: {file} cannot be read ({type(exc).__name__}: {reason}); "
+                      f"{instead}, or start afresh with --resume never")
 
 
 def checkpoint_name(step: int) -> str:

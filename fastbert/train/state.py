@@ -207,7 +207,11 @@ def restore(run: Run) -> Progress:
     the RNG states) and return where it stood; the LR schedule continues from its step with the options
     of this run (a changed --lr or --steps is honoured)."""
     env, cfg = run.env, run.cfg
-    saved = torch.load(os.path.join(run.resume, TRAINER_FILE), map_location="cpu", weights_only=False)
+    file = os.path.join(run.resume, TRAINER_FILE)
+    try:
+        saved = torch.load(file, map_location="cpu", weights_only=False)
+    except Exception as exc:  # truncated, overwritten: whatever torch's reader or pickle raises
+        raise checkpoint.damaged(run.resume, file, exc) from exc
     objective = checkpoint_objective(run.resume)
     heads_change = objective != cfg.objective  # accepted by check_resume (--accept-changes)
     same_optimizer = saved["config"]["optimizer"] == cfg.optimizer and not heads_change
@@ -255,10 +259,13 @@ def _load_weights(run: Run, path: str, heads_change: bool = False) -> None:
     """HF-format weights into the model (sharded like it under FSDP2); every weight must be there, but for
     the NSP-only ones (NSP_ONLY_PREFIXES) when the checkpoint was written for the other objective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from fastbert.hf import read_state_dict, tied_keys
+    from fastbert.hf import CheckpointError, read_state_dict, tied_keys
     try:
-        result = set_model_state_dict(run.model, read_state_dict(path),
-                                      options=StateDictOptions(full_state_dict=True, strict=False))
+        weights = read_state_dict(path)
+    except CheckpointError as exc:
+        raise checkpoint.damaged(run.resume, getattr(exc, "file", path), exc.__cause__ or exc) from exc
+    try:
+        result = set_model_state_dict(run.model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
     except RuntimeError as exc:
         raise ValueError(f"the weights in {path} do not fit the model: {exc}") from None
     missing = [k for k in result.missing_keys if k not in tied_keys(run.model)]
