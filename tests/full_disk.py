@@ -28,8 +28,9 @@ def small_disk(path, size: str):
     os.makedirs(path, exist_ok=True)
     result = _mount("-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path))
     if result is None or result.returncode:
-        reason = "no mount command" if result is None else result.stderr.strip() or f"exit {result.returncode}"
-        pytest.skip(f"cannot mount a tmpfs here ({reason}); the file-size-limit test of this case covers it")
+        reason = "no mount command" if result is None else (result.stderr.strip() or f"exit {result.returncode}")
+        pytest.skip(f"cannot mount a tmpfs here ({reason.splitlines()[0]}); this case's test without a mount "
+                    "covers the same path")
     try:
         yield path
     finally:
