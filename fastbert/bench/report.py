@@ -19,6 +19,7 @@ from fastbert.bench.memory_report import memory_section
 from fastbert.bench.path_table import chosen_provider, table_section
 from fastbert.bench.prepare_report import prepare_data_section
 from fastbert.command import configure_logging
+from fastbert.files import write_text
 
 GPU_COMMAND = "benchmarks/run_gpu.sh benchmarks/results"
 CPU_MEMORY_COMMAND = "fastbert bench --suite cpu-memory --out benchmarks/results"
@@ -430,8 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     # image links are relative to the Markdown file's directory
     prefix = os.path.relpath(os.getcwd(), os.path.dirname(os.path.abspath(args.out))) + "/"
     text = render(rows, args.plots, plot_prefix="" if prefix == "./" else prefix)
-    with open(args.out, "w", encoding="utf-8") as f:
-        f.write(text + "\n")
+    write_text(args.out, text + "\n")
     configure_logging("make_perf")
     logger.info(f"wrote {args.out} from {len(rows)} rows")
     return 0

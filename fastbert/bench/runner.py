@@ -30,6 +30,7 @@ from fastbert.bench import model_cases, op_cases
 from fastbert.bench.peaks import measure_peaks, peak_figures
 from fastbert.bench.provenance import provenance
 from fastbert.bench.timing import memory_meter_name, peak_memory, time_ms, timer_name
+from fastbert.files import write_text
 
 logger = logging.getLogger("fastbert.bench")
 
@@ -252,11 +253,8 @@ def result_path(out_dir: str, suite: str, common: dict) -> str:
 
 
 def write_rows(path: str, rows: list[dict]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(rows, f, indent=1, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    """The results JSON, replaced whole (fastbert.files.write_text: a full disk leaves the previous rows)."""
+    write_text(path, json.dumps(rows, indent=1, default=str) + "\n")
 
 
 # what the smoke suite's figures are: one warm-up call and three timed, at shapes of a few kilobytes, on a
