@@ -19,7 +19,7 @@ from fastbert.bench.memory_report import memory_section
 from fastbert.bench.path_table import chosen_provider, table_section
 from fastbert.bench.prepare_report import prepare_data_section
 from fastbert.command import configure_logging
-from fastbert.files import write_text
+from fastbert.files import replaced_file, write_text
 
 GPU_COMMAND = "benchmarks/run_gpu.sh benchmarks/results"
 CPU_MEMORY_COMMAND = "fastbert bench --suite cpu-memory --out benchmarks/results"
@@ -278,7 +278,8 @@ def plots(runs: dict, plots_dir: str) -> list[str]:
 def _save(fig, plots_dir: str, name: str) -> str:
     path = os.path.join(plots_dir, name)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with replaced_file(path) as partial:  # a full disk or a crash leaves the previous plot
+        fig.savefig(partial, dpi=120, format="png")
     import matplotlib.pyplot as plt
     plt.close(fig)
     return path
