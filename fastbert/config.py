@@ -284,7 +284,10 @@ class BertConfig(ConfigBase):
         # resolves each read through two Python-level __getattribute__ overrides (its attribute_map, and
         # heterogeneous per-layer configs, which fastbert's are not): 3-6 us a read. A field the instance holds
         # (never one of attribute_map's aliases: setting an alias sets its target) comes from its __dict__ at once.
-        # Other names (properties, methods) skip those overrides too, but for attribute_map's aliases.
+        # Other names (properties, methods) skip those overrides too, but for attribute_map's aliases. torch.compile
+        # traces transformers' way (it cannot trace object.__getattribute__) and pays nothing at run time.
+        if torch.compiler.is_compiling():
+            return super().__getattribute__(name)
         values = object.__getattribute__(self, "__dict__")
         if name in values:
             return values[name]
