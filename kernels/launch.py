@@ -42,10 +42,12 @@ def next_power_of_2(n: int) -> int:
 
 def _launch_hooks_active() -> bool:
     """Whether a launch hook is installed (a profiler's): Triton then builds each launch's metadata and calls
-    the hooks, so such launches go through Triton. Triton 3.6-3.9 keep the hooks in (normally empty) chains."""
+    the hooks, so such launches go through Triton. Triton 3.6-3.9 keep the hooks in (normally empty) chains.
+    Runs on every launch: no generator."""
     runtime = triton.knobs.runtime
-    return any(hook is not None and getattr(hook, "calls", True)
-               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool((enter is not None and getattr(enter, "calls", True))
+                or (leave is not None and getattr(leave, "calls", True)))
 
 
 class _Entry:
@@ -96,14 +98,6 @@ class KernelLauncher:
         self.by_key: dict = {}  # exact key -> _Entry
         self.by_specialisation: dict = {}  # Triton's specialisation -> _Entry
 
-    def key(self, args: tuple, constexprs: dict) -> tuple:
-        types = tuple(map(type, args))
-        layout = self.layouts.get(types)
-        if layout is None:
-            layout = self.layouts[types] = _Layout(types)
-        alignment = tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in layout.tensors(args)])
-        return types, layout.ints(args), alignment, tuple(constexprs.items())
-
     def specialisation(self, args: tuple, constexprs: dict) -> tuple:
         """What Triton's kernel cache and the autotuner's key depend on."""
         keys, tensor = self.key_positions, torch.Tensor
@@ -115,18 +109,27 @@ class KernelLauncher:
         spec.extend(constexprs.items())
         return tuple(spec)
 
-    def __call__(self, grid: Grid, *args, **constexprs):
+    def __call__(self, grid: Grid, args: tuple, constexprs: dict):
         driver = triton.runtime.driver.active
         device = driver.get_current_device()
-        # per device (a compiled kernel is loaded on one) and driver (a stand-in's stubs never reach a GPU)
-        key = (device, driver, self.key(args, constexprs))
+        types = tuple(map(type, args))
+        layout = self.layouts.get(types)
+        if layout is None:
+            layout = self.layouts[types] = _Layout(types)
+        # the exact key, built here rather than in a method (a call per launch): per device (a compiled kernel
+        # is loaded on one) and driver (a stand-in's stubs never reach a GPU), the argument types, the ints'
+        # values, each tensor's dtype and 16-byte alignment, and the constexprs
+        key = (device, driver, types, layout.ints(args),
+               tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in layout.tensors(args)]), tuple(constexprs.items()))
         entry = self.by_key.get(key)
-        if entry is None or _launch_hooks_active():
+        if entry is None:
             specialisation = (device, driver, self.specialisation(args, constexprs))
             entry = self.by_specialisation.get(specialisation)
             if entry is None or _launch_hooks_active():
                 return self._first(key, specialisation, grid, args, constexprs)
             self._keep(self.by_key, key, entry)
+        elif _launch_hooks_active():
+            return self._first(key, (device, driver, self.specialisation(args, constexprs)), grid, args, constexprs)
         dims = grid(entry.grid_meta) if callable(grid) else grid
         compiled = entry.compiled
         compiled.run(dims[0], dims[1] if len(dims) > 1 else 1, dims[2] if len(dims) > 2 else 1,
@@ -169,7 +172,7 @@ def launch(kernel, grid: Grid, *args, **constexprs):
     launcher = _LAUNCHERS.get(id(kernel))  # by id: a JITFunction hashes in Python
     if launcher is None:
         launcher = _LAUNCHERS[id(kernel)] = KernelLauncher(kernel)
-    return launcher(grid, *args, **constexprs)
+    return launcher(grid, args, constexprs)
 
 
 def clear_cache() -> None:
