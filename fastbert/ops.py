@@ -206,8 +206,10 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
         raise ValueError(f"save must be one of {LAYER_NORM_SAVES}, got {save!r}")
     if resolve_backend(backend, x, weight, bias, residual, op="layer_norm") == "triton":
         x, weight, bias, residual, out_dtype = _layer_norm_inputs(x, weight, bias, residual)
-        return KERNELS["layer_norm"].layer_norm(x, weight, bias, eps, residual, dropout_p, training, out_dtype,
-                                                save, return_residual)
+        kernel = KERNELS["layer_norm"]
+        kernel.check_inputs(x, weight, bias, residual, out_dtype)  # the options are checked above
+        return kernel.layer_norm_unchecked(x, weight, bias, eps, residual, dropout_p, training, out_dtype, save,
+                                           return_residual)
     return reference.layer_norm(x, weight, bias, eps, residual, dropout_p, training, return_residual)
 
 
@@ -259,7 +261,9 @@ def qkv_projection(x, weight, bias, num_heads, backend=None):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(3 * hidden,)}")
     if resolve_backend(backend, x, weight, bias, op="qkv_projection") == "triton":
         x, weight, bias = _matmul_inputs(x, weight, bias)
-        return KERNELS["qkv"].qkv_projection(x, weight, bias, num_heads)
+        kernel = KERNELS["qkv"]
+        kernel.check_limits(x, weight, bias)  # the shapes are checked above
+        return kernel.qkv_projection_unchecked(x, weight, bias, num_heads)
     return reference.qkv_projection(x, weight, bias, num_heads)
 
 
@@ -274,11 +278,6 @@ def _check_attention_args(q, k, v, attention_mask, dropout_p) -> None:
 
 
 relative_position_buckets = reference.relative_position_buckets
-
-
-def _position_options(rotary_base, window) -> dict:
-    """The keywords for a kernel launcher: only those set, so the launchers of the other features need none."""
-    return {k: v for k, v in (("rotary_base", rotary_base), ("window", window)) if v is not None}
 
 
 def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, backend=None,
@@ -301,8 +300,11 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
     if resolve_backend(backend, q, k, v, attention_mask, relative_bias, relative_buckets,
                        op="attention" if plain else None) == "triton":
         q, k, v = _matmul_inputs(q, k, v)
-        return KERNELS["attention"].attention(q, k, v, attention_mask, dropout_p, scale, training, relative_bias,
-                                              relative_buckets, **_position_options(rotary_base, window))
+        kernel = KERNELS["attention"]
+        kernel.check_limits(q, k, v, attention_mask, None, q.shape[2], None, relative_bias, relative_buckets,
+                            rotary_base, window)  # the arguments' own rules are checked above
+        return kernel.attention_unchecked(q, k, v, attention_mask, dropout_p, scale, training, relative_bias,
+                                          relative_buckets, rotary_base, window)
     return reference.attention(q, k, v, attention_mask, dropout_p, scale, training, relative_bias, relative_buckets,
                                rotary_base, window)
 
@@ -335,9 +337,11 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None,
     check_rotary_window(rotary_base, window, q.shape[-1])
     if resolve_backend(backend, q, k, v, cu_seqlens, relative_bias, relative_buckets) == "triton":
         q, k, v = _matmul_inputs(q, k, v)
-        return KERNELS["attention"].attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training,
-                                                     relative_bias, relative_buckets,
-                                                     **_position_options(rotary_base, window))
+        kernel = KERNELS["attention"]
+        kernel.check_limits(q, k, v, None, cu_seqlens, max_seqlen, None, relative_bias, relative_buckets,
+                            rotary_base, window)  # the arguments' own rules are checked above
+        return kernel.attention_varlen_unchecked(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training,
+                                                 relative_bias, relative_buckets, rotary_base, window)
     return reference.attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training, relative_bias,
                                       relative_buckets, rotary_base, window)
 
@@ -367,8 +371,10 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     if resolve_backend(backend, x, weight, bias, target, op="linear_cross_entropy") == "triton":
         x, weight, bias = _matmul_inputs(x, weight, bias)
-        return KERNELS["mlm_loss"].linear_cross_entropy(x, weight, bias, target, ignore_index, reduction,
-                                                        label_smoothing)
+        kernel = KERNELS["mlm_loss"]
+        kernel.check_limits(x, weight, bias, target)  # the shapes and options are checked above
+        return kernel.linear_cross_entropy_unchecked(x, weight, bias, target, ignore_index, reduction,
+                                                     label_smoothing)
     return reference.linear_cross_entropy(x, weight, bias, target, ignore_index, reduction, label_smoothing)
 
 
@@ -437,5 +443,7 @@ def dropout(x, p, training=True, backend=None):
     """
     _check_dropout(p, "p")
     if resolve_backend(backend, x) == "triton":
-        return KERNELS["dropout"].dropout(x, p, training)
+        kernel = KERNELS["dropout"]
+        kernel.check_limits(x)
+        return kernel.dropout_unchecked(x, p, training)
     return reference.dropout(x, p, training)
