@@ -25,11 +25,12 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fastbert import paths, reference
-from fastbert.kernels.arguments import check_relative_bias, check_rotary_window
+from fastbert.kernels.arguments import (CROSS_ENTROPY_REDUCTIONS, check_cross_entropy_options,
+                                       check_relative_bias, check_rotary_window)
 
 BACKENDS = ("auto", "triton", "torch")
 GELU_APPROXIMATIONS = ("none", "tanh")
-REDUCTIONS = ("mean", "sum")
+REDUCTIONS = CROSS_ENTROPY_REDUCTIONS
 LAYER_NORM_SAVES = ("output", "input")  # what the Triton LayerNorm's backward works from
 
 
@@ -151,9 +152,10 @@ def _matmul_inputs(*tensors):
     """One dtype for every operand of a matmul-type kernel: the autocast dtype, else the first tensor's."""
     first = tensors[0]
     dtype = autocast_dtype("matmul", first.device.type) or first.dtype
-    if all(t is None or t.dtype == dtype for t in tensors):
-        return tensors
-    return _cast(tensors, dtype)
+    for t in tensors:  # a loop, not all(generator): this runs on every matmul-type op call
+        if t is not None and t.dtype != dtype:
+            return _cast(tensors, dtype)
+    return tensors
 
 
 def _layer_norm_inputs(x, weight, bias, residual):
@@ -365,10 +367,7 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     if tuple(target.shape) != (x.shape[0],) or target.is_floating_point():
         raise ValueError(f"target must be an integer tensor of shape {(x.shape[0],)}, "
                          f"got {target.dtype} {tuple(target.shape)}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    check_cross_entropy_options(reduction, label_smoothing)
     if resolve_backend(backend, x, weight, bias, target, op="linear_cross_entropy") == "triton":
         x, weight, bias = _matmul_inputs(x, weight, bias)
         kernel = KERNELS["mlm_loss"]

@@ -99,7 +99,7 @@ import triton.language as tl
 
 from fastbert.kernels.arguments import check_relative_bias, check_rotary_window
 from fastbert.kernels.fused_op import fused_op
-from fastbert.kernels.launch import cdiv, launch, next_power_of_2
+from fastbert.kernels.launch import cdiv, launch, next_power_of_2, placeholders
 from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_precision, philox_seed
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -120,7 +120,7 @@ def _configs(gpu_shapes, interpreter_shape, names=("BLOCK_M", "BLOCK_N")):
 # Keyed by the sequence-length bucket, not the length, so that varying batch lengths do not retune; not
 # by the layout (VARLEN, HAS_MASK), so a packed batch runs the blocks of its padded twin and gives its
 # bitwise results. Triton adds every tensor argument's dtype to the key: q's (and so out's), and those
-# of the mask, bounds, cu_seqlens and seed pointers, which are fixed (`_placeholder` when unused).
+# of the mask, bounds, cu_seqlens and seed pointers, which are fixed (`launch.placeholders` when unused).
 AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "DROPOUT", "DOT_PRECISION", "HAS_REL_BIAS", "ROTARY", "WINDOW"]
 # Candidates per GPU architecture, (block, block, num_warps, num_stages), each checked by the compile audit
 # (`fastbert bench --suite compile`) to spill no register with Triton 3.6 and 3.9: Hopper (sm_90, warpgroup
@@ -772,21 +772,6 @@ def _row_stats_strides(stats: torch.Tensor, varlen: bool) -> tuple[int, int]:
     return (0, strides[0]) if varlen else (strides[0], strides[1])
 
 
-_PLACEHOLDERS: dict = {}
-
-
-def _placeholders(device: torch.device) -> dict:
-    """dtype -> an empty tensor for a pointer the kernels do not read (one set per device, kept). Its dtype is
-    the real argument's: the autotuner keys on every tensor argument's dtype, so a placeholder of another dtype
-    (q's, say) would tune the padded and the packed calls apart, and they could run different blocks."""
-    placeholders = _PLACEHOLDERS.get(device)
-    if placeholders is None:
-        placeholders = _PLACEHOLDERS[device] = {
-            dtype: torch.empty(0, dtype=dtype, device=device)
-            for dtype in (torch.uint8, torch.int32, torch.int64, torch.float32)}
-    return placeholders
-
-
 # The bounds of the last key mask: every layer of an encoder takes its forward's one mask, forward and backward,
 # so they are computed once, not per call. Kept with a weak reference to the mask and its version (an in-place
 # change computes them anew), and never while a CUDA graph is captured, whose replays must compute them.
@@ -797,12 +782,13 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _mask_and_bounds(q, key_mask, placeholders):
+def _mask_and_bounds(q, key_mask, unread):
     """The key mask as uint8 [B, S] (1 = token) and, per sequence, the first token position and the last
-    + 1 as int32 [B] (S and 0 for a fully padded sequence), from torch ops on the device: no host sync."""
+    + 1 as int32 [B] (S and 0 for a fully padded sequence), from torch ops on the device: no host sync.
+    Without a mask, placeholders from `unread` (launch.placeholders of q's device), as in the helpers below."""
     if key_mask is None:
-        bounds = placeholders[torch.int32]
-        return placeholders[torch.uint8], bounds, bounds, 0, 0
+        bounds = unread[torch.int32]
+        return unread[torch.uint8], bounds, bounds, 0, 0
     last = _LAST_MASK[0]
     capturing = _capturing(key_mask)
     if last is not None and last[0]() is key_mask and last[1] == key_mask._version and not capturing:
@@ -819,19 +805,19 @@ def _mask_and_bounds(q, key_mask, placeholders):
     return bounds
 
 
-def _bias_by_distance(relative_bias, relative_buckets, placeholders):
+def _bias_by_distance(relative_bias, relative_buckets, unread):
     """[heads, 2D + 1] fp32: log2(e) * relative_bias[relative_buckets[d + D], h] at [h, d + D] (the
     base-2 scores' unit), or an empty placeholder without a bias. A few KB: the kernels' one gather."""
     if relative_bias is None:
-        return placeholders[torch.float32]
+        return unread[torch.float32]
     return (relative_bias.float()[relative_buckets.long()] * LOG2E).t().contiguous()
 
 
-def _inv_freq(q, rotary_base, placeholders):
+def _inv_freq(q, rotary_base, unread):
     """[d/2] fp32 base ** (-2i / d) with transformers' formula (ModernBertRotaryEmbedding's, in fp32), so the
     kernels' angles position * inv_freq are its own bitwise; an empty placeholder without rotary positions."""
     if rotary_base is None:
-        return placeholders[torch.float32]
+        return unread[torch.float32]
     head_dim = q.shape[-1]
     exponents = torch.arange(0, head_dim, 2, device=q.device, dtype=torch.int64).to(torch.float32) / head_dim
     return 1.0 / (rotary_base ** exponents)
@@ -861,12 +847,12 @@ def _launch_meta(q, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, re
         heads, batch, seqlen = q.shape[1], cu_seqlens.numel() - 1, max_seqlen
     else:
         batch, heads, seqlen, _ = q.shape
-    placeholders = _placeholders(q.device)
-    mask, lo, hi, stride_mb, stride_ms = _mask_and_bounds(q, None if varlen else key_mask, placeholders)
-    pointers = (mask, lo, hi, placeholders[torch.int32] if cu_seqlens is None else cu_seqlens,
-                placeholders[torch.int64] if seed is None else seed,
-                _bias_by_distance(relative_bias, relative_buckets, placeholders),
-                _inv_freq(q, rotary_base, placeholders))
+    unread = placeholders(q.device)
+    mask, lo, hi, stride_mb, stride_ms = _mask_and_bounds(q, None if varlen else key_mask, unread)
+    pointers = (mask, lo, hi, unread[torch.int32] if cu_seqlens is None else cu_seqlens,
+                unread[torch.int64] if seed is None else seed,
+                _bias_by_distance(relative_bias, relative_buckets, unread),
+                _inv_freq(q, rotary_base, unread))
     scalars, flags = _launch_constants(
         seqlen, q.shape[-1], varlen, key_mask is not None and not varlen, seed is not None and dropout_p > 0.0,
         dropout_p, scale, dot_precision(q.dtype),
@@ -943,11 +929,11 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     seqlen, seqlen_bucket, scale_log2, dropout_p, keep_scale, max_distance, window_size = scalars
     num_buckets = 0 if relative_bias is None else relative_bias.shape[0]
     num_buckets_padded = next_power_of_2(max(num_buckets, 1))
-    placeholders = _placeholders(q.device)
+    unread = placeholders(q.device)
     # [B, heads, slots, buckets]: every entry is written by the kernel (see the header)
     dbias_slots = (q.new_empty((batch, heads, cdiv(seqlen, BIAS_GRAD_SLOT_ROWS), num_buckets_padded),
                                dtype=torch.float32)
-                   if relative_bias is not None else placeholders[torch.float32])
+                   if relative_bias is not None else unread[torch.float32])
     slot_strides = dbias_slots.stride()[:3] if relative_bias is not None else (0, 0, 0)
     delta = _new_row_stats(q, varlen)
     stats_strides = _row_stats_strides(lse, varlen)
@@ -960,7 +946,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     grad_strides = _bhsd_strides(dq, varlen)
     launch(_attention_bwd_kernel, lambda meta: (cdiv(seqlen, meta["BLOCK_MAJOR"]), heads, batch),
         q, k, v, dout, dq, dk, dv, lse, delta, *pointers[:-1],
-        placeholders[torch.int32] if relative_buckets is None else relative_buckets, pointers[-1],
+        unread[torch.int32] if relative_buckets is None else relative_buckets, pointers[-1],
         dbias_slots,
         *_bhsd_strides(q, varlen), *_bhsd_strides(k, varlen), *_bhsd_strides(v, varlen), *dout_strides,
         *grad_strides, *grad_strides, *grad_strides,

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from fastbert.kernels.fused_op import fused_op
-from fastbert.kernels.launch import cdiv, launch, next_power_of_2
+from fastbert.kernels.launch import cdiv, launch, next_power_of_2, placeholders
 from fastbert.kernels.matmul import DTYPES, check_operands, gelu, gelu_grad, matmul_fwd, row_groups
 from fastbert.kernels.numerics import INTERPRETER, cast
 
@@ -207,7 +207,7 @@ def _gelu_bwd_launch(dy2, x2, bias, dx, rows, cols, approximate, gated, sum_colu
     col_blocks = cdiv(cols, block_n)
     groups, rows_per_group = row_groups(rows, col_blocks, block_m, dx.device)
     partial = (torch.empty((groups, sums), dtype=torch.float64, device=dx.device) if sum_columns
-               else dx.new_empty(0, dtype=torch.float64))
+               else placeholders(dx.device)[torch.float64])
     launch(_bias_gelu_bwd_kernel, (groups, col_blocks),
         dy2, x2, x2 if bias is None else bias.contiguous(), dx, partial, rows, cols, rows_per_group,
         *dy2.stride(), *x2.stride(),

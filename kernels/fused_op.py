@@ -21,6 +21,7 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _AUTOGRAD_APPLY = torch._C._FunctionBase.__dict__["apply"]  # autograd.Function's C apply (a classmethod)
 
 
+# looked up once: _tracing runs on every fused op call (torch.compile still recognises is_compiling by identity)
 _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _functorch_transforms = torch._C._are_functorch_transforms_active

@@ -160,6 +160,31 @@ class KernelLauncher:
         cache[key] = entry
 
 
+class _Placeholders(dict):
+    """dtype -> an empty tensor of that dtype on one device, made on first use."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def __missing__(self, dtype: torch.dtype) -> torch.Tensor:
+        tensor = self[dtype] = torch.empty(0, dtype=dtype, device=self.device)
+        return tensor
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def placeholders(device: torch.device) -> dict:
+    """dtype -> an empty tensor on `device` for a pointer argument a launch does not read, kept (one per dtype
+    and device; never an op's output, which must be a tensor of its own). Its dtype is the real argument's:
+    Triton specialises, and an autotuner keys, on every tensor argument's dtype."""
+    found = _PLACEHOLDERS.get(device)
+    if found is None:
+        found = _PLACEHOLDERS[device] = _Placeholders(device)
+    return found
+
+
 _LAUNCHERS: dict = {}
 
 

@@ -62,13 +62,13 @@ import torch
 import triton
 import triton.language as tl
 
+from fastbert.kernels.arguments import check_cross_entropy_options
 from fastbert.kernels.fused_op import fused_op
 from fastbert.kernels.launch import cdiv, launch, next_power_of_2
 from fastbert.kernels.matmul import sm_count
 from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_precision
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-REDUCTIONS = ("mean", "sum")
 MAX_VOCAB = 2**31 - 1
 MAX_GRID_AXIS = 65535  # CUDA's limit on grid axis 1: the backward's vocabulary tiles per chunk
 # dz is materialised one vocabulary chunk at a time: N x chunk elements at most (64 MiB in 16-bit),
@@ -221,10 +221,7 @@ def _check_inputs(x, weight, bias, target, reduction, label_smoothing) -> None:
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},) (weight's vocabulary "
                          f"size)")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    check_cross_entropy_options(reduction, label_smoothing)
 
 
 def check_limits(x, weight, bias, target) -> None:

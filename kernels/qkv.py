@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from fastbert.kernels.fused_op import fused_op
-from fastbert.kernels.launch import cdiv, launch, next_power_of_2
+from fastbert.kernels.launch import cdiv, launch, next_power_of_2, placeholders
 from fastbert.kernels.matmul import DTYPES, matmul_fwd, row_groups
 from fastbert.kernels.numerics import INTERPRETER, cast
 
@@ -143,7 +143,7 @@ def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: 
         return torch.zeros_like(x), torch.zeros_like(weight), x.new_zeros(3 * hidden if has_bias else 0)
     block_m, block_n, col_blocks, groups, rows_per_group = _backward_tiles(rows, hidden, x.device)
     partial = (torch.empty((groups, 3 * hidden), dtype=torch.float64, device=x.device) if has_bias
-               else x.new_empty(0, dtype=torch.float64))
+               else placeholders(x.device)[torch.float64])
     for which, g in enumerate((dq, dk, dv)):
         g = _heads_view(g)
         launch(_qkv_bwd_kernel, (groups, col_blocks),
@@ -151,7 +151,7 @@ def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: 
             HEAD_DIM=g.shape[3], SUM_COLUMNS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n)
     dx = dqkv @ weight
     return (dx if x.dim() == 2 else dx.view_as(x), dqkv.t() @ x2,
-            partial.sum(dim=0).to(x.dtype) if has_bias else partial.to(x.dtype))
+            partial.sum(dim=0).to(x.dtype) if has_bias else x.new_empty(0))
 
 
 # ---- custom ops: autograd and fake registrations so torch.compile traces through them ----
