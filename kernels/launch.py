@@ -43,10 +43,12 @@ def next_power_of_2(n: int) -> int:
 
 def _launch_hooks_active() -> bool:
     """Whether a launch hook is installed (a profiler's): Triton then builds each launch's metadata and calls
-    the hooks, so such launches go through Triton. Triton 3.6-3.9 keep the hooks in (normally empty) chains."""
+    the hooks, so such launches go through Triton. Triton 3.6-3.9 keep the hooks in (normally empty) chains.
+    Runs on every launch: no generator."""
     runtime = triton.knobs.runtime
-    return any(hook is not None and getattr(hook, "calls", True)
-               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool((enter is not None and getattr(enter, "calls", True))
+                or (leave is not None and getattr(leave, "calls", True)))
 
 
 class _Entry:
@@ -99,14 +101,6 @@ class KernelLauncher:
         self.by_key: dict = {}  # exact key -> _Entry
         self.by_specialisation: dict = {}  # Triton's specialisation -> _Entry
 
-    def key(self, args: tuple, constexprs: dict) -> tuple:
-        types = tuple(map(type, args))
-        layout = self.layouts.get(types)
-        if layout is None:
-            layout = self.layouts[types] = _Layout(types)
-        alignment = tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in layout.tensors(args)])
-        return types, layout.ints(args), alignment, tuple(constexprs.items())
-
     def specialisation(self, args: tuple, constexprs: dict) -> tuple:
         """What Triton's kernel cache and the autotuner's key depend on."""
         keys, tensor = self.key_positions, torch.Tensor
@@ -118,18 +112,27 @@ class KernelLauncher:
         spec.extend(constexprs.items())
         return tuple(spec)
 
-    def __call__(self, grid: Grid, *args, **constexprs):
+    def __call__(self, grid: Grid, args: tuple, constexprs: dict):
         driver = triton.runtime.driver.active
         device = driver.get_current_device()
-        # per device (a compiled kernel is loaded on one) and driver (a stand-in's stubs never reach a GPU)
-        key = (device, driver, self.key(args, constexprs))
+        types = tuple(map(type, args))
+        layout = self.layouts.get(types)
+        if layout is None:
+            layout = self.layouts[types] = _Layout(types)
+        # the exact key, built here rather than in a method (a call per launch): per device (a compiled kernel
+        # is loaded on one) and driver (a stand-in's stubs never reach a GPU), the argument types, the ints'
+        # values, each tensor's dtype and 16-byte alignment, and the constexprs
+        key = (device, driver, types, layout.ints(args),
+               tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in layout.tensors(args)]), tuple(constexprs.items()))
         entry = self.by_key.get(key)
-        if entry is None or _launch_hooks_active():
+        if entry is None:
             specialisation = (device, driver, self.specialisation(args, constexprs))
             entry = self.by_specialisation.get(specialisation)
             if entry is None or _launch_hooks_active():
                 return self._first(key, specialisation, grid, args, constexprs)
             self._keep(self.by_key, key, entry)
+        elif _launch_hooks_active():
+            return self._first(key, (device, driver, self.specialisation(args, constexprs)), grid, args, constexprs)
         dims = grid(entry.grid_meta) if callable(grid) else grid
         compiled = entry.compiled
         compiled.run(dims[0], dims[1] if len(dims) > 1 else 1, dims[2] if len(dims) > 2 else 1,
@@ -161,6 +164,31 @@ class KernelLauncher:
         cache[key] = entry
 
 
+class _Placeholders(dict):
+    """dtype -> an empty tensor of that dtype on one device, made on first use."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def __missing__(self, dtype: torch.dtype) -> torch.Tensor:
+        tensor = self[dtype] = torch.empty(0, dtype=dtype, device=self.device)
+        return tensor
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def placeholders(device: torch.device) -> dict:
+    """dtype -> an empty tensor on `device` for a pointer argument a launch does not read, kept (one per dtype
+    and device; never an op's output, which must be a tensor of its own). Its dtype is the real argument's:
+    Triton specialises, and an autotuner keys, on every tensor argument's dtype."""
+    found = _PLACEHOLDERS.get(device)
+    if found is None:
+        found = _PLACEHOLDERS[device] = _Placeholders(device)
+    return found
+
+
 _LAUNCHERS: dict = {}
 
 
@@ -173,7 +201,7 @@ def launch(kernel, grid: Grid, *args, **constexprs):
     launcher = _LAUNCHERS.get(id(kernel))  # by id: a JITFunction hashes in Python
     if launcher is None:
         launcher = _LAUNCHERS[id(kernel)] = KernelLauncher(kernel)
-    return launcher(grid, *args, **constexprs)
+    return launcher(grid, args, constexprs)
 
 
 def clear_cache() -> None:
