@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import numbers
 import os
 from typing import Any
 
@@ -100,6 +101,7 @@ class BertConfig(ConfigBase):
 
     def __init__(self, **kwargs: Any):
         kwargs = self.from_hf_names(kwargs)
+        check_field_types(type(self), kwargs)
         for name, default in {**OWN_FIELDS, **self.defaults}.items():
             setattr(self, name, kwargs.pop(name, default))
         super().__init__(**kwargs)
@@ -282,7 +284,10 @@ class BertConfig(ConfigBase):
         # resolves each read through two Python-level __getattribute__ overrides (its attribute_map, and
         # heterogeneous per-layer configs, which fastbert's are not): 3-6 us a read. A field the instance holds
         # (never one of attribute_map's aliases: setting an alias sets its target) comes from its __dict__ at once.
-        # Other names (properties, methods) skip those overrides too, but for attribute_map's aliases.
+        # Other names (properties, methods) skip those overrides too, but for attribute_map's aliases. torch.compile
+        # traces transformers' way (it cannot trace object.__getattribute__) and pays nothing at run time.
+        if torch.compiler.is_compiling():
+            return super().__getattribute__(name)
         values = object.__getattribute__(self, "__dict__")
         if name in values:
             return values[name]
@@ -345,9 +350,9 @@ class BertConfig(ConfigBase):
         """Write HF config.json (a file path, or a directory to write config.json into)."""
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-            f.write("\n")
+        from fastbert.files import write_text  # replaced whole; a full disk is a message naming the file
+
+        write_text(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         """config.json into `save_directory` (created if needed), as transformers' method of that name."""
@@ -358,3 +363,27 @@ class BertConfig(ConfigBase):
 
 
 OWN_FIELDS = {name: getattr(BertConfig, name) for name in inspect.get_annotations(BertConfig)}
+# BertConfig's annotations (strings: "int", "float | None", ...) -> what config.json may hold there, as
+# transformers' strict configs take it (an integer where a float is expected, never a bool for a number)
+_TYPE_CHECKS = {"int": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an integer"),
+                "float": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"),
+                "bool": (lambda v: isinstance(v, bool), "true or false"),
+                "str": (lambda v: isinstance(v, str), "a string"),
+                "None": (lambda v: v is None, "null")}
+
+
+def check_field_types(config_class: type, values: dict[str, Any]) -> None:
+    """ValueError naming the field (as config.json spells it), the type it must have and the value, for a field
+    of BertConfig's given a value of another type (config.json's `"hidden_size": "384"`, `"num_attention_heads":
+    null`), as transformers' strict config refuses it: before transformers' own validators, which would fail on
+    it with a TypeError naming neither."""
+    json_names = {ours: theirs for theirs, ours in config_class.hf_names.items()}
+    for name, annotation in inspect.get_annotations(BertConfig).items():
+        if name not in values:
+            continue
+        checks = [_TYPE_CHECKS[kind.strip()] for kind in annotation.split("|")]
+        value = values[name]
+        if not any(accepts(value) for accepts, _ in checks):
+            expected = " or ".join(text for _, text in checks)
+            shown = "null" if value is None else f"{value!r} ({type(value).__name__})"
+            raise ValueError(f"{config_class.__name__}.{json_names.get(name, name)} must be {expected}, got {shown}")

@@ -7,12 +7,20 @@ filelock package: an OS lock that dies with its process); its file lives in the 
 (lock_path), not beside the output, so that a command leaves nothing but what was asked for. Partial
 names left by a killed process are removed by the next run that takes the lock. Files get the
 permissions the umask gives (0644 under the usual 022), as a plain open() would.
+
+Every write of fastbert's goes through `writing` (replaced_files, replaced_directory, write_text and
+append_text use it; checkpoints, prepare-data and embed too), so a full disk is one message everywhere:
+the errno and reason, the output, the space it needs and what is free there, and what was kept; the
+partial files removed. A failed write reaches it as an OSError, or as what torch.save and safetensors
+make of one (failed_write); torch.save is given a Python file, so that its OSError keeps the errno.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
+import math
 import os
 import re
 import shutil
@@ -97,35 +105,136 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
-def writing_error(exc: OSError, path: str) -> OSError:
-    """The same error, naming the output it was writing (ENOSPC alone does not say where)."""
-    message = f"{exc.strerror or exc} while writing {path} (the previous output, if any, is unchanged)"
-    return OSError(message) if exc.errno is None else OSError(exc.errno, message)
+# what a failed write left as it was, in its message (a checkpoint, metrics.jsonl say more precisely)
+PREVIOUS_KEPT = "the previous output, if any, is unchanged"
+
+
+class WriteError(OSError):
+    """A write that failed (a full disk, a file size limit, ...): the message names the output, the space it
+    needs and what is free there, and what was kept. Built as an OSError (errno, message), so that it pickles."""
+
+
+def failed_write(exc: BaseException) -> OSError | None:
+    """The OSError of a failed write behind `exc`: exc itself; the one torch.save's RuntimeError stands for
+    (its context, when torch writes through a Python file; else its text); or a Rust library's (safetensors'
+    SafetensorError, tokenizers' Exception), whose text ends in Rust's "(os error 28)". None when exc is not
+    a failed write."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, RuntimeError) and isinstance(exc.__context__, OSError):  # torch's writer around f.write
+        return exc.__context__
+    text = str(exc)
+    rust = re.search(r"\(os error (\d+)\)", text)
+    if rust:
+        return OSError(int(rust.group(1)), os.strerror(int(rust.group(1))))
+    if isinstance(exc, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter" in text):
+        return OSError(f"torch.save stopped short ({text.splitlines()[0]})")
+    return None
+
+
+def write_error(exc: BaseException, path: str, need: int | None = None, written: int | None = None,
+                kept: str = PREVIOUS_KEPT) -> WriteError | None:
+    """A failed write (failed_write) as one WriteError naming `path`, the space it needs (`need` bytes, else
+    the `written` bytes that fit), what is free there, and `kept`; None when exc is not a failed write. A
+    WriteError of a file inside `path` (a checkpoint's weights) is named anew by `path`, with its reason (and
+    its need, where `need` is not given)."""
+    error = failed_write(exc)
+    if error is None:
+        return None
+    reason = getattr(error, "reason", None) or (os.strerror(error.errno) if error.errno else str(error))
+    need = need or getattr(error, "need", None)
+    message = f"{reason} while writing {path} ({space_text(path, need, written)}); {kept}"
+    result = WriteError(message) if error.errno is None else WriteError(error.errno, message)
+    result.reason, result.need = reason, need  # for an enclosing output's message
+    return result
+
+
+def space_text(path: str, need: int | None, written: int | None) -> str:
+    """"it needs about N, F free there" (or what was written before the failure where N is not known)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    stats = os.statvfs(folder)
+    free = f"{human_size(stats.f_bavail * stats.f_frsize)} free there"
+    if need:
+        return f"it needs about {human_size(need)}, {free}; free some space or choose another output"
+    wrote = f"{human_size(written)} written before it failed, " if written else ""
+    return f"{wrote}{free}; free some space or choose another output"
+
+
+def human_size(count: int) -> str:
+    """Bytes as df -h counts them: 512 bytes, 3.4 KiB, 1.2 MiB, 5.0 GiB."""
+    if count < 1024:
+        return f"{count} bytes"
+    exponent = min(int(math.log(count, 1024)), 4)
+    return f"{count / 1024 ** exponent:.1f} {'KMGT'[exponent - 1]}iB"
+
+
+def disk_bytes(path: str) -> int:
+    """Bytes a file or a directory tree occupies on disk (blocks: a sparse file counts what it holds)."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return os.lstat(path).st_blocks * 512 if os.path.lexists(path) else 0
+    return sum(os.lstat(os.path.join(folder, name)).st_blocks * 512
+               for folder, _, names in os.walk(path) for name in names)
 
 
 @contextlib.contextmanager
-def _removed_on_error(partial: str, path: str) -> Iterator[None]:
-    """Remove `partial` if the block fails (Ctrl-C included); an OSError then names `path`."""
+def writing(path: str, partials: list[str] = (), need: int | None = None, kept: str = PREVIOUS_KEPT,
+            remove: bool = True) -> Iterator[None]:
+    """The block writes `path` through the `partials` (files or directories; removed if it fails, Ctrl-C
+    included, unless remove=False keeps them for a rerun): a failed write (failed_write) is raised as
+    write_error's WriteError naming `path`, `need` bytes (else the partials' size) and `kept`; other errors as
+    they are."""
     try:
         yield
+    except BaseException as exc:
+        written = sum(disk_bytes(partial) for partial in partials)
+        for partial in partials if remove else ():
+            _remove(partial)
+        error = write_error(exc, path, need, written, kept) if isinstance(exc, Exception) else None
+        if error is None:
+            raise
+        raise error from exc
+
+
+def preallocate(path: str) -> None:
+    """Give the file at `path` real blocks for its whole size now: a file created at its size by a seek is
+    sparse, and a memory map writing into its holes on a full disk dies of SIGBUS; this raises ENOSPC
+    instead. A file system that cannot preallocate (EOPNOTSUPP, EINVAL) is left as it is."""
+    if not hasattr(os, "posix_fallocate"):  # macOS, Windows
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
     except OSError as exc:
-        _remove(partial)
-        raise writing_error(exc, path) from exc
-    except BaseException:
-        _remove(partial)
-        raise
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
-def replaced_file(path: str) -> Iterator[str]:
-    """Yield a partial path to write; on success it is fsynced and renamed to `path`, on any error removed."""
-    partial = partial_path(path)
-    with _removed_on_error(partial, path):
-        yield partial
-        with open(partial, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(partial, file_mode())
+def replaced_files(paths: list[str], need: int | None = None, name: str | None = None) -> Iterator[list[str]]:
+    """Yield a partial path for each of `paths` to write; when the block completes, each is fsynced and renamed
+    to its path, after all are written (a failure leaves every previous file). On any error they are removed;
+    a failed write is a WriteError naming `name` (default: the one path, or their folder) and `need` bytes."""
+    partials = [partial_path(path) for path in paths]
+    name = name or (paths[0] if len(paths) == 1 else os.path.dirname(os.path.abspath(paths[0])))
+    with writing(name, partials, need):
+        yield partials
+        for partial in partials:
+            with open(partial, "rb+") as f:
+                os.fsync(f.fileno())
+            os.chmod(partial, file_mode())
+    for partial, path in zip(partials, paths):
         os.replace(partial, path)
+
+
+@contextlib.contextmanager
+def replaced_file(path: str, need: int | None = None) -> Iterator[str]:
+    """replaced_files of one path: yield its partial path to write."""
+    with replaced_files([path], need) as (partial,):
+        yield partial
 
 
 @contextlib.contextmanager
@@ -135,7 +244,7 @@ def replaced_directory(path: str) -> Iterator[str]:
     partial = partial_path(path)
     _remove(partial)
     os.makedirs(partial)
-    with _removed_on_error(partial, path):
+    with writing(path, [partial]):
         yield partial
         move_into_place(partial, path)
 
@@ -153,5 +262,19 @@ def move_into_place(partial: str, path: str) -> None:
 
 def write_text(path: str, text: str) -> None:
     """A whole text file, replaced atomically."""
-    with replaced_file(path) as partial, open(partial, "w", encoding="utf-8") as f:
+    with replaced_file(path, len(text.encode("utf-8"))) as partial, open(partial, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def append_text(path: str, text: str, kept: str = "its earlier contents are unchanged") -> None:
+    """Add `text` at the end of `path` (created if missing); a failed write cuts the file back to what it
+    held, never half a line, and is a WriteError naming it."""
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    with writing(path, need=len(text.encode("utf-8")), kept=kept):
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(text)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.truncate(path, size)
+            raise

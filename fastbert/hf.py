@@ -21,7 +21,7 @@ import torch
 from fastbert import hub, ops
 from fastbert.bases import HAVE_TRANSFORMERS
 from fastbert.config import BertConfig
-from fastbert.files import file_mode
+from fastbert.files import replaced_files
 
 logger = logging.getLogger("fastbert")
 
@@ -137,7 +137,9 @@ def read_state_dict(path: str | os.PathLike, use_safetensors: bool | None = None
         try:
             state.update(reader(file))
         except Exception as exc:  # safetensors, pickle and OS errors all mean: this file is unreadable
-            raise CheckpointError(f"{file}: cannot read the weights ({type(exc).__name__}: {exc})") from exc
+            error = CheckpointError(f"{file}: cannot read the weights ({type(exc).__name__}: {exc})")
+            error.file = file
+            raise error from exc
     return state
 
 
@@ -402,10 +404,10 @@ def save_pretrained(model: torch.nn.Module, path, is_main_process: bool = True, 
     """config.json + weights, loadable by transformers' from_pretrained unchanged: model.safetensors
     (pytorch_model.bin without safe_serialization), or shards and an index.json past max_shard_size.
 
-    Files are written to temporary names and renamed, so an interrupted save never leaves a
-    half-written checkpoint under the final names.
+    Files are written to partial names and renamed once all are written (fastbert.files.replaced_files), so
+    an interrupted save leaves the previous files and no partial ones; a failed write (a full disk) is a
+    fastbert.files.WriteError (an OSError) naming `path` and the space the weights need.
     """
-    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     refused = [f"{k} ({UNSUPPORTED_SAVE_ARGUMENTS[k]})" for k, v in kwargs.items()
@@ -428,32 +430,29 @@ def save_pretrained(model: torch.nn.Module, path, is_main_process: bool = True, 
     shards = _shards(tensors, _shard_bytes(max_shard_size))
     names = [base] if len(shards) == 1 else [
         base.replace(".", f"-{i + 1:05d}-of-{len(shards):05d}.", 1) for i in range(len(shards))]
-    written = []
-    for name, shard in zip(names, shards):
-        tmp = os.path.join(path, name + ".tmp")
-        if safe_serialization:
-            try:
-                save_file(shard, tmp, metadata={"format": "pt"})
-            except SafetensorError as exc:  # a failed write (a full disk) comes as safetensors' own error type
-                raise OSError(f"{exc} (writing {tmp})") from exc
-            os.chmod(tmp, file_mode())  # safetensors creates its file 0600; give it the umask's mode as config.json
-        else:
-            torch.save(shard, tmp)
-        written.append((tmp, os.path.join(path, name)))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    files = [os.path.join(path, name) for name in names]
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+        index = {"metadata": {"total_size": total},
                  "weight_map": {key: name for name, shard in zip(names, shards) for key in shard}}
-        written.append(_write_json(index, os.path.join(path, base + ".index.json")))
-    written.append(_write_json(values, os.path.join(path, "config.json")))
-    for tmp, final in written:
-        os.replace(tmp, final)
+        files.append(os.path.join(path, base + ".index.json"))
+    files.append(os.path.join(path, "config.json"))
+    with replaced_files(files, total, name=path) as partials:
+        for partial, shard in zip(partials, shards):
+            if safe_serialization:
+                save_file(shard, partial, metadata={"format": "pt"})
+            else:  # through a Python file: a failed write is an OSError with its errno behind torch's RuntimeError
+                with open(partial, "wb") as f:
+                    torch.save(shard, f)
+        if len(shards) > 1:
+            _write_json(index, partials[-2])
+        _write_json(values, partials[-1])
 
 
-def _write_json(values: dict, final: str) -> tuple[str, str]:
-    with open(final + ".tmp", "w", encoding="utf-8") as f:
+def _write_json(values: dict, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
         json.dump(values, f, indent=2, sort_keys=True)
         f.write("\n")
-    return final + ".tmp", final
 
 
 def _require_transformers():

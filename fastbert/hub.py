@@ -18,12 +18,14 @@ TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "spec
 def resolve(name_or_path: str | os.PathLike, cache_dir=None, revision=None, subfolder: str = "", token=None,
             local_files_only: bool = False, force_download: bool = False, tokenizer: bool = False) -> str:
     """The local directory holding the checkpoint `name_or_path` names (with its tokenizer files when
-    `tokenizer`). Raises FileNotFoundError saying what was tried when it is neither an existing directory
-    nor a hub id found in the cache or online."""
+    `tokenizer`). Raises NotADirectoryError for a file, FileNotFoundError saying what was tried when it is
+    neither an existing directory nor a hub id found in the cache or online."""
     path = os.fspath(name_or_path)
     if os.path.isdir(path):
         return os.path.join(path, subfolder) if subfolder else path
     accepted = "a local checkpoint directory (config.json + model.safetensors) or a hub id such as 'org/name'"
+    if os.path.isfile(path):
+        raise NotADirectoryError(f"{path!r} is a file, not a checkpoint directory; expected {accepted}")
     try:
         import huggingface_hub
         from huggingface_hub.utils import HFValidationError, validate_repo_id

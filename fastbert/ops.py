@@ -25,11 +25,12 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fastbert import paths, reference
-from fastbert.kernels.arguments import check_relative_bias, check_rotary_window
+from fastbert.kernels.arguments import (CROSS_ENTROPY_REDUCTIONS, check_cross_entropy_options,
+                                       check_relative_bias, check_rotary_window)
 
 BACKENDS = ("auto", "triton", "torch")
 GELU_APPROXIMATIONS = ("none", "tanh")
-REDUCTIONS = ("mean", "sum")
+REDUCTIONS = CROSS_ENTROPY_REDUCTIONS
 LAYER_NORM_SAVES = ("output", "input")  # what the Triton LayerNorm's backward works from
 
 
@@ -151,9 +152,10 @@ def _matmul_inputs(*tensors):
     """One dtype for every operand of a matmul-type kernel: the autocast dtype, else the first tensor's."""
     first = tensors[0]
     dtype = autocast_dtype("matmul", first.device.type) or first.dtype
-    if all(t is None or t.dtype == dtype for t in tensors):
-        return tensors
-    return _cast(tensors, dtype)
+    for t in tensors:  # a loop, not all(generator): this runs on every matmul-type op call
+        if t is not None and t.dtype != dtype:
+            return _cast(tensors, dtype)
+    return tensors
 
 
 def _layer_norm_inputs(x, weight, bias, residual):
@@ -206,8 +208,10 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
         raise ValueError(f"save must be one of {LAYER_NORM_SAVES}, got {save!r}")
     if resolve_backend(backend, x, weight, bias, residual, op="layer_norm") == "triton":
         x, weight, bias, residual, out_dtype = _layer_norm_inputs(x, weight, bias, residual)
-        return KERNELS["layer_norm"].layer_norm(x, weight, bias, eps, residual, dropout_p, training, out_dtype,
-                                                save, return_residual)
+        kernel = KERNELS["layer_norm"]
+        kernel.check_inputs(x, weight, bias, residual, out_dtype)  # the options are checked above
+        return kernel.layer_norm_unchecked(x, weight, bias, eps, residual, dropout_p, training, out_dtype, save,
+                                           return_residual)
     return reference.layer_norm(x, weight, bias, eps, residual, dropout_p, training, return_residual)
 
 
@@ -259,7 +263,9 @@ def qkv_projection(x, weight, bias, num_heads, backend=None):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(3 * hidden,)}")
     if resolve_backend(backend, x, weight, bias, op="qkv_projection") == "triton":
         x, weight, bias = _matmul_inputs(x, weight, bias)
-        return KERNELS["qkv"].qkv_projection(x, weight, bias, num_heads)
+        kernel = KERNELS["qkv"]
+        kernel.check_limits(x, weight, bias)  # the shapes are checked above
+        return kernel.qkv_projection_unchecked(x, weight, bias, num_heads)
     return reference.qkv_projection(x, weight, bias, num_heads)
 
 
@@ -274,11 +280,6 @@ def _check_attention_args(q, k, v, attention_mask, dropout_p) -> None:
 
 
 relative_position_buckets = reference.relative_position_buckets
-
-
-def _position_options(rotary_base, window) -> dict:
-    """The keywords for a kernel launcher: only those set, so the launchers of the other features need none."""
-    return {k: v for k, v in (("rotary_base", rotary_base), ("window", window)) if v is not None}
 
 
 def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, backend=None,
@@ -301,8 +302,11 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
     if resolve_backend(backend, q, k, v, attention_mask, relative_bias, relative_buckets,
                        op="attention" if plain else None) == "triton":
         q, k, v = _matmul_inputs(q, k, v)
-        return KERNELS["attention"].attention(q, k, v, attention_mask, dropout_p, scale, training, relative_bias,
-                                              relative_buckets, **_position_options(rotary_base, window))
+        kernel = KERNELS["attention"]
+        kernel.check_limits(q, k, v, attention_mask, None, q.shape[2], None, relative_bias, relative_buckets,
+                            rotary_base, window)  # the arguments' own rules are checked above
+        return kernel.attention_unchecked(q, k, v, attention_mask, dropout_p, scale, training, relative_bias,
+                                          relative_buckets, rotary_base, window)
     return reference.attention(q, k, v, attention_mask, dropout_p, scale, training, relative_bias, relative_buckets,
                                rotary_base, window)
 
@@ -335,9 +339,11 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None,
     check_rotary_window(rotary_base, window, q.shape[-1])
     if resolve_backend(backend, q, k, v, cu_seqlens, relative_bias, relative_buckets) == "triton":
         q, k, v = _matmul_inputs(q, k, v)
-        return KERNELS["attention"].attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training,
-                                                     relative_bias, relative_buckets,
-                                                     **_position_options(rotary_base, window))
+        kernel = KERNELS["attention"]
+        kernel.check_limits(q, k, v, None, cu_seqlens, max_seqlen, None, relative_bias, relative_buckets,
+                            rotary_base, window)  # the arguments' own rules are checked above
+        return kernel.attention_varlen_unchecked(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training,
+                                                 relative_bias, relative_buckets, rotary_base, window)
     return reference.attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training, relative_bias,
                                       relative_buckets, rotary_base, window)
 
@@ -361,14 +367,13 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     if tuple(target.shape) != (x.shape[0],) or target.is_floating_point():
         raise ValueError(f"target must be an integer tensor of shape {(x.shape[0],)}, "
                          f"got {target.dtype} {tuple(target.shape)}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    check_cross_entropy_options(reduction, label_smoothing)
     if resolve_backend(backend, x, weight, bias, target, op="linear_cross_entropy") == "triton":
         x, weight, bias = _matmul_inputs(x, weight, bias)
-        return KERNELS["mlm_loss"].linear_cross_entropy(x, weight, bias, target, ignore_index, reduction,
-                                                        label_smoothing)
+        kernel = KERNELS["mlm_loss"]
+        kernel.check_limits(x, weight, bias, target)  # the shapes and options are checked above
+        return kernel.linear_cross_entropy_unchecked(x, weight, bias, target, ignore_index, reduction,
+                                                     label_smoothing)
     return reference.linear_cross_entropy(x, weight, bias, target, ignore_index, reduction, label_smoothing)
 
 
@@ -437,5 +442,7 @@ def dropout(x, p, training=True, backend=None):
     """
     _check_dropout(p, "p")
     if resolve_backend(backend, x) == "triton":
-        return KERNELS["dropout"].dropout(x, p, training)
+        kernel = KERNELS["dropout"]
+        kernel.check_limits(x)
+        return kernel.dropout_unchecked(x, p, training)
     return reference.dropout(x, p, training)

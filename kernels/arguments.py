@@ -1,5 +1,6 @@
-# Argument checks of the attention's optional features, shared by the kernel launchers (kernels/attention.py)
-# and fastbert.ops, which checks them before choosing the kernel or the reference. Imports only torch, so
+# Argument checks shared by the kernel launchers and fastbert.ops, which checks them before choosing the kernel
+# or the reference: the attention's optional features (kernels/attention.py) and the cross entropy's options
+# (kernels/mlm_loss.py). Imports only torch, so
 # fastbert.ops imports it where Triton is not installed.
 import math
 
@@ -38,3 +39,14 @@ def check_rotary_window(rotary_base, window, head_dim: int) -> None:
             raise ValueError(f"rotary positions need an even head dim (its two halves rotate together), got {head_dim}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise ValueError(f"window must be an int >= 0 (keys with |i - j| <= window), got {window!r}")
+
+
+CROSS_ENTROPY_REDUCTIONS = ("mean", "sum")
+
+
+def check_cross_entropy_options(reduction, label_smoothing) -> None:
+    """reduction "mean" or "sum", label_smoothing in [0, 1] (F.cross_entropy's)."""
+    if reduction not in CROSS_ENTROPY_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {CROSS_ENTROPY_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")

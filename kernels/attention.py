@@ -88,6 +88,7 @@
 # flash-attention's flash_attn_triton.py and its varlen interface (cu_seqlens, max_seqlen).
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import Optional
@@ -98,7 +99,7 @@ import triton.language as tl
 
 from fastbert.kernels.arguments import check_relative_bias, check_rotary_window
 from fastbert.kernels.fused_op import fused_op
-from fastbert.kernels.launch import cdiv, launch, next_power_of_2
+from fastbert.kernels.launch import cdiv, launch, next_power_of_2, placeholders
 from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_precision, philox_seed
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -119,7 +120,7 @@ def _configs(gpu_shapes, interpreter_shape, names=("BLOCK_M", "BLOCK_N")):
 # Keyed by the sequence-length bucket, not the length, so that varying batch lengths do not retune; not
 # by the layout (VARLEN, HAS_MASK), so a packed batch runs the blocks of its padded twin and gives its
 # bitwise results. Triton adds every tensor argument's dtype to the key: q's (and so out's), and those
-# of the mask, bounds, cu_seqlens and seed pointers, which are fixed (`_placeholder` when unused).
+# of the mask, bounds, cu_seqlens and seed pointers, which are fixed (`launch.placeholders` when unused).
 AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "DROPOUT", "DOT_PRECISION", "HAS_REL_BIAS", "ROTARY", "WINDOW"]
 # Candidates per GPU architecture, (block, block, num_warps, num_stages), each checked by the compile audit
 # (`fastbert bench --suite compile`) to spill no register with Triton 3.6 and 3.9: Hopper (sm_90, warpgroup
@@ -657,21 +658,53 @@ def _attention_bwd_kernel(
 
 def _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, relative_bias,
                   relative_buckets, rotary_base=None, window=None) -> None:
-    """Raise ValueError for what the kernels do not support, before anything is launched."""
+    """Raise ValueError for what the kernels do not support, before anything is launched: the arguments'
+    own rules (`_check_arguments`), then the kernels' limits (`check_limits`)."""
+    _check_arguments(q, k, v, key_mask, cu_seqlens, dropout_p, relative_bias, relative_buckets, rotary_base, window)
+    check_limits(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, relative_bias, relative_buckets, rotary_base,
+                 window)
+
+
+def _check_arguments(q, k, v, key_mask, cu_seqlens, dropout_p, relative_bias, relative_buckets, rotary_base,
+                     window) -> None:
+    """The rules of the arguments themselves, which fastbert.ops checks too (in the same words) before it
+    chooses a path: one layout shape for q, k, v, the mask's or cu_seqlens' shape, dropout_p, the
+    relative-position bias and the rotary / window arguments."""
     varlen = cu_seqlens is not None
     layout = "[T, heads, d]" if varlen else "[B, heads, S, d]"
     if q.dim() != (3 if varlen else 4) or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"q, k, v must share one {layout} shape, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    for name, tensor in (("q", q), ("k", k), ("v", v)):
-        if tensor.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name} has dtype {tensor.dtype}; the Triton attention supports {SUPPORTED_DTYPES}")
-        if tensor.dtype != q.dtype:
-            raise ValueError(f"{name} has dtype {tensor.dtype}, expected q's dtype {q.dtype}")
+    if varlen:
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 1:
+            raise ValueError(f"cu_seqlens must be int32 [B+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    elif key_mask is not None and key_mask.shape != (q.shape[0], q.shape[2]):
+        raise ValueError(f"attention_mask has shape {tuple(key_mask.shape)}, expected {(q.shape[0], q.shape[2])}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    check_relative_bias(relative_bias, relative_buckets, q.shape[-2] if varlen else q.shape[1])
+    check_rotary_window(rotary_base, window, q.shape[-1])
+
+
+def check_limits(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, relative_bias, relative_buckets,
+                 rotary_base=None, window=None) -> None:
+    """Raise ValueError for what the kernels do not support among arguments that keep their own rules
+    (`_check_arguments`, which fastbert.ops makes itself): dtypes, one device, head dims, grid sizes,
+    max_seqlen, the relative bias with rotary positions or a window, offsets past int32."""
+    varlen = cu_seqlens is not None
+    dtype = q.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q has dtype {dtype}; the Triton attention supports {SUPPORTED_DTYPES}")
+    for name, tensor in (("k", k), ("v", v)):
+        if tensor.dtype != dtype:
+            if tensor.dtype not in SUPPORTED_DTYPES:
+                raise ValueError(f"{name} has dtype {tensor.dtype}; the Triton attention supports {SUPPORTED_DTYPES}")
+            raise ValueError(f"{name} has dtype {tensor.dtype}, expected q's dtype {dtype}")
+    device = q.device
     for name, tensor in (("k", k), ("v", v), ("attention_mask", key_mask), ("cu_seqlens", cu_seqlens),
                          ("seed", seed), ("relative_bias", relative_bias), ("relative_buckets", relative_buckets)):
-        if tensor is not None and tensor.device != q.device:
-            raise ValueError(f"{name} is on {tensor.device}, q on {q.device}; all must share one device")
+        if tensor is not None and tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, q on {device}; all must share one device")
     head_dim = q.shape[-1]
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim (q's last dimension) is {head_dim}; the Triton attention supports "
@@ -681,18 +714,15 @@ def _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, re
     for name, size in (("number of heads", heads), ("batch size (number of sequences)", batch)):
         if size > MAX_GRID_AXIS:
             raise ValueError(f"{name} is {size}; the Triton attention supports at most {MAX_GRID_AXIS}")
-    if varlen:
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 1:
-            raise ValueError(f"cu_seqlens must be int32 [B+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-        if not isinstance(max_seqlen, (int, torch.SymInt)) or max_seqlen < 0 or (max_seqlen == 0 and q.shape[0] > 0):
-            raise ValueError(f"max_seqlen must be an int >= the longest sequence (>= 1 when there are tokens), "
-                             f"got {max_seqlen!r}")
-    elif key_mask is not None and tuple(key_mask.shape) != (q.shape[0], q.shape[2]):
-        raise ValueError(f"attention_mask has shape {tuple(key_mask.shape)}, expected {(q.shape[0], q.shape[2])}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    check_relative_bias(relative_bias, relative_buckets, heads)
-    _check_rotary_window(rotary_base, window, head_dim, relative_bias is not None)
+    if varlen and (not isinstance(max_seqlen, (int, torch.SymInt)) or max_seqlen < 0
+                   or (max_seqlen == 0 and q.shape[0] > 0)):
+        raise ValueError(f"max_seqlen must be an int >= the longest sequence (>= 1 when there are tokens), "
+                         f"got {max_seqlen!r}")
+    if relative_bias is not None and (rotary_base is not None or window is not None):
+        given = " and ".join(f"{name}={value!r}" for name, value in (("rotary_base", _float_or_none(rotary_base)),
+                                                                      ("window", window)) if value is not None)
+        raise ValueError(f"relative_bias with {given}: the Triton attention does not combine the relative-position "
+                         f"bias with rotary positions or a window")
     seqlen = max_seqlen if varlen else q.shape[2]
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         _check_sequence_reach(name, tensor, seqlen, varlen)
@@ -700,20 +730,11 @@ def _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, re
     _check_reach("out, dq, dk, dv", seqlen, heads * head_dim, seqlen * heads * head_dim + head_dim)
 
 
-def _check_rotary_window(rotary_base, window, head_dim, has_relative_bias) -> None:
-    """arguments.check_rotary_window, and neither with the relative bias (the kernels do not combine them)."""
-    check_rotary_window(rotary_base, window, head_dim)
-    if has_relative_bias and (rotary_base is not None or window is not None):
-        given = " and ".join(f"{name}={value!r}" for name, value in (("rotary_base", rotary_base), ("window", window))
-                             if value is not None)
-        raise ValueError(f"relative_bias with {given}: the Triton attention does not combine the relative-position "
-                         f"bias with rotary positions or a window")
-
-
 def _check_sequence_reach(name, tensor, seqlen, varlen) -> None:
     """Offsets inside one sequence are int32 in the kernels (across sequences and heads they are int64)."""
-    seq_stride = abs(tensor.stride(-3 if varlen else -2))
-    _check_reach(name, seqlen, seq_stride, seqlen * seq_stride + tensor.shape[-1] * abs(tensor.stride(-1)))
+    strides = tensor.stride()
+    seq_stride = abs(strides[-3 if varlen else -2])
+    _check_reach(name, seqlen, seq_stride, seqlen * seq_stride + tensor.shape[-1] * abs(strides[-1]))
 
 
 def _check_reach(name, seqlen, seq_stride, reach) -> None:
@@ -724,46 +745,37 @@ def _check_reach(name, seqlen, seq_stride, reach) -> None:
 
 def _bhsd_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int, int]:
     """(batch, head, sequence, dim) strides of [B, heads, S, d], or of packed [T, heads, d] (batch 0)."""
+    strides = t.stride()
     if varlen:
-        return 0, t.stride(1), t.stride(0), t.stride(2)
-    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
+        return 0, strides[1], strides[0], strides[2]
+    return strides
 
 
 def _empty_like_qkv(q: torch.Tensor, varlen: bool) -> torch.Tensor:
     """An output of q's shape. Padded ones are laid out [B, S, heads, d] in memory, so that merging the
     heads back into [B, S, heads * d] for the output projection is a view, as for packed [T, heads, d]."""
     if varlen:
-        return q.new_empty(q.shape)
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
     batch, heads, seqlen, head_dim = q.shape
-    return q.new_empty((batch, seqlen, heads, head_dim)).transpose(1, 2)
+    return torch.empty_strided((batch, heads, seqlen, head_dim), (seqlen * heads * head_dim, head_dim,
+                                                                  heads * head_dim, 1), dtype=q.dtype, device=q.device)
 
 
 def _new_row_stats(q: torch.Tensor, varlen: bool) -> torch.Tensor:
     """fp32 per-row statistics: [B, heads, S], or [heads, T] when packed."""
-    shape = (q.shape[1], q.shape[0]) if varlen else q.shape[:3]
-    return q.new_empty(shape, dtype=torch.float32)
+    shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[1], q.shape[2])
+    return torch.empty(shape, dtype=torch.float32, device=q.device)
 
 
 def _row_stats_strides(stats: torch.Tensor, varlen: bool) -> tuple[int, int]:
-    return (0, stats.stride(0)) if varlen else (stats.stride(0), stats.stride(1))
-
-
-_PLACEHOLDERS: dict = {}
-
-
-def _placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An empty tensor for a pointer the kernels do not read (one per dtype and device, kept). Its dtype is the
-    real argument's: the autotuner keys on every tensor argument's dtype, so a placeholder of another dtype (q's,
-    say) would tune the padded and the packed calls apart, and they could run different blocks."""
-    placeholder = _PLACEHOLDERS.get((dtype, device))
-    if placeholder is None:
-        placeholder = _PLACEHOLDERS[(dtype, device)] = torch.empty(0, dtype=dtype, device=device)
-    return placeholder
+    strides = stats.stride()
+    return (0, strides[0]) if varlen else (strides[0], strides[1])
 
 
 # The bounds of the last key mask: every layer of an encoder takes its forward's one mask, forward and backward,
 # so they are computed once, not per call. Kept with a weak reference to the mask and its version (an in-place
-# change computes them anew), and never while a CUDA graph is captured, whose replays must compute them.
+# change computes them anew); never for an inference-mode tensor (it has no version, and a static input buffer
+# refilled in place must not read old bounds) nor while a CUDA graph is captured, whose replays must compute them.
 _LAST_MASK: list = [None]
 
 
@@ -771,15 +783,16 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _mask_and_bounds(q, key_mask):
+def _mask_and_bounds(q, key_mask, unread):
     """The key mask as uint8 [B, S] (1 = token) and, per sequence, the first token position and the last
-    + 1 as int32 [B] (S and 0 for a fully padded sequence), from torch ops on the device: no host sync."""
+    + 1 as int32 [B] (S and 0 for a fully padded sequence), from torch ops on the device: no host sync.
+    Without a mask, placeholders from `unread` (launch.placeholders of q's device), as in the helpers below."""
     if key_mask is None:
-        bounds = _placeholder(torch.int32, q.device)
-        return _placeholder(torch.uint8, q.device), bounds, bounds, 0, 0
+        bounds = unread[torch.int32]
+        return unread[torch.uint8], bounds, bounds, 0, 0
     last = _LAST_MASK[0]
-    capturing = _capturing(key_mask)
-    if last is not None and last[0]() is key_mask and last[1] == key_mask._version and not capturing:
+    cacheable = not key_mask.is_inference() and not _capturing(key_mask)
+    if cacheable and last is not None and last[0]() is key_mask and last[1] == key_mask._version:
         return last[2]
     keep = key_mask != 0  # [B, S] bool
     seqlen = keep.shape[1]
@@ -788,55 +801,64 @@ def _mask_and_bounds(q, key_mask):
     hi = torch.where(keep, positions + 1, 0).amax(dim=1).to(torch.int32)
     mask = keep.view(torch.uint8)
     bounds = mask, lo, hi, mask.stride(0), mask.stride(1)
-    if not capturing:
+    if cacheable:
         _LAST_MASK[0] = (weakref.ref(key_mask), key_mask._version, bounds)
     return bounds
 
 
-def _cu_seqlens_pointer(q, cu_seqlens):
-    return _placeholder(torch.int32, q.device) if cu_seqlens is None else cu_seqlens
-
-
-def _bias_by_distance(q, relative_bias, relative_buckets):
+def _bias_by_distance(relative_bias, relative_buckets, unread):
     """[heads, 2D + 1] fp32: log2(e) * relative_bias[relative_buckets[d + D], h] at [h, d + D] (the
     base-2 scores' unit), or an empty placeholder without a bias. A few KB: the kernels' one gather."""
     if relative_bias is None:
-        return _placeholder(torch.float32, q.device)
+        return unread[torch.float32]
     return (relative_bias.float()[relative_buckets.long()] * LOG2E).t().contiguous()
 
 
-def _inv_freq(q, rotary_base):
+def _inv_freq(q, rotary_base, unread):
     """[d/2] fp32 base ** (-2i / d) with transformers' formula (ModernBertRotaryEmbedding's, in fp32), so the
     kernels' angles position * inv_freq are its own bitwise; an empty placeholder without rotary positions."""
     if rotary_base is None:
-        return _placeholder(torch.float32, q.device)
+        return unread[torch.float32]
     head_dim = q.shape[-1]
     exponents = torch.arange(0, head_dim, 2, device=q.device, dtype=torch.int64).to(torch.float32) / head_dim
     return 1.0 / (rotary_base ** exponents)
 
 
-def _launch_meta(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias,
-                 relative_buckets, rotary_base, window):
+@functools.lru_cache(maxsize=4096)
+def _launch_constants(seqlen, head_dim, varlen, has_mask, dropout, dropout_p, scale, precision, max_distance,
+                      has_rel_bias, rotary, window):
+    """What the launches of one call shape share, cached: the scalars (seqlen, its bucket, scale * log2(e),
+    dropout_p, 1 / (1 - dropout_p), max_distance, the window) and the constexpr flags."""
+    scalars = (seqlen, next_power_of_2(max(seqlen, 1)), scale * LOG2E, dropout_p, 1.0 / (1.0 - dropout_p),
+               max_distance,
+               # a window past the sequence keeps every key; clamped so that it stays an int32
+               0 if window is None else min(window, seqlen))
+    flags = dict(HEAD_DIM=head_dim, VARLEN=varlen, HAS_MASK=has_mask, DROPOUT=dropout, DOT_PRECISION=precision,
+                 HAS_REL_BIAS=has_rel_bias, ROTARY=rotary, WINDOW=window is not None)
+    return scalars, flags
+
+
+def _launch_meta(q, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets,
+                 rotary_base, window):
     """What every kernel launch shares: (grid dims (heads, sequences), pointers (mask, its bounds,
-    cu_seqlens, seed, bias by distance, rotary inverse frequencies), mask strides, scalars, constexpr flags)."""
+    cu_seqlens, seed, bias by distance, rotary inverse frequencies), mask strides, scalars (_launch_constants),
+    constexpr flags)."""
     varlen = cu_seqlens is not None
     if varlen:
         heads, batch, seqlen = q.shape[1], cu_seqlens.numel() - 1, max_seqlen
     else:
-        batch, heads, seqlen = q.shape[0], q.shape[1], q.shape[2]
-    mask, lo, hi, stride_mb, stride_ms = _mask_and_bounds(q, None if varlen else key_mask)
-    pointers = (mask, lo, hi, _cu_seqlens_pointer(q, cu_seqlens),
-                _placeholder(torch.int64, q.device) if seed is None else seed,
-                _bias_by_distance(q, relative_bias, relative_buckets), _inv_freq(q, rotary_base))
-    scalars = dict(seqlen=seqlen, seqlen_bucket=next_power_of_2(max(seqlen, 1)),
-                   scale_log2=scale * LOG2E, dropout_p=dropout_p, keep_scale=1.0 / (1.0 - dropout_p),
-                   max_distance=0 if relative_buckets is None else (relative_buckets.numel() - 1) // 2,
-                   # a window past the sequence keeps every key; clamped so that it stays an int32
-                   window=0 if window is None else min(window, seqlen))
-    flags = dict(HEAD_DIM=q.shape[-1], VARLEN=varlen, HAS_MASK=key_mask is not None and not varlen,
-                 DROPOUT=seed is not None and dropout_p > 0.0,
-                 DOT_PRECISION=dot_precision(q.dtype), HAS_REL_BIAS=relative_bias is not None,
-                 ROTARY=rotary_base is not None, WINDOW=window is not None)
+        batch, heads, seqlen, _ = q.shape
+    unread = placeholders(q.device)
+    mask, lo, hi, stride_mb, stride_ms = _mask_and_bounds(q, None if varlen else key_mask, unread)
+    pointers = (mask, lo, hi, unread[torch.int32] if cu_seqlens is None else cu_seqlens,
+                unread[torch.int64] if seed is None else seed,
+                _bias_by_distance(relative_bias, relative_buckets, unread),
+                _inv_freq(q, rotary_base, unread))
+    scalars, flags = _launch_constants(
+        seqlen, q.shape[-1], varlen, key_mask is not None and not varlen, seed is not None and dropout_p > 0.0,
+        dropout_p, scale, dot_precision(q.dtype),
+        0 if relative_buckets is None else (relative_buckets.numel() - 1) // 2, relative_bias is not None,
+        rotary_base is not None, window)
     return (heads, batch), pointers, (stride_mb, stride_ms), scalars, flags
 
 
@@ -853,25 +875,23 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: O
     rotary_base (RoPE's theta) or None, window (keys with |i - j| <= window) or None; not with relative_bias.
 
     Returns out (q's shape and dtype; padded query rows are zeros) and the fp32 base-2 log-sum-exp of
-    each row ([B, heads, S], or [heads, T]) for the backward. Raises ValueError for unsupported input.
+    each row ([B, heads, S], or [heads, T]) for the backward. The arguments are checked by `attention`,
+    `attention_varlen` (or fastbert.ops) and, where PyTorch traces, by the fake registration.
     """
-    _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, relative_bias, relative_buckets,
-                  rotary_base, window)
     varlen = cu_seqlens is not None
     out = _empty_like_qkv(q, varlen)
     lse = _new_row_stats(q, varlen)
     if q.numel() == 0:
         return out, lse
     (heads, batch), pointers, mask_strides, scalars, flags = _launch_meta(
-        q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets,
-        rotary_base, window)
-    grid = lambda meta: (cdiv(scalars["seqlen"], meta["BLOCK_M"]), heads, batch)  # noqa: E731
+        q, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets, rotary_base,
+        window)
+    seqlen = scalars[0]
+    grid = lambda meta: (cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
     launch(_attention_fwd_kernel, grid,
         q, k, v, out, lse, *pointers,
         *_bhsd_strides(q, varlen), *_bhsd_strides(k, varlen), *_bhsd_strides(v, varlen),
-        *_bhsd_strides(out, varlen), *_row_stats_strides(lse, varlen), *mask_strides,
-        scalars["seqlen"], scalars["seqlen_bucket"], scalars["scale_log2"], scalars["dropout_p"],
-        scalars["keep_scale"], scalars["max_distance"], scalars["window"], **flags,
+        *_bhsd_strides(out, varlen), *_row_stats_strides(lse, varlen), *mask_strides, *scalars, **flags,
     )
     return out, lse
 
@@ -900,33 +920,39 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     if dout.shape != out.shape:
         raise ValueError(f"dout has shape {tuple(dout.shape)}, expected out's shape {tuple(out.shape)}")
     _check_sequence_reach("dout", dout, max_seqlen if varlen else q.shape[2], varlen)
-    dq, dk, dv = (_empty_like_qkv(t, varlen) for t in (q, k, v))
+    # k and v have q's shape: their gradients are laid out as q's is
+    dq, dk, dv = _empty_like_qkv(q, varlen), _empty_like_qkv(q, varlen), _empty_like_qkv(q, varlen)
     if q.numel() == 0:
         return dq, dk, dv, _bias_grad_without_kernel(q, relative_bias)
     (heads, batch), pointers, mask_strides, scalars, flags = _launch_meta(
-        q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets,
-        rotary_base, window)
-    seqlen = scalars["seqlen"]
+        q, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets, rotary_base,
+        window)
+    seqlen, seqlen_bucket, scale_log2, dropout_p, keep_scale, max_distance, window_size = scalars
     num_buckets = 0 if relative_bias is None else relative_bias.shape[0]
     num_buckets_padded = next_power_of_2(max(num_buckets, 1))
+    unread = placeholders(q.device)
     # [B, heads, slots, buckets]: every entry is written by the kernel (see the header)
     dbias_slots = (q.new_empty((batch, heads, cdiv(seqlen, BIAS_GRAD_SLOT_ROWS), num_buckets_padded),
                                dtype=torch.float32)
-                   if relative_bias is not None else _placeholder(torch.float32, q.device))
+                   if relative_bias is not None else unread[torch.float32])
     slot_strides = dbias_slots.stride()[:3] if relative_bias is not None else (0, 0, 0)
     delta = _new_row_stats(q, varlen)
     stats_strides = _row_stats_strides(lse, varlen)
+    out_strides, dout_strides = _bhsd_strides(out, varlen), _bhsd_strides(dout, varlen)
     launch(_attention_bwd_preprocess_kernel, (cdiv(seqlen, PREPROCESS_BLOCK_M), heads, batch),
-        out, dout, delta, _cu_seqlens_pointer(q, cu_seqlens), *_bhsd_strides(out, varlen), *_bhsd_strides(dout, varlen),
+        out, dout, delta, pointers[3], *out_strides, *dout_strides,
         *stats_strides, seqlen, HEAD_DIM=flags["HEAD_DIM"], VARLEN=varlen, BLOCK_M=PREPROCESS_BLOCK_M,
     )
+    # dq, dk and dv are laid out as one another
+    grad_strides = _bhsd_strides(dq, varlen)
     launch(_attention_bwd_kernel, lambda meta: (cdiv(seqlen, meta["BLOCK_MAJOR"]), heads, batch),
         q, k, v, dout, dq, dk, dv, lse, delta, *pointers[:-1],
-        _placeholder(torch.int32, q.device) if relative_buckets is None else relative_buckets, pointers[-1],
+        unread[torch.int32] if relative_buckets is None else relative_buckets, pointers[-1],
         dbias_slots,
-        *(stride for t in (q, k, v, dout, dq, dk, dv) for stride in _bhsd_strides(t, varlen)),
-        *stats_strides, *mask_strides, *slot_strides, seqlen, scalars["seqlen_bucket"], scale,
-        scalars["scale_log2"], dropout_p, scalars["keep_scale"], scalars["max_distance"], scalars["window"],
+        *_bhsd_strides(q, varlen), *_bhsd_strides(k, varlen), *_bhsd_strides(v, varlen), *dout_strides,
+        *grad_strides, *grad_strides, *grad_strides,
+        *stats_strides, *mask_strides, *slot_strides, seqlen, seqlen_bucket, scale,
+        scale_log2, dropout_p, keep_scale, max_distance, window_size,
         **flags, NUM_BUCKETS_PADDED=num_buckets_padded,
     )
     if relative_bias is None:
@@ -948,7 +974,8 @@ def _bias_grad_without_kernel(q, relative_bias):
 def _(dout, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias=None,
       relative_buckets=None, rotary_base=None, window=None):
     varlen = cu_seqlens is not None
-    return (*(_empty_like_qkv(t, varlen) for t in (q, k, v)), _bias_grad_without_kernel(q, relative_bias))
+    return (_empty_like_qkv(q, varlen), _empty_like_qkv(q, varlen), _empty_like_qkv(q, varlen),
+            _bias_grad_without_kernel(q, relative_bias))
 
 
 def _setup_context(ctx, inputs, output):
@@ -960,6 +987,7 @@ def _setup_context(ctx, inputs, output):
     ctx.max_seqlen, ctx.dropout_p, ctx.scale = max_seqlen, dropout_p, scale
     ctx.rotary_base, ctx.window = rotary_base, window
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # out's gradient starts every backward; lse's stays None, not zeros
 
 
 def _backward(ctx, dout, dlse):
@@ -979,9 +1007,7 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------------------------------
 
 def _dropout_seed(dropout_p: float, training: bool, device: torch.device) -> tuple[float, Optional[torch.Tensor]]:
-    """(effective dropout probability, int64 [1] seed (numerics.philox_seed) or None)."""
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    """(effective dropout probability, int64 [1] seed (numerics.philox_seed) or None) for a checked dropout_p."""
     if not training or dropout_p == 0.0:
         return 0.0, None
     return float(dropout_p), philox_seed(device)
@@ -1003,10 +1029,20 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
     Returns [B, heads, S, d] in q's dtype: padded query rows are zeros (a fully padded sequence gives
     zeros, never NaN) with zero gradients. Raises ValueError for unsupported input.
     """
+    rotary_base = _float_or_none(rotary_base)
+    _check_inputs(q, k, v, attention_mask, None, q.shape[2] if q.dim() == 4 else 0, None, dropout_p, relative_bias,
+                  relative_buckets, rotary_base, window)
+    return attention_unchecked(q, k, v, attention_mask, dropout_p, scale, training, relative_bias, relative_buckets,
+                               rotary_base, window)
+
+
+def attention_unchecked(q, k, v, attention_mask, dropout_p, scale, training, relative_bias, relative_buckets,
+                        rotary_base, window):
+    """`attention` after its checks, which the caller has made (fastbert.ops: its own, then `check_limits`)."""
     dropout_p, seed = _dropout_seed(dropout_p, training, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out, _ = attention_fwd(q, k, v, attention_mask, None, q.shape[2] if q.dim() == 4 else 0, seed, dropout_p,
-                           scale, relative_bias, relative_buckets, _float_or_none(rotary_base), window)
+    out, _ = attention_fwd(q, k, v, attention_mask, None, q.shape[2], seed, dropout_p, scale, relative_bias,
+                           relative_buckets, _float_or_none(rotary_base), window)
     return out
 
 
@@ -1020,6 +1056,17 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None,
     `attention`, with the positions inside each sequence (they restart at every sequence). Returns
     [T, heads, d] in q's dtype.
     """
+    rotary_base = _float_or_none(rotary_base)
+    _check_inputs(q, k, v, None, cu_seqlens, max_seqlen, None, dropout_p, relative_bias, relative_buckets,
+                  rotary_base, window)
+    return attention_varlen_unchecked(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training, relative_bias,
+                                      relative_buckets, rotary_base, window)
+
+
+def attention_varlen_unchecked(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, training, relative_bias,
+                               relative_buckets, rotary_base, window):
+    """`attention_varlen` after its checks, which the caller has made (fastbert.ops: its own, then
+    `check_limits`)."""
     dropout_p, seed = _dropout_seed(dropout_p, training, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     out, _ = attention_fwd(q, k, v, None, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias,
@@ -1029,7 +1076,7 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None,
 
 def _float_or_none(rotary_base):
     """The custom op's schema takes a float: an int theta (ModernBERT's configs give 160000) converted; a bool
-    or a non-number is left for _check_inputs to name."""
+    or a non-number is left for the checks to name."""
     if isinstance(rotary_base, int) and not isinstance(rotary_base, bool):
         return float(rotary_base)
     return rotary_base

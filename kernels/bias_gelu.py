@@ -30,12 +30,14 @@
 # Limits: fp32, fp16, bf16; x and dy of any strides (leading dims that cannot be merged into one are
 # copied by reshape); any number of rows; N >= 1. Math in fp32, one rounding to the output dtype.
 # Sources: Megatron-LM's fused bias_gelu, Liger-Kernel's GEGLU/elementwise kernels.
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from fastbert.kernels.fused_op import fused_op
-from fastbert.kernels.launch import cdiv, launch, next_power_of_2
+from fastbert.kernels.launch import cdiv, launch, next_power_of_2, placeholders
 from fastbert.kernels.matmul import DTYPES, check_operands, gelu, gelu_grad, matmul_fwd, row_groups
 from fastbert.kernels.numerics import INTERPRETER, cast
 
@@ -132,14 +134,15 @@ def _bias_gelu_bwd_kernel(
             tl.store(dbias_partial_ptr + group * dx_row + N + cols, dbias_gate, mask=col_mask)
 
 
+@functools.lru_cache(maxsize=None)
 def _blocks(cols: int) -> tuple[int, int]:
     block_n = min(next_power_of_2(cols), _MAX_BLOCK_N)
     return _TILE_ELEMENTS // block_n, block_n
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """[..., N] -> [M, N]: a view whenever the leading dims merge, whatever the strides."""
-    return t.reshape(-1, t.shape[-1])
+    """[..., N] -> [M, N]: a view whenever the leading dims merge, whatever the strides (t itself when 2-D)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 def _check(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> None:
@@ -150,27 +153,29 @@ def _check(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> None
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"x must have a last dimension of size >= 1, got shape {tuple(x.shape)}")
     if bias is not None:
-        if tuple(bias.shape) != (x.shape[-1],):
+        if bias.shape != (x.shape[-1],):
             raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(x.shape[-1],)}")
         if bias.dtype != x.dtype or bias.device != x.device:
             raise ValueError(f"bias is {bias.dtype} on {bias.device}, expected x's {x.dtype} on {x.device}")
 
 
+# The launchers below take what the public entries (`bias_gelu`, `linear_bias_gelu`, kernels/ffn.py's
+# `feed_forward`) have checked, and check only their own options.
+
 def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:
     """gelu(x + bias) (bias None: gelu(x)). x [..., N] (any strides), bias [N] or None, one dtype.
-    Returns contiguous [..., N]. Raises ValueError on a mismatched bias, a dtype or an approximation."""
-    _check(x, bias, approximate)
+    Returns contiguous [..., N]."""
     x2 = _as_rows(x)
     rows, cols = x2.shape
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if rows == 0:
         return y
     block_m, block_n = _blocks(cols)
     grid = (cdiv(rows, block_m), cdiv(cols, block_n))
     # the kernels index the bias as contiguous: a strided one (a slice) is copied, N elements
     launch(_bias_gelu_fwd_kernel, grid, x2, x2 if bias is None else bias.contiguous(), y, rows, cols,
-                                x2.stride(0), x2.stride(1), HAS_BIAS=bias is not None, GATED=False,
-                                APPROXIMATE=approximate, BLOCK_M=block_m, BLOCK_N=block_n)
+           *x2.stride(), HAS_BIAS=bias is not None, GATED=False, APPROXIMATE=approximate, BLOCK_M=block_m,
+           BLOCK_N=block_n)
     return y
 
 
@@ -179,20 +184,16 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
                   sum_columns: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients of y = gelu(x + bias) (bias None: y = gelu(x)).
 
-    dy, x [..., N] (any strides), bias [N] or None. Returns (dx [..., N] contiguous in x's dtype,
-    dbias [N] in x's dtype, the column sums of dx; None without sum_columns: no bias to take them). in_place
-    writes dx over dy, which must then be contiguous (the FFN's backward: one [M, N] buffer less at its
-    peak); each element is read before it is written. Raises ValueError on mismatched shapes or dtypes, or
-    a strided dy to overwrite.
+    dy, x [..., N] (any strides, one shape and dtype), bias [N] or None. Returns (dx [..., N] contiguous in
+    x's dtype, dbias [N] in x's dtype, the column sums of dx; None without sum_columns: no bias to take them).
+    in_place writes dx over dy, which must then be contiguous (the FFN's backward: one [M, N] buffer less at
+    its peak); each element is read before it is written. Raises ValueError for a strided dy to overwrite.
     """
-    _check(x, bias, approximate)
-    if dy.shape != x.shape or dy.dtype != x.dtype:
-        raise ValueError(f"dy is {dy.dtype} {tuple(dy.shape)}, expected x's {x.dtype} {tuple(x.shape)}")
     if in_place and not dy.is_contiguous():
         raise ValueError(f"in_place needs a contiguous dy, got strides {dy.stride()}")
     x2, dy2 = _as_rows(x), _as_rows(dy)
     rows, cols = x2.shape
-    dx = dy if in_place else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = dy if in_place else torch.empty_like(x, memory_format=torch.contiguous_format)
     return dx, _gelu_bwd_launch(dy2, x2, bias, dx, rows, cols, approximate, False, sum_columns)
 
 
@@ -205,28 +206,19 @@ def _gelu_bwd_launch(dy2, x2, bias, dx, rows, cols, approximate, gated, sum_colu
     block_m, block_n = _blocks(cols)
     col_blocks = cdiv(cols, block_n)
     groups, rows_per_group = row_groups(rows, col_blocks, block_m, dx.device)
-    partial = torch.empty((groups, sums) if sum_columns else (0,), dtype=torch.float64, device=dx.device)
+    partial = (torch.empty((groups, sums), dtype=torch.float64, device=dx.device) if sum_columns
+               else placeholders(dx.device)[torch.float64])
     launch(_bias_gelu_bwd_kernel, (groups, col_blocks),
         dy2, x2, x2 if bias is None else bias.contiguous(), dx, partial, rows, cols, rows_per_group,
-        dy2.stride(0), dy2.stride(1), x2.stride(0), x2.stride(1),
+        *dy2.stride(), *x2.stride(),
         HAS_BIAS=bias is not None, GATED=gated, SUM_COLUMNS=sum_columns, APPROXIMATE=approximate,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_BWD_WARPS)
     return partial.sum(dim=0).to(dx.dtype) if sum_columns else None
 
 
-def _check_gated(dy: torch.Tensor | None, h: torch.Tensor, approximate: str) -> None:
-    _check(h, None, approximate)
-    if h.shape[-1] % 2:
-        raise ValueError(f"h has last dimension {h.shape[-1]}; the GeGLU splits it in two halves, so it must be even")
-    if dy is not None and (dy.shape != (*h.shape[:-1], h.shape[-1] // 2) or dy.dtype != h.dtype):
-        raise ValueError(f"dy is {dy.dtype} {tuple(dy.shape)}, expected h's {h.dtype} "
-                         f"{(*h.shape[:-1], h.shape[-1] // 2)}")
-
-
 def geglu_fwd(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """gelu(a) * b with [a, b] = h split in halves: h [..., 2N] (any strides) -> contiguous [..., N] in h's
-    dtype. Raises ValueError on an odd last dimension, a dtype or an approximation."""
-    _check_gated(None, h, approximate)
+    """gelu(a) * b with [a, b] = h split in halves: h [..., 2N] (any strides, 2N even) -> contiguous [..., N]
+    in h's dtype."""
     h2 = _as_rows(h)
     rows, cols = h2.shape[0], h2.shape[1] // 2
     y = torch.empty((*h.shape[:-1], cols), dtype=h.dtype, device=h.device)
@@ -234,19 +226,18 @@ def geglu_fwd(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
         return y
     block_m, block_n = _blocks(cols)
     grid = (cdiv(rows, block_m), cdiv(cols, block_n))
-    launch(_bias_gelu_fwd_kernel, grid, h2, h2, y, rows, cols, h2.stride(0), h2.stride(1), HAS_BIAS=False, GATED=True,
-                                APPROXIMATE=approximate, BLOCK_M=block_m, BLOCK_N=block_n)
+    launch(_bias_gelu_fwd_kernel, grid, h2, h2, y, rows, cols, *h2.stride(), HAS_BIAS=False, GATED=True,
+           APPROXIMATE=approximate, BLOCK_M=block_m, BLOCK_N=block_n)
     return y
 
 
 def geglu_bwd(dy: torch.Tensor, h: torch.Tensor, approximate: str = "none",
               sum_columns: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gradients of y = gelu(a) * b, [a, b] = h split in halves. dy [..., N], h [..., 2N] (any strides).
-    Returns (dh [..., 2N] contiguous in h's dtype, its column sums [2N] (the bias gradient of the
-    up-projection) or None without sum_columns). Raises ValueError on mismatched shapes or dtypes."""
-    _check_gated(dy, h, approximate)
+    """Gradients of y = gelu(a) * b, [a, b] = h split in halves. dy [..., N], h [..., 2N] (any strides, one
+    dtype). Returns (dh [..., 2N] contiguous in h's dtype, its column sums [2N] (the bias gradient of the
+    up-projection) or None without sum_columns)."""
     h2, dy2 = _as_rows(h), _as_rows(dy)
-    dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    dh = torch.empty_like(h, memory_format=torch.contiguous_format)
     return dh, _gelu_bwd_launch(dy2, h2, None, dh, h2.shape[0], dy2.shape[1], approximate, True, sum_columns)
 
 
@@ -294,8 +285,7 @@ def linear_bias_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     """(gelu(h), h) with h = x @ weight.T + bias, both contiguous [M, N], from one epilogue matmul; h is
     None (never written) without store_pre. x [M, K], weight [N, K], bias [N] or None, one dtype.
     gated (GeGLU): weight [2N, K], bias [2N], returns (gelu(a) * b [M, N], h = [a, b] [M, 2N]).
-    Raises ValueError on mismatched shapes or dtypes."""
-    check_operands(x, weight, bias)
+    The operands are checked by the callers' entries (matmul.check_operands)."""
     y = x.new_empty((x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0]))
     pre = x.new_empty((x.shape[0], weight.shape[0])) if store_pre else None
     matmul_fwd(x, weight, bias, y, "gelu_tanh" if approximate == "tanh" else "gelu", pre, gated)
@@ -319,6 +309,7 @@ def _linear_bias_gelu_setup(ctx, inputs, output):
     x, weight, _, approximate = inputs
     ctx.save_for_backward(x, weight, output[1])
     ctx.approximate = approximate
+    ctx.set_materialize_grads(False)  # h is internal: its gradient stays None, not zeros of [M, N]
 
 
 def _linear_bias_gelu_backward(ctx, dy, dpre):
@@ -354,4 +345,4 @@ def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
     if form == "cublas_then_bias_gelu":
         return _bias_gelu_op(x @ weight.t(), bias, approximate)
     y, _ = _linear_bias_gelu_op(x2, weight, bias, approximate)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])

@@ -18,6 +18,8 @@
 # and flash-attention's flash_attn/ops/triton/layer_norm.py (the seed regenerated in the backward).
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -59,15 +61,21 @@ def _dropout_kernel(
 
 def _check_inputs(x: torch.Tensor, p: float) -> None:
     """Raise ValueError for what the kernel does not support, before anything is launched."""
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"x has dtype {x.dtype}; the Triton dropout supports {SUPPORTED_DTYPES}")
+    check_limits(x)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"p must be in [0, 1), got {p!r}")
+
+
+def check_limits(x: torch.Tensor) -> None:
+    """Raise ValueError for an x the kernel does not take (fastbert.ops checks p itself, in the same words)."""
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"x has dtype {x.dtype}; the Triton dropout supports {SUPPORTED_DTYPES}")
     if x.dim() and x.shape[-1] > MAX_LAST_DIM:
         raise ValueError(f"x has last dimension {x.shape[-1]}; the Triton dropout supports at most {MAX_LAST_DIM} "
                          "(reshape it to [rows, N])")
 
 
+@functools.lru_cache(maxsize=None)
 def _tile(n: int) -> tuple[int, int, int]:
     """(BLOCK_ROWS, BLOCK_N, num_warps) for rows of n elements."""
     block_n = min(MAX_BLOCK_N, next_power_of_2(n))
@@ -79,23 +87,25 @@ def _tile(n: int) -> tuple[int, int, int]:
 
 def _launch(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
     """x [..., N] (any strides) -> x * keep / (1 - p), contiguous, x's shape and dtype."""
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.numel() == 0:
         return y
-    n = x.shape[-1] if x.dim() else 1
-    x2 = x.reshape(-1, n)  # [rows, N], a view whenever the strides allow
+    dims = x.dim()
+    n = x.shape[-1] if dims else 1
+    x2 = x if dims == 2 else x.reshape(-1, n)  # [rows, N], a view whenever the strides allow
+    rows = x2.shape[0]
+    stride_row, stride_col = x2.stride()
     block_rows, block_n, num_warps = _tile(n)
-    grid = (cdiv(x2.shape[0], block_rows), cdiv(n, block_n))
-    launch(_dropout_kernel, grid, x2, y, seed, x2.stride(0), x2.stride(1), x2.shape[0], n, p, 1.0 / (1.0 - p),
-                          BLOCK_ROWS=block_rows, BLOCK_N=block_n, num_warps=num_warps)
+    launch(_dropout_kernel, (cdiv(rows, block_rows), cdiv(n, block_n)), x2, y, seed, stride_row, stride_col, rows,
+           n, p, 1.0 / (1.0 - p), BLOCK_ROWS=block_rows, BLOCK_N=block_n, num_warps=num_warps)
     return y
 
 
 @fused_op("fastbert::dropout")
 def dropout_fwd(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
-    """x [...] fp32/fp16/bf16 (any strides); seed int64 [1]; 0 <= p < 1. Returns x * keep / (1 - p)
-    (contiguous); the backward is this op on dy with the same seed. Raises ValueError for bad input."""
-    _check_inputs(x, p)
+    """x [...] fp32/fp16/bf16 (any strides); seed int64 [1]; 0 <= p < 1 (checked by `dropout`, or
+    fastbert.ops, and by the fake registration where PyTorch traces). Returns x * keep / (1 - p)
+    (contiguous); the backward is this op on dy with the same seed."""
     return _launch(x, seed, p)
 
 
@@ -130,6 +140,11 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     training or p == 0, else a new contiguous tensor of x's shape and dtype, differentiable in x.
     Raises ValueError for an unsupported dtype or p outside [0, 1)."""
     _check_inputs(x, p)
+    return dropout_unchecked(x, p, training)
+
+
+def dropout_unchecked(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """`dropout` after its checks, which the caller has made (fastbert.ops: p, then `check_limits`)."""
     if not training or p == 0.0:
         return x
     return dropout_fwd(x, philox_seed(x.device), float(p))

@@ -71,14 +71,15 @@ def _check(x, w1, b1, w2, b2, approximate, gated=False, form="epilogue") -> None
         raise ValueError(f"w1 has {w1.shape[0]} rows; the GeGLU's w1 holds two halves [2I, K], so they must be even")
     projected, out_features = w1.shape[0], w2.shape[0]
     inner = projected // 2 if gated else projected
-    expected = {"w1": (projected, x.shape[1]), "b1": (projected,), "w2": (out_features, inner), "b2": (out_features,)}
-    for name, t in (("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)):
+    dtype, device = x.dtype, x.device
+    for name, t, expected in (("w1", w1, (projected, x.shape[1])), ("b1", b1, (projected,)),
+                              ("w2", w2, (out_features, inner)), ("b2", b2, (out_features,))):
         if t is None:
             continue
-        if tuple(t.shape) != expected[name]:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected[name]}")
-        if t.dtype != x.dtype or t.device != x.device:
-            raise ValueError(f"{name} has dtype {t.dtype} on {t.device}, expected x's {x.dtype} on {x.device}")
+        if t.shape != expected:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected}")
+        if t.dtype != dtype or t.device != device:
+            raise ValueError(f"{name} has dtype {t.dtype} on {t.device}, expected x's {dtype} on {device}")
 
 
 def _up_projection(x, w1, b1, approximate, keep_pre, gated, form):
@@ -163,6 +164,7 @@ def _feed_forward_setup(ctx, inputs, output):
     ctx.approximate = approximate
     ctx.gated, ctx.form = gated, form
     ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+    ctx.set_materialize_grads(False)  # h is internal: its gradient stays None, not zeros of [M, N]
 
 
 def _feed_forward_backward(ctx, dout, dpre):
@@ -188,13 +190,16 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2:
     "cublas_then_bias_gelu" (header). Raises ValueError on mismatched shapes, dtypes, an unknown
     approximation or form.
     """
-    x2 = x.reshape(-1, x.shape[-1])  # [M, K]: a view whenever the leading dims merge
+    two_d = x.dim() == 2
+    x2 = x if two_d else x.reshape(-1, x.shape[-1])  # [M, K]: a view whenever the leading dims merge
     _check(x2, w1, b1, w2, b2, approximate, gated, form)
     # h is written only for a backward that reads it: an inference forward never holds it beside the GELU
     # output while the second matmul runs (one [M, N] less at its peak), and recompute_pre reruns it anyway
-    backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, w1, b1, w2, b2))
+    backward = torch.is_grad_enabled() and (x2.requires_grad or w1.requires_grad or w2.requires_grad
+                                            or (b1 is not None and b1.requires_grad)
+                                            or (b2 is not None and b2.requires_grad))
     out, _ = _feed_forward_op(x2, w1, b1, w2, b2, approximate, backward and not recompute_pre, gated, form)
-    return out.view(*x.shape[:-1], w2.shape[0])
+    return out if two_d else out.view(*x.shape[:-1], w2.shape[0])
 
 
 def feed_forward_geglu(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,

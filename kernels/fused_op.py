@@ -9,7 +9,8 @@
 # torch.autograd.Function whose setup_context and backward are the custom op's own registrations: one
 # implementation, two entrances, the same results (tests/test_fused_op.py checks both give equal outputs and
 # gradients, and that torch.compile(fullgraph=True) still traces the op). `fastbert bench --suite host`
-# measures what each entrance costs.
+# measures what each entrance costs: its "fastbert-custom-op" rows run every op through the custom op.
+import contextlib
 import inspect
 from typing import Callable, Optional
 
@@ -18,19 +19,20 @@ import torch
 # Tensor types the eager path takes; any other subclass (FakeTensor, FunctionalTensor, DTensor, ...) belongs to
 # a tracer or a wrapper that only the custom op's registrations know how to handle.
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_AUTOGRAD_APPLY = torch._C._FunctionBase.__dict__["apply"]  # autograd.Function's C apply (a classmethod)
 
 
-def _traced(args: tuple) -> bool:
-    """Whether a call must go through the custom op: under torch.compile / torch.export, inside a dispatch
-    mode (fake tensors, proxies, fastbert's memory tracker), or with a tensor that is not a plain tensor on a
-    real device (meta tensors take the shape-only fake registration)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return True
-    return any(isinstance(a, torch.Tensor) and (type(a) not in _PLAIN_TENSORS or a.is_meta) for a in args)
+# looked up once: _tracing runs on every fused op call (torch.compile still recognises is_compiling by identity)
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_functorch_transforms = torch._C._are_functorch_transforms_active
 
 
-def _requires_grad(args: tuple) -> bool:
-    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+def _tracing() -> bool:
+    """Whether PyTorch traces or transforms the call: torch.compile / torch.export, a dispatch mode (fake
+    tensors, proxies, fastbert's memory tracker), or a functorch transform (vmap, grad), whose wrapped
+    tensors look like plain ones."""
+    return _is_compiling() or _dispatch_modes() > 0 or _functorch_transforms()
 
 
 class FusedOp:
@@ -44,7 +46,12 @@ class FusedOp:
         self.custom_op = torch.library.custom_op(name, mutates_args=())(function)
         self._init_fn = function  # the Python body, where tools look for a custom op's (compile audit, tracker)
         self._defaults = tuple(p.default for p in inspect.signature(function).parameters.values())
-        self._eager_autograd: Optional[type] = None
+        self._arity = len(self._defaults)
+        # the positions of the Tensor and Optional[Tensor] arguments, from the custom op's schema
+        any_tensor = torch._C.OptionalType.ofTensor()
+        self._tensor_positions = tuple(i for i, argument in enumerate(self.custom_op._opoverload._schema.arguments)
+                                       if argument.type.isSubtypeOf(any_tensor))
+        self._eager_apply: Optional[Callable] = None  # the eager autograd.Function's apply, once registered
 
     def register_fake(self, fake: Callable) -> Callable:
         self.custom_op.register_fake(fake)
@@ -66,16 +73,44 @@ class FusedOp:
             backward = staticmethod(backward_function)
 
         EagerFunction.__name__ = EagerFunction.__qualname__ = f"{forward_function.__name__}_eager"
-        self._eager_autograd = EagerFunction
+        # autograd's own apply, without Function.apply's Python layer (functorch's unwrapping, ~2 us a call):
+        # the eager path never runs under a functorch transform (_tracing)
+        self._eager_apply = _AUTOGRAD_APPLY.__get__(None, EagerFunction)
 
     def __call__(self, *args):
-        if len(args) < len(self._defaults):
+        if len(args) < self._arity:
             args += self._defaults[len(args):]
-        if _traced(args):
+        if _ALWAYS_CUSTOM_OP[0] or _tracing():
             return self.custom_op(*args)
-        if self._eager_autograd is not None and torch.is_grad_enabled() and _requires_grad(args):
-            return self._eager_autograd.apply(*args)
+        # one pass: a tensor that is not a plain one on a real device takes the custom op (meta tensors its
+        # shape-only fake registration); any that requires grad takes autograd
+        differentiable = self._eager_apply is not None and torch.is_grad_enabled()
+        requires_grad = False
+        for i in self._tensor_positions:
+            a = args[i]
+            if a is not None:
+                if type(a) not in _PLAIN_TENSORS or a.is_meta:
+                    return self.custom_op(*args)
+                if differentiable and not requires_grad:
+                    requires_grad = a.requires_grad
+        if requires_grad:
+            return self._eager_apply(*args)
         return self.function(*args)
+
+
+# True inside always_custom_op(): eager calls take the custom op too, as before this module (the host suite's
+# "fastbert-custom-op" rows, the measurement behind the choice)
+_ALWAYS_CUSTOM_OP = [False]
+
+
+@contextlib.contextmanager
+def always_custom_op():
+    """Every fused op call through its torch.library custom op while entered, in eager mode too."""
+    previous, _ALWAYS_CUSTOM_OP[0] = _ALWAYS_CUSTOM_OP[0], True
+    try:
+        yield
+    finally:
+        _ALWAYS_CUSTOM_OP[0] = previous
 
 
 def fused_op(name: str) -> Callable[[Callable], FusedOp]:

@@ -17,6 +17,7 @@
 # microseconds, and launchers call them several times per launch.
 from __future__ import annotations
 
+import inspect
 import operator
 from typing import Callable, Union
 
@@ -42,10 +43,12 @@ def next_power_of_2(n: int) -> int:
 
 def _launch_hooks_active() -> bool:
     """Whether a launch hook is installed (a profiler's): Triton then builds each launch's metadata and calls
-    the hooks, so such launches go through Triton. Triton 3.6-3.9 keep the hooks in (normally empty) chains."""
+    the hooks, so such launches go through Triton. Triton 3.6-3.9 keep the hooks in (normally empty) chains.
+    Runs on every launch: no generator."""
     runtime = triton.knobs.runtime
-    return any(hook is not None and getattr(hook, "calls", True)
-               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool((enter is not None and getattr(enter, "calls", True))
+                or (leave is not None and getattr(leave, "calls", True)))
 
 
 class _Entry:
@@ -90,19 +93,13 @@ class KernelLauncher:
         self.autotuner = kernel if isinstance(kernel, Autotuner) else None
         jit = kernel.fn if self.autotuner is not None else kernel
         self.arg_names: list[str] = list(jit.arg_names)
+        self.defaults = {name: p.default for name, p in inspect.signature(jit.fn).parameters.items()
+                         if p.default is not inspect.Parameter.empty}
         keys = set(self.autotuner.keys) if self.autotuner is not None else set()
         self.key_positions = frozenset(i for i, name in enumerate(self.arg_names) if name in keys)
         self.layouts: dict[tuple, _Layout] = {}
         self.by_key: dict = {}  # exact key -> _Entry
         self.by_specialisation: dict = {}  # Triton's specialisation -> _Entry
-
-    def key(self, args: tuple, constexprs: dict) -> tuple:
-        types = tuple(map(type, args))
-        layout = self.layouts.get(types)
-        if layout is None:
-            layout = self.layouts[types] = _Layout(types)
-        alignment = tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in layout.tensors(args)])
-        return types, layout.ints(args), alignment, tuple(constexprs.items())
 
     def specialisation(self, args: tuple, constexprs: dict) -> tuple:
         """What Triton's kernel cache and the autotuner's key depend on."""
@@ -115,18 +112,27 @@ class KernelLauncher:
         spec.extend(constexprs.items())
         return tuple(spec)
 
-    def __call__(self, grid: Grid, *args, **constexprs):
+    def __call__(self, grid: Grid, args: tuple, constexprs: dict):
         driver = triton.runtime.driver.active
         device = driver.get_current_device()
-        # per device (a compiled kernel is loaded on one) and driver (a stand-in's stubs never reach a GPU)
-        key = (device, driver, self.key(args, constexprs))
+        types = tuple(map(type, args))
+        layout = self.layouts.get(types)
+        if layout is None:
+            layout = self.layouts[types] = _Layout(types)
+        # the exact key, built here rather than in a method (a call per launch): per device (a compiled kernel
+        # is loaded on one) and driver (a stand-in's stubs never reach a GPU), the argument types, the ints'
+        # values, each tensor's dtype and 16-byte alignment, and the constexprs
+        key = (device, driver, types, layout.ints(args),
+               tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in layout.tensors(args)]), tuple(constexprs.items()))
         entry = self.by_key.get(key)
-        if entry is None or _launch_hooks_active():
+        if entry is None:
             specialisation = (device, driver, self.specialisation(args, constexprs))
             entry = self.by_specialisation.get(specialisation)
             if entry is None or _launch_hooks_active():
                 return self._first(key, specialisation, grid, args, constexprs)
             self._keep(self.by_key, key, entry)
+        elif _launch_hooks_active():
+            return self._first(key, (device, driver, self.specialisation(args, constexprs)), grid, args, constexprs)
         dims = grid(entry.grid_meta) if callable(grid) else grid
         compiled = entry.compiled
         compiled.run(dims[0], dims[1] if len(dims) > 1 else 1, dims[2] if len(dims) > 2 else 1,
@@ -145,7 +151,8 @@ class KernelLauncher:
             if config.pre_hook is not None:  # a hook runs per launch: leave such kernels to Triton
                 return compiled
             meta.update(config.kwargs)
-        entry = _Entry(compiled, tuple(meta[name] for name in self.arg_names[len(args):]), meta)
+        entry = _Entry(compiled, tuple(meta[name] if name in meta else self.defaults[name]
+                                       for name in self.arg_names[len(args):]), meta)
         self._keep(self.by_specialisation, specialisation, entry)
         self._keep(self.by_key, key, entry)
         return compiled
@@ -155,6 +162,31 @@ class KernelLauncher:
         if len(cache) >= SIGNATURES_PER_KERNEL:
             cache.clear()
         cache[key] = entry
+
+
+class _Placeholders(dict):
+    """dtype -> an empty tensor of that dtype on one device, made on first use."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def __missing__(self, dtype: torch.dtype) -> torch.Tensor:
+        tensor = self[dtype] = torch.empty(0, dtype=dtype, device=self.device)
+        return tensor
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def placeholders(device: torch.device) -> dict:
+    """dtype -> an empty tensor on `device` for a pointer argument a launch does not read, kept (one per dtype
+    and device; never an op's output, which must be a tensor of its own). Its dtype is the real argument's:
+    Triton specialises, and an autotuner keys, on every tensor argument's dtype."""
+    found = _PLACEHOLDERS.get(device)
+    if found is None:
+        found = _PLACEHOLDERS[device] = _Placeholders(device)
+    return found
 
 
 _LAUNCHERS: dict = {}
@@ -169,7 +201,7 @@ def launch(kernel, grid: Grid, *args, **constexprs):
     launcher = _LAUNCHERS.get(id(kernel))  # by id: a JITFunction hashes in Python
     if launcher is None:
         launcher = _LAUNCHERS[id(kernel)] = KernelLauncher(kernel)
-    return launcher(grid, *args, **constexprs)
+    return launcher(grid, args, constexprs)
 
 
 def clear_cache() -> None:

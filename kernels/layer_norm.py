@@ -60,6 +60,7 @@
 # apex's FusedLayerNorm with memory_efficient=True (the backward from the output).
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -277,19 +278,22 @@ def _layer_norm_bwd_kernel(
         tl.store(DB_PARTIAL + program * H + cols, tl.sum(db, axis=0), mask=col_exists)
 
 
-def _check_inputs(x, weight, bias, residual, out_dtype) -> None:
+def check_inputs(x, weight, bias, residual, out_dtype) -> None:
     """Raise ValueError for what the kernels do not support, before anything is launched (bias may be None)."""
     hidden = x.shape[-1] if x.dim() else 0
     if not 1 <= hidden <= MAX_HIDDEN:
         raise ValueError(f"x has hidden size (last dimension) {hidden}; the Triton LayerNorm supports "
                          f"1 to {MAX_HIDDEN} (one row must fit in registers)")
+    device = x.device
     for name, tensor in (("x", x), ("weight", weight), ("bias", bias), ("residual", residual)):
-        if tensor is not None and tensor.dtype not in SUPPORTED_DTYPES:
+        if tensor is None:
+            continue
+        if tensor.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{name} has dtype {tensor.dtype}; the Triton LayerNorm supports {SUPPORTED_DTYPES}")
-        if tensor is not None and tensor.device != x.device:
-            raise ValueError(f"{name} is on {tensor.device}, x on {x.device}; all must share one device")
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, x on {device}; all must share one device")
     for name, tensor in (("weight", weight), ("bias", bias)):
-        if tensor is not None and tuple(tensor.shape) != (hidden,):
+        if tensor is not None and tensor.shape != (hidden,):
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected ({hidden},) (x's hidden size)")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual has shape {tuple(residual.shape)}, expected x's shape {tuple(x.shape)}")
@@ -299,6 +303,7 @@ def _check_inputs(x, weight, bias, residual, out_dtype) -> None:
         raise ValueError(f"out_dtype is {out_dtype}; the Triton LayerNorm supports {SUPPORTED_DTYPES}")
 
 
+@functools.lru_cache(maxsize=None)
 def _tile(hidden: int) -> tuple[int, int, int]:
     """(BLOCK_ROWS, BLOCK_H, num_warps) for rows of `hidden` elements."""
     block_h = next_power_of_2(hidden)
@@ -309,14 +314,20 @@ def _tile(hidden: int) -> tuple[int, int, int]:
     return block_rows, block_h, num_warps
 
 
-def _with_int32_columns(t: torch.Tensor) -> torch.Tensor:
-    """t [rows, H], copied to contiguous when its column offsets would not fit the kernels' int32."""
-    return t if t.stride(1) * (t.shape[1] - 1) < 2**31 else t.contiguous()
+def _with_int32_columns(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(t, its row stride, its column stride) for t [rows, H], t copied to contiguous when its column
+    offsets would not fit the kernels' int32."""
+    stride_row, stride_col = t.stride()
+    if stride_col * (t.shape[1] - 1) < 2**31:
+        return t, stride_row, stride_col
+    t = t.contiguous()
+    return t, t.shape[1], 1
 
 
+@functools.lru_cache(maxsize=4096)
 def _backward_split(device: torch.device, rows: int, block_rows: int) -> tuple[int, int]:
     """(programs, rows_per_program) for the backward over rows >= 1; rows_per_program is a multiple of
-    block_rows and every program gets at least one row."""
+    block_rows and every program gets at least one row. Cached: it depends on the shape and the device only."""
     if INTERPRETER:
         programs = INTERPRETER_BACKWARD_PROGRAMS
     else:
@@ -329,25 +340,30 @@ def _forward(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_ou
     """The forward launch: (y, mean, rstd, side, summed), the last four as in `layer_norm_fwd`; without
     store_stats (an inference forward) mean, rstd and side are None, neither allocated nor written."""
     rows, hidden = x.shape
-    x = _with_int32_columns(x)
-    residual = None if residual is None else _with_int32_columns(residual)
-    y = torch.empty((rows, hidden), dtype=out_dtype, device=x.device)
-    summed = torch.empty(_sum_shape(x, store_sum), dtype=x.dtype, device=x.device)
+    device = x.device
+    x, stride_x_row, stride_x_col = _with_int32_columns(x)
+    if residual is None:  # x stands for the residual pointer, never read
+        res, stride_r_row, stride_r_col = x, stride_x_row, stride_x_col
+    else:
+        res, stride_r_row, stride_r_col = _with_int32_columns(residual)
+    # empty_like: an allocation from a shape tuple costs the host half a microsecond more
+    y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
+    summed = torch.empty_like(x, memory_format=torch.contiguous_format) if store_sum else x.new_empty(0)
     mean = rstd = side = None
     if store_stats:
-        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        mean = torch.empty(rows, dtype=torch.float32, device=device)
+        rstd = torch.empty(rows, dtype=torch.float32, device=device)
         # zero-filled: slots without a small-weight column are never written, but are part of the op's output
-        side = torch.zeros(_side_shape(rows, save_output), dtype=torch.float32, device=x.device)
+        side = (torch.zeros((rows, SIDE_COLUMNS), dtype=torch.float32, device=device) if save_output
+                else mean.new_empty(0))
     if rows == 0:
         return y, mean, rstd, side, summed
     block_rows, block_h, num_warps = _tile(hidden)
-    res = x if residual is None else residual  # a placeholder pointer when there is no residual
     # placeholder pointers (never read or written) for the buffers a flag leaves out
     launch(_layer_norm_fwd_kernel, (cdiv(rows, block_rows),),
            x, res, weight.contiguous(), weight if bias is None else bias.contiguous(), y, summed if store_sum else y,
            y if mean is None else mean, y if rstd is None else rstd, x if seed is None else seed,
-           side if save_output else y, x.stride(0), x.stride(1), res.stride(0), res.stride(1),
+           side if save_output else y, stride_x_row, stride_x_col, stride_r_row, stride_r_col,
            rows, hidden, eps, dropout_p, 1.0 / (1.0 - dropout_p), MIN_WEIGHT,
            HAS_RESIDUAL=residual is not None, HAS_DROPOUT=seed is not None, HAS_BIAS=bias is not None,
            STORE_SUM=store_sum, STORE_STATS=store_stats, SAVE_SIDE=save_output, SIDE_COLUMNS=SIDE_COLUMNS,
@@ -392,13 +408,13 @@ def _sum_shape(x: torch.Tensor, store_sum: bool) -> tuple[int, ...]:
 
 @layer_norm_infer.register_fake
 def _(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, store_sum):
-    _check_inputs(x, weight, bias, residual, out_dtype)
+    check_inputs(x, weight, bias, residual, out_dtype)
     return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(_sum_shape(x, store_sum))
 
 
 @layer_norm_fwd.register_fake
 def _(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output, store_sum=False):
-    _check_inputs(x, weight, bias, residual, out_dtype)
+    check_inputs(x, weight, bias, residual, out_dtype)
     rows = x.shape[0]
     return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(rows, dtype=torch.float32),
             x.new_empty(rows, dtype=torch.float32), x.new_empty(_side_shape(rows, save_output), dtype=torch.float32),
@@ -425,28 +441,36 @@ def layer_norm_bwd(dy: torch.Tensor, x: Optional[torch.Tensor], residual: Option
     from_output = y is not None
     like = y if from_output else x
     rows, hidden = like.shape
-    dx = torch.empty((rows, hidden), dtype=x_dtype, device=like.device)
-    dres = torch.empty((rows, hidden) if has_residual else (0,), dtype=x_dtype, device=like.device)
+    dx = torch.empty_like(like, dtype=x_dtype, memory_format=torch.contiguous_format)
+    dres = torch.empty_like(dx) if has_residual else dx.new_empty(0)
     if rows == 0:
         return (dx, dres, torch.zeros(hidden, dtype=torch.float32, device=like.device),
                 torch.zeros(_dbias_shape(bias), dtype=torch.float32, device=like.device))
     block_rows, block_h, num_warps = _tile(hidden)
-    dy = _with_int32_columns(dy)
-    dsum = None if dsum is None else _with_int32_columns(dsum)
-    ds = dy if dsum is None else dsum  # a placeholder pointer without dsum
-    x = like if x is None else _with_int32_columns(x)  # a placeholder pointer when reading y
-    res = x if residual is None else _with_int32_columns(residual)
+    dy, stride_dy_row, stride_dy_col = _with_int32_columns(dy)
+    if dsum is None:  # dy stands for the dsum pointer, never read
+        ds, stride_ds_row, stride_ds_col = dy, stride_dy_row, stride_dy_col
+    else:
+        ds, stride_ds_row, stride_ds_col = _with_int32_columns(dsum)
+    if x is None:  # reading y: y stands for the input pointers, never read
+        x, (stride_x_row, stride_x_col) = like, like.stride()
+    else:
+        x, stride_x_row, stride_x_col = _with_int32_columns(x)
+    if residual is None:
+        res, stride_r_row, stride_r_col = x, stride_x_row, stride_x_col
+    else:
+        res, stride_r_row, stride_r_col = _with_int32_columns(residual)
     programs, rows_per_program = _backward_split(like.device, rows, block_rows)
     # every program writes its whole row of partial sums, so no zero-fill is needed
     dw_partial = torch.empty((programs, hidden), dtype=torch.float32, device=like.device)
-    db_partial = torch.empty((programs, hidden) if bias is not None else (0,), dtype=torch.float32,
-                             device=like.device)
+    db_partial = (torch.empty((programs, hidden), dtype=torch.float32, device=like.device) if bias is not None
+                  else dw_partial.new_empty(0))
     launch(_layer_norm_bwd_kernel, (programs,),
         dy, ds, x, res, like, weight.contiguous(), weight if bias is None else bias.contiguous(),
         rstd if mean is None else mean, rstd, like if seed is None else seed, rstd if side is None else side,
         dx, dres, dw_partial, dw_partial if bias is None else db_partial,
-        dy.stride(0), dy.stride(1), ds.stride(0), ds.stride(1), x.stride(0), x.stride(1), res.stride(0),
-        res.stride(1), rows, rows_per_program, hidden, dropout_p, 1.0 / (1.0 - dropout_p), MIN_WEIGHT,
+        stride_dy_row, stride_dy_col, stride_ds_row, stride_ds_col, stride_x_row, stride_x_col, stride_r_row,
+        stride_r_col, rows, rows_per_program, hidden, dropout_p, 1.0 / (1.0 - dropout_p), MIN_WEIGHT,
         HAS_RESIDUAL=has_residual, HAS_DROPOUT=seed is not None, HAS_BIAS=bias is not None,
         HAS_DSUM=dsum is not None, X_IS_SUM=x_is_sum, FROM_OUTPUT=from_output,
         SIDE_COLUMNS=SIDE_COLUMNS, BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=num_warps,
@@ -482,19 +506,37 @@ def _setup_context(ctx, inputs, output):
     ctx.has_residual = residual is not None
     ctx.store_sum = store_sum
     ctx.mark_non_differentiable(mean, rstd, side)
+    # without store_sum y is the one output a backward starts from: the gradients of the others stay None
+    # rather than zeros allocated for them (with store_sum, y or summed may go unused: zeros stand for it)
+    ctx.set_materialize_grads(store_sum)
 
 
 def _backward(ctx, dy, dmean, drstd, dside, dsum):
     x, residual, y, side, mean, weight, bias, seed, rstd = ctx.saved_tensors
-    # without store_sum, dsum is the zeros autograd makes for the unused empty output: not read
+    # without store_sum, dsum (None) belongs to the unused empty output
     dx, dres, dw, db = layer_norm_bwd(dy, x, residual, y, side, weight, bias, seed, mean, rstd, ctx.dropout_p,
                                       ctx.x_dtype, ctx.has_residual, dsum if ctx.store_sum else None,
                                       ctx.store_sum and y is None)
-    return (dx, dw.to(weight.dtype), None if bias is None else db.to(bias.dtype),
+    return (dx, _as_dtype(dw, weight.dtype), None if bias is None else _as_dtype(db, bias.dtype),
             dres if ctx.has_residual else None, None, None, None, None, None, None)
 
 
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def check_options(residual, dropout_p, save, return_residual) -> None:
+    """Raise ValueError for an option `layer_norm` does not take (fastbert.ops checks the same, in the same
+    words)."""
+    if return_residual and residual is None:
+        raise ValueError("return_residual=True needs a residual (summed = dropout(x) + residual), got residual=None")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if save not in SAVE_CHOICES:
+        raise ValueError(f"save must be one of {SAVE_CHOICES}, got {save!r}")
 
 
 def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, training=True, out_dtype=None,
@@ -515,18 +557,22 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
     Raises ValueError for unsupported sizes, dtypes, devices or `save`, or return_residual without a residual.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    _check_inputs(x, weight, bias, residual, out_dtype)
-    if return_residual and residual is None:
-        raise ValueError("return_residual=True needs a residual (summed = dropout(x) + residual), got residual=None")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    if save not in SAVE_CHOICES:
-        raise ValueError(f"save must be one of {SAVE_CHOICES}, got {save!r}")
+    check_inputs(x, weight, bias, residual, out_dtype)
+    check_options(residual, dropout_p, save, return_residual)
+    return layer_norm_unchecked(x, weight, bias, eps, residual, dropout_p, training, out_dtype, save,
+                                return_residual)
+
+
+
+def layer_norm_unchecked(x, weight, bias, eps, residual, dropout_p, training, out_dtype, save, return_residual):
+    """`layer_norm` after its checks (`check_inputs`, `check_options`), which the caller has made; out_dtype
+    given."""
     use_dropout = training and dropout_p > 0.0
     seed = philox_seed(x.device) if use_dropout else None
     dropout_p = float(dropout_p) if use_dropout else 0.0
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    residual_rows = residual if residual is None or residual.dim() == 2 else residual.reshape(rows.shape)
+    two_d = x.dim() == 2
+    rows = x if two_d else x.reshape(-1, x.shape[-1])
+    residual_rows = residual if residual is None or two_d else residual.reshape(rows.shape)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
                                     or (residual is not None and residual.requires_grad)):
         y, _, _, _, summed = layer_norm_fwd(rows, weight, bias, residual_rows, seed, float(eps), dropout_p, out_dtype,
@@ -534,6 +580,6 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
     else:  # no backward can follow: no statistics, no side buffer
         y, summed = layer_norm_infer(rows, weight, bias, residual_rows, seed, float(eps), dropout_p, out_dtype,
                                      return_residual)
-    if x.dim() != 2:
-        y, summed = y.view(x.shape), summed.view(x.shape) if return_residual else summed
+    if not two_d:  # view_as: a view to a torch.Size costs a microsecond more
+        y, summed = y.view_as(x), summed.view_as(x) if return_residual else summed
     return (y, summed) if return_residual else y

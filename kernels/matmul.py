@@ -102,11 +102,12 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(index)
 
 
+@functools.lru_cache(maxsize=4096)
 def row_groups(rows: int, col_blocks: int, block_m: int, device: torch.device) -> tuple[int, int]:
     """Split rows into (groups, rows_per_group), rows_per_group a multiple of block_m, for the
     deterministic column sums of kernels/bias_gelu.py and kernels/qkv.py: one program per group
     and column block, about four programs per SM in all. Depends only on the shape and the device,
-    so the summation order, hence every bit of the sum, is fixed for a given GPU."""
+    so the summation order, hence every bit of the sum, is fixed for a given GPU (and cached)."""
     target = 4 if INTERPRETER else 4 * sm_count(device)
     groups = max(1, min(cdiv(rows, block_m), cdiv(target, col_blocks)))
     rows_per_group = cdiv(cdiv(rows, groups), block_m) * block_m
@@ -283,7 +284,7 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[1] == 0:
         raise ValueError(f"x [M, K] and weight [N, K] must share K >= 1, "
                          f"got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+    if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(weight.shape[0],)}")
 
 
@@ -291,38 +292,38 @@ def matmul_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                activation: str = "none", pre: torch.Tensor | None = None, gated: bool = False) -> None:
     """Write act(x @ weight.T + bias) into `out` (bias None: no bias).
 
-    x [M, K], weight [N, K], bias [N], any strides, one dtype. `out` is [M, N] (any strides), or
-    [3, B, heads, S, d] (any strides) with B * S = M and 3 * heads * d = N: the head-split store.
-    `pre`, if given, is a contiguous [M, N] that receives x @ weight.T + bias before the activation.
-    gated (the GeGLU): weight [2N, K], bias [2N], out [M, N] = act(a) * b with [a, b] = x @ weight.T + bias
-    split in halves, pre [M, 2N]; the activation must be a GELU.
-    Raises ValueError on mismatched shapes, dtypes or an unknown activation.
+    x [M, K], weight [N, K], bias [N], any strides, one dtype and device: the callers' entries check them
+    (`check_operands`). `out` is [M, N] (any strides), or [3, B, heads, S, d] (any strides) with B * S = M
+    and 3 * heads * d = N: the head-split store. `pre`, if given, is a contiguous [M, N] that receives
+    x @ weight.T + bias before the activation. gated (the GeGLU): weight [2N, K], bias [2N], out [M, N] =
+    act(a) * b with [a, b] = x @ weight.T + bias split in halves, pre [M, 2N]; the activation must be a GELU.
+    Raises ValueError on an unknown activation, or an out, pre or gated weight that does not fit.
     """
-    check_operands(x, weight, bias)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     rows, inner = x.shape
     cols = weight.shape[0]
+    out_dims = out.dim()
     if gated:
-        if activation == "none" or out.dim() != 2 or cols % 2:
+        if activation == "none" or out_dims != 2 or cols % 2:
             raise ValueError(f"a gated matmul needs a GELU activation (got {activation!r}), a 2-D out (got "
-                             f"{out.dim()}-D) and an even number of weight rows (got {cols})")
+                             f"{out_dims}-D) and an even number of weight rows (got {cols})")
         cols //= 2
-    if out.dim() == 5:
+    if out_dims == 5:
         three, batch, heads, seqlen, head_dim = out.shape
         if three != 3 or batch * seqlen != rows or 3 * heads * head_dim != cols:
             raise ValueError(f"out has shape {tuple(out.shape)}, expected [3, B, heads, S, d] with B*S = {rows} "
                              f"and 3*heads*d = {cols}")
         stride_o3, stride_ob, stride_oh, stride_os, stride_od = out.stride()
-    elif tuple(out.shape) == (rows, cols):
+    elif out.shape == (rows, cols):
         seqlen, heads, head_dim = rows, 1, cols
         stride_ob, stride_o3, stride_oh = 0, 0, 0
         stride_os, stride_od = out.stride()
     else:
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {(rows, cols)} or [3, B, heads, S, d]")
-    pre_shape = (rows, 2 * cols if gated else cols)
-    if pre is not None and (tuple(pre.shape) != pre_shape or not pre.is_contiguous()):
-        raise ValueError(f"pre must be a contiguous {pre_shape} tensor, got {tuple(pre.shape)}")
+    if pre is not None and (pre.shape != (rows, 2 * cols if gated else cols) or not pre.is_contiguous()):
+        raise ValueError(f"pre must be a contiguous {(rows, 2 * cols if gated else cols)} tensor, "
+                         f"got {tuple(pre.shape)}")
     if rows == 0:
         return
 
@@ -332,10 +333,9 @@ def matmul_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     launch(_matmul_fwd_kernel, grid,
         # the kernel reads the bias as contiguous; weight stands in for a missing bias (never read)
         x, weight, weight if bias is None else bias.contiguous(), out, out if pre is None else pre,
-        rows, cols, inner,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        rows, cols, inner, *x.stride(), *weight.stride(),
         seqlen, heads, stride_ob, stride_os, stride_o3, stride_oh, stride_od,
-        HEAD_DIM=head_dim if out.dim() == 5 else 1, SPLIT_HEADS=out.dim() == 5,
+        HEAD_DIM=head_dim if out_dims == 5 else 1, SPLIT_HEADS=out_dims == 5,
         ACTIVATION=activation, STORE_PRE=pre is not None, HAS_BIAS=bias is not None, GATED=gated,
         INPUT_PRECISION=dot_precision(x.dtype),
     )

@@ -62,13 +62,13 @@ import torch
 import triton
 import triton.language as tl
 
+from fastbert.kernels.arguments import check_cross_entropy_options
 from fastbert.kernels.fused_op import fused_op
 from fastbert.kernels.launch import cdiv, launch, next_power_of_2
 from fastbert.kernels.matmul import sm_count
 from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_precision
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-REDUCTIONS = ("mean", "sum")
 MAX_VOCAB = 2**31 - 1
 MAX_GRID_AXIS = 65535  # CUDA's limit on grid axis 1: the backward's vocabulary tiles per chunk
 # dz is materialised one vocabulary chunk at a time: N x chunk elements at most (64 MiB in 16-bit),
@@ -217,29 +217,36 @@ def _check_inputs(x, weight, bias, target, reduction, label_smoothing) -> None:
     """Raise ValueError for what the kernels do not support, before anything is launched."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [N, H] and weight [V, H] must share H, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    check_limits(x, weight, bias, target)
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},) (weight's vocabulary "
+                         f"size)")
+    check_cross_entropy_options(reduction, label_smoothing)
+
+
+def check_limits(x, weight, bias, target) -> None:
+    """Raise ValueError for what the kernels do not support among x [N, H], weight [V, H], bias and target
+    of checked shapes (`_check_inputs`; fastbert.ops checks the shapes and options itself): the vocabulary
+    and hidden sizes, dtypes, an integer target, one device."""
     vocab, hidden = weight.shape
     if not 1 <= vocab <= MAX_VOCAB:
         raise ValueError(f"weight has vocabulary size {vocab}; the Triton cross entropy supports 1 to {MAX_VOCAB}")
     if hidden < 1:
         raise ValueError(f"x has hidden size {hidden}; the Triton cross entropy needs at least 1")
+    dtype = x.dtype
     for name, tensor in (("x", x), ("weight", weight), ("bias", bias)):
         if tensor is not None and tensor.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{name} has dtype {tensor.dtype}; the Triton cross entropy supports {SUPPORTED_DTYPES}")
-    if weight.dtype != x.dtype:
-        raise ValueError(f"weight has dtype {weight.dtype}, expected x's dtype {x.dtype}")
-    if bias is not None and tuple(bias.shape) != (vocab,):
-        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({vocab},) (weight's vocabulary size)")
-    if tuple(target.shape) != (x.shape[0],) or target.is_floating_point() or target.is_complex() \
+    if weight.dtype != dtype:
+        raise ValueError(f"weight has dtype {weight.dtype}, expected x's dtype {dtype}")
+    if target.shape != (x.shape[0],) or target.is_floating_point() or target.is_complex() \
             or target.dtype == torch.bool:
         raise ValueError(f"target must be an integer tensor of shape ({x.shape[0]},), "
                          f"got {target.dtype} {tuple(target.shape)}")
+    device = x.device
     for name, tensor in (("weight", weight), ("bias", bias), ("target", target)):
-        if tensor is not None and tensor.device != x.device:
-            raise ValueError(f"{name} is on {tensor.device}, x on {x.device}; all must share one device")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+        if tensor is not None and tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, x on {device}; all must share one device")
 
 
 def _config(dtype: torch.dtype, rows: int, forward: bool) -> dict:
@@ -288,19 +295,19 @@ def _backward_chunk_cols(rows: int, vocab: int, block_v: int) -> int:
 def _labelled(target, ignore_index, vocab):
     """(labelled rows [N] bool, labelled rows whose target is outside [0, V) [N] bool)."""
     labelled = target != ignore_index
-    return labelled, labelled & ((target < 0) | (target >= vocab))
+    return labelled, (target < 0).logical_or_(target >= vocab).logical_and_(labelled)
 
 
 @fused_op("fastbert::mlm_loss_fwd")
 def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
                  ignore_index: int, reduction: str,
                  label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [N, H], weight [V, H], bias [V] or None (any strides), target int [N].
+    """x [N, H], weight [V, H], bias [V] or None (any strides), target int [N], checked by
+    `linear_cross_entropy` (or fastbert.ops) and, where PyTorch traces, by the fake registration.
 
     Returns loss (fp32 scalar), num_correct (int64 scalar) and softmax_stats (fp32 [2, N]: each
-    row's max logit m and log sum exp(z - m), for the backward). Raises ValueError for unsupported sizes or dtypes.
+    row's max logit m and log sum exp(z - m), for the backward).
     """
-    _check_inputs(x, weight, bias, target, reduction, label_smoothing)
     rows = x.shape[0]
     vocab = weight.shape[0]
     if rows == 0:
@@ -310,30 +317,32 @@ def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     cols_per_split = _forward_cols_per_split(x.device, rows, vocab, config["BLOCK_N"], config["BLOCK_V"])
     splits = cdiv(vocab, cols_per_split)
     stats = torch.empty((4, splits, rows), dtype=torch.float32, device=x.device)
-    split_max, split_sumexp, target_logit, logit_sum = stats.unbind(0)
+    split_max, split_sumexp, target_logit, logit_sum = stats
     split_argmax = torch.empty((splits, rows), dtype=torch.int64, device=x.device)
     b = weight if bias is None else bias  # a placeholder pointer when there is no bias
     launch(_mlm_loss_fwd_kernel, (cdiv(rows, config["BLOCK_N"]), splits),
         x, weight, b, target, split_max, split_sumexp, target_logit, logit_sum, split_argmax,
-        rows, vocab, x.shape[1], cols_per_split,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),
+        rows, vocab, x.shape[1], cols_per_split, *x.stride(), *weight.stride(), 0 if bias is None else bias.stride(0),
         target.stride(0), HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype), **config,
     )
     # merge the splits: s = log sum_s sumexp_s exp(max_s - m) with m the overall max; the first
-    # split holding m has the first argmax (torch.argmax returns the first maximal index)
-    row_max = split_max.max(dim=0).values
-    log_sumexp = torch.log((split_sumexp * torch.exp(split_max - row_max)).sum(dim=0))
-    argmax = split_argmax.gather(0, split_max.argmax(dim=0, keepdim=True)).squeeze(0)
-    row_loss = ((1.0 - label_smoothing) * (row_max - target_logit.sum(dim=0))
-                + label_smoothing * (row_max - logit_sum.sum(dim=0) / vocab) + log_sumexp)
+    # split holding m has the first argmax (torch.max returns the first maximal index, as argmax).
+    # Each torch op here costs the host about a launch, so they run in place where they can.
+    row_max, max_split = split_max.max(dim=0)
+    log_sumexp = (split_max - row_max).exp_().mul_(split_sumexp).sum(dim=0).log_()
+    argmax = split_argmax.gather(0, max_split.unsqueeze(0)).squeeze(0)
+    row_loss = row_max - target_logit.sum(dim=0)
+    if label_smoothing != 0.0:  # with none, (1 - e) * l + e * l' is l itself
+        row_loss = (1.0 - label_smoothing) * row_loss + label_smoothing * (row_max - logit_sum.sum(dim=0) / vocab)
+    row_loss += log_sumexp
     labelled, out_of_vocab = _labelled(target, ignore_index, vocab)
-    row_loss = torch.where(labelled, row_loss, 0.0).masked_fill(out_of_vocab, float("nan"))
+    row_loss = torch.where(labelled, row_loss, 0.0).masked_fill_(out_of_vocab, float("nan"))
     # fp64 accumulation of the N row losses, as PyTorch's CPU nll_loss does: an fp32 sum of
     # thousands of terms would add more error than the whole rest of the computation
     loss = row_loss.sum(dtype=torch.float64)
     if reduction == "mean":
-        loss = loss / labelled.sum().clamp(min=1)
-    num_correct = (labelled & (argmax == target)).sum()
+        loss /= labelled.sum().clamp_(min=1)
+    num_correct = torch.eq(argmax, target).logical_and_(labelled).sum()
     return loss.float(), num_correct, torch.stack((row_max, log_sumexp))
 
 
@@ -360,14 +369,15 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     if rows == 0:
         return x.new_empty((0, hidden)), dweight.zero_(), dbias.zero_()
     labelled, out_of_vocab = _labelled(target, ignore_index, vocab)
-    coef = grad_loss.to(torch.float32)
+    coef = grad_loss if grad_loss.dtype == torch.float32 else grad_loss.to(torch.float32)
     if reduction == "mean":
-        coef = coef / labelled.sum().clamp(min=1)
-    coef = torch.where(labelled, coef, 0.0).masked_fill(out_of_vocab, float("nan"))  # [N]
+        coef = coef / labelled.sum().clamp_(min=1)
+    coef = torch.where(labelled, coef, 0.0).masked_fill_(out_of_vocab, float("nan"))  # [N]
     config = _config(x.dtype, rows, forward=False)
     chunk_cols = _backward_chunk_cols(rows, vocab, config["BLOCK_V"])
-    dx = torch.zeros((rows, hidden), dtype=torch.float32, device=x.device)
+    row_max, log_sumexp = softmax_stats
     b = weight if bias is None else bias
+    dx = None
     for v0 in range(0, vocab, chunk_cols):
         v1 = min(v0 + chunk_cols, vocab)
         # dz's rows start at multiples of DZ_ROW_ALIGNMENT elements, also for a last chunk of odd width
@@ -375,20 +385,26 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         # whole vectors (an unaligned stride spilled 180 bytes on sm_90a), and cuBLAS gets an aligned
         # leading dimension
         width = v1 - v0
-        dz = torch.empty((rows, cdiv(width, DZ_ROW_ALIGNMENT) * DZ_ROW_ALIGNMENT), dtype=x.dtype,
-                         device=x.device)[:, :width]
+        aligned = cdiv(width, DZ_ROW_ALIGNMENT) * DZ_ROW_ALIGNMENT
+        dz = torch.empty((rows, aligned), dtype=x.dtype, device=x.device)
+        if aligned != width:
+            dz = dz[:, :width]
         launch(_mlm_loss_bwd_kernel, (cdiv(rows, config["BLOCK_N"]), cdiv(width, config["BLOCK_V"])),
-            x, weight, b, target, softmax_stats[0], softmax_stats[1], coef, dz,
-            rows, vocab, hidden, v0, v1, label_smoothing,
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),
-            target.stride(0), dz.stride(0), HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype),
-            **config,
+            x, weight, b, target, row_max, log_sumexp, coef, dz,
+            rows, vocab, hidden, v0, v1, label_smoothing, *x.stride(), *weight.stride(),
+            0 if bias is None else bias.stride(0), target.stride(0), dz.stride(0), HAS_BIAS=bias is not None,
+            DOT_PRECISION=dot_precision(x.dtype), **config,
         )
-        torch.mm(dz.t(), x, out=dweight[v0:v1])
+        whole = width == vocab  # one chunk: no slices of the weight and its gradients
+        torch.mm(dz.t(), x, out=dweight if whole else dweight[v0:v1])
         if bias is not None:
-            torch.sum(dz, dim=0, dtype=torch.float32, out=dbias[v0:v1])
-        dx += _mm_fp32(dz, weight[v0:v1])
-    return dx.to(x.dtype), dweight, dbias
+            torch.sum(dz, dim=0, dtype=torch.float32, out=dbias if whole else dbias[v0:v1])
+        product = _mm_fp32(dz, weight if whole else weight[v0:v1])
+        if dx is None:
+            dx = product
+        else:
+            dx += product
+    return dx if x.dtype == torch.float32 else dx.to(x.dtype), dweight, dbias
 
 
 # torch >= 2.8: cuBLAS writes the fp32 accumulator of a 16-bit GEMM as it is (mm's out_dtype, CUDA only)
@@ -422,12 +438,15 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight, bias, target, softmax_stats)
     ctx.arguments = (ignore_index, reduction, label_smoothing)
     ctx.mark_non_differentiable(num_correct, softmax_stats)
+    ctx.set_materialize_grads(False)  # the loss's gradient starts every backward; the others stay None
 
 
 def _backward(ctx, grad_loss, grad_num_correct, grad_softmax_stats):
     x, weight, bias, target, softmax_stats = ctx.saved_tensors
     dx, dweight, dbias = mlm_loss_bwd(grad_loss, x, weight, bias, target, softmax_stats, *ctx.arguments)
-    return dx, dweight, None if bias is None else dbias.to(bias.dtype), None, None, None, None
+    if bias is not None and dbias.dtype != bias.dtype:
+        dbias = dbias.to(bias.dtype)
+    return dx, dweight, None if bias is None else dbias, None, None, None, None
 
 
 mlm_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -444,6 +463,12 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     Autocast does not see custom ops: fastbert.ops.linear_cross_entropy casts the inputs first.
     """
     _check_inputs(x, weight, bias, target, reduction, label_smoothing)
+    return linear_cross_entropy_unchecked(x, weight, bias, target, ignore_index, reduction, label_smoothing)
+
+
+def linear_cross_entropy_unchecked(x, weight, bias, target, ignore_index, reduction, label_smoothing):
+    """`linear_cross_entropy` after its checks, which the caller has made (fastbert.ops: the shapes and
+    options, then `check_limits`)."""
     loss, num_correct, _ = mlm_loss_fwd(x, weight, bias, target, int(ignore_index), reduction,
                                         float(label_smoothing))
     return loss, num_correct

@@ -45,14 +45,25 @@ def philox_seed(device: torch.device) -> torch.Tensor:
 _CANONICAL_BF16_NAN = tl.constexpr(0x7FC0)
 
 
+# torch >= 2.9 has fp32_precision; once a program sets it, the older getters raise instead of answering. Read
+# through the getter that torch.backends.cuda.matmul.fp32_precision calls: the attribute's own lookup costs a
+# microsecond per launch.
+_FP32_PRECISION_GETTER = getattr(torch._C, "_get_fp32_precision_getter", None)
+
+
+def _fp32_matmul_precision() -> str:
+    if _FP32_PRECISION_GETTER is not None:
+        return _FP32_PRECISION_GETTER("cuda", "matmul")
+    return getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot's input_precision for operands of `dtype`, as PyTorch would multiply fp32 matrices now:
     "tf32" when it allows TF32, "ieee" when it asks for full fp32 ("highest", the default). 16-bit
     operands get "tf32", Triton's default, which does not affect them."""
     if dtype != torch.float32:
         return "tf32"
-    # torch >= 2.9 has fp32_precision; once a program sets it, the older getters raise instead of answering
-    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
+    precision = _fp32_matmul_precision()
     if precision in ("tf32", "ieee"):
         return precision
     return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"

@@ -19,12 +19,14 @@
 # Limits: fp32, fp16, bf16; hidden size H >= 1 divisible by num_heads; any number of tokens; x of
 # any strides (a [B, S, H] whose B and S do not merge is copied by reshape). Offsets are int64.
 # Sources: Megatron-LM's fused QKV layout, flash-attention's qkv-packed interface.
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from fastbert.kernels.fused_op import fused_op
-from fastbert.kernels.launch import cdiv, launch, next_power_of_2
+from fastbert.kernels.launch import cdiv, launch, next_power_of_2, placeholders
 from fastbert.kernels.matmul import DTYPES, matmul_fwd, row_groups
 from fastbert.kernels.numerics import INTERPRETER, cast
 
@@ -72,13 +74,25 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num
         raise ValueError(f"x has dtype {x.dtype}; supported dtypes are {DTYPES}")
     if num_heads <= 0 or hidden % num_heads:
         raise ValueError(f"num_heads ({num_heads}) must be positive and divide the hidden size {hidden}")
-    if tuple(weight.shape) != (3 * hidden, hidden):
+    if weight.shape != (3 * hidden, hidden):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {(3 * hidden, hidden)}")
-    if bias is not None and tuple(bias.shape) != (3 * hidden,):
+    if bias is not None and bias.shape != (3 * hidden,):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(3 * hidden,)}")
+    _check_weights(x, weight, bias)
+
+
+def check_limits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """The checks beyond the shapes, which fastbert.ops makes itself (in the same words): dtypes and devices."""
+    if x.dtype not in DTYPES:
+        raise ValueError(f"x has dtype {x.dtype}; supported dtypes are {DTYPES}")
+    _check_weights(x, weight, bias)
+
+
+def _check_weights(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    dtype, device = x.dtype, x.device
     for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and (t.dtype != x.dtype or t.device != x.device):
-            raise ValueError(f"{name} is {t.dtype} on {t.device}, expected x's {x.dtype} on {x.device}")
+        if t is not None and (t.dtype != dtype or t.device != device):
+            raise ValueError(f"{name} is {t.dtype} on {t.device}, expected x's {dtype} on {device}")
 
 
 def _heads_view(t: torch.Tensor) -> torch.Tensor:
@@ -99,39 +113,45 @@ def qkv_projection_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if x.dim() == 3:
         qkv = x.new_empty((3, x.shape[0], num_heads, x.shape[1], head_dim))
         out = qkv
+        x = x.reshape(-1, hidden)
     else:
         qkv = x.new_empty((3, x.shape[0], num_heads, head_dim))
         out = qkv.unsqueeze(1).transpose(2, 3)  # [3, 1, heads, T, d]
-    matmul_fwd(x.reshape(-1, hidden), weight, bias, out)
+    matmul_fwd(x, weight, bias, out)
     return qkv
+
+
+@functools.lru_cache(maxsize=4096)
+def _backward_tiles(rows: int, hidden: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, column blocks, row groups, rows per group) of the gradient gather, cached."""
+    block_n = min(next_power_of_2(hidden), _MAX_BLOCK_N)
+    block_m = _TILE_ELEMENTS // block_n
+    col_blocks = cdiv(hidden, block_n)
+    groups, rows_per_group = row_groups(rows, 3 * col_blocks, block_m, device)  # 3 launches share the GPU
+    return block_m, block_n, col_blocks, groups, rows_per_group
 
 
 def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor,
                        weight: torch.Tensor, has_bias: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv shaped like q, k, v (any strides) -> (dx like x, dweight [3H, H], dbias [3H]; an empty [0]
-    dbias without has_bias)."""
+    """dq, dk, dv shaped like q, k, v (any strides, x's dtype: autograd hands over gradients of its outputs'
+    shapes and dtypes) -> (dx like x, dweight [3H, H], dbias [3H]; an empty [0] dbias without has_bias)."""
     hidden = x.shape[-1]
-    x2 = x.reshape(-1, hidden)
+    x2 = x if x.dim() == 2 else x.reshape(-1, hidden)
     rows = x2.shape[0]
-    grads = [_heads_view(g) for g in (dq, dk, dv)]
-    for name, g in zip(("dq", "dk", "dv"), grads):
-        if g.dtype != x.dtype or g.shape[0] * g.shape[2] != rows or g.shape[1] * g.shape[3] != hidden:
-            raise ValueError(f"{name} is {g.dtype} {tuple(g.shape)}, which does not match x's "
-                             f"{x.dtype} {tuple(x.shape)}")
     dqkv = x.new_empty((rows, 3 * hidden))
     if rows == 0:
         return torch.zeros_like(x), torch.zeros_like(weight), x.new_zeros(3 * hidden if has_bias else 0)
-    block_n = min(next_power_of_2(hidden), _MAX_BLOCK_N)
-    block_m = _TILE_ELEMENTS // block_n
-    col_blocks = cdiv(hidden, block_n)
-    groups, rows_per_group = row_groups(rows, 3 * col_blocks, block_m, x.device)  # 3 launches share the GPU
-    partial = torch.empty((groups, 3 * hidden) if has_bias else (0,), dtype=torch.float64, device=x.device)
-    for which, g in enumerate(grads):
+    block_m, block_n, col_blocks, groups, rows_per_group = _backward_tiles(rows, hidden, x.device)
+    partial = (torch.empty((groups, 3 * hidden), dtype=torch.float64, device=x.device) if has_bias
+               else placeholders(x.device)[torch.float64])
+    for which, g in enumerate((dq, dk, dv)):
+        g = _heads_view(g)
         launch(_qkv_bwd_kernel, (groups, col_blocks),
             g, dqkv, partial, rows, hidden, g.shape[2], which * hidden, rows_per_group, *g.stride(),
             HEAD_DIM=g.shape[3], SUM_COLUMNS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n)
-    dx = (dqkv @ weight).view(x.shape)
-    return dx, dqkv.t() @ x2, partial.sum(dim=0).to(x.dtype) if has_bias else partial.to(x.dtype)
+    dx = dqkv @ weight
+    return (dx if x.dim() == 2 else dx.view_as(x), dqkv.t() @ x2,
+            partial.sum(dim=0).to(x.dtype) if has_bias else x.new_empty(0))
 
 
 # ---- custom ops: autograd and fake registrations so torch.compile traces through them ----
@@ -186,6 +206,12 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     weight [3H, H], bias [3H] or None. Raises ValueError on mismatched shapes, dtypes or num_heads.
     """
     _check(x, weight, bias, num_heads)
+    return qkv_projection_unchecked(x, weight, bias, num_heads)
+
+
+def qkv_projection_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int):
+    """`qkv_projection` after its checks, which the caller has made (fastbert.ops: the shapes, then
+    `check_limits`)."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return _QKVProjection.apply(x, weight, bias, num_heads)
     return _qkv_projection_op(x, weight, bias, num_heads).unbind(0)

@@ -14,6 +14,10 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import bounds_check  # noqa: E402  (after the variable: Triton reads it when it defines a kernel)
+
+    bounds_check.install()
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -319,3 +319,22 @@ def test_padded_and_packed_calls_share_an_autotune_key(device, monkeypatch):
         assert len(kernel.cache) == 1, list(kernel.cache)
         key = next(iter(kernel.cache))
         assert {triton.next_power_of_2(seqlen), head_dim, "ieee", "torch.float32"} <= set(key), key
+
+
+def test_the_mask_bounds_are_kept_per_mask_and_version(device):
+    """Every layer passes its forward's one mask: its bounds are computed once, anew after an in-place change,
+    and every time for an inference-mode mask (no version to tell a refilled static buffer)."""
+    from fastbert.kernels import attention as kernel
+
+    q = torch.zeros(2, 1, 4, 32, device=device)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], device=device)
+    first = kernel._mask_and_bounds(q, mask)
+    assert kernel._mask_and_bounds(q, mask) is first
+    assert first[2].tolist() == [2, 4]  # each sequence's last token + 1
+    mask[1, 3] = 0
+    assert kernel._mask_and_bounds(q, mask)[2].tolist() == [2, 3]
+    with torch.inference_mode():
+        static = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0]], device=device)
+        assert kernel._mask_and_bounds(q, static)[2].tolist() == [1, 2]
+        static.copy_(torch.ones_like(static))
+        assert kernel._mask_and_bounds(q, static)[2].tolist() == [4, 4]

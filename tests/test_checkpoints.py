@@ -158,6 +158,9 @@ def test_legacy_names_bin_files_and_stray_buffers(tmp_path):
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="directory"):
         fastbert.BertModel.from_pretrained(tmp_path / "nope")
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(NotADirectoryError, match="weights.bin' is a file, not a checkpoint directory; expected a local"):
+        fastbert.BertModel.from_pretrained(tmp_path / "weights.bin")
     tiny_hf().config.save_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         fastbert.BertModel.from_pretrained(tmp_path)

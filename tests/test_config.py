@@ -44,6 +44,32 @@ def test_invalid_values_name_the_field(field, value, words):
         assert word in str(info.value)
 
 
+@pytest.mark.parametrize("changes, message", [
+    ({"hidden_size": "384"}, "BertConfig.hidden_size must be an integer, got '384' (str)"),
+    ({"num_attention_heads": None}, "BertConfig.num_attention_heads must be an integer, got null"),
+    ({"num_hidden_layers": 2.0}, "BertConfig.num_hidden_layers must be an integer, got 2.0 (float)"),
+    ({"vocab_size": True}, "BertConfig.vocab_size must be an integer, got True (bool)"),
+    ({"hidden_dropout_prob": "0.1"}, "BertConfig.hidden_dropout_prob must be a number, got '0.1' (str)"),
+    ({"pad_token_id": "0"}, "BertConfig.pad_token_id must be an integer or null, got '0' (str)"),
+    ({"tie_word_embeddings": "yes"}, "BertConfig.tie_word_embeddings must be true or false, got 'yes' (str)"),
+    ({"model_type": "modernbert", "norm_eps": "1e-5"}, "ModernBertConfig.norm_eps must be a number, got '1e-5'"),
+])
+def test_wrong_types_in_config_json_name_the_file_and_the_field(tmp_path, changes, message):
+    """As transformers' strict config refuses them, with the file, the field as config.json spells it, the
+    type it must have and the value; never a TypeError from inside transformers' validators."""
+    from fastbert.architectures import load_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, **changes}))
+    with pytest.raises(ValueError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: {message}")
+    # as transformers: an integer where a float goes, null where the field may be None
+    taken = BertConfig.from_dict({"layer_norm_eps": 1, "initializer_range": 1, "classifier_dropout": None,
+                                  "pad_token_id": None})
+    assert taken.layer_norm_eps == 1 and taken.pad_token_id is None
+
+
 def test_fastbert_switches_are_checked_on_construction():
     """transformers never sees fastbert's own switches: a bad one is refused at once."""
     with pytest.raises(ValueError, match="BertConfig.backend must be one of .*got 'cuda'"):

@@ -70,6 +70,10 @@ BAD_SOURCES = {
     "model_type gpt2": (lambda src: edit_config(src, model_type="gpt2"),
                         "model_type 'gpt2' is not an architecture fastbert builds"),
     "model_type t5": (lambda src: edit_config(src, model_type="t5"), "model_type 't5' is not an architecture"),
+    "hidden_size a string": (lambda src: edit_config(src, hidden_size="32"),
+                             "src/config.json: BertConfig.hidden_size must be an integer, got '32' (str)"),
+    "num_attention_heads null": (lambda src: edit_config(src, num_attention_heads=None),
+                                 "src/config.json: BertConfig.num_attention_heads must be an integer, got null"),
     "more layers than weights": (lambda src: edit_config(src, num_hidden_layers=3),
                                  "num_hidden_layers=3 but the weights hold 1 layer(s) (0); missing encoder.layer.1, "
                                  "encoder.layer.2"),

@@ -1,4 +1,5 @@
 """Fine-tuning data readers: what they read, and errors that name the file and the line."""
+import csv
 import json
 
 import numpy as np
@@ -39,7 +40,8 @@ def test_tables(tmp_path):
     ("a.jsonl", '{"sentence": "x"}\n{"sentence": \n', ["sentence"], r":2: not a JSON object"),
     ("a.jsonl", '{"sentence": "x"}\n[1, 2]\n', ["sentence"], r":2: expected a JSON object, got list"),
     ("a.jsonl", '{"sentence": ""}\n', ["sentence"], r":1: missing or empty value for column 'sentence'"),
-    ("a.csv", "\n\n", ["sentence"], r"a.csv: no records"),
+    ("a.csv", "\n\n", ["sentence"], r"a.csv: no records \(the file is empty\)"),
+    ("a.tsv", "\nsentence\tlabel\n\n", ["sentence"], r"a.tsv: no records: only the header, on line 2"),
     ("a.xml", "<a/>", ["sentence"], r"a.xml: cannot tell the table format"),
 ])
 def test_table_errors(tmp_path, name, text, columns, message):
@@ -47,6 +49,19 @@ def test_table_errors(tmp_path, name, text, columns, message):
     path.write_text(text)
     with pytest.raises(DataError, match=message):
         read_table(str(path), columns)
+
+
+@pytest.mark.parametrize("name", ["a.tsv", "a.csv", "a.jsonl"])
+def test_a_field_longer_than_the_csv_modules_limit_is_read(tmp_path, name):
+    """The csv module refuses fields over 128 KiB by default; a table's field has no limit, as a JSONL value."""
+    text = "word " * 40_000  # 200 KB
+    separator = {"a.tsv": "\t", "a.csv": ","}.get(name)
+    rows = (f"sentence{separator}label\n{text}{separator}1\n" if separator else
+            json.dumps({"sentence": text, "label": "1"}) + "\n")
+    (tmp_path / name).write_text(rows)
+    line = 2 if separator else 1
+    assert read_table(str(tmp_path / name), ["sentence", "label"]) == [(line, {"sentence": text, "label": "1"})]
+    assert csv.field_size_limit() == 131072  # the module's limit is restored for other readers
 
 
 def test_byte_order_mark_and_bad_bytes(tmp_path):

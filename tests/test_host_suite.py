@@ -42,7 +42,7 @@ def test_every_case_has_a_comparison():
     assert {"layer_norm", "bias_gelu", "linear_bias_gelu", "feed_forward", "qkv_projection", "attention",
             "attention_varlen", "linear_cross_entropy", "dropout", "model"} == ops_measured
     for case in cases:
-        assert set(case.providers) in ({host_suite.FASTBERT, host_suite.TORCH},
+        assert set(case.providers) in ({host_suite.FASTBERT, host_suite.CUSTOM_OP, host_suite.TORCH},
                                        {host_suite.FASTBERT, host_suite.HF_SDPA}), case.name
 
 
@@ -53,8 +53,8 @@ def test_the_quick_suite_writes_rows_perf_reads(tmp_path):
     (path,) = tmp_path.glob("host-*.json")
     rows = json.loads(path.read_text())
     assert {(r["op"], r["provider"], r["direction"]) for r in rows} == {
-        (op, provider, direction) for op, providers in (("layer_norm", ("fastbert", "torch")),
-                                                        ("dropout", ("fastbert", "torch")),
+        (op, provider, direction) for op, providers in (("layer_norm", ("fastbert", "fastbert-custom-op", "torch")),
+                                                        ("dropout", ("fastbert", "fastbert-custom-op", "torch")),
                                                         ("model", ("fastbert", "hf-sdpa")))
         for provider in providers for direction in host_suite.DIRECTIONS}
     assert all(r["status"] == "ok" and r["host_us"] > 0 and r["suite"] == "host" for r in rows)

@@ -3,11 +3,12 @@ prepare-data, the built-in corpus cache), locked against a second writer, with t
 every bad input a message naming the file or argument, exit code 2, nothing destroyed.
 docs/reliability.md lists each case with its test here."""
 import ast
+import errno
 import hashlib
 import json
 import os
+import random
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -28,7 +29,8 @@ from fastbert.finetune import FinetuneConfig, finetune
 from fastbert.finetune import train as finetune_train
 from fastbert.finetune.readers import DataError
 from tests.test_data import write_corpus
-from tests.test_finetune import FAST, tiny_model, write_sentiment, write_squad  # noqa: F401 (fixture)
+from tests.full_disk import fill, run_fastbert, small_disk
+from tests.test_finetune import FAST, FILLER, tiny_model, write_sentiment, write_squad  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -164,20 +166,9 @@ def test_embed_interrupted_or_bad_batch_size_leaves_the_previous_file(tmp_path, 
     assert np.load(tmp_path / "f.npy").shape == (3, 2 * 32) and not (tmp_path / "f.tokens.jsonl").exists()
 
 
-def run_with_file_size_limit(argv, limit_bytes):
-    """A fastbert command in a child process that cannot write files larger than limit_bytes (the
-    write fails with EFBIG, as a full disk fails with ENOSPC: an OSError mid-write)."""
-    def limit():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-
-    code = "import sys; from fastbert import cli; sys.exit(cli.main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, preexec_fn=limit,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
 def full_disk_case(tmp_path, model, command):
-    """(argv of a good run, argv of a rerun that writes a different output, the output, its size limit)."""
+    """(argv of a good run, argv of a rerun that writes a different output, the output, a file size the
+    rerun's output passes)."""
     if command == "embed":
         return embed_argv(tmp_path, model), embed_argv(tmp_path, model, "--layers=-1"), "f.npy", 2048
     if command == "finetune":
@@ -185,22 +176,155 @@ def full_disk_case(tmp_path, model, command):
         argv = ["finetune", "--task", "classification", "--model", model, "--train", str(tmp_path / "train.tsv"),
                 "--out", str(tmp_path / "out"), "--max-steps", "1", "--no-progress", "--device", "cpu"]
         return argv, [*argv, "--seed", "7"], "out", 20000
+    if command == "convert":
+        fastbert.BertModel(fastbert.BertConfig.tiny()).save_pretrained(str(tmp_path / "big"))
+        return ["convert", model, str(tmp_path / "dst")], ["convert", str(tmp_path / "big"), str(tmp_path / "dst")], \
+            "dst", 20000
     corpus = write_corpus(tmp_path / "corpus.txt", documents=30, sentences=8)
     argv = ["prepare-data", "--corpus", corpus, "--out", str(tmp_path / "data"), "--vocab-size", "200",
             "--max-seq-length", "48", "--workers", "1"]
     return argv, [*argv, "--seed", "7", "--overwrite"], "data", 4096
 
 
-@pytest.mark.parametrize("command", ["embed", "finetune", "prepare-data"])
+def assert_full_disk_message(result, reason, output):
+    """One message naming the output, the space it needs (or what fit) and what is free; exit 2."""
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    message = re.search(rf"error: \[Errno \d+\] {reason} while writing {re.escape(str(output))}\b(.*)", result.stderr)
+    assert message and re.search(r"\((it needs|[\d.]+ \w+ written before it failed).* free there; free some space",
+                                 message.group(1)), result.stderr
+    assert "is unchanged" in message.group(1) or "are unchanged" in message.group(1), result.stderr
+
+
+FULL_DISK_COMMANDS = ["embed", "finetune", "prepare-data", "convert"]
+
+
+@pytest.mark.parametrize("command", FULL_DISK_COMMANDS)
 def test_a_full_disk_is_a_message_and_the_previous_output_stays(tmp_path, tiny_model, command):
+    """The same path as test_a_full_tmpfs_is_a_message_and_the_previous_output_stays, without a mount: a file
+    size limit makes the kernel fail the writes (EFBIG) where a full disk fails them (ENOSPC)."""
     good, rerun, output, limit = full_disk_case(tmp_path, tiny_model, command)
     assert cli.main(good) == 0
     before = digest(tmp_path)
-    result = run_with_file_size_limit(rerun, limit)
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert "File too large" in result.stderr and f"while writing {tmp_path / output}" in result.stderr, result.stderr
+    assert_full_disk_message(run_fastbert(rerun, file_size_limit=limit), "File too large", tmp_path / output)
     if command == "prepare-data":  # the shards that were finished stay for a rerun, beside the dataset
         shutil.rmtree(tmp_path / "data" / ".partial-seq48")
+    assert digest(tmp_path) == before and not leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("command", FULL_DISK_COMMANDS)
+def test_a_full_tmpfs_is_a_message_and_the_previous_output_stays(tmp_path, tiny_model, command):
+    with small_disk(tmp_path / "disk", "16m") as disk:
+        good, rerun, output, _ = full_disk_case(disk, tiny_model, command)
+        assert cli.main(good) == 0
+        before = digest(disk)
+        fill(disk, leave=0)
+        assert_full_disk_message(run_fastbert(rerun), "No space left on device", disk / output)
+        os.remove(disk / ".filler")
+        if command == "prepare-data":
+            shutil.rmtree(disk / "data" / ".partial-seq48")
+        assert digest(disk) == before and not leftovers(disk)
+
+
+# every writer of fastbert's under a file size limit: (file or directory it writes, what the parent writes there
+# first, what the child writes then: more than WRITER_LIMIT bytes)
+WRITER_LIMIT = 30_000
+WRITERS = {
+    "write_text": ("f.txt", "write_text(out, 'old')", "write_text(out, 'x' * 100_000)"),
+    "metrics.jsonl": ("metrics.jsonl", "write_text(out, json.dumps({'step': 1}) + '\\n')",
+                      "MetricsLog(out, True, resume_step=1).write({'step': 2, 'note': 'x' * 100_000})"),
+    "save_pretrained": ("model", "BertModel(BertConfig(**SMALL)).save_pretrained(out)",
+                        "BertModel(BertConfig.tiny()).save_pretrained(out)"),
+    "save_pretrained .bin": ("model", "BertModel(BertConfig(**SMALL)).save_pretrained(out, safe_serialization=False)",
+                             "BertModel(BertConfig.tiny()).save_pretrained(out, safe_serialization=False)"),
+    "config.json": ("config.json", "BertConfig().to_json(out)", "BertConfig(num_labels=5000).to_json(out)"),
+    "bench results": ("rows.json", "write_rows(out, [])", "write_rows(out, [{'x': 'y' * 100_000}])"),
+    "tokenizers' save": ("tokenizer.json", "write_text(out, 'old')",  # the family's tokenizer.json (Rust's error)
+                         "with replaced_file(out) as partial: WORDPIECE.save(partial)"),
+}
+WRITER = textwrap.dedent("""
+    import json, sys
+    from fastbert import BertConfig, BertModel
+    from fastbert.bench.runner import write_rows
+    from fastbert.files import replaced_file, write_text
+    from fastbert.train.metrics import MetricsLog
+    from tokenizers import Tokenizer, models
+    SMALL = dict(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8)
+    WORDPIECE = Tokenizer(models.WordPiece({f"w{i}": i for i in range(5000)} | {"[UNK]": 5000}, unk_token="[UNK]"))
+    out = sys.argv[1]
+    try:
+        exec(sys.argv[2])
+    except OSError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(2)
+""")
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_every_writer_handles_a_full_disk_the_same_way(tmp_path, writer):
+    """Each write of fastbert's that fails for want of space: an OSError naming the file and the space it needs,
+    nothing partial left, the previous file intact (a file size limit fails the writes as a full disk)."""
+    name, before, after = WRITERS[writer]
+    out = str(tmp_path / name)
+    assert run_fastbert([out, before], code=WRITER).returncode == 0
+    previous = digest(tmp_path)
+    result = run_fastbert([out, after], file_size_limit=WRITER_LIMIT, code=WRITER)
+    assert result.returncode == 2, result.stderr
+    space = r"(it needs about [\d.]+ \w+|[\d.]+ \w+ written before it failed), [\d.]+ \w+ free there"
+    kept = "(the previous output, if any, is|its earlier lines are) unchanged"
+    assert re.match(rf"\[Errno 27\] File too large while writing {re.escape(out)} \({space}; free some space or "
+                    rf"choose another output\); {kept}", result.stderr), result.stderr
+    assert digest(tmp_path) == previous and not leftovers(tmp_path)
+    assert not os.path.isdir(out) or not leftovers(out)
+
+
+def long_input(path, lines):
+    """`lines` sequences of 60 words: per-token features of 62 tokens each."""
+    rng = random.Random(0)
+    path.write_text("".join(" ".join(rng.choice(FILLER) for _ in range(60)) + "\n" for _ in range(lines)))
+    return path
+
+
+def test_embed_onto_a_full_tmpfs_is_a_message_not_a_sigbus(tmp_path, tiny_model):
+    """The features file is memory-mapped: a file made at its size by a seek has no blocks, and rows written into
+    it on a full disk killed the process with SIGBUS (exit 135), leaving the sparse partial file."""
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        assert cli.main(embed_argv(disk, tiny_model)) == 0
+        before = digest(disk)
+        argv = embed_argv(disk, tiny_model, "--input", str(long_input(tmp_path / "long.txt", 100)))
+        result = run_fastbert(argv)  # 100 x 62 tokens x 64 floats: 1.6 MB
+        assert result.returncode != -signal.SIGBUS, "killed by SIGBUS"
+        assert_full_disk_message(result, "No space left on device", disk / "f.npy")
+        assert re.search(r"it needs about 1\.5 MiB, [\d.]+ KiB free there", result.stderr), result.stderr
+        assert digest(disk) == before and not leftovers(disk)
+
+
+def test_embed_reserves_the_blocks_of_its_features_before_writing_them(tmp_path, tiny_model, monkeypatch, capsys):
+    """What keeps a full disk from being a SIGBUS, without a mount: when the first row is written, the partial
+    file's blocks are all allocated; and an ENOSPC from reserving them is the message."""
+    blocks = []
+
+    def forward(self, *args, **kwargs):
+        if not blocks:
+            partial = next(name for name in os.listdir(tmp_path) if name.startswith(".f.npy.partial-"))
+            stat = os.stat(tmp_path / partial)
+            blocks.append((stat.st_blocks * 512, stat.st_size))
+        return original(self, *args, **kwargs)
+
+    original = fastbert.BertModel.forward
+    with monkeypatch.context() as patch:
+        patch.setattr(fastbert.BertModel, "forward", forward)
+        assert cli.main(embed_argv(tmp_path, tiny_model)) == 0
+    (allocated, size), = blocks
+    assert allocated >= size, f"{allocated} of {size} bytes allocated: a sparse file"
+    before = digest(tmp_path)
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    capsys.readouterr()
+    assert cli.main(embed_argv(tmp_path, tiny_model, "--layers=-1")) == 2
+    assert f"No space left on device while writing {tmp_path / 'f.npy'} (it needs about " in capsys.readouterr().err
     assert digest(tmp_path) == before and not leftovers(tmp_path)
 
 
@@ -210,6 +334,17 @@ def test_non_finite_regression_labels_are_refused(tmp_path, tiny_model, value):
     (tmp_path / "train.tsv").write_text(f"sentence\tlabel\nthe movie\t1.5\nthe film\t{value}\n")
     with pytest.raises(DataError, match=rf"train.tsv:3: label '{value}' .* is not a finite number"):
         finetune(FinetuneConfig("regression", tiny_model, str(tmp_path / "train.tsv"), out=str(tmp_path / "out"),
+                                **FAST))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", ["nan", "NaN"])
+def test_a_nan_classification_label_is_refused(tmp_path, tiny_model, value):
+    """Not a class of its own: pandas (and so datasets' CSV reader, which transformers' examples use) reads it as
+    a missing label."""
+    (tmp_path / "train.tsv").write_text(f"sentence\tlabel\nthe movie\t1\nthe film\t{value}\nthe plot\t0\n")
+    with pytest.raises(DataError, match=rf"train.tsv:3: label '{value}' in column 'label' is a missing value \(NaN\)"):
+        finetune(FinetuneConfig("classification", tiny_model, str(tmp_path / "train.tsv"), out=str(tmp_path / "out"),
                                 **FAST))
     assert not (tmp_path / "out").exists()
 

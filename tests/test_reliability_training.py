@@ -1,10 +1,11 @@
 """Training faults from issue #14, each with what fastbert does about it (docs/reliability.md lists them):
 checkpoints a new run cannot destroy, resumes that refuse a changed run, metrics that survive a crash,
 non-finite runs that point at a good checkpoint. Small models on CPU."""
-import errno
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,7 @@ from fastbert.data import prepare
 from fastbert.data.shards import ShardedDataset
 from fastbert.files import output_lock
 from fastbert.train import pretrain
+from tests.full_disk import resize, run_fastbert, small_disk
 from tests.test_data import write_corpus
 from tests.test_pretrain import SMALL, config, data, losses  # noqa: F401  (data: the module's dataset fixture)
 
@@ -36,6 +38,19 @@ def test_first_metrics_line_after_a_resume_averages_the_uninterrupted_runs_steps
     pretrain.train(config(data, parts, log_every=2), SMALL)
     assert [r["step"] for r in losses(parts)] == [2, 4, 6]
     assert losses(parts) == losses(whole)  # step 4's line averages steps 3 and 4, not 4 alone
+
+
+def test_a_resume_from_a_checkpoint_at_a_logging_step_logs_the_uninterrupted_runs_lines(data, tmp_path):
+    """A checkpoint saved at a step that also wrote a metrics line (the defaults: --log-every 10, --save-every
+    1000) carries no window: the first line after a resume from it averages the steps after it alone."""
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    pretrain.train(config(data, whole, log_every=2, save_every=2, keep_checkpoints=10), SMALL)
+    shutil.copytree(whole, parts)
+    for step in checkpoint_steps(parts)[1:]:  # as a run killed once step 2's checkpoint was written
+        shutil.rmtree(parts / "checkpoints" / f"step_{step:08d}")
+    pretrain.train(config(data, parts, log_every=2, save_every=2, keep_checkpoints=10), SMALL)
+    assert [r["step"] for r in losses(parts)] == [2, 4, 6]
+    assert losses(parts) == losses(whole)  # step 4's line averages steps 3 and 4, not 1 to 4
 
 
 def test_non_finite_stop_names_the_checkpoint_before_the_bad_steps_and_saves_none_during_them(
@@ -175,27 +190,91 @@ def test_two_runs_cannot_share_a_run_directory(data, tmp_path, capsys):
     assert not out.exists() or not os.listdir(out)
 
 
-def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(data, tmp_path, capsys, monkeypatch):
-    save, saves = torch.save, []
+# the command, with files past a size limit refused (EFBIG, as a full disk refuses them with ENOSPC) from the end
+# of the first checkpoint on
+LIMITED_AFTER_THE_FIRST_CHECKPOINT = textwrap.dedent("""
+    import resource, sys
+    from fastbert.train import checkpoint, pretrain
+    save, limit = checkpoint.save_checkpoint, int(sys.argv[1])
 
-    def disk_full_on_the_second_checkpoint(obj, path, *args, **kwargs):
-        saves.append(path)
-        if len(saves) == 2:
-            with open(path, "wb") as f:
-                f.write(b"partial")
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return save(obj, path, *args, **kwargs)
+    def save_then_limit(*args, **kwargs):
+        path = save(*args, **kwargs)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+        return path
 
-    monkeypatch.setattr(torch, "save", disk_full_on_the_second_checkpoint)
-    assert pretrain.main(cli(data, tmp_path, "--save-every", "2")) == 2
+    checkpoint.save_checkpoint = save_then_limit
+    sys.exit(pretrain.main(sys.argv[2:]))
+""")
+
+
+def assert_checkpoint_not_saved(result, reason, out):
+    """The message of a checkpoint that did not fit (step 4, after step 2's), exit 2, and nothing of it left."""
+    checkpoints = os.path.join(out, "checkpoints")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    space = r"it needs about [\d.]+ KiB, [\d.]+ \w+ free there; free some space or choose another output"
+    previous = re.escape(os.path.join(checkpoints, "step_00000002"))
+    assert re.search(rf"error: \[Errno \d+\] {reason} while writing {re.escape(checkpoints)}/step_00000004 \({space}\); "
+                     rf"the checkpoint of step 4 was not saved; the previous checkpoint {previous} is intact, and the "
+                     "same command resumes from it", result.stderr), result.stderr
+    assert os.listdir(checkpoints) == ["step_00000002"]  # no partial checkpoint left behind
+    assert torch.load(os.path.join(checkpoints, "step_00000002", "trainer.pt"), weights_only=False)["step"] == 2
+
+
+@pytest.mark.parametrize("limit", [30_000, 100_000], ids=["model.safetensors", "trainer.pt"])
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(data, tmp_path, limit):
+    """Without a mount: from step 4's checkpoint on, files past `limit` bytes fail as on a full disk, in
+    safetensors' writer (its own error type) or in torch.save's (a RuntimeError, 'unexpected pos')."""
+    out = tmp_path / "run"
+    argv = cli(data, out, "--save-every", "2", "--threads", "1")
+    assert_checkpoint_not_saved(run_fastbert([str(limit), *argv], code=LIMITED_AFTER_THE_FIRST_CHECKPOINT),
+                                "File too large", out)
+    assert pretrain.main(argv) == 0 and checkpoint_steps(out) == [4, 6]  # and the run resumes from it
+
+
+def test_a_full_tmpfs_during_a_save_keeps_the_previous_checkpoint_and_says_so(data, tmp_path):
+    """The issue's case: step 2's checkpoint (about 260 KiB) fits, step 4's trainer.pt does not."""
+    with small_disk(tmp_path / "disk", "400k") as disk:
+        argv = cli(data, disk / "run", "--save-every", "2", "--threads", "1")
+        assert_checkpoint_not_saved(run_fastbert(["pretrain", *argv]), "No space left on device", disk / "run")
+        resize(disk, "4m")
+        assert pretrain.main(argv) == 0 and checkpoint_steps(disk / "run") == [4, 6]
+
+
+@pytest.mark.parametrize("file", ["trainer.pt", "model/model.safetensors", "run.json"])
+def test_a_damaged_newest_checkpoint_names_the_file_and_the_previous_one(data, tmp_path, capsys, file):
+    argv = cli(data, tmp_path, "--save-every", "2")
+    assert pretrain.main([*argv, "--stop-at", "4"]) == 0
+    damaged = tmp_path / "checkpoints" / "step_00000004" / file
+    damaged.write_bytes(damaged.read_bytes()[:300])  # truncated
+    capsys.readouterr()
+    assert pretrain.main(argv) == 2
     err = capsys.readouterr().err
-    previous = os.path.join(tmp_path, "checkpoints", "step_00000002")
-    assert "No space left on device" in err and "the checkpoint of step 4 could not be written" in err
-    assert f"the previous checkpoint {previous} is intact" in err and "Traceback" not in err
-    assert os.listdir(tmp_path / "checkpoints") == ["step_00000002"]  # no partial checkpoint left behind
-    monkeypatch.undo()
-    assert torch.load(os.path.join(previous, "trainer.pt"), weights_only=False)["step"] == 2
-    assert pretrain.main(cli(data, tmp_path)) == 0  # and the run resumes from it
+    previous = tmp_path / "checkpoints" / "step_00000002"
+    assert f"the checkpoint {damaged.parents[1 if '/' in file else 0]} is damaged: {damaged} cannot be read (" in err
+    assert f"; resume from the previous one with --resume {previous}, or start afresh with --resume never" in err
+    assert "Traceback" not in err
+    assert pretrain.main([*argv, "--resume", str(previous)]) == 0 and checkpoint_steps(tmp_path)[-1] == 6
+
+
+def test_a_second_ctrl_c_stops_at_once_with_a_message_not_a_traceback(data, tmp_path, capsys, monkeypatch):
+    step = pretrain.train_step
+
+    def interrupted_twice_in_step_4(*args, **kwargs):
+        interrupted_twice_in_step_4.calls = getattr(interrupted_twice_in_step_4, "calls", 0) + 1
+        if interrupted_twice_in_step_4.calls == 4:
+            os.kill(os.getpid(), signal.SIGINT)  # asks for a checkpoint at the next step
+            os.kill(os.getpid(), signal.SIGINT)  # stops at once
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(pretrain, "train_step", interrupted_twice_in_step_4)
+    try:
+        assert pretrain.main(cli(data, tmp_path, "--save-every", "2")) == 130
+    except KeyboardInterrupt:  # which would stop pytest itself
+        pytest.fail("the KeyboardInterrupt reached the command's caller: a traceback")
+    previous = tmp_path / "checkpoints" / "step_00000002"
+    assert capsys.readouterr().err.endswith("error: interrupted by a second Ctrl-C: stopped at once, without a "
+                                            f"checkpoint; the same command resumes from {previous}\n")
+    assert checkpoint_steps(tmp_path) == [2] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_truncated_last_metrics_line_is_dropped_with_a_warning(data, resumable, caplog):

@@ -4,6 +4,7 @@ from __future__ import annotations
 HOST_COMMAND = "fastbert bench --suite host --out benchmarks/results"
 # The done-when of issue 25: a fused op's host time at most this many times PyTorch's same job
 OP_LIMIT = 1.5
+COMPARISONS = ("torch", "hf-sdpa")  # an op's: PyTorch's same job; a model's: transformers with SDPA
 
 
 def _newest(rows: list[dict]) -> list[dict]:
@@ -33,17 +34,19 @@ def host_section(rows: list[dict], provenance_line) -> list[str]:
             f"host wait for a GPU in one call (`fastbert.host_syncs`). The limit for an op is {OP_LIMIT}x; for a "
             "model, transformers' own time.", ""]
     by_key = {(r["case"], r["direction"], r["provider"]): r for r in run if r.get("status") == "ok"}
-    out += ["| case | direction | fastbert us | PyTorch / transformers us | ratio | within | syncs (fastbert / other) |",
-            "|---|---|---|---|---|---|---|"]
+    out += ["| case | direction | fastbert us | through the custom op us | PyTorch / transformers us | ratio | within "
+            "| syncs (fastbert / other) |", "|---|---|---|---|---|---|---|---|"]
     for (case, direction, provider), row in by_key.items():
         if provider != "fastbert":
             continue
-        other = next((r for (c, d, p), r in by_key.items() if c == case and d == direction and p != provider), None)
+        other = next((by_key[(case, direction, p)] for p in COMPARISONS if (case, direction, p) in by_key), None)
         if other is None:
             continue
+        custom = by_key.get((case, direction, "fastbert-custom-op"))
+        custom_us = f"{custom['host_us']:.1f}" if custom else "-"
         ratio = row["host_us"] / other["host_us"]
         limit = OP_LIMIT if row["op"] != "model" else 1.0
-        out.append(f"| {case} | {direction} | {row['host_us']:.1f} | {other['host_us']:.1f} ({other['provider']}) "
-                   f"| {ratio:.2f} | {'yes' if ratio <= limit else '**no**'} | {row['host_syncs']} / "
-                   f"{other['host_syncs']} |")
+        out.append(f"| {case} | {direction} | {row['host_us']:.1f} | {custom_us} | {other['host_us']:.1f} "
+                   f"({other['provider']}) | {ratio:.2f} | {'yes' if ratio <= limit else '**no**'} "
+                   f"| {row['host_syncs']} / {other['host_syncs']} |")
     return out + ["", provenance_line(run), ""]

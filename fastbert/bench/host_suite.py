@@ -26,9 +26,13 @@ import torch.nn.functional as F
 
 from fastbert import ops
 from fastbert.bench import model_cases, op_cases
+from fastbert.kernels.fused_op import always_custom_op
 from fastbert.simulated.host_time import host_microseconds, one_thread, stubbed_launches
 
 FASTBERT, TORCH, HF_SDPA = op_cases.FASTBERT, op_cases.TORCH, model_cases.HF_SDPA
+# fastbert's ops with every eager call through its torch.library custom op (kernels/fused_op.py: what an eager call
+# costs that way, beside the direct call fastbert makes)
+CUSTOM_OP = "fastbert-custom-op"
 DIRECTIONS = ("fwd", "fwd+bwd")
 # The models' widths: every op of BERT-base's (ModernBERT-base's) graph, its layers, at 2 heads of the kernels'
 # smallest head dim (the head count is a view's size: it adds no op) and a small vocabulary, so that PyTorch's
@@ -72,7 +76,13 @@ def _job_calls(job: OpJob, provider: str) -> Callable[[str], Callable[[], None]]
     forward in training mode, then the backward."""
     def make(direction: str) -> Callable[[], None]:
         inputs = job.make_inputs()
-        fn = job.fused if provider == FASTBERT else job.native
+        fn = job.native if provider == TORCH else job.fused
+        if provider == CUSTOM_OP:
+            fused = fn
+
+            def fn(*args, **kwargs):
+                with always_custom_op():
+                    return fused(*args, **kwargs)
         if direction == "fwd":
             def forward():
                 with torch.no_grad():
@@ -174,7 +184,7 @@ def op_jobs(tokens: int = 16, hidden: int = 64, heads: int = 2, seqlen: int = 8,
 
 
 def op_host_cases() -> list[HostCase]:
-    return [HostCase(job.name, job.op, {FASTBERT: _job_calls(job, FASTBERT), TORCH: _job_calls(job, TORCH)})
+    return [HostCase(job.name, job.op, {provider: _job_calls(job, provider) for provider in (FASTBERT, CUSTOM_OP, TORCH)})
             for job in op_jobs()]
 
 
@@ -266,15 +276,19 @@ def measure(quick: bool = False, progress: bool = True, only=None) -> list[dict]
 
 
 def summary(rows: list[dict]) -> str:
-    """Each case and direction: fastbert's host us, the comparison's (PyTorch's job, or transformers), the ratio."""
+    """Each case and direction: fastbert's host us, the same through the custom op, the comparison's (PyTorch's job,
+    or transformers), fastbert's ratio to it and the host syncs of each."""
     by_key = {(r["case"], r["direction"], r["provider"]): r for r in rows if r["status"] == "ok"}
-    lines = [f"{'case':<62} {'dir':<8} {'fastbert us':>11} {'other us':>9} {'ratio':>6} {'syncs':>7}"]
+    lines = [f"{'case':<62} {'dir':<8} {'fastbert us':>11} {'custom op':>9} {'other us':>9} {'ratio':>6} {'syncs':>7}"]
     for (case, direction, provider), row in by_key.items():
         if provider != FASTBERT:
             continue
+        custom = by_key.get((case, direction, CUSTOM_OP))
         other = by_key.get((case, direction, TORCH)) or by_key.get((case, direction, HF_SDPA))
         ratio = f"{row['host_us'] / other['host_us']:.2f}" if other else "-"
         other_us = f"{other['host_us']:.1f}" if other else "-"
+        custom_us = f"{custom['host_us']:.1f}" if custom else "-"
         syncs = f"{row['host_syncs']}/{other['host_syncs']}" if other else str(row["host_syncs"])
-        lines.append(f"{case[:62]:<62} {direction:<8} {row['host_us']:>11.1f} {other_us:>9} {ratio:>6} {syncs:>7}")
+        lines.append(f"{case[:62]:<62} {direction:<8} {row['host_us']:>11.1f} {custom_us:>9} {other_us:>9} {ratio:>6} "
+                     f"{syncs:>7}")
     return "\n".join(lines)

@@ -8,6 +8,10 @@ transformers' SDPA and eager paths, and its flash-attention-2 path where the fla
 Providers:
 - "fastbert": config.backend="triton"; "fastbert-unpad": the same with config.unpad=True.
 - "fastbert-eager": fastbert's model on the reference ops (backend="torch"; the smoke run's provider).
+- "fastbert-apply" (BERT-base training): transformers' BertForPreTraining after fastbert.apply(backend="triton"),
+  called as transformers' (its MLM loss fused: issue 25).
+- "fastbert-graph" (BERT-base inference): fastbert's model through fastbert.CapturedForward, one CUDA graph of the
+  case's shape, replayed.
 - "hf-sdpa": transformers' BertForPreTraining / BertModel with scaled_dot_product_attention (its default);
   "hf-eager": its eager attention; "hf-sdpa+compile": torch.compile of hf-sdpa.
 
@@ -37,9 +41,11 @@ from fastbert.simulated.pretraining import LABEL_FRACTION, training_head
 from fastbert.train.metrics import encoder_flops, training_flops
 
 FASTBERT, UNPAD, EAGER = "fastbert", "fastbert-unpad", "fastbert-eager"
+APPLY, GRAPH = "fastbert-apply", "fastbert-graph"
+FASTBERT_MODELS = frozenset({FASTBERT, UNPAD, EAGER, GRAPH})  # fastbert's own classes
 HF_SDPA, HF_EAGER, HF_COMPILE, HF_FA2 = "hf-sdpa", "hf-eager", "hf-sdpa+compile", "hf-flash-attention-2"
 HF_ATTENTION = {HF_SDPA: "sdpa", HF_EAGER: "eager", HF_COMPILE: "sdpa", HF_FA2: "flash_attention_2"}
-GPU_PROVIDERS = frozenset({FASTBERT, UNPAD, HF_COMPILE})
+GPU_PROVIDERS = frozenset({FASTBERT, UNPAD, HF_COMPILE, APPLY, GRAPH})
 SIZES = {"base": fastbert.BertConfig.base, "large": fastbert.BertConfig.large, "tiny": fastbert.BertConfig.tiny,
          # all-mpnet-base-v2's shape (514 positions: 512 tokens after the padding index's offset)
          "mpnet-base": lambda: MPNetConfig(max_position_embeddings=514), "mpnet-tiny": MPNetConfig.tiny,
@@ -116,7 +122,7 @@ def model_flops(config: fastbert.BertConfig, lengths: torch.Tensor, labelled: in
 def build_model(provider: str, config: fastbert.BertConfig, mode: str, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(0)
     head = "Model" if mode == "inference" else training_head(config)
-    if provider in (FASTBERT, UNPAD, EAGER):
+    if provider in FASTBERT_MODELS:
         config = config.replace(backend="torch" if provider == EAGER else "triton",
                                 unpad=config.unpad or provider == UNPAD)  # ModernBERT always unpads
         with torch.device(device):
@@ -128,7 +134,9 @@ def build_model(provider: str, config: fastbert.BertConfig, mode: str, device: t
         hf_config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
         cls = getattr(transformers, type(hf_config).__name__.removesuffix("Config") + head)
         with torch.device(device):
-            model = cls._from_config(hf_config, attn_implementation=HF_ATTENTION[provider])
+            model = cls._from_config(hf_config, attn_implementation=HF_ATTENTION.get(provider, "sdpa"))
+        if provider == APPLY:
+            model = fastbert.apply(model, backend="triton")
     if mode == "inference":
         model = model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
     else:
@@ -138,9 +146,12 @@ def build_model(provider: str, config: fastbert.BertConfig, mode: str, device: t
 
 def make_step(provider: str, model: torch.nn.Module, optimizer, mode: str, tensors: dict,
               device: torch.device) -> Callable[[], None]:
-    fastbert_model = provider in (FASTBERT, UNPAD, EAGER)
+    fastbert_model = provider in FASTBERT_MODELS
     if mode == "inference":
         inputs = {k: tensors[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in tensors}
+        if provider == GRAPH:
+            batch, seqlen = inputs["input_ids"].shape
+            model = fastbert.CapturedForward(model, batch_sizes=(batch,), length_buckets=(seqlen,))
 
         def infer():
             with torch.inference_mode():
@@ -177,7 +188,7 @@ class ProviderRun:
 
     def step_for(self, batch: int, padded: bool) -> tuple[Callable[[], None], dict]:
         data = make_batch(self.case.config, batch, self.case.seqlen, padded, self.device)
-        if self.provider in (FASTBERT, UNPAD, EAGER) and self.case.mode != "inference":
+        if self.provider in FASTBERT_MODELS and self.case.mode != "inference":
             # as `fastbert pretrain` runs it: the MLM head on a static budget of positions per sequence, the batch's
             # most labelled, counted on the host (budget 0 would run the head's decoder on every position)
             self.model.config.max_predictions_per_seq = data["most_labelled"]
@@ -275,6 +286,8 @@ def gpu_model_cases() -> list[ModelCase]:
     for case in cases:
         if case.size == "base" and (case.mode == "train" or (case.batch, case.seqlen) == (32, 128)):
             case.providers += (HF_COMPILE,)
+        if case.size == "base":  # issue 25: the applied model trains as fast as fastbert's; a graph's inference
+            case.providers += (APPLY,) if case.mode == "train" else (GRAPH,)
     cases.append(ModelCase("capacity", "base", 32, 512, False, (FASTBERT, HF_SDPA)))
     # MPNet (all-mpnet-base-v2's shape) against transformers' MPNet, which has eager attention only
     mpnet = (FASTBERT, UNPAD, HF_EAGER)

@@ -23,6 +23,7 @@ import torch
 
 from fastbert import paths
 from fastbert.command import configure_logging
+from fastbert.files import write_text
 
 logger = logging.getLogger("fastbert.bench")
 PROVIDER_IMPLEMENTATION = {"fastbert": "triton", "fastbert-eager": "torch", "fastbert-split": "cublas_then_bias_gelu"}
@@ -154,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     table = build_table(rows, sources)
     if not table["architectures"]:
         raise SystemExit(f"no GPU-suite rows under {args.results}: nothing to choose from")
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(table, f, indent=1)
-        f.write("\n")
+    write_text(args.out, json.dumps(table, indent=1) + "\n")
     chosen = sum(len(d) for a in table["architectures"].values() for c in a["ops"].values() for t in c.values()
                  for d in t.values())
     logger.info(f"wrote {args.out}: {chosen} choices for {', '.join(table['architectures'])}")

@@ -19,6 +19,7 @@ from fastbert.bench.memory_report import memory_section
 from fastbert.bench.path_table import chosen_provider, table_section
 from fastbert.bench.prepare_report import prepare_data_section
 from fastbert.command import configure_logging
+from fastbert.files import replaced_file, write_text
 
 GPU_COMMAND = "benchmarks/run_gpu.sh benchmarks/results"
 CPU_MEMORY_COMMAND = "fastbert bench --suite cpu-memory --out benchmarks/results"
@@ -34,7 +35,8 @@ OP_TITLES = {
     "attention": "Attention, padded and varlen (issue 4)",
     "mlm_head": "MLM head + loss (issue 5)",
 }
-PROVIDER_ORDER = ("fastbert", "fastbert-split", "fastbert-varlen", "fastbert-unpad", "fastbert-eager", "torch",
+PROVIDER_ORDER = ("fastbert", "fastbert-split", "fastbert-varlen", "fastbert-unpad", "fastbert-graph", "fastbert-apply",
+                  "fastbert-eager", "torch",
                   "torch.compile", "hf-sdpa", "hf-eager", "hf-sdpa+compile")
 # Published by others, not measured here: shown so our ratios can be read against them.
 PUBLISHED = [
@@ -276,7 +278,8 @@ def plots(runs: dict, plots_dir: str) -> list[str]:
 def _save(fig, plots_dir: str, name: str) -> str:
     path = os.path.join(plots_dir, name)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with replaced_file(path) as partial:  # a full disk or a crash leaves the previous plot
+        fig.savefig(partial, dpi=120, format="png")
     import matplotlib.pyplot as plt
     plt.close(fig)
     return path
@@ -429,8 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     # image links are relative to the Markdown file's directory
     prefix = os.path.relpath(os.getcwd(), os.path.dirname(os.path.abspath(args.out))) + "/"
     text = render(rows, args.plots, plot_prefix="" if prefix == "./" else prefix)
-    with open(args.out, "w", encoding="utf-8") as f:
-        f.write(text + "\n")
+    write_text(args.out, text + "\n")
     configure_logging("make_perf")
     logger.info(f"wrote {args.out} from {len(rows)} rows")
     return 0

@@ -30,6 +30,7 @@ from fastbert.bench import model_cases, op_cases
 from fastbert.bench.peaks import measure_peaks, peak_figures
 from fastbert.bench.provenance import provenance
 from fastbert.bench.timing import memory_meter_name, peak_memory, time_ms, timer_name
+from fastbert.files import write_text
 
 logger = logging.getLogger("fastbert.bench")
 
@@ -98,7 +99,8 @@ def work_items(suite: str) -> list[WorkItem]:
 GPU_ORDER = {"headline model": (0, 20.0), "headline compiled model": (1, 120.0), "op": (2, 5.0),
              "other model": (3, 20.0), "compiled op": (4, 30.0), "other compiled model": (5, 120.0)}
 HEADLINE_SIZE = "base"  # BERT-base, the model of issue 26's whole-model targets
-HEADLINE_PROVIDERS = frozenset({model_cases.FASTBERT, model_cases.UNPAD, model_cases.HF_SDPA})
+HEADLINE_PROVIDERS = frozenset({model_cases.FASTBERT, model_cases.UNPAD, model_cases.HF_SDPA, model_cases.APPLY,
+                                model_cases.GRAPH})
 
 
 def model_item_kind(case: model_cases.ModelCase, provider: str) -> str:
@@ -251,11 +253,8 @@ def result_path(out_dir: str, suite: str, common: dict) -> str:
 
 
 def write_rows(path: str, rows: list[dict]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(rows, f, indent=1, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    """The results JSON, replaced whole (fastbert.files.write_text: a full disk leaves the previous rows)."""
+    write_text(path, json.dumps(rows, indent=1, default=str) + "\n")
 
 
 # what the smoke suite's figures are: one warm-up call and three timed, at shapes of a few kilobytes, on a

@@ -54,7 +54,7 @@ from fastbert.data.sharding import ShardParams, build_shards, marker_path
 from fastbert.data.shards import VOCAB_FILE, read_index, write_index
 from fastbert.data.tokenizer import (SPECIAL_TOKENS, load_tokenizer, save_tokenizer, train_wordpiece, vocabulary,
                                      write_vocab)
-from fastbert.files import cache_dir, move_into_place, output_lock, remove_leftovers, write_text, writing_error
+from fastbert.files import cache_dir, move_into_place, output_lock, remove_leftovers, write_text, writing
 
 logger = logging.getLogger("fastbert.data")
 DEFAULT_VOCAB_SIZE = 30522
@@ -221,24 +221,24 @@ def _build(options: PrepareOptions, plan: list[list[Segment]]) -> dict[int, str]
     if not todo:
         return finals
     plan_identity = {**identity, "plan_sha256": sha256(json.dumps([[asdict(s) for s in c] for c in plan]))}
-    for length, directory in todo.items():
-        _open_partial(directory, {**plan_identity, "max_seq_length": length}, len(plan))
-    jobs = [(number, chunk, {length: d for length, d in todo.items() if not os.path.isfile(marker_path(d, number))})
-            for number, chunk in enumerate(plan)]
-    jobs = [job for job in jobs if job[2]]
     vocab = vocabulary(tokenizer)
     params = ShardParams(options.seed, options.short_seq_prob, options.dupe_factor, len(vocab),
                          tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]"), options.encoding_errors,
                          options.objective)
     special = {name: tokenizer.token_to_id(f"[{name.upper()}]") for name in ("pad", "unk", "cls", "sep", "mask")}
-    try:
+    # a full disk: the finished shards stay in the partial directories for a rerun
+    with writing(out, list(todo.values()), remove=False, kept="the datasets already there are unchanged; the "
+                 "shards finished so far are kept for the same command to resume from"):
+        for length, directory in todo.items():
+            _open_partial(directory, {**plan_identity, "max_seq_length": length}, len(plan))
+        jobs = [(number, chunk, {length: d for length, d in todo.items()
+                                 if not os.path.isfile(marker_path(d, number))}) for number, chunk in enumerate(plan)]
+        jobs = [job for job in jobs if job[2]]
         _run_jobs(jobs, plan, tokenizer_json, params, min(options.workers or available_cores(), max(len(jobs), 1)))
         for length, directory in todo.items():
             _finish(directory, finals[length], len(plan), {"max_seq_length": length, "vocab_size": len(vocab),
                                                             "special_ids": special, **identity}, vocab,
                     options.objective)
-    except OSError as exc:  # a full disk: the finished shards stay in the partial directories for a rerun
-        raise writing_error(exc, out) from exc
     return finals
 
 

@@ -116,10 +116,11 @@ def build_shards(job: tuple[int, list[Segment], dict[int, str]]) -> int:
         documents = [TokenizedDocument(only.tokens, only.bounds, only.first, middle),
                      TokenizedDocument(only.tokens, only.bounds, middle, only.last)]
     for max_seq_length, directory in directories.items():
-        writer = ShardWriter(directory, shard_name(number), params.vocab_size)
-        for example in chunk_examples(documents, max_seq_length, params, number):
-            writer.add(example.tokens, example.a_length, example.next_sentence_label)
-        write_text(marker_path(directory, number), json.dumps({**writer.finish(), "documents": count}) + "\n")
+        with ShardWriter(directory, shard_name(number), params.vocab_size) as writer:
+            for example in chunk_examples(documents, max_seq_length, params, number):
+                writer.add(example.tokens, example.a_length, example.next_sentence_label)
+            entry = writer.finish()
+        write_text(marker_path(directory, number), json.dumps({**entry, "documents": count}) + "\n")
     return sum(s.end - s.start for s in segments)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import io
 import json
 import os
 
@@ -53,7 +54,8 @@ class ShardWriter:
         self.directory, self.name = directory, name
         self.dtype = token_dtype(vocab_size)
         self.buffer_tokens = buffer_tokens
-        self.file = open(os.path.join(directory, name + ".bin"), "wb")
+        self.paths = [os.path.join(directory, name + ".bin"), os.path.join(directory, name + ".idx.npy")]
+        self.file = open(self.paths[0], "wb")
         self.digest = hashlib.sha256()
         self.pending = array.array("I")  # tokens not yet written
         self.lengths, self.a_lengths, self.labels = array.array("H"), array.array("H"), array.array("B")
@@ -74,6 +76,18 @@ class ShardWriter:
         self.digest.update(data)
         self.pending = array.array("I")
 
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        """A shard left unfinished (a full disk, Ctrl-C) is removed: it would hold space, and a rerun writes it
+        anew."""
+        if error is not None:
+            self.file.close()
+            for path in self.paths:
+                if os.path.exists(path):
+                    os.remove(path)
+
     def finish(self) -> dict:
         self._flush()
         self.file.flush()
@@ -85,8 +99,10 @@ class ShardWriter:
         index["length"] = lengths
         index["a_length"] = np.frombuffer(self.a_lengths, dtype=np.uint16)
         index["next_sentence_label"] = np.frombuffer(self.labels, dtype=np.uint8)
-        with open(os.path.join(self.directory, self.name + ".idx.npy"), "wb") as f:
-            np.save(f, index)
+        npy = io.BytesIO()  # written by f.write: a failed write is an OSError with its errno (numpy's own has none)
+        np.save(npy, index)
+        with open(self.paths[1], "wb") as f:
+            f.write(npy.getbuffer())
             f.flush()
             os.fsync(f.fileno())
         self.digest.update(index.tobytes())
@@ -95,10 +111,10 @@ class ShardWriter:
 
 def write_shard(directory: str, name: str, examples: list[Example], vocab_size: int) -> dict:
     """Write one shard from a list of examples; returns its index.json entry (see ShardWriter)."""
-    writer = ShardWriter(directory, name, vocab_size)
-    for example in examples:
-        writer.add(example.tokens, example.a_length, example.next_sentence_label)
-    return writer.finish()
+    with ShardWriter(directory, name, vocab_size) as writer:
+        for example in examples:
+            writer.add(example.tokens, example.a_length, example.next_sentence_label)
+        return writer.finish()
 
 
 def write_index(directory: str, metadata: dict) -> None:

@@ -27,7 +27,7 @@ import torch
 
 from fastbert.captured import CapturedForward, length_buckets
 from fastbert.command import run_command
-from fastbert.files import output_lock, replaced_file, write_text
+from fastbert.files import output_lock, preallocate, replaced_files
 from fastbert.finetune.encoding import Packer, collate, tokenizer_for
 from fastbert.finetune.loading import checkpoint_directory, load_checkpoint, load_config, resolve_device
 from fastbert.finetune.readers import TABLE_FORMATS, DataError, read_table, read_text
@@ -75,12 +75,15 @@ def embed(model, packer: Packer, texts: list[tuple[str, str | None]], layers=(-4
     Returns (features, tokens): features float32 [N, S, D] (per token, zero-padded to the longest
     sequence S) or [N, D] (per sequence, or pooled); D = H * len(layers) for concat, H otherwise.
     With `out` the features are written batch by batch into a .npy file beside it (memory-mapped, so
-    per-token features of a large input never sit in memory whole), renamed to `out` when complete (an
-    interrupted run leaves the previous file, never one with unwritten rows of zeros); the returned
-    array is the mapping. A tqdm bar shows sequences per second (`progress`, on a terminal). The forward runs
-    through fastbert.captured.CapturedForward: batches padded to `batch_size` rows and to a power-of-two length
-    bucket, on a GPU as replayed CUDA graphs (one per bucket).
-    Raises ValueError for unknown options or layers outside the model.
+    per-token features of a large input never sit in memory whole), and per token the tokens into
+    tokens_path(out), both renamed into place when complete (an interrupted run leaves the previous files,
+    never one with unwritten rows of zeros, nor features beside another run's tokens); the returned
+    array is the mapping. The file's blocks are reserved before the first row is written. A tqdm bar shows
+    sequences per second (`progress`, on a terminal). The forward runs through fastbert.captured.CapturedForward:
+    batches padded to `batch_size` rows and to a power-of-two length bucket, on a GPU as replayed CUDA graphs
+    (one per bucket).
+    Raises ValueError for unknown options or layers outside the model, fastbert.files.WriteError (an
+    OSError) when `out` does not fit on its disk: naming it and the bytes it needs, the partial file removed.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
@@ -109,10 +112,15 @@ def embed(model, packer: Packer, texts: list[tuple[str, str | None]], layers=(-4
     # on a GPU one CUDA graph per (batch size, length bucket), replayed; on CPU the same shapes run eagerly
     forward = CapturedForward(model, batch_sizes=(batch_size,), length_buckets=length_buckets(max(map(len, tokens))),
                               output_hidden_states=not pooled)
-    with (replaced_file(out) if out else contextlib.nullcontext()) as partial, \
-            tqdm(total=len(features), unit="seq", desc="embedding", disable=None if progress else True) as bar:
-        result = (np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=shape) if out
-                  else np.zeros(shape, dtype=np.float32))
+    outputs = ([out, tokens_path(out)] if len(shape) == 3 else [out]) if out else []
+    written = replaced_files(outputs, 4 * int(np.prod(shape)), name=out) if out else contextlib.nullcontext()
+    with written as partials, tqdm(total=len(features), unit="seq", desc="embedding",
+                                   disable=None if progress else True) as bar:
+        if out:
+            result = np.lib.format.open_memmap(partials[0], mode="w+", dtype=np.float32, shape=shape)
+            preallocate(partials[0])  # a full disk is an ENOSPC now, not a SIGBUS when a row lands in a hole
+        else:
+            result = np.zeros(shape, dtype=np.float32)
         for start in range(0, len(features), batch_size):
             batch = {k: v.to(device, non_blocking=True)
                      for k, v in collate(features[start:start + batch_size], packer.pad_id).items()}
@@ -135,7 +143,15 @@ def embed(model, packer: Packer, texts: list[tuple[str, str | None]], layers=(-4
                 result[rows, :hidden.shape[1]] = hidden.cpu().numpy()
         if out:
             result.flush()
+        if len(outputs) == 2:
+            with open(partials[1], "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(t) + "\n" for t in tokens)
     return result, tokens
+
+
+def tokens_path(out: str) -> str:
+    """Where the tokens of per-token features written to `out` go: its stem + .tokens.jsonl."""
+    return os.path.splitext(out)[0] + ".tokens.jsonl"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -201,15 +217,12 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-seq-length {max_seq_length} is longer than the model's {positions} positions "
                          f"(max_position_embeddings {config.max_position_embeddings})")
     packer = Packer(tokenizer, max_seq_length, token_types=config.type_vocab_size > 1)
-    tokens_path = os.path.splitext(args.out)[0] + ".tokens.jsonl"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with output_lock(args.out):
         features, tokens = embed(model.float().to(device), packer, texts, layers, args.combine, args.pooled,
                                  args.per, args.sequence_pool, args.batch_size, out=args.out)
-        if not args.pooled and args.per == "token":
-            write_text(tokens_path, "".join(json.dumps(t) + "\n" for t in tokens))
-        elif os.path.exists(tokens_path):  # a per-token run's tokens do not describe these features
-            os.remove(tokens_path)
+        if features.ndim == 2 and os.path.exists(tokens_path(args.out)):  # a per-token run's: not these features'
+            os.remove(tokens_path(args.out))
     truncated = sum(len(t) == packer.max_seq_length for t in tokens)
     logger.info(f"{len(texts)} sequences -> {args.out} {tuple(features.shape)}"
                 + (f"; {truncated} reached --max-seq-length and may be truncated" if truncated else ""))

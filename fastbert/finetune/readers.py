@@ -78,6 +78,8 @@ def read_table(path: str, columns: list[str], fmt: str | None = None) -> list[tu
         quoting = csv.QUOTE_MINIMAL if fmt == "csv" else csv.QUOTE_NONE
         reader = csv.reader(lines, delimiter="," if fmt == "csv" else "\t", quoting=quoting)
         header = None
+        # a field of any length, as a JSONL value (the csv module's default limit is 128 KiB)
+        limit = csv.field_size_limit(2**31 - 1)
         try:
             for row in reader:
                 if not any(cell.strip() for cell in row):
@@ -92,11 +94,15 @@ def read_table(path: str, columns: list[str], fmt: str | None = None) -> list[tu
                 records.append((reader.line_num, dict(zip(header, row))))
         except csv.Error as exc:
             raise DataError(path, reader.line_num, f"malformed {fmt.upper()}: {exc}") from None
+        finally:
+            csv.field_size_limit(limit)
         if header is not None:
             missing = [c for c in columns if c not in header]
             if missing:
                 raise DataError(path, header_line, f"no column {missing[0]!r} in the header "
                                                    f"(columns: {', '.join(header)})")
+            if not records:
+                raise DataError(path, None, f"no records: only the header, on line {header_line}")
     if not records:
         raise DataError(path, None, "no records (the file is empty)")
     out = []

@@ -117,15 +117,17 @@ class SequenceTask(Task):
         names = [c.text] + ([c.text_pair] if c.text_pair else []) + [c.label]
         examples = [TableExample(path, line, v[c.text], v.get(c.text_pair), v[c.label].strip())
                     for line, v in read_table(path, names, c.format)]
-        if self.regression:
-            for e in examples:
-                try:
-                    value = float(e.label)
-                except ValueError:
-                    value = None
-                if value is None or not math.isfinite(value):
-                    raise DataError(path, e.line, f"label {e.label!r} in column {c.label!r} is not a finite number; "
-                                                  "regression needs real-valued labels")
+        for e in examples:
+            try:
+                value = float(e.label)
+            except ValueError:
+                value = None
+            if self.regression and (value is None or not math.isfinite(value)):
+                raise DataError(path, e.line, f"label {e.label!r} in column {c.label!r} is not a finite number; "
+                                              "regression needs real-valued labels")
+            if value is not None and math.isnan(value):  # pandas, and so datasets' CSV reader, read it as missing
+                raise DataError(path, e.line, f"label {e.label!r} in column {c.label!r} is a missing value (NaN), "
+                                              "not a class; give the example its label or leave the row out")
         return examples
 
     def fit(self, train_examples: list[TableExample]) -> None:

@@ -3,7 +3,10 @@
 <out>/checkpoints/step_00001000/ is written under a temporary name (.tmp-step_...), every file and
 directory fsync'ed, then renamed: a crash or a full disk leaves the complete checkpoint or a
 temporary directory that is removed (at once after an error, else by the next run); the previous
-checkpoints are untouched until the new one is complete. What a checkpoint holds is state.py's.
+checkpoints are untouched until the new one is complete. A full disk is a message naming the
+checkpoint, the space it needs and the previous checkpoint (fastbert.files.writing, as for every
+output); a damaged one, when resumed, names the file and the previous checkpoint to resume from.
+What a checkpoint holds is state.py's.
 
 The run line: the checkpoints a run builds on. A run that starts afresh in a directory that has
 checkpoints or metrics, or rolls back to an older checkpoint, first moves what does not belong to its
@@ -21,6 +24,8 @@ import shutil
 import threading
 from collections.abc import Callable
 
+from fastbert.files import replaced_file, writing
+
 CHECKPOINT_DIR = "checkpoints"
 RUN_FILE = "run.json"  # what a checkpoint's run was: its options, model and data (state.py writes it)
 PREVIOUS_DIR = "previous"
@@ -34,8 +39,22 @@ def read_run_file(path: str) -> dict | None:
     file = os.path.join(path, RUN_FILE)
     if not os.path.isfile(file):
         return None
-    with open(file, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise damaged(path, file, exc) from None
+
+
+def damaged(path: str, file: str, exc: BaseException) -> ValueError:
+    """The error of a checkpoint whose `file` cannot be read (truncated, overwritten): naming it, and the
+    previous checkpoint to resume from instead."""
+    match = _NAME.match(os.path.basename(os.path.normpath(path)))
+    previous = latest_checkpoint(os.path.dirname(os.path.normpath(path)), before=int(match.group(1))) if match else None
+    instead = f"resume from the previous one with --resume {previous}" if previous else "there is no earlier one"
+    reason = str(exc).split(". ")[0]  # torch's adds paragraphs of advice
+    return ValueError(f"the checkpoint {path} is damaged: {file} cannot be read ({type(exc).__name__}: {reason}); "
+                      f"{instead}, or start afresh with --resume never")
 
 
 def checkpoint_name(step: int) -> str:
@@ -81,7 +100,8 @@ def set_aside(out: str, metrics_file: str, resume: str | None) -> None:
         os.rename(path, os.path.join(previous, CHECKPOINT_DIR, os.path.basename(path)))
     if metrics:
         if resumed_here:
-            shutil.copy2(metrics_file, previous)
+            with replaced_file(os.path.join(previous, os.path.basename(metrics_file))) as partial:
+                shutil.copy2(metrics_file, partial)
         else:
             os.rename(metrics_file, os.path.join(previous, os.path.basename(metrics_file)))
     steps = ", ".join(str(step) for step, _ in foreign) or "none"
@@ -120,20 +140,22 @@ def temporary_path(root: str, step: int) -> str:
     return os.path.join(root, f"{TMP_PREFIX}{checkpoint_name(step)}")
 
 
-def save_checkpoint(root: str, step: int, write: Callable[[str], None], keep: int, pinned: str | None = None) -> str:
+def save_checkpoint(root: str, step: int, write: Callable[[str], None], keep: int, pinned: str | None = None,
+                    need: int | None = None) -> str:
     """Call write(tmp_dir) to fill the step's temporary directory, make it durable, rename it to the
     step's name, and delete all but the newest `keep` complete checkpoints (never `pinned`). Returns
-    the checkpoint's path. OSError (a full disk, ...) names the step and the intact previous checkpoint."""
+    the checkpoint's path. On any error the temporary directory is removed; a failed write (a full disk:
+    fastbert.files.failed_write) is a WriteError naming the checkpoint, the space it needs (`need` bytes,
+    if known) and the intact previous checkpoint."""
     final, tmp = os.path.join(root, checkpoint_name(step)), temporary_path(root, step)
-    try:
+    previous = latest_checkpoint(root)
+    kept = (f"the checkpoint of step {step} was not saved; the previous checkpoint {previous} is intact, and the "
+            "same command resumes from it" if previous else
+            f"the checkpoint of step {step} was not saved, and there is no earlier one")
+    with writing(final, [tmp], need, kept):
         os.makedirs(tmp, exist_ok=True)
         write(tmp)
         _fsync_tree(tmp)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise OSError(exc.errno, f"the checkpoint of step {step} could not be written to {tmp}: "
-                                 f"{exc.strerror or exc}; the previous checkpoint {latest_checkpoint(root)} is "
-                                 "intact") from exc
     if os.path.exists(final):  # the same step saved again (a resumed run stopped at once): replace it
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from fastbert.data.examples import MLM_NSP
+from fastbert.files import append_text, write_text
 
 logger = logging.getLogger("fastbert.train")
 
@@ -116,6 +117,7 @@ class Reading:
     skipped: int  # steps whose update was skipped, since the last read
     bad: list[tuple[int, bool]]  # (step, a non-finite loss or gradient) of each step since the last read
     grad_norm: float  # of the last step, before clipping
+    logged: bool = False  # its metrics line was written (Window.record): the window starts afresh
 
 
 class Window:
@@ -170,8 +172,9 @@ class Window:
 
     @staticmethod
     def carry(reading: Reading) -> dict:
-        """The window so far, for a checkpoint (see `carried`)."""
-        return {**reading.sums, "elapsed": reading.elapsed}
+        """The window so far, for a checkpoint (see `carried`): empty once the reading was logged, so that
+        the first line after a resume from a checkpoint at a logging step averages only the steps after it."""
+        return {} if reading.logged else {**reading.sums, "elapsed": reading.elapsed}
 
     def record(self, reading: Reading, peak_flops: float, **fields) -> dict:
         """One metrics line: the given fields (step, phase, ...) and the averages and rates of the window;
@@ -194,6 +197,7 @@ class Window:
         self.sums.zero_()
         self.tokens = self.flops = self.elapsed_before = 0.0
         self.start = time.perf_counter()
+        reading.logged = True
         return record
 
 
@@ -212,11 +216,7 @@ class MetricsLog:
             os.remove(path)
             return
         # lines a crashed run wrote after its last checkpoint would be repeated by the resumed run
-        kept = [line for line, record in self._records() if record["step"] <= resume_step]
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(tmp, path)
+        write_text(path, "".join(line for line, record in self._records() if record["step"] <= resume_step))
 
     def _records(self) -> list[tuple[str, dict]]:
         with open(self.path, encoding="utf-8") as f:
@@ -235,8 +235,8 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         if self.enabled:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+            append_text(self.path, json.dumps(record) + "\n", kept="its earlier lines are unchanged; the same "
+                        "command resumes from the last checkpoint")
 
 
 def _parse_record(line: str) -> dict | None:

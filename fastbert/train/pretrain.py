@@ -60,6 +60,10 @@ class TrainingError(RuntimeError):
     """The run cannot go on (e.g. too many non-finite steps in a row); the message says why."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """A second Ctrl-C stopped the run at once; the message says where it resumes from."""
+
+
 # SIGTERM / SIGINT ask for a checkpoint at the next step boundary; a second SIGINT interrupts at once.
 STOP = threading.Event()
 
@@ -176,7 +180,7 @@ def train(cfg: PretrainConfig, model_overrides: dict | None = None) -> dict:
     the command prints as its result on rank 0, none elsewhere).
 
     Raises ValueError for bad options or data (OSError for files that cannot be written), TrainingError
-    when the run cannot go on.
+    when the run cannot go on, Interrupted (a KeyboardInterrupt) at a second Ctrl-C.
     """
     STOP.clear()
     run = build_run(cfg, dict(model_overrides or {}))
@@ -189,6 +193,10 @@ def train(cfg: PretrainConfig, model_overrides: dict | None = None) -> dict:
             return {**_result(run, progress, run.resume, stopped=None), "report": report if run.env.is_main else []}
         with contextlib.closing(state.Saver(run)) as saver, torch_threads(cfg.threads):
             return _train(run, progress, saver)
+    except KeyboardInterrupt:  # a second Ctrl-C (the first asks for a checkpoint at the next step)
+        path = checkpoint.latest_checkpoint(run.checkpoints)  # the saver's write in progress has been joined
+        resume = f"the same command resumes from {path}" if path else "no checkpoint was saved"
+        raise Interrupted(f"interrupted by a second Ctrl-C: stopped at once, without a checkpoint; {resume}") from None
     finally:
         run.model.config.max_predictions_per_seq = budget
         run.close()
@@ -308,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         except TrainingError as exc:  # the run went wrong, not the user's input
             logger.error("%s", exc)
             return 1
+        except Interrupted as exc:  # the message, not a traceback
+            logger.error("%s", exc)
+            return 130
         finally:
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()

@@ -17,6 +17,7 @@ from fastbert.data.corpus import STDLIB
 from fastbert.data.examples import MLM, MLM_NSP
 from fastbert.data.masking import MaskingCollator
 from fastbert.data.shards import INDEX_FILE, ShardedDataset
+from fastbert.files import output_lock, write_text
 from fastbert.train import checkpoint, distributed
 from fastbert.train.optim import build_optimizer, linear_warmup_decay
 from fastbert.train.options import AUTO_MICRO_BATCH, PRESETS, PretrainConfig, parse_list
@@ -289,8 +290,6 @@ def _resume_point(cfg: PretrainConfig, root: str) -> str | None:
 def _lock(out: str, env: distributed.Dist) -> contextlib.ExitStack:
     """Rank 0 holds the run directory's lock (fastbert.files.output_lock) until the stack closes; every
     rank raises when it could not be taken."""
-    from fastbert.files import output_lock
-
     lock, error = contextlib.ExitStack(), None
     if env.is_main:
         try:
@@ -317,8 +316,8 @@ def _prepare_directory(cfg: PretrainConfig, model_overrides: dict, out: str, res
         os.makedirs(out, exist_ok=True)
         checkpoint.remove_incomplete(root)
         checkpoint.set_aside(out, os.path.join(out, METRICS_FILE), resume)
-        with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
-            json.dump({**dataclasses.asdict(cfg), "model_overrides": model_overrides}, f, indent=2)
+        write_text(os.path.join(out, "config.json"),
+                   json.dumps({**dataclasses.asdict(cfg), "model_overrides": model_overrides}, indent=2))
 
 
 def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:

@@ -133,13 +133,16 @@ class Saver:
                 pending.result()
             if weights is not None:
                 _save_weights(run, weights, os.path.join(directory, MODEL_DIR))
-            torch.save(trainer, os.path.join(directory, TRAINER_FILE))
+            # through a Python file: a failed write is then an OSError with its errno behind torch's RuntimeError
+            with open(os.path.join(directory, TRAINER_FILE), "wb") as f:
+                torch.save(trainer, f)
             with open(os.path.join(directory, RUN_FILE), "w", encoding="utf-8") as f:
                 json.dump(record, f, indent=2)
 
         if env.is_main:
+            need = None if run.sharded else tensor_bytes([weights, trainer])
             self.writer.submit(lambda: checkpoint.save_checkpoint(run.checkpoints, progress.step, write,
-                                                                  run.cfg.keep_checkpoints, run.pinned))
+                                                                  run.cfg.keep_checkpoints, run.pinned, need))
         elif pending is not None:
             self.writer.submit(pending.result)
         return os.path.join(run.checkpoints, checkpoint.checkpoint_name(progress.step))
@@ -157,6 +160,11 @@ class Saver:
     def close(self) -> None:
         """Let a write in progress finish (after an error elsewhere: its own error is not raised)."""
         self.writer.join()
+
+
+def tensor_bytes(tree) -> int:
+    """Bytes of the tensors in `tree` (nested dicts / lists): about what a checkpoint of them takes on disk."""
+    return sum(leaf.numel() * leaf.element_size() for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor))
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -199,7 +207,11 @@ def restore(run: Run) -> Progress:
     the RNG states) and return where it stood; the LR schedule continues from its step with the options
     of this run (a changed --lr or --steps is honoured)."""
     env, cfg = run.env, run.cfg
-    saved = torch.load(os.path.join(run.resume, TRAINER_FILE), map_location="cpu", weights_only=False)
+    file = os.path.join(run.resume, TRAINER_FILE)
+    try:
+        saved = torch.load(file, map_location="cpu", weights_only=False)
+    except Exception as exc:  # truncated, overwritten: whatever torch's reader or pickle raises
+        raise checkpoint.damaged(run.resume, file, exc) from exc
     objective = checkpoint_objective(run.resume)
     heads_change = objective != cfg.objective  # accepted by check_resume (--accept-changes)
     same_optimizer = saved["config"]["optimizer"] == cfg.optimizer and not heads_change
@@ -247,10 +259,13 @@ def _load_weights(run: Run, path: str, heads_change: bool = False) -> None:
     """HF-format weights into the model (sharded like it under FSDP2); every weight must be there, but for
     the NSP-only ones (NSP_ONLY_PREFIXES) when the checkpoint was written for the other objective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from fastbert.hf import read_state_dict, tied_keys
+    from fastbert.hf import CheckpointError, read_state_dict, tied_keys
     try:
-        result = set_model_state_dict(run.model, read_state_dict(path),
-                                      options=StateDictOptions(full_state_dict=True, strict=False))
+        weights = read_state_dict(path)
+    except CheckpointError as exc:
+        raise checkpoint.damaged(run.resume, getattr(exc, "file", path), exc.__cause__ or exc) from exc
+    try:
+        result = set_model_state_dict(run.model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
     except RuntimeError as exc:
         raise ValueError(f"the weights in {path} do not fit the model: {exc}") from None
     missing = [k for k in result.missing_keys if k not in tied_keys(run.model)]

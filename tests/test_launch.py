@@ -1,0 +1,95 @@
+"""kernels/launch.py's cached launch path picks exactly the kernel Triton's own launch would.
+
+The cache is what makes a fused op's launch cost the host what a PyTorch op costs; a wrong key would launch
+a kernel specialised for other arguments (an aligned pointer where the tensor is not, an int taken as 1 or as
+a multiple of 16, a 32-bit int that is 64-bit). Checked with the stand-in driver in stub mode
+(fastbert.simulated.host_time.stubbed_launches): Triton's kernel cache then holds one stub per
+specialisation, so the kernel object a launch returns names the specialisation it launched. Compiled-kernel
+launchers are needed (under TRITON_INTERPRET launch() is Triton's own launch), so the check runs in a process
+of its own without it.
+"""
+import json
+import os
+import subprocess
+import sys
+
+_LAUNCHES = """
+import json
+import torch
+from fastbert.kernels import launch as launch_module
+from fastbert.kernels import layer_norm, matmul
+from fastbert.kernels.launch import cdiv, launch
+from fastbert.simulated.host_time import stubbed_launches
+
+through_triton = []
+first = launch_module.KernelLauncher._first
+def counting_first(self, *args):
+    through_triton.append(self.kernel)
+    return first(self, *args)
+launch_module.KernelLauncher._first = counting_first
+
+ROWS, HIDDEN, OUT = 16, 64, 48
+
+def rows_of(columns, misaligned):
+    # [ROWS, columns] fp32; misaligned: its storage offset by one element (4 bytes, not a multiple of 16)
+    flat = torch.zeros(ROWS * columns + 1)
+    return (flat[1:] if misaligned else flat[:-1]).view(ROWS, columns)
+
+def layer_norm_call(rows, misaligned):
+    x, y = rows_of(HIDDEN, misaligned), torch.empty(ROWS, HIDDEN)
+    weight = torch.ones(HIDDEN)
+    args = (x, x, weight, weight, y, y, y, y, x, y, HIDDEN, 1, HIDDEN, 1, rows, HIDDEN, 1e-12, 0.0, 1.0, 0.25)
+    constexprs = dict(HAS_RESIDUAL=False, HAS_DROPOUT=False, HAS_BIAS=True, STORE_SUM=False, STORE_STATS=False,
+                      SAVE_SIDE=False, SIDE_COLUMNS=8, BLOCK_ROWS=16, BLOCK_H=HIDDEN, num_warps=4)
+    return layer_norm._layer_norm_fwd_kernel, (cdiv(rows, 16),), args, constexprs
+
+def matmul_call(rows, misaligned):
+    x, weight, out = rows_of(HIDDEN, misaligned), torch.ones(OUT, HIDDEN), torch.empty(ROWS, OUT)
+    args = (x, weight, weight[:, 0].contiguous(), out, out, rows, OUT, HIDDEN, *x.stride(), *weight.stride(),
+            rows, 1, 0, OUT, 0, 0, 1)
+    constexprs = dict(HEAD_DIM=1, SPLIT_HEADS=False, ACTIVATION="none", STORE_PRE=False, HAS_BIAS=True,
+                      GATED=False, INPUT_PRECISION="ieee")
+    grid = lambda meta: (cdiv(rows, meta["BLOCK_M"]) * cdiv(OUT, meta["BLOCK_N"]),)
+    return matmul._matmul_fwd_kernel, grid, args, constexprs
+
+results = []
+with stubbed_launches():
+    for name, call in (("layer_norm", layer_norm_call), ("matmul", matmul_call)):
+        # ints taken as 1, as multiples of 16, as other 32-bit ints and as 64-bit ints; 33 after 17 shares its
+        # specialisation (the second level of the cache); each with an aligned and a misaligned tensor
+        for rows in (1, 16, 17, 33, 2**31 + 5):
+            for misaligned in (False, True):
+                kernel, grid, args, constexprs = call(rows, misaligned)
+                through_triton.clear()
+                # a new specialisation: Triton's own launch makes its stub (the autotuner's benchmark makes the
+                # candidates'), then takes it; from then on the cached path launches it
+                first_launches = [launch(kernel, grid, *args, **constexprs) for _ in range(2)]
+                first_through_triton = len(through_triton)
+                through_triton.clear()
+                launched = launch(kernel, grid, *args, **constexprs)
+                # Triton's own choice, without launching: for the autotuned matmul the autotuner's run, which
+                # calls the JITFunction's run with the config it chose for these arguments
+                triton_own = kernel.run(*args, grid=grid, warmup=True, **constexprs)
+                results.append({"case": f"{name}, rows={rows}, misaligned={misaligned}",
+                                "same": launched is triton_own and triton_own is not None,
+                                "first_through_triton": first_through_triton,
+                                "then_through_triton": len(through_triton), "distinct": id(triton_own)})
+print(json.dumps(results))
+"""
+
+
+def test_the_cached_path_launches_the_kernel_triton_would():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _LAUNCHES], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(result.stdout.splitlines()[-1])
+    for row in rows:
+        assert row["same"], row["case"]
+        assert row["then_through_triton"] == 0, row
+        # rows=33 reuses rows=17's specialisation: never through Triton
+        assert (row["first_through_triton"] == 0) == (", rows=33," in row["case"]), row
+    # the stubs are distinct per specialisation: alignment and each int class name a kernel of their own
+    for kernel in ("layer_norm", "matmul"):
+        ids = {row["case"].split(", ", 1)[1]: row["distinct"] for row in rows if row["case"].startswith(kernel)}
+        assert ids["rows=33, misaligned=False"] == ids["rows=17, misaligned=False"]
+        assert len({ids[f"rows={r}, misaligned={m}"] for r in (1, 16, 17, 2**31 + 5) for m in (False, True)}) == 8
