@@ -167,7 +167,7 @@ def test_pretrain_auto_micro_batch_needs_a_gpu(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow(reason="plans the tiny model's training step a dozen times in a fresh process")
+@pytest.mark.slow(reason="plans the tiny model's training step at many batch sizes in a fresh process")
 def test_auto_micro_batch_is_the_largest_divisor_that_the_plan_fits(tmp_path):
     checkpoint = tmp_path / "step_2"  # a resume's checkpoint that recorded 4 at length 32 and 24 at 64
     checkpoint.mkdir()
