@@ -325,16 +325,18 @@ def test_the_mask_bounds_are_kept_per_mask_and_version(device):
     """Every layer passes its forward's one mask: its bounds are computed once, anew after an in-place change,
     and every time for an inference-mode mask (no version to tell a refilled static buffer)."""
     from fastbert.kernels import attention as kernel
+    from fastbert.kernels.launch import placeholders
 
     q = torch.zeros(2, 1, 4, 32, device=device)
+    unread = placeholders(q.device)
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], device=device)
-    first = kernel._mask_and_bounds(q, mask)
-    assert kernel._mask_and_bounds(q, mask) is first
+    first = kernel._mask_and_bounds(q, mask, unread)
+    assert kernel._mask_and_bounds(q, mask, unread) is first
     assert first[2].tolist() == [2, 4]  # each sequence's last token + 1
     mask[1, 3] = 0
-    assert kernel._mask_and_bounds(q, mask)[2].tolist() == [2, 3]
+    assert kernel._mask_and_bounds(q, mask, unread)[2].tolist() == [2, 3]
     with torch.inference_mode():
         static = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0]], device=device)
-        assert kernel._mask_and_bounds(q, static)[2].tolist() == [1, 2]
+        assert kernel._mask_and_bounds(q, static, unread)[2].tolist() == [1, 2]
         static.copy_(torch.ones_like(static))
-        assert kernel._mask_and_bounds(q, static)[2].tolist() == [4, 4]
+        assert kernel._mask_and_bounds(q, static, unread)[2].tolist() == [4, 4]

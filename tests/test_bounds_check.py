@@ -20,19 +20,19 @@ def _copy(SRC, DST, n, offset, BLOCK: tl.constexpr, MASKED: tl.constexpr):
         tl.store(DST + cols, tl.load(SRC + cols + offset))
 
 
-def test_a_read_past_the_storage_fails():
+def test_the_interpreter_fails_a_read_past_the_storage():
     src, dst = torch.zeros(8), torch.zeros(8)
     with pytest.raises(Exception, match="_copy: a load of 1 addresses outside every argument's storage"):
         _copy[(1,)](src, dst, 8, 1, BLOCK=8, MASKED=False)
 
 
-def test_a_write_past_the_storage_fails():
+def test_the_interpreter_fails_a_write_past_the_storage():
     src, dst = torch.zeros(16), torch.zeros(8)
     with pytest.raises(Exception, match="_copy: a store of 8 addresses outside every argument's storage"):
         _copy[(1,)](src, dst, 16, 0, BLOCK=16, MASKED=False)
 
 
-def test_masked_lanes_and_views_inside_the_storage_pass():
+def test_the_interpreter_passes_masked_lanes_and_views_inside_the_storage():
     src = torch.arange(16.0)
     dst = torch.zeros(16)
     _copy[(1,)](src, dst, 5, 0, BLOCK=16, MASKED=True)  # lanes 5..15 masked off

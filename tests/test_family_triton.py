@@ -66,10 +66,19 @@ RULE_CASES = [pytest.param(arch, dtype, unpad, id=f"{arch}-{name}-{'unpadded' if
               for arch in ARCHITECTURES for name, dtype in DTYPES.items() for unpad in (False, True)]
 
 
+# The key projections' biases, by the family's names (BERT's, DistilBERT's, MPNet's). Their gradient is 0 in exact
+# arithmetic: softmax ignores a shift of every score of a query, and q . b_k is one such shift.
+KEY_BIASES = (".key.bias", ".k_lin.bias", ".k.bias")
+
+
 @pytest.mark.parametrize("arch, dtype, unpad", RULE_CASES)
 def test_triton_path_within_the_rule_against_float64(arch, dtype, unpad, device):
+    """In fp16 and bf16 the key biases' gradients are rounding noise on both sides, the kernel's and PyTorch's
+    (whose yardstick rounds each op once, so its noise is smaller than a real bf16 run's): they are held to the
+    noise bound. fp32 keeps the rule for them too."""
     exact = hf_model(arch, **TRITON_SIZES).double().to(device)
-    assert_triton_within_the_rule(exact, to_device(padded_batch(exact.config), device), dtype, unpad)
+    noise_only = KEY_BIASES if dtype != torch.float32 else ()
+    assert_triton_within_the_rule(exact, to_device(padded_batch(exact.config), device), dtype, unpad, noise_only)
 
 
 @pytest.mark.slow(reason="S = 200 on the kernels; the last bucket (distances of 128 and more) is "
@@ -84,7 +93,7 @@ def test_mpnet_bias_past_128_tokens_within_the_rule(dtype, device):
     exact = exact.double().to(device)
     inputs = to_device(padded_batch(exact.config, lengths=(200, 130, 1), seq=200), device)
     bf16 = dtype == torch.bfloat16
-    assert_triton_within_the_rule(exact, inputs, dtype, unpad=bf16, noise_only=(".k.bias",) if bf16 else ())
+    assert_triton_within_the_rule(exact, inputs, dtype, unpad=bf16, noise_only=KEY_BIASES if bf16 else ())
 
 
 @pytest.mark.parametrize("arch", [arch if arch in MODEL_PATHS else pytest.param(arch, marks=pytest.mark.slow(
