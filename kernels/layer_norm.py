@@ -186,6 +186,13 @@ def _layer_norm_fwd_kernel(
         slot = _side_slots(w, col_exists, min_weight, SIDE_COLUMNS)
         side_offsets = rows[:, None] * SIDE_COLUMNS + slot[None, :]
         tl.store(SIDE + side_offsets, centred * rstd[:, None], mask=row_exists[:, None] & (slot >= 0)[None, :])
+        # the slots past the small-weight columns hold zeros, written here so that the launcher's buffer needs
+        # no fill (a launch of its own on a GPU)
+        used = tl.sum((slot >= 0).to(tl.int32), axis=0)
+        side_cols = tl.arange(0, SIDE_COLUMNS)
+        tl.store(SIDE + rows[:, None] * SIDE_COLUMNS + side_cols[None, :],
+                 tl.zeros([BLOCK_ROWS, SIDE_COLUMNS], dtype=tl.float32),
+                 mask=row_exists[:, None] & (side_cols >= used)[None, :])
 
 
 @triton.jit
@@ -353,8 +360,8 @@ def _forward(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_ou
     if store_stats:
         mean = torch.empty(rows, dtype=torch.float32, device=device)
         rstd = torch.empty(rows, dtype=torch.float32, device=device)
-        # zero-filled: slots without a small-weight column are never written, but are part of the op's output
-        side = (torch.zeros((rows, SIDE_COLUMNS), dtype=torch.float32, device=device) if save_output
+        # not filled: the kernel writes every slot, zeros past the small-weight columns
+        side = (torch.empty((rows, SIDE_COLUMNS), dtype=torch.float32, device=device) if save_output
                 else mean.new_empty(0))
     if rows == 0:
         return y, mean, rstd, side, summed

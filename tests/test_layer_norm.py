@@ -340,6 +340,23 @@ def test_small_weights_come_from_the_side_buffer(dtype, device):
     _assert_matches_reference(x, weight, bias, residual, dy, _kernel(save="input"))
 
 
+def test_the_side_buffer_is_written_whole(device):
+    """The side buffer is an output of the op, allocated unfilled: per row, the xhat of the small-weight
+    columns in column order, then zeros in every slot past them (memory the allocator hands back full of NaN
+    shows a slot left unwritten)."""
+    rows, hidden = 37, 128
+    x, weight, bias, _, _ = _make_inputs((rows, hidden), torch.float32, device, with_residual=False)
+    columns = [5, 17, 64]
+    weight[columns] = 0.0
+    for _ in range(2):  # the buffer freed after the first call is the second's
+        poison = torch.full((rows, ln.SIDE_COLUMNS), float("nan"), device=device)
+        del poison
+        _, mean, rstd, side, _ = ln.layer_norm_fwd(x, weight, bias, None, None, EPS, 0.0, x.dtype, True)
+        xhat = (x[:, columns] - mean[:, None]) * rstd[:, None]
+        torch.testing.assert_close(side[:, :len(columns)], xhat)
+        assert side[:, len(columns):].eq(0).all(), side
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_trained_checkpoint_weights(dtype, device):
     """The LayerNorm weights of a trained checkpoint (all-MiniLM-L6-v2's last one: 5e-33, 6e-33 and 1.5e-9
