@@ -44,8 +44,11 @@ def _row(**overrides):
     ({"wgmma": 0, "mma": 32}, "warpgroup MMA"),
     ({"wgmma": 0, "mma": 32, "target": "sm_80"}, None),  # A100 has no warpgroup MMA
     ({"wgmma": 0, "mma": 0, "dtype": "float32"}, None),  # IEEE fp32 dots use no tensor cores
+    ({"wgmma": 16, "mma": 0, "dtype": "float32"}, "exact fp32"),  # a TF32 dot where PyTorch promises fp32
+    ({"wgmma": 0, "mma": 32, "dtype": "float32", "target": "sm_80"}, "exact fp32"),
+    ({"wgmma": 16, "mma": 0, "dtype": "float32+tf32"}, None),  # TF32 allowed
     ({"spill_store_bytes": 8, "spill_load_bytes": 8}, "no spill"),
-    ({"spill_store_bytes": 8, "spill_load_bytes": 8, "dtype": "float32"}, None),
+    ({"spill_store_bytes": 8, "spill_load_bytes": 8, "dtype": "float32", "wgmma": 0}, None),
     ({"shared_bytes": 200 * 1024, "target": "sm_80", "mma": 8, "wgmma": 0}, "shared memory"),  # 163 KB
     ({"shared_bytes": 200 * 1024}, None),  # 227 KB on an H100
 ])

@@ -269,13 +269,14 @@ def run_compile_suite(out_dir: str | None, jobs: list[Job], only: str | None = N
 # Gates
 # ---------------------------------------------------------------------------------------------------------
 
-GATES = ("compiles", "warpgroup MMA", "no spill", "shared memory")
+GATES = ("compiles", "warpgroup MMA", "no spill", "shared memory", "exact fp32")
 
 
 def gate_failures(rows: list[dict]) -> list[tuple[str, str]]:
     """(gate, what fails it) for each breach: a kernel that does not compile; on sm_90a in fp16 or bf16, a
     matmul kernel without warpgroup MMA; in fp16 or bf16, a config that spills; shared memory over the
-    target GPU's limit."""
+    target GPU's limit; in fp32 under PyTorch's default precision ("float32", not "float32+tf32"), a tensor-core
+    instruction (a TF32 dot where the op promises fp32)."""
     from fastbert.simulated.stand_in_gpu import GPUS
 
     failures = []
@@ -290,6 +291,8 @@ def gate_failures(rows: list[dict]) -> list[tuple[str, str]]:
             failures.append(("warpgroup MMA", f"{where}: no HGMMA, {r['mma']} HMMA"))
         if gated and (r["spill_store_bytes"] or r["spill_load_bytes"]):
             failures.append(("no spill", f"{where}: {r['spill_store_bytes']} bytes spilled"))
+        if r["dtype"] == "float32" and (r["wgmma"] or r["mma"]):
+            failures.append(("exact fp32", f"{where}: {r['wgmma']} HGMMA, {r['mma']} HMMA"))
         if r["shared_bytes"] > GPUS[r["target"]].max_shared_per_block:
             failures.append(("shared memory", f"{where}: {r['shared_bytes']} bytes"))
     return failures

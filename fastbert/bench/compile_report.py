@@ -86,6 +86,11 @@ def _worst_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+FP32_HEADING = ("What fp32 compiles to (one gate, \"exact fp32\": under PyTorch's default precision no tensor-core "
+                "instruction, so no TF32 dot where the op promises fp32; spills are not gated: training and "
+                "inference run fp16 or bf16):")
+
+
 def _fp32_lines(rows: list[dict]) -> list[str]:
     """What fp32 compiles to in the matmul kernels on sm_90a, with exact (IEEE) and with TF32 dots: tensor
     cores or not, and the spills."""
@@ -140,8 +145,8 @@ def compile_section(rows: list[dict], gpu_measured: bool) -> list[str]:
         f"*{len(rows)} compiled kernels on {first['device']}; torch {first['torch']}; commit "
         f"{(first.get('commit') or 'unknown')[:12]}{' (with uncommitted changes)' if first.get('dirty') else ''}; "
         f"{first['date']}; `{first['command']}`; {first.get('suite_seconds', '?')} s.*", ""]
-    out += [f"**Gates** (fp16 and bf16: no spill, HGMMA in every matmul kernel on sm_90a; all dtypes: compiles, "
-            f"shared memory within the GPU): "
+    out += ["**Gates** (fp16 and bf16: no spill, HGMMA in every matmul kernel on sm_90a; fp32 at PyTorch's default "
+            "precision: no tensor-core instruction; all dtypes: compiles, shared memory within the GPU): "
             + ("all pass." if not failures else f"{len(failures)} failures:"), ""]
     out += [f"- {gate}: {failure}" for gate, failure in failures[:40]] + ([""] if failures else [])
     for target in targets:
@@ -152,5 +157,4 @@ def compile_section(rows: list[dict], gpu_measured: bool) -> list[str]:
     out += ["### Worst case of every kernel over all its configs, dtypes, shapes and Triton versions", ""]
     out += _worst_table(rows) + [""]
     fp32 = _fp32_lines(rows)
-    return out + (["What fp32 compiles to (no gate: training and inference run fp16 or bf16):", ""] + fp32 + [""]
-                  if fp32 else [])
+    return out + ([FP32_HEADING, ""] + fp32 + [""] if fp32 else [])
