@@ -7,6 +7,7 @@ import torch
 
 from fastbert import ops, reference
 from fastbert.kernels import layer_norm as ln
+from layer_norm_yardstick import backward_from_rounded_output
 from tolerance import GRADIENT_FACTOR, assert_within_rule, pytorch_in
 
 EPS = 1e-12
@@ -47,37 +48,11 @@ def _forward_backward(fn, x, weight, bias, residual, dy):
     return y.detach(), grads
 
 
-def _backward_from_rounded_output(x, weight, bias, residual, dy, keep, dropout_p):
-    """The gradients (dx, dweight, dbias[, dresidual]) of a LayerNorm whose backward reads xhat back from its
-    output in x's dtype, computed exactly: in float64, with xhat = (y - bias) / weight from y rounded to x's
-    dtype (the small-weight columns', which the side buffer keeps, exact), each gradient rounded once to its
-    dtype. What save="output" promises in fp16 and bf16: PyTorch's backward given what the op keeps."""
-    hidden = x.shape[-1]
-    w, b = weight.double(), bias.double()
-    h = x.double().reshape(-1, hidden)
-    scale = None if keep is None else keep.double().reshape(-1, hidden) / (1.0 - dropout_p)
-    if scale is not None:
-        h = h * scale
-    if residual is not None:
-        h = h + residual.double().reshape(-1, hidden)
-    mean = h.mean(-1, keepdim=True)
-    rstd = (((h - mean) ** 2).mean(-1, keepdim=True) + EPS).rsqrt()
-    xhat = (h - mean) * rstd
-    y = (xhat * w + b).to(x.dtype).double()
-    xhat = torch.where(w.abs() < ln.MIN_WEIGHT, xhat, (y - b) / w)
-    dy = dy.double().reshape(-1, hidden)
-    g = dy * w
-    dh = rstd * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
-    dx = dh if scale is None else dh * scale
-    grads = [dx.reshape(x.shape).to(x.dtype), (dy * xhat).sum(0).to(weight.dtype), dy.sum(0).to(bias.dtype)]
-    return grads + ([] if residual is None else [dh.reshape(residual.shape).to(residual.dtype)])
-
-
 def _assert_matches_reference(x, weight, bias, residual, dy, kernel_fn, keep=None, dropout_p=0.0, save="output"):
     """Kernel vs float64 reference, bounded by PyTorch's own error in x's dtype (the tolerance rule), as
     tolerance.pytorch_in models it on every machine: each op rounded once, which is what a GPU's fused
     LayerNorm gives. save="output" in fp16 and bf16: the gradients' bound is the exact backward from the rounded
-    output's (_backward_from_rounded_output), the information that mode keeps (kernels/layer_norm.py)."""
+    output's (layer_norm_yardstick), the information that mode keeps (kernels/layer_norm.py)."""
     def torch_fn(x_, w_, b_, r_):
         return _reference(x_, w_, b_, r_, keep, dropout_p)
 
@@ -88,7 +63,8 @@ def _assert_matches_reference(x, weight, bias, residual, dy, kernel_fn, keep=Non
     with pytorch_in(x.dtype):
         y_torch, grads_torch = _forward_backward(torch_fn, x, weight, bias, residual, dy)
     if save == "output" and x.dtype in (torch.float16, torch.bfloat16):
-        grads_torch = _backward_from_rounded_output(x, weight, bias, residual, dy, keep, dropout_p)
+        rounded = backward_from_rounded_output(x, residual, weight, bias, dy, EPS, keep=keep, dropout_p=dropout_p)
+        grads_torch = [rounded[name] for name in ("dx", "dweight", "dbias", "dresidual") if name in rounded]
     y_exact, grads_exact = _forward_backward(torch_fn, double(x), double(weight), double(bias), double(residual),
                                              dy.double())
     assert y.dtype == x.dtype
