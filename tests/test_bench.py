@@ -146,7 +146,7 @@ def test_compile_summary_is_the_gates_verdict_and_each_kernels_worst_case():
     kernels = {r["kernel"] for r in rows}
     lines = compile_audit.summary(rows).splitlines()
     assert lines[0] == f"gates over {len(rows)} compiled kernels: compiles: pass, warpgroup MMA: pass, no spill: " \
-                       "pass, shared memory: pass"
+                       "pass, shared memory: pass, exact fp32: pass"
     assert len(lines) == 2 + len(kernels)  # the verdict, the header, one line per kernel
     spilling = next(r for r in rows if r["dtype"] == "bfloat16" and r["kernel"] == "_layer_norm_fwd_kernel")
     spilling["spill_store_bytes"] = 12345
