@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from fastbert.command import configure_logging
+from fastbert.command import run_command
 
 # subcommand -> (module with main(argv), one-line help)
 COMMANDS = {
@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in COMMANDS:
         print(f"fastbert: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    configure_logging(argv[0])
-    module = importlib.import_module(COMMANDS[argv[0]][0])
-    return module.main(argv[1:]) or 0
+    # the import under run_command too: a Ctrl-C while the command's modules load (seconds: torch,
+    # transformers) is its message and 130, a missing dependency its message and 2
+    return run_command(argv[0], lambda: importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:]))
 
 
 if __name__ == "__main__":

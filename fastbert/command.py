@@ -51,10 +51,14 @@ def configure_logging(command: str = "") -> None:
 
 
 def run_command(command: str, body: Callable[[], int | None]) -> int:
-    """Run a subcommand's body with logging configured; a user error becomes one message and exit code 2."""
+    """Run a subcommand's body with logging configured; a user error becomes one message and exit code 2, a
+    Ctrl-C one message and the shell's 130 (what each command leaves then is docs/reliability.md's)."""
     configure_logging(command)
     try:
         return body() or 0
     except USER_ERRORS as exc:
         LOG.error("%s", exc)
         return 2
+    except KeyboardInterrupt:
+        LOG.error("interrupted by Ctrl-C: stopped before the end")
+        return 130

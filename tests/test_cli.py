@@ -50,6 +50,31 @@ def test_run_command_reports_user_errors_through_the_fastbert_logger(capsys):
         command.run_command("prepare-data", bug)
 
 
+def test_ctrl_c_is_a_message_and_exit_130_not_a_traceback(capsys):
+    """Ctrl-C in any command (finetune, embed, convert, ...) as pretraining's second one: one line, exit 130."""
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert command.run_command("embed", interrupted) == 130
+    assert capsys.readouterr().err.splitlines() == [
+        "fastbert embed: error: interrupted by Ctrl-C: stopped before the end"]
+
+
+def test_ctrl_c_while_a_command_loads_is_the_same_message(capsys, monkeypatch):
+    """The command's modules take seconds to import (torch, transformers): a Ctrl-C then is the same line."""
+    import importlib
+
+    from fastbert import cli
+
+    def interrupted_import(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib, "import_module", interrupted_import)
+    assert cli.main(["convert", "model", "out"]) == 130
+    assert capsys.readouterr().err.splitlines() == [
+        "fastbert convert: error: interrupted by Ctrl-C: stopped before the end"]
+
+
 @pytest.fixture
 def offline_hub_cache(tmp_path, monkeypatch):
     """An offline HF cache (as huggingface_hub lays it out) holding MiniLM, model and tokenizer files, under
