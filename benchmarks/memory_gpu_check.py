@@ -23,7 +23,7 @@ from fastbert.bench.model_cases import oom_errors
 from fastbert.bench.provenance import provenance
 from fastbert.bench.runner import case_fields, result_path, write_rows
 from fastbert.bench.timing import memory_meter_name, peak_memory
-from fastbert.cli import configure_logging
+from fastbert.command import configure_logging
 from fastbert.simulated.device_fit import largest_batch
 from fastbert.simulated.memory_plan import OptimizerSettings, default_loss, optimizer_step
 
