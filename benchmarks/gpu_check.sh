@@ -14,6 +14,8 @@
 # then prints a summary of at most 40 lines (benchmarks/gpu_check_summary.py; also in summary.txt).
 # Limits in seconds, from the environment: FASTBERT_CHECK_TESTS_S (240), FASTBERT_CHECK_MODELS_S (110),
 # FASTBERT_CHECK_OPS_S (100); the benchmarks' measuring budgets are their limits less 30 s of start-up.
+# FASTBERT_CHECK_MODELS: the regex of the models stage's items ('case provider', default every whole-model case),
+# for a session that needs a few rows measured rather than the first of all (e.g. one issue's).
 # For dry runs and the script's own tests: FASTBERT_CHECK_DEVICE=cpu (no GPU needed), FASTBERT_CHECK_TESTS (the
 # test files), FASTBERT_CHECK_WORKERS (pytest -n, 12), FASTBERT_CHECK_BENCH (the command that runs a bench stage).
 set -uo pipefail
@@ -34,7 +36,7 @@ test_files=${FASTBERT_CHECK_TESTS:-"tests/test_layer_norm.py tests/test_layer_no
     tests/test_numerics.py tests/test_model_triton.py tests/test_family_triton.py tests/test_modernbert.py"}
 bench=${FASTBERT_CHECK_BENCH:-"python -m fastbert.bench"}
 # the whole-model cases of the GPU suite (fastbert/bench/model_cases.py names them mode/model,...)
-model_cases='^(train|inference|capacity)/'
+model_cases=${FASTBERT_CHECK_MODELS:-'^(train|inference|capacity)/'}
 
 if [ "${FASTBERT_CHECK_DEVICE:-cuda}" = cuda ]; then
     python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA GPU: this script is for a GPU machine")' || exit 2
