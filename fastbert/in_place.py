@@ -78,6 +78,17 @@ def apply(model: nn.Module, **config_overrides) -> nn.Module:
     return model
 
 
+def fastbert_config(model: nn.Module):
+    """The config fastbert runs `model` with: a fastbert model's own; for a transformers model after `apply`, its
+    accelerated base's (which its fused MLM head shares, so a change such as max_predictions_per_seq reaches
+    both); None for a model fastbert does not run."""
+    from fastbert.modeling import BertPreTrainedModel
+
+    if isinstance(model, BertPreTrainedModel):
+        return model.config
+    return next((vars(m)[ACCELERATED].config for m in model.modules() if ACCELERATED in vars(m)), None)
+
+
 def _is_transformers_mlm_head(module: nn.Module) -> bool:
     """A transformers MLM head model (of a class fastbert has with a masked-only loss) whose base is accelerated."""
     from fastbert.modeling import MLMHeadMixin

@@ -296,3 +296,43 @@ def test_perf_md_has_the_path_table_and_the_floors_beside_its_sections():
                     "## The faster path per op (issue 26)", "## Floors (issue 26)"):
         assert heading in headings, heading
     assert "Read with care" in text and "| layer_norm | tokens=16384,hidden=768 | bfloat16 |" in text
+
+
+@pytest.mark.parametrize("provider", [model_cases.FASTBERT, model_cases.APPLY, model_cases.HF_SDPA])
+def test_model_providers_run_the_defaults_and_share_the_mlm_budget(provider):
+    """fastbert's class and the applied transformers model run fastbert's default backend and read the MLM head on
+    the same static budget of positions (the batch's most labelled); transformers' own model has no fastbert config."""
+    case = model_cases.ModelCase("train", "tiny", 3, 16, True, (provider,))
+    run = model_cases.ProviderRun(case, provider, torch.device("cpu"))
+    config = fastbert.in_place.fastbert_config(run.model)
+    _, data = run.step_for(case.batch, case.padded)
+    if provider == model_cases.HF_SDPA:
+        assert config is None and data["backend"] is None
+        return
+    assert data["backend"] == config.backend == fastbert.BertConfig().backend
+    assert 0 < data["most_labelled"] == config.max_predictions_per_seq
+    if provider == model_cases.APPLY:  # the head's fused loss reads the base's config: the budget reaches it
+        assert vars(run.model)[fastbert.in_place.ACCELERATED_HEAD].config is config
+
+
+def test_each_case_stands_from_its_newest_measuring_run():
+    """A short run that measured a few cases replaces those cases alone, whole: no table mixes two runs' rows of
+    one case, an older run's measured case outlives a newer run's skipped row, and the tables name each row's run."""
+    from fastbert.bench.runs import newest_per_case
+
+    def row(date, case, provider, status="ok", ms=1.0):
+        return {"date": date, "case": case, "provider": provider, "status": status, "median_ms": ms}
+
+    old, new = "2026-01-01T00:00:00+00:00", "2026-02-01T00:00:00+00:00"
+    rows = [row(old, "op/a", "fastbert", ms=2.0), row(old, "op/a", "torch"), row(old, "op/b", "fastbert"),
+            row(old, "op/c", "fastbert", "skipped"), row(new, "op/a", "fastbert"), row(new, "op/b", "fastbert", "skipped"),
+            row(new, "op/d", "fastbert", "error")]
+    kept = newest_per_case(rows)
+    assert sorted((r["case"], r["provider"], r["date"]) for r in kept) == [
+        ("op/a", "fastbert", new), ("op/b", "fastbert", old), ("op/c", "fastbert", old), ("op/d", "fastbert", new)]
+    provenance = dict(device="GPU", device_type="cuda", torch="2", triton="3", transformers="5", commit="abc",
+                      command="fastbert bench", timer="events")
+    table = "\n".join(report.op_section("op", [{**provenance, **r, "op": "op", "direction": "fwd"} for r in kept]))
+    assert "| a (a) | fwd |" in table and "| b (b) | fwd |" in table  # (a) the newest run
+    line = report.provenance_line([{**provenance, **r} for r in kept])
+    assert "in 2 runs" in line and f"(a) torch 2, triton 3, transformers 5; commit abc; {new}" in line

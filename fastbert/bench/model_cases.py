@@ -6,10 +6,14 @@ against transformers' MPNet, which has eager attention only; and ModernBERT-base
 transformers' SDPA and eager paths, and its flash-attention-2 path where the flash_attn package imports.
 
 Providers:
-- "fastbert": config.backend="triton"; "fastbert-unpad": the same with config.unpad=True.
+- "fastbert": fastbert's model with its default config (backend="auto": on a GPU each op runs the path
+  fastbert/paths.json measured fastest there), what a user gets; "fastbert-unpad": the same with config.unpad=True.
 - "fastbert-eager": fastbert's model on the reference ops (backend="torch"; the smoke run's provider).
-- "fastbert-apply" (BERT-base training): transformers' BertForPreTraining after fastbert.apply(backend="triton"),
-  called as transformers' (its MLM loss fused: issue 25).
+- "fastbert-apply" (BERT-base training): transformers' BertForPreTraining after fastbert.apply() with its
+  defaults, called as transformers' (its MLM loss fused: issue 25).
+A training step of fastbert's classes and of the applied model reads the MLM head on the same static budget of
+positions per sequence (config.max_predictions_per_seq, as `fastbert pretrain` sets it); each row names the
+backend its fastbert model ran with.
 - "fastbert-graph" (BERT-base inference): fastbert's model through fastbert.CapturedForward, one CUDA graph of the
   case's shape, replayed.
 - "hf-sdpa": transformers' BertForPreTraining / BertModel with scaled_dot_product_attention (its default);
@@ -37,6 +41,7 @@ from fastbert.bench.op_cases import mask_from_lengths, random_lengths
 from fastbert.bench.timing import peak_memory, time_ms
 from fastbert.data.examples import MLM, MLM_NSP
 from fastbert.family_config import ModernBertConfig, MPNetConfig
+from fastbert.in_place import fastbert_config
 from fastbert.simulated.pretraining import LABEL_FRACTION, training_head
 from fastbert.train.metrics import encoder_flops, training_flops
 
@@ -123,7 +128,7 @@ def build_model(provider: str, config: fastbert.BertConfig, mode: str, device: t
     torch.manual_seed(0)
     head = "Model" if mode == "inference" else training_head(config)
     if provider in FASTBERT_MODELS:
-        config = config.replace(backend="torch" if provider == EAGER else "triton",
+        config = config.replace(backend="torch" if provider == EAGER else config.backend,
                                 unpad=config.unpad or provider == UNPAD)  # ModernBERT always unpads
         with torch.device(device):
             model = architectures.model_class(config, head)(config)
@@ -136,7 +141,7 @@ def build_model(provider: str, config: fastbert.BertConfig, mode: str, device: t
         with torch.device(device):
             model = cls._from_config(hf_config, attn_implementation=HF_ATTENTION.get(provider, "sdpa"))
         if provider == APPLY:
-            model = fastbert.apply(model, backend="triton")
+            model = fastbert.apply(model)
     if mode == "inference":
         model = model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
     else:
@@ -188,12 +193,13 @@ class ProviderRun:
 
     def step_for(self, batch: int, padded: bool) -> tuple[Callable[[], None], dict]:
         data = make_batch(self.case.config, batch, self.case.seqlen, padded, self.device)
-        if self.provider in FASTBERT_MODELS and self.case.mode != "inference":
+        config = fastbert_config(self.model)
+        if config is not None and self.case.mode != "inference":
             # as `fastbert pretrain` runs it: the MLM head on a static budget of positions per sequence, the batch's
             # most labelled, counted on the host (budget 0 would run the head's decoder on every position)
-            self.model.config.max_predictions_per_seq = data["most_labelled"]
+            config.max_predictions_per_seq = data["most_labelled"]
         step = make_step(self.provider, self.model, self.optimizer, self.case.mode, data["tensors"], self.device)
-        return step, data
+        return step, {**data, "backend": None if config is None else config.backend}
 
     def fits(self, batch: int) -> bool:
         """Two steps at this batch (the first allocates AdamW's state) without running out of memory."""
@@ -232,6 +238,7 @@ def measure_step(case: ModelCase, step: Callable[[], None], data: dict, device: 
     flops = model_flops(case.config, lengths, labelled, case.mode)
     seconds = times["median_ms"] * 1e-3
     row = {"direction": "train_step" if case.mode == "train" else "inference", "batch": batch,
+           "backend": data["backend"],
            "tokens": int(lengths.sum()), "padding": round(1 - float(lengths.sum()) / (batch * case.seqlen), 4),
            **times, **memory, "flops": flops, "tflops": flops / seconds / 1e12,
            "tokens_per_s": float(lengths.sum()) / seconds, "sequences_per_s": batch / seconds}

@@ -23,6 +23,7 @@ import torch
 
 from fastbert import paths
 from fastbert.command import configure_logging
+from fastbert.bench.runs import newest_per_case
 from fastbert.files import write_text
 
 logger = logging.getLogger("fastbert.bench")
@@ -65,18 +66,12 @@ def row_class(row: dict) -> tuple[str, tuple[int, ...]] | None:
 
 
 def newest_runs(rows: list[dict]) -> dict[str, list[dict]]:
-    """{architecture: the rows of its newest GPU-suite run} (a run: the rows sharing one date)."""
-    runs: dict[str, tuple[str, list[dict]]] = {}
+    """{architecture: its GPU-suite rows that stand (fastbert.bench.runs: each case from its newest run)}."""
+    groups: dict[str, list[dict]] = {}
     for row in rows:
-        if row.get("suite") != "gpu":
-            continue
-        arch = architecture(row)
-        date, run = runs.get(arch, ("", []))
-        if row["date"] > date:
-            runs[arch] = (row["date"], [row])
-        elif row["date"] == date:
-            run.append(row)
-    return {arch: run for arch, (_, run) in sorted(runs.items())}
+        if row.get("suite") == "gpu":
+            groups.setdefault(architecture(row), []).append(row)
+    return {arch: newest_per_case(group) for arch, group in sorted(groups.items())}
 
 
 def build_table(rows: list[dict], sources: dict[str, str] | None = None) -> dict:
@@ -105,11 +100,11 @@ def build_table(rows: list[dict], sources: dict[str, str] | None = None) -> dict
                 continue
             ops.setdefault(op, {}).setdefault(name, {}).setdefault(dtype, {})[direction] = {
                 "chosen": min(complete, key=complete.get), "ms": {i: round(t, 4) for i, t in complete.items()}}
-        first = run[0]
+        firsts = {r["date"]: r for r in reversed(run)}  # each run's first row, newest run first
         table["architectures"][arch] = {
-            "source": {"device": first["device"], "date": first["date"], "commit": first.get("commit"),
-                       "torch": first.get("torch"), "triton": first.get("triton"), "command": first.get("command"),
-                       "file": (sources or {}).get(first["date"])},
+            "sources": [{"device": r["device"], "date": r["date"], "commit": r.get("commit"), "torch": r.get("torch"),
+                         "triton": r.get("triton"), "command": r.get("command"), "file": (sources or {}).get(r["date"])}
+                        for _, r in sorted(firsts.items(), reverse=True)],
             "ops": ops}
     return table
 
@@ -187,13 +182,12 @@ def table_section(path: str = paths.TABLE_PATH) -> list[str]:
     if not table["architectures"]:
         return lines + ["No GPU run has been measured yet: \"auto\" runs the kernels.", ""]
     for arch, entry in table["architectures"].items():
-        source = entry["source"]
-        commit = (source["commit"] or "unknown")[:12]
-        lines += [f"### {arch}: {source['device']}", "",
-                  f"*From {source.get('file') or 'the run'} ({source['date']}, commit {commit}, "
-                  f"torch {source['torch']}, triton {source['triton']}): `{source['command']}`.*", ""]
-        if source["date"] in HOST_BOUND_RUNS:
-            lines += [HOST_BOUND_RUNS[source["date"]], ""]
+        sources = entry["sources"]
+        runs = "; ".join(f"{s.get('file') or 'a run'} ({s['date']}, commit {(s['commit'] or 'unknown')[:12]}, "
+                         f"torch {s['torch']}, triton {s['triton']}): `{s['command']}`" for s in sources)
+        each_case = " (each case from the newest run that measured it)" if len(sources) > 1 else ""
+        lines += [f"### {arch}: {sources[0]['device']}", "", f"*From {runs}{each_case}.*", ""]
+        lines += [line for s in sources if s["date"] in HOST_BOUND_RUNS for line in (HOST_BOUND_RUNS[s["date"]], "")]
         lines += ["| op | shape class | dtype | inference (fwd) | training (fwd+bwd) |", "|---|---|---|---|---|"]
         for op, classes in entry["ops"].items():
             for name, dtypes in classes.items():

@@ -18,6 +18,7 @@ from fastbert.bench.host_report import host_section
 from fastbert.bench.memory_report import memory_section
 from fastbert.bench.path_table import chosen_provider, table_section
 from fastbert.bench.prepare_report import prepare_data_section
+from fastbert.bench.runs import newest_per_case, run_labels
 from fastbert.command import configure_logging
 from fastbert.files import replaced_file, write_text
 
@@ -57,20 +58,15 @@ def load_rows(results_dir: str) -> list[dict]:
 
 
 def latest_runs(rows: list[dict], suites) -> dict[tuple[str, str], list[dict]]:
-    """{(suite, device): rows of that pair's newest run}; a run is the rows sharing one date."""
-    runs: dict[tuple[str, str, str], list[dict]] = {}
+    """{(suite, device): the rows that stand (fastbert.bench.runs: each case from its newest run)}."""
+    groups: dict[tuple[str, str], list[dict]] = {}
     for row in rows:
         if row.get("suite") in suites:
-            runs.setdefault((row["suite"], row["device"], row["date"]), []).append(row)
-    newest: dict[tuple[str, str], tuple[str, list[dict]]] = {}
-    for (suite, device, date), run in runs.items():
-        if (suite, device) not in newest or date > newest[(suite, device)][0]:
-            newest[(suite, device)] = (date, run)
-    return {key: run for key, (_, run) in sorted(newest.items())}
+            groups.setdefault((row["suite"], row["device"]), []).append(row)
+    return {key: newest_per_case(group) for key, group in sorted(groups.items())}
 
 
-def provenance_line(rows: list[dict]) -> str:
-    r = rows[0]
+def _run_provenance(r: dict) -> str:
     versions = f"torch {r['torch']}, triton {r.get('triton')}, transformers {r.get('transformers')}"
     if r.get("cuda"):
         versions += f", CUDA {r['cuda']}"
@@ -78,8 +74,24 @@ def provenance_line(rows: list[dict]) -> str:
     load = f"; 1-min load average {r['load_average_1min']:.1f}" if r.get("device_type") == "cpu" and \
         r.get("load_average_1min") is not None else ""
     memory = f"; memory: {r['memory_meter']}" if r.get("memory_meter") else ""
-    return (f"*Measured on {r['device']}; {versions}; commit {commit}; {r['date']}{load}; "
-            f"`{r['command']}`; timer: {r['timer']}{memory}.*")
+    return (f"{versions}; commit {commit}; {r['date']}{load}; "
+            f"`{r['command']}`; timer: {r['timer']}{memory}")
+
+
+def provenance_line(rows: list[dict]) -> str:
+    """Where and how the rows were measured; rows of several runs name each run with its label, (a) the newest,
+    which the tables put after each case."""
+    labels = run_labels(rows)
+    if not labels:
+        return f"*Measured on {rows[0]['device']}; {_run_provenance(rows[0])}.*"
+    first = {r["date"]: r for r in reversed(rows)}
+    return (f"*Measured on {rows[0]['device']} in {len(labels)} runs, each case in one: "
+            + "; ".join(f"({label}) {_run_provenance(first[date])}" for date, label in labels.items()) + ".*")
+
+
+def _labelled(name: str, row: dict, labels: dict) -> str:
+    """A case's name, followed by its run's label where the rows come from several runs."""
+    return f"{name} ({labels[row['date']]})" if labels else name
 
 
 def _mib(value) -> str:
@@ -112,16 +124,18 @@ def _speedup(rows_by_provider: dict, provider: str, baseline: str) -> str:
     return f"{b['median_ms'] / a['median_ms']:.2f}x"
 
 
-def op_section(op: str, rows: list[dict]) -> list[str]:
+def op_section(op: str, rows: list[dict], labels: dict | None = None) -> list[str]:
+    """labels: run_labels of the whole section the table is in (default: of rows)."""
     lines = [f"### {OP_TITLES.get(op, op)}", ""]
     figure = "gbps" if any(r.get("bytes") for r in rows) else "tflops"
     providers = _providers(rows)
     cases = list(dict.fromkeys(r["case"] for r in rows))
+    labels = run_labels(rows) if labels is None else labels
     head = "| shape | direction | " + " | ".join(providers) + " | fastbert vs fastbert-eager | fastbert vs torch |"
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for case in cases:
         case_rows = [r for r in rows if r["case"] == case]
-        shape = case.split("/", 1)[1]
+        shape = _labelled(case.split("/", 1)[1], case_rows[0], labels)
         directions = list(dict.fromkeys(r.get("direction") for r in case_rows if r.get("direction")))
         unmeasured = [r for r in case_rows if not r.get("direction")]  # skipped / failed before measuring
         for direction in directions or [None]:
@@ -142,8 +156,20 @@ def op_section(op: str, rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def model_section(rows: list[dict]) -> list[str]:
-    lines = []
+# The backend of fastbert's model-row providers in rows measured before rows named it (commits up to 5b1f443).
+MODEL_ROW_BACKEND_BEFORE_FIELD = {"fastbert": "triton", "fastbert-unpad": "triton", "fastbert-graph": "triton",
+                                  "fastbert-apply": "triton", "fastbert-eager": "torch"}
+
+
+def _model_provider(row: dict) -> str:
+    """The provider of a model row, with the backend its fastbert model ran (e.g. "fastbert [auto]")."""
+    backend = row["backend"] if "backend" in row else MODEL_ROW_BACKEND_BEFORE_FIELD.get(row["provider"])
+    return f"{row['provider']} [{backend}]" if backend else row["provider"]
+
+
+def model_section(rows: list[dict], labels: dict | None = None) -> list[str]:
+    """labels: run_labels of the whole section the tables are in (default: of rows)."""
+    lines, labels = [], run_labels(rows) if labels is None else labels
     for mode, title in (("train_step", "Training step (MLM + NSP, AdamW, bf16 autocast)"),
                         ("inference", "Inference (BertModel, bf16, no grad)")):
         mode_rows = [r for r in rows if r.get("direction") == mode or
@@ -153,12 +179,13 @@ def model_section(rows: list[dict]) -> list[str]:
         lines += [f"### {title}", "", "| case | provider | batch | tokens/s | sequences/s | MFU | peak GiB | ms/step |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in mode_rows:
+            case = _labelled(r["case"], r, labels)
             if r["status"] != "ok":
-                lines.append(f"| {r['case']} | {r['provider']} | {r['status']} | | | | | |")
+                lines.append(f"| {case} | {_model_provider(r)} | {r['status']} | | | | | |")
                 continue
             mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
             peak = "-" if r.get("peak_mem_bytes") is None else f"{r['peak_mem_bytes'] / 2 ** 30:.2f}"
-            lines.append(f"| {r['case']} | {r['provider']} | {r['batch']} | {r['tokens_per_s']:,.0f} | "
+            lines.append(f"| {case} | {_model_provider(r)} | {r['batch']} | {r['tokens_per_s']:,.0f} | "
                          f"{r['sequences_per_s']:,.1f} | {mfu} | {peak} | {r['median_ms']:.1f} |")
         lines.append("")
     capacity = [r for r in rows if r["case"].startswith("capacity/")]
@@ -376,8 +403,9 @@ def render(rows: list[dict], plots_dir: str | None = None, suites=DEFAULT_SUITES
            "MFU is model FLOP/s over the measured matmul rate of the same run.", ""]
     out += ["## Status", ""]
     if runs:
-        out += ["Runs shown:", ""] + [f"- {suite} on {device}: {rows[0]['date']}, `{rows[0]['command']}`"
-                                     for (suite, device), rows in runs.items()] + [""]
+        out += ["Runs shown (a suite with several: each case from the newest run that measured it):", ""]
+        out += [f"- {suite} on {device}: {date}, `{first['command']}`" for (suite, device), rows in runs.items()
+                for date, first in sorted({r["date"]: r for r in rows}.items(), reverse=True)] + [""]
     if not gpu_runs:
         out += ["**GPU figures: not yet measured.** No GPU has run the suite yet, so every per-op time, "
                 "TFLOP/s and GB/s figure, every whole-model tokens/s, MFU and peak-memory figure, and the GPU's "
@@ -414,9 +442,10 @@ def render(rows: list[dict], plots_dir: str | None = None, suites=DEFAULT_SUITES
                 out += ["### MLM head + loss: peak memory and time (forward + backward)", ""] + mlm + [""]
         if suite == "cpu-memory":
             continue
+        labels = run_labels(rows)
         for op in dict.fromkeys(r["op"] for r in measured if r["op"] != "model"):
-            out += op_section(op, [r for r in measured if r["op"] == op])
-        out += model_section([r for r in measured if r["op"] == "model"])
+            out += op_section(op, [r for r in measured if r["op"] == op], labels)
+        out += model_section([r for r in measured if r["op"] == "model"], labels)
     if images:
         out += ["## Plots", ""] + [f"![{os.path.basename(p)}]({plot_prefix}{p})" for p in images] + [""]
     return "\n".join(out)
