@@ -100,7 +100,7 @@ import triton.language as tl
 from fastbert.kernels.arguments import check_relative_bias, check_rotary_window
 from fastbert.kernels.fused_op import fused_op
 from fastbert.kernels.launch import cdiv, launch, next_power_of_2, placeholders
-from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_precision, philox_seed
+from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_accumulate, dot_precision, philox_seed
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -416,7 +416,7 @@ def _attention_fwd_kernel(
             # the normaliser l sums the probabilities before dropout; only the values are dropped
             p = tl.where(_dropout_keep(seed, b, h, rows[:, None], cols[None, :], dropout_p), p, 0.0)
         v = tl.load(v_ptrs + start_n * stride_vs, mask=in_cols[:, None], other=0.0)
-        acc = acc * alpha[:, None] + dot(cast(p, v.dtype), v, None, DOT_PRECISION)
+        acc = dot_accumulate(cast(p, v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
 
     # Every token row sees at least itself, so l > 0 on valid rows; padded rows get zeros.
@@ -568,13 +568,13 @@ def _attention_bwd_kernel(
             dpt = tl.where(keep, dpt * keep_scale, 0.0)
         else:
             pt_dropped = pt
-        dv += dot(cast(pt_dropped, do.dtype), do, None, DOT_PRECISION)
+        dv = dot_accumulate(cast(pt_dropped, do.dtype), do, dv, DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
         if ROTARY:
-            dk1 += dot(cast(dst, qt1.dtype), tl.trans(qt1), None, DOT_PRECISION)
-            dk2 += dot(cast(dst, qt2.dtype), tl.trans(qt2), None, DOT_PRECISION)
+            dk1 = dot_accumulate(cast(dst, qt1.dtype), tl.trans(qt1), dk1, DOT_PRECISION)
+            dk2 = dot_accumulate(cast(dst, qt2.dtype), tl.trans(qt2), dk2, DOT_PRECISION)
         else:
-            dk += dot(cast(dst, qt.dtype), tl.trans(qt), None, DOT_PRECISION)
+            dk = dot_accumulate(cast(dst, qt.dtype), tl.trans(qt), dk, DOT_PRECISION)
     if ROTARY:
         _store_rotated_back(DK, keys, in_keys, stride_dks, stride_dkd, dk1 * scale, dk2 * scale, inv_freq,
                             HEAD_DIM // 2)
@@ -628,10 +628,10 @@ def _attention_bwd_kernel(
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if ROTARY:
-            dq1 += dot(cast(ds, kt1.dtype), tl.trans(kt1), None, DOT_PRECISION)
-            dq2 += dot(cast(ds, kt2.dtype), tl.trans(kt2), None, DOT_PRECISION)
+            dq1 = dot_accumulate(cast(ds, kt1.dtype), tl.trans(kt1), dq1, DOT_PRECISION)
+            dq2 = dot_accumulate(cast(ds, kt2.dtype), tl.trans(kt2), dq2, DOT_PRECISION)
         else:
-            dq += dot(cast(ds, kt.dtype), tl.trans(kt), None, DOT_PRECISION)
+            dq = dot_accumulate(cast(ds, kt.dtype), tl.trans(kt), dq, DOT_PRECISION)
         if HAS_REL_BIAS:
             dbias = _add_bucket_sums(dbias, ds, tl.load(REL_BUCKETS + distance), NUM_BUCKETS_PADDED)
     if ROTARY:

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from fastbert.kernels.launch import cdiv, launch
-from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_precision
+from fastbert.kernels.numerics import INTERPRETER, cast, dot_accumulate, dot_precision
 
 ACTIVATIONS = ("none", "gelu", "gelu_tanh")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -230,10 +230,10 @@ def _matmul_fwd_kernel(
         k_left = K - k * BLOCK_K
         a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = dot(a, b, acc, INPUT_PRECISION)
+        acc = dot_accumulate(a, b, acc, INPUT_PRECISION)
         if GATED:
             b_gate = tl.load(w_ptrs + gate_offset, mask=offs_k[:, None] < k_left, other=0.0)
-            acc_gate = dot(a, b_gate, acc_gate, INPUT_PRECISION)
+            acc_gate = dot_accumulate(a, b_gate, acc_gate, INPUT_PRECISION)
         x_ptrs += x_step
         w_ptrs += w_step
 

@@ -66,7 +66,7 @@ from fastbert.kernels.arguments import check_cross_entropy_options
 from fastbert.kernels.fused_op import fused_op
 from fastbert.kernels.launch import cdiv, launch, next_power_of_2
 from fastbert.kernels.matmul import sm_count
-from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_precision
+from fastbert.kernels.numerics import INTERPRETER, cast, dot_accumulate, dot_precision
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_VOCAB = 2**31 - 1
@@ -104,7 +104,7 @@ def _logits_tile(
                     mask=row_mask[:, None] & in_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         b = tl.load(w_ptr + cols[None, :] * stride_wv + k[:, None] * stride_wh,
                     mask=col_mask[None, :] & in_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_V]
-        acc = dot(a, b, acc, DOT_PRECISION)
+        acc = dot_accumulate(a, b, acc, DOT_PRECISION)
     if HAS_BIAS:
         acc += cast(tl.load(b_ptr + cols * stride_b, mask=col_mask, other=0.0), tl.float32)[None, :]
     return acc

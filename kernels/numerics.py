@@ -121,3 +121,33 @@ def dot(a, b, acc, PRECISION: tl.constexpr):
         return _interpreter_dot(a, b, acc, PRECISION)
     else:
         return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+# Summing along K. An exact fp32 dot ("ieee") has no tensor-core path: Triton lowers tl.dot(a, b, acc) to one
+# FMA chain per output element, acc = fma(a_k, b_k, acc) for every k, so a loop over K that passes the running
+# total in as acc sums all K products one after another (rounding error growing ~K eps), where cuBLAS's fp32
+# GEMMs (split-K, tree reductions) stay near one rounding: on an H100 the QKV projection at K = 384..1024 and the
+# MLM logits at K = 768 had 10 to 17 times PyTorch's error. `dot_accumulate` sums blocked instead: each K
+# step's product starts from zero (a chain of BLOCK_K) and is then added to the total (K / BLOCK_K adds), error
+# ~(BLOCK_K + K / BLOCK_K) eps. The add must be opaque: Triton's combine pass rewrites acc + tl.dot(a, b, 0)
+# into tl.dot(a, b, acc), which is the sequential chain again (Triton 3.6 and 3.9 both do), so on the GPU it is
+# one PTX add.rn.f32 (.rn: rounded once, never contracted into an FMA). Tensor-core dots (16-bit, TF32)
+# accumulate in the MMA's fp32 registers as cuBLAS's do, and keep tl.dot(a, b, acc): the same code as before.
+@triton.jit
+def _rounded_add(x, y):
+    """x + y for fp32 tensors, as one instruction no compiler pass merges with what produced x or y."""
+    if _INTERPRETED:
+        return x + y
+    else:
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [x, y], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def dot_accumulate(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b for one step of a loop along the reduction dimension (acc fp32, the running total):
+    `dot`, summed blocked for exact fp32 ("ieee") dots and in the MMA otherwise (see above)."""
+    if PRECISION == "ieee":
+        return _rounded_add(acc, dot(a, b, None, PRECISION))
+    else:
+        return dot(a, b, acc, PRECISION)

@@ -106,8 +106,12 @@ def test_the_forward_writes_the_pre_activation_only_for_a_backward_that_reads_it
 
     rows, hidden, inner = 50, 64, 256
     inputs = [t.requires_grad_(case != "inference") for t in _inputs(rows, hidden, inner, torch.bfloat16, device)]
-    with torch.set_grad_enabled(case != "inference"), MemoryTracker(inputs=inputs) as tracker:
-        out = kernel.feed_forward(*inputs, "none", case == "recompute_pre")
+    with torch.set_grad_enabled(case != "inference"):
+        # Steady state: the first call of a shape runs Triton's autotuner on a GPU, whose benchmark allocates
+        # a 256 MB buffer to flush L2 (the tracker saw a 268 MB peak); later calls only launch the tuned kernels.
+        kernel.feed_forward(*inputs, "none", case == "recompute_pre")
+        with MemoryTracker(inputs=inputs) as tracker:
+            out = kernel.feed_forward(*inputs, "none", case == "recompute_pre")
     matrix = rows * inner * 2  # one bf16 [M, N]
     expected = matrix + out.nbytes + (matrix if case == "keep_pre" else 0)
     assert tracker.peak_bytes - tracker.start_bytes == expected

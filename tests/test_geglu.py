@@ -161,8 +161,13 @@ def test_gated_elementwise_kernels(device):
         dh, sums = bias_gelu.geglu_bwd(dg, h)
         assert_within_rule(f"{dtype} dh", dh, torch_dh, exact_dh, GRADIENT_FACTOR)
         assert_within_rule(f"{dtype} sums", sums, torch_dh.sum(0), exact_dh.sum(0), GRADIENT_FACTOR)
+        # Without the sums (SUM_COLUMNS is a constexpr) the same source is another compiled kernel, whose FMA
+        # contraction of da = dy * b * gelu'(a) the compiler may choose differently: on an H100 (Triton 3.6)
+        # 251 of the 11,137 fp32 da values were 1 ulp from the summed kernel's (db and fp16/bf16 equal). What
+        # is promised is the same gradient, so it is held to the same rule.
         unsummed, none = bias_gelu.geglu_bwd(dg, h, sum_columns=False)
-        assert none is None and torch.equal(unsummed, dh)
+        assert none is None
+        assert_within_rule(f"{dtype} unsummed dh", unsummed, torch_dh, exact_dh, GRADIENT_FACTOR)
 
 
 def test_torch_compile(device):

@@ -117,6 +117,45 @@ def test_helpers_compile_to_plain_dot_and_cast(tmp_path):
     assert result.stdout.split("\n")[:3] == ["bf16 tf32 same", "fp32 ieee same", "fp32 tf32 same"], result.stdout
 
 
+ACCUMULATE_PROBE = textwrap.dedent(r'''
+    import re
+    import triton, triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from fastbert.kernels.numerics import dot_accumulate
+
+    @triton.jit
+    def k_loop(a_ptr, b_ptr, c_ptr, K, PRECISION: tl.constexpr):
+        rows = tl.arange(0, 64)
+        acc = tl.zeros((64, 64), tl.float32)
+        for k in range(0, K, 64):
+            tile = rows[:, None] * K + rows[None, :] + k
+            acc = dot_accumulate(tl.load(a_ptr + tile), tl.load(b_ptr + tile), acc, PRECISION)
+        tl.store(c_ptr + rows[:, None] * 64 + rows[None, :], acc)
+
+    for dtype, precision in (("fp32", "ieee"), ("fp32", "tf32"), ("bf16", "tf32")):
+        source = ASTSource(k_loop, {"a_ptr": "*" + dtype, "b_ptr": "*" + dtype, "c_ptr": "*fp32", "K": "i32",
+                                    "PRECISION": "constexpr"}, {"PRECISION": precision})
+        ttir = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ttir"]
+        (acc,) = re.findall(r"tt\.dot %[\w.]+, %[\w.]+, (%[\w.]+)", ttir)
+        zero = re.search(re.escape(acc) + r" = arith\.constant dense<0\.0+e\+00>", ttir)
+        print(dtype, precision, "from zero" if zero else "onto the running total")
+''')
+
+
+def test_exact_fp32_dots_sum_blocked_along_k(tmp_path):
+    """Compiled for sm_90 (no GPU needed): in a loop over K, dot_accumulate's exact fp32 dot starts each K step
+    from zero (its FMA chain is BLOCK_K long, then one add), not from the running total (one FMA chain over all
+    of K, which Triton's combine pass makes of a plain acc + tl.dot); tensor-core dots accumulate in place."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(ACCUMULATE_PROBE)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[:3] == ["fp32 ieee from zero", "fp32 tf32 onto the running total",
+                                             "bf16 tf32 onto the running total"], result.stdout
+
+
 def _fp32_matmul_precision(api: str):
     """Set PyTorch's fp32 matmul precision through one of its APIs: (set, restore) callables."""
     matmul = torch.backends.cuda.matmul
