@@ -197,6 +197,9 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
     _check_last_dim("weight", weight, hidden, "x's hidden size")
     if bias is not None:
         _check_last_dim("bias", bias, hidden, "x's hidden size")
+    if weight.dim() != 1 or (bias is not None and bias.dim() != 1):
+        name, tensor = ("weight", weight) if weight.dim() != 1 else ("bias", bias)
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected ({hidden},) (x's hidden size)")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual has shape {tuple(residual.shape)}, expected x's shape {tuple(x.shape)}")
     if return_residual and residual is None:
@@ -209,7 +212,7 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
     if resolve_backend(backend, x, weight, bias, residual, op="layer_norm") == "triton":
         x, weight, bias, residual, out_dtype = _layer_norm_inputs(x, weight, bias, residual)
         kernel = KERNELS["layer_norm"]
-        kernel.check_inputs(x, weight, bias, residual, out_dtype)  # the options are checked above
+        kernel.check_limits(x, weight, bias, residual, out_dtype)  # the shapes and options are checked above
         return kernel.layer_norm_unchecked(x, weight, bias, eps, residual, dropout_p, training, out_dtype, save,
                                            return_residual)
     return reference.layer_norm(x, weight, bias, eps, residual, dropout_p, training, return_residual)

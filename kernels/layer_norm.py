@@ -88,6 +88,7 @@ MIN_WEIGHT = 2.0**-2
 # all-MiniLM-L6-v2 has at most 3 weights below 1/4 in any of its 13 LayerNorms.
 SIDE_COLUMNS = 8
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
 # On a GPU, tiles of at least GPU_TILE_ELEMENTS with 8 elements per thread: compiled for sm_90, the
 # backward with residual and dropout then fits in registers up to H = 2048, spills 8 bytes at 4096 and
 # about 256 at 8192 (32 warps). Under the interpreter (CPU) each Triton op costs a fixed overhead, so
@@ -291,12 +292,31 @@ def _layer_norm_bwd_kernel(
 
 
 def check_inputs(x, weight, bias, residual, out_dtype) -> None:
-    """Raise ValueError for what the kernels do not support, before anything is launched (bias may be None)."""
+    """Raise ValueError for what the kernels do not support, before anything is launched (bias may be None):
+    the shapes, then `check_limits`."""
     hidden = x.shape[-1] if x.dim() else 0
+    for name, tensor in (("weight", weight), ("bias", bias)):
+        if tensor is not None and tensor.shape != (hidden,):
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected ({hidden},) (x's hidden size)")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual has shape {tuple(residual.shape)}, expected x's shape {tuple(x.shape)}")
+    check_limits(x, weight, bias, residual, out_dtype)
+
+
+def check_limits(x, weight, bias, residual, out_dtype) -> None:
+    """The kernels' limits on shapes already checked (fastbert.ops checks them itself): the hidden size, the
+    dtypes, one device. One condition for the inputs that pass (every call), the messages for those that do
+    not."""
+    hidden = x.shape[-1] if x.dim() else 0
+    device = x.device
+    if (1 <= hidden <= MAX_HIDDEN and x.dtype in _SUPPORTED and weight.dtype in _SUPPORTED
+            and weight.device == device and out_dtype in _SUPPORTED
+            and (bias is None or (bias.dtype in _SUPPORTED and bias.device == device))
+            and (residual is None or (residual.dtype == x.dtype and residual.device == device))):
+        return
     if not 1 <= hidden <= MAX_HIDDEN:
         raise ValueError(f"x has hidden size (last dimension) {hidden}; the Triton LayerNorm supports "
                          f"1 to {MAX_HIDDEN} (one row must fit in registers)")
-    device = x.device
     for name, tensor in (("x", x), ("weight", weight), ("bias", bias), ("residual", residual)):
         if tensor is None:
             continue
@@ -304,15 +324,9 @@ def check_inputs(x, weight, bias, residual, out_dtype) -> None:
             raise ValueError(f"{name} has dtype {tensor.dtype}; the Triton LayerNorm supports {SUPPORTED_DTYPES}")
         if tensor.device != device:
             raise ValueError(f"{name} is on {tensor.device}, x on {device}; all must share one device")
-    for name, tensor in (("weight", weight), ("bias", bias)):
-        if tensor is not None and tensor.shape != (hidden,):
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected ({hidden},) (x's hidden size)")
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"residual has shape {tuple(residual.shape)}, expected x's shape {tuple(x.shape)}")
     if residual is not None and residual.dtype != x.dtype:
         raise ValueError(f"residual has dtype {residual.dtype}, expected x's dtype {x.dtype}")
-    if out_dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"out_dtype is {out_dtype}; the Triton LayerNorm supports {SUPPORTED_DTYPES}")
+    raise ValueError(f"out_dtype is {out_dtype}; the Triton LayerNorm supports {SUPPORTED_DTYPES}")
 
 
 @functools.lru_cache(maxsize=None)

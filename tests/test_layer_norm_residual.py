@@ -216,6 +216,11 @@ def test_bad_arguments(backend, device, monkeypatch):
         ops.layer_norm(x, weight, None, EPS, None, backend=backend, return_residual=True)
     with pytest.raises(ValueError, match="bias has last dimension 63"):
         ops.layer_norm(x, weight, weight[:63], EPS, residual, backend=backend)
+    # the right last dimension, one too many dimensions: fastbert.ops checks the shapes, the kernel its limits only
+    with pytest.raises(ValueError, match=r"weight has shape \(2, 64\), expected \(64,\)"):
+        ops.layer_norm(x, weight.expand(2, 64), None, EPS, residual, backend=backend)
+    with pytest.raises(ValueError, match=r"bias has shape \(1, 64\), expected \(64,\)"):
+        ops.layer_norm(x, weight, weight[None], EPS, residual, backend=backend)
     with pytest.raises(ValueError, match="return_residual=True needs a residual"):
         ln.layer_norm(x, weight, None, EPS, None, return_residual=True)
     with pytest.raises(ValueError, match=r"bias has shape \(63,\), expected \(64,\)"):
