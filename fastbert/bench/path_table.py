@@ -23,7 +23,7 @@ import torch
 
 from fastbert import paths
 from fastbert.command import configure_logging
-from fastbert.bench.runs import newest_per_case
+from fastbert.bench.runs import first_rows, newest_per_case
 from fastbert.files import write_text
 
 logger = logging.getLogger("fastbert.bench")
@@ -100,11 +100,10 @@ def build_table(rows: list[dict], sources: dict[str, str] | None = None) -> dict
                 continue
             ops.setdefault(op, {}).setdefault(name, {}).setdefault(dtype, {})[direction] = {
                 "chosen": min(complete, key=complete.get), "ms": {i: round(t, 4) for i, t in complete.items()}}
-        firsts = {r["date"]: r for r in reversed(run)}  # each run's first row, newest run first
         table["architectures"][arch] = {
             "sources": [{"device": r["device"], "date": r["date"], "commit": r.get("commit"), "torch": r.get("torch"),
                          "triton": r.get("triton"), "command": r.get("command"), "file": (sources or {}).get(r["date"])}
-                        for _, r in sorted(firsts.items(), reverse=True)],
+                        for r in first_rows(run).values()],
             "ops": ops}
     return table
 

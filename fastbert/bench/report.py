@@ -18,7 +18,7 @@ from fastbert.bench.host_report import host_section
 from fastbert.bench.memory_report import memory_section
 from fastbert.bench.path_table import chosen_provider, table_section
 from fastbert.bench.prepare_report import prepare_data_section
-from fastbert.bench.runs import newest_per_case, run_labels
+from fastbert.bench.runs import first_rows, newest_per_case, run_labels
 from fastbert.command import configure_logging
 from fastbert.files import replaced_file, write_text
 
@@ -84,7 +84,7 @@ def provenance_line(rows: list[dict]) -> str:
     labels = run_labels(rows)
     if not labels:
         return f"*Measured on {rows[0]['device']}; {_run_provenance(rows[0])}.*"
-    first = {r["date"]: r for r in reversed(rows)}
+    first = first_rows(rows)
     return (f"*Measured on {rows[0]['device']} in {len(labels)} runs, each case in one: "
             + "; ".join(f"({label}) {_run_provenance(first[date])}" for date, label in labels.items()) + ".*")
 
@@ -405,7 +405,7 @@ def render(rows: list[dict], plots_dir: str | None = None, suites=DEFAULT_SUITES
     if runs:
         out += ["Runs shown (a suite with several: each case from the newest run that measured it):", ""]
         out += [f"- {suite} on {device}: {date}, `{first['command']}`" for (suite, device), rows in runs.items()
-                for date, first in sorted({r["date"]: r for r in rows}.items(), reverse=True)] + [""]
+                for date, first in first_rows(rows).items()] + [""]
     if not gpu_runs:
         out += ["**GPU figures: not yet measured.** No GPU has run the suite yet, so every per-op time, "
                 "TFLOP/s and GB/s figure, every whole-model tokens/s, MFU and peak-memory figure, and the GPU's "

@@ -25,7 +25,15 @@ def newest_per_case(rows: list[dict]) -> list[dict]:
     return kept
 
 
+def first_rows(rows: list[dict]) -> dict[str, dict]:
+    """{date: the first row of that run}, newest run first: what a run's provenance is read from."""
+    firsts: dict[str, dict] = {}
+    for row in rows:
+        firsts.setdefault(row["date"], row)
+    return dict(sorted(firsts.items(), reverse=True))
+
+
 def run_labels(rows: list[dict]) -> dict[str, str]:
     """{date: "a", "b", ...} newest first, when the rows come from more than one run; else {}."""
-    dates = sorted({r["date"] for r in rows}, reverse=True)
+    dates = list(first_rows(rows))
     return {date: chr(ord("a") + i) for i, date in enumerate(dates)} if len(dates) > 1 else {}
