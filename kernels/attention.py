@@ -814,14 +814,27 @@ def _bias_by_distance(relative_bias, relative_buckets, unread):
     return (relative_bias.float()[relative_buckets.long()] * LOG2E).t().contiguous()
 
 
+# (device, head dim, rotary base) -> _inv_freq's tensor, made once: every attention call of a rotary model
+# (forward and backward, each layer) reads the same few values, which took four torch ops a call to make
+_INV_FREQ: dict = {}
+INV_FREQ_KEPT = 64  # entries before the cache starts again (one per head dim and base a process uses)
+
+
 def _inv_freq(q, rotary_base, unread):
     """[d/2] fp32 base ** (-2i / d) with transformers' formula (ModernBertRotaryEmbedding's, in fp32), so the
-    kernels' angles position * inv_freq are its own bitwise; an empty placeholder without rotary positions."""
+    kernels' angles position * inv_freq are its own bitwise; an empty placeholder without rotary positions.
+    Kept per device, head dim and base, never an op's output (as `placeholders`)."""
     if rotary_base is None:
         return unread[torch.float32]
     head_dim = q.shape[-1]
-    exponents = torch.arange(0, head_dim, 2, device=q.device, dtype=torch.int64).to(torch.float32) / head_dim
-    return 1.0 / (rotary_base ** exponents)
+    key = (q.device, head_dim, rotary_base)
+    found = _INV_FREQ.get(key)
+    if found is None:
+        if len(_INV_FREQ) >= INV_FREQ_KEPT:
+            _INV_FREQ.clear()
+        exponents = torch.arange(0, head_dim, 2, device=q.device, dtype=torch.int64).to(torch.float32) / head_dim
+        found = _INV_FREQ[key] = 1.0 / (rotary_base ** exponents)
+    return found
 
 
 @functools.lru_cache(maxsize=4096)
