@@ -28,6 +28,9 @@ from triton.runtime.autotuner import Autotuner
 from fastbert.kernels.numerics import INTERPRETER
 
 Grid = Union[tuple, Callable[[dict], tuple]]
+_DRIVERS = triton.runtime.driver  # .active: the driver now (a stand-in's while one is installed)
+_DTYPE = operator.attrgetter("dtype")
+_DATA_PTR = torch.Tensor.data_ptr
 # Signatures kept per kernel: packed inputs change the token count (an int argument) from batch to batch; past
 # this many the cache starts again rather than grow without bound.
 SIGNATURES_PER_KERNEL = 4096
@@ -113,17 +116,19 @@ class KernelLauncher:
         return tuple(spec)
 
     def __call__(self, grid: Grid, args: tuple, constexprs: dict):
-        driver = triton.runtime.driver.active
+        driver = _DRIVERS.active
         device = driver.get_current_device()
         types = tuple(map(type, args))
         layout = self.layouts.get(types)
         if layout is None:
             layout = self.layouts[types] = _Layout(types)
-        # the exact key, built here rather than in a method (a call per launch): per device (a compiled kernel
-        # is loaded on one) and driver (a stand-in's stubs never reach a GPU), the argument types, the ints'
-        # values, each tensor's dtype and 16-byte alignment, and the constexprs
-        key = (device, driver, types, layout.ints(args),
-               tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in layout.tensors(args)]), tuple(constexprs.items()))
+        tensors = layout.tensors(args)
+        # the exact key, built here rather than in a method (a call per launch), and flat (a tuple's hash is not
+        # kept: nested tuples are hashed again on every lookup): per device (a compiled kernel is loaded on one)
+        # and driver (a stand-in's stubs never reach a GPU), the argument types (which fix where each part
+        # starts), the ints' values, each tensor's dtype and 16-byte alignment, the constexprs' names and values
+        key = (device, driver, types, *layout.ints(args), *map(_DTYPE, tensors),
+               *[address & 15 == 0 for address in map(_DATA_PTR, tensors)], *constexprs, *constexprs.values())
         entry = self.by_key.get(key)
         if entry is None:
             specialisation = (device, driver, self.specialisation(args, constexprs))
