@@ -179,6 +179,25 @@ def _check_dropout(dropout_p: float, name: str = "dropout_p") -> None:
         raise ValueError(f"{name} must be in [0, 1), got {dropout_p!r}")
 
 
+def _layer_norm_argument_error(x, weight, bias, eps, residual, dropout_p, save, return_residual):
+    """Raise ValueError for the first argument of `layer_norm` it does not take."""
+    hidden = x.shape[-1]
+    _check_last_dim("weight", weight, hidden, "x's hidden size")
+    if bias is not None:
+        _check_last_dim("bias", bias, hidden, "x's hidden size")
+    if weight.dim() != 1 or (bias is not None and bias.dim() != 1):
+        name, tensor = ("weight", weight) if weight.dim() != 1 else ("bias", bias)
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected ({hidden},) (x's hidden size)")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual has shape {tuple(residual.shape)}, expected x's shape {tuple(x.shape)}")
+    if return_residual and residual is None:
+        raise ValueError("return_residual=True needs a residual (summed = dropout(x) + residual), got residual=None")
+    _check_dropout(dropout_p)
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps!r}")
+    raise ValueError(f"save must be one of {LAYER_NORM_SAVES}, got {save!r}")
+
+
 def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, training=True, backend=None,
                save="output", return_residual=False):
     """LayerNorm(dropout(x) + residual) over the last dim (residual=None: LayerNorm(dropout(x))).
@@ -194,21 +213,12 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
     exact for any weight. Raises ValueError naming a bad argument.
     """
     hidden = x.shape[-1]
-    _check_last_dim("weight", weight, hidden, "x's hidden size")
-    if bias is not None:
-        _check_last_dim("bias", bias, hidden, "x's hidden size")
-    if weight.dim() != 1 or (bias is not None and bias.dim() != 1):
-        name, tensor = ("weight", weight) if weight.dim() != 1 else ("bias", bias)
-        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected ({hidden},) (x's hidden size)")
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"residual has shape {tuple(residual.shape)}, expected x's shape {tuple(x.shape)}")
-    if return_residual and residual is None:
-        raise ValueError("return_residual=True needs a residual (summed = dropout(x) + residual), got residual=None")
-    _check_dropout(dropout_p)
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps!r}")
-    if save not in LAYER_NORM_SAVES:
-        raise ValueError(f"save must be one of {LAYER_NORM_SAVES}, got {save!r}")
+    # one condition for the arguments that pass (every call of every layer), the messages for those that do not
+    if not (weight.dim() == 1 and weight.shape[0] == hidden
+            and (bias is None or (bias.dim() == 1 and bias.shape[0] == hidden))
+            and (residual.shape == x.shape if residual is not None else not return_residual)
+            and 0.0 <= dropout_p < 1.0 and eps > 0 and (save == "output" or save == "input")):
+        _layer_norm_argument_error(x, weight, bias, eps, residual, dropout_p, save, return_residual)
     if resolve_backend(backend, x, weight, bias, residual, op="layer_norm") == "triton":
         x, weight, bias, residual, out_dtype = _layer_norm_inputs(x, weight, bias, residual)
         kernel = KERNELS["layer_norm"]
