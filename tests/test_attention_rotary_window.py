@@ -117,6 +117,22 @@ def transformers_attention(q, k, v, mask, config, layer_type):
     return out.transpose(1, 2)
 
 
+def test_inverse_frequencies_are_transformers_and_made_once(device):
+    """The kernels' rotary inverse frequencies equal transformers' ModernBERT buffers bitwise, for both layer
+    types, and are made once per device, head dim and base: every later attention call (each layer, forward and
+    backward) gets the same tensor instead of four torch ops."""
+    config = ModernBertConfig(hidden_size=128, num_attention_heads=2)
+    rotary = ModernBertRotaryEmbedding(config, device=device)
+    unread = attn.placeholders(torch.device(device))
+    q = torch.empty(1, 2, 4, 64, device=device)
+    for layer_type, theta in (("sliding_attention", LOCAL_THETA), ("full_attention", GLOBAL_THETA)):
+        made = attn._inv_freq(q, theta, unread)
+        assert torch.equal(made, getattr(rotary, f"{layer_type}_inv_freq"))
+        assert attn._inv_freq(q, theta, unread) is made
+    assert attn._inv_freq(q[..., :32], LOCAL_THETA, unread).shape == (16,)  # another head dim, its own tensor
+    assert attn._inv_freq(q, None, unread) is unread[torch.float32]  # no rotary positions: the placeholder
+
+
 @pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
 def test_reference_and_kernel_are_transformers_modernbert(device, layer_type):
     """reference.attention with the layer's theta and window (config.sliding_window, |i - j| <= 64 on
