@@ -4,10 +4,14 @@
 # bias_gelu: an elementwise kernel over [BLOCK_M, BLOCK_N] tiles of the 2-D view x [M, N]; the
 # forward saves x (not x + bias: same memory, and the backward recomputes the sum for free). The
 # backward kernel computes dx = dy * gelu'(x + bias) and, in the same pass, dbias = sum_rows dx: each
-# program owns a fixed group of rows and one column block, sums its rows' dx in a fixed order and
+# program owns a fixed group of rows and one column block, adds each row tile's dx into a tile of sums
+# (element by element: no thread talks to another), sums that tile's rows once after its last row tile and
 # writes one row of partial sums; torch sums the [groups, N] partials. No atomics, so dbias is
 # bitwise reproducible. The sums are fp64 (a conversion and an add per element, free in a
-# memory-bound pass), so dbias carries one rounding, not the error of a long fp32 summation.
+# memory-bound pass), so dbias carries one rounding, not the error of a long fp32 summation. (Summing the
+# rows of every tile as it came crossed warps: for BERT-base's [32768, 3072] in bf16 on sm_90a, 16 barriers
+# and 8 shared-memory round trips in each loop iteration of 4 x 1024 elements, the H100 profile's bias-GELU
+# backward at ~3x its bytes' floor; now none in the loop, 99 registers against 97.)
 #
 # linear_bias_gelu has two forms; LINEAR_BIAS_GELU_FORM picks the one the model uses:
 #   "epilogue"              one Triton matmul (kernels/matmul.py) with bias + GELU in its epilogue,
@@ -105,8 +109,10 @@ def _bias_gelu_bwd_kernel(
     if HAS_BIAS:
         b = cast(tl.load(bias_ptr + cols, mask=col_mask, other=0.0), tl.float32)
     dx_row = 2 * N if GATED else N  # dx's and the partial sums' row length
-    dbias = tl.zeros((BLOCK_N,), dtype=tl.float64)
-    dbias_gate = tl.zeros((BLOCK_N,), dtype=tl.float64)
+    # column sums accumulated per tile element, reduced over the tile's rows once after the loop: a reduction
+    # across rows in every iteration crosses warps (shared memory and barriers in each)
+    dbias = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
+    dbias_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
     first = group * rows_per_group
     last = tl.minimum(first + rows_per_group, M)
     for start in range(first, last, BLOCK_M):
@@ -121,17 +127,18 @@ def _bias_gelu_bwd_kernel(
             dgate = cast(dy * gelu(z, APPROXIMATE), dx_ptr.dtype.element_ty)
             tl.store(dx_ptr + rows[:, None] * dx_row + N + cols[None, :], dgate, mask=mask)
             if SUM_COLUMNS:
-                dbias_gate += tl.sum(tl.where(mask, cast(dgate, tl.float64), 0.0), axis=0)
+                dbias_gate += tl.where(mask, cast(dgate, tl.float64), 0.0)
             dy = dy * cast(gate, tl.float32)
         dx = cast(dy * gelu_grad(z, APPROXIMATE), dx_ptr.dtype.element_ty)
         tl.store(dx_ptr + rows[:, None] * dx_row + cols[None, :], dx, mask=mask)
         if SUM_COLUMNS:
             # Sum the rounded dx, as autograd does for an unfused x + bias.
-            dbias += tl.sum(tl.where(mask, cast(dx, tl.float64), 0.0), axis=0)
+            dbias += tl.where(mask, cast(dx, tl.float64), 0.0)
     if SUM_COLUMNS:
-        tl.store(dbias_partial_ptr + group * dx_row + cols, dbias, mask=col_mask)
+        tl.store(dbias_partial_ptr + group * dx_row + cols, tl.sum(dbias, axis=0), mask=col_mask)
         if GATED:
-            tl.store(dbias_partial_ptr + group * dx_row + N + cols, dbias_gate, mask=col_mask)
+            tl.store(dbias_partial_ptr + group * dx_row + N + cols, tl.sum(dbias_gate, axis=0),
+                     mask=col_mask)
 
 
 @functools.lru_cache(maxsize=None)

@@ -51,7 +51,9 @@ def _qkv_bwd_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < H
     col_off = (cols // HEAD_DIM).to(tl.int64) * stride_h + (cols % HEAD_DIM).to(tl.int64) * stride_d  # [BLOCK_N]
-    dbias = tl.zeros((BLOCK_N,), dtype=tl.float64)
+    # column sums accumulated per tile element, reduced over the tile's rows once after the loop (a reduction
+    # across rows in every iteration crosses warps: shared memory and barriers in each)
+    dbias = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
     first = group * rows_per_group
     last = tl.minimum(first + rows_per_group, M)
     for start in range(first, last, BLOCK_M):
@@ -61,9 +63,9 @@ def _qkv_bwd_kernel(
         g = tl.load(grad_ptr + row_off[:, None] + col_off[None, :], mask=mask, other=0.0)
         tl.store(dqkv_ptr + rows[:, None] * (3 * H) + col_offset + cols[None, :], g, mask=mask)
         if SUM_COLUMNS:
-            dbias += tl.sum(cast(g, tl.float64), axis=0)
+            dbias += cast(g, tl.float64)  # masked elements loaded as 0
     if SUM_COLUMNS:
-        tl.store(dbias_partial_ptr + group * (3 * H) + col_offset + cols, dbias, mask=col_mask)
+        tl.store(dbias_partial_ptr + group * (3 * H) + col_offset + cols, tl.sum(dbias, axis=0), mask=col_mask)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int) -> None:
