@@ -128,15 +128,27 @@ def _split_columns(split, cols_per_split, V):
 
 
 @triton.jit
+def _partial_planes(partials_ptr, plane):
+    """The forward's fp32 [6, splits, N] partials buffer as its planes' base pointers: the fp32 max, sum of
+    exp, target logit and logit sum, and the int64 argmax in the last two planes' bytes (one buffer, so one
+    allocation; an int32 argmax made the fp32 forward spill on sm_90a). Each plane is added to the scalar
+    pointer on its own: four planes may pass 2**31 elements, one does not."""
+    sumexp_ptr = partials_ptr + plane
+    target_logit_ptr = sumexp_ptr + plane
+    logit_sum_ptr = target_logit_ptr + plane
+    argmax_ptr = (logit_sum_ptr + plane).to(tl.pointer_type(tl.int64))
+    return partials_ptr, sumexp_ptr, target_logit_ptr, logit_sum_ptr, argmax_ptr
+
+
+@triton.jit
 def _mlm_loss_fwd_kernel(
     x_ptr,  # [N, H] activations
     w_ptr,  # [V, H] decoder weight
     b_ptr,  # [V] decoder bias; read only when HAS_BIAS
     target_ptr,  # [N] integer targets, stride stride_t
-    partials_ptr,  # [4, splits, N] fp32 out, planes `plane` = splits x N apart, per split and row: the max
-    # logit over the split's columns, the sum of exp(z - max) over them, z_t when t is among them (else 0),
-    # and the sum of z over them
-    argmax_ptr,  # [splits, N] int64 out: first column of the split holding its max
+    partials_ptr,  # [6, splits, N] out (_partial_planes), planes `plane` = splits x N apart, per split and
+    # row: the max logit over the split's columns, the sum of exp(z - max) over them, z_t when t is among
+    # them (else 0), the sum of z over them, and the first column of the split holding its max
     N, V, H, cols_per_split, plane,
     stride_xn, stride_xh, stride_wv, stride_wh, stride_b, stride_t,
     HAS_BIAS: tl.constexpr,
@@ -177,18 +189,18 @@ def _mlm_loss_fwd_kernel(
         target_in_tile = tl.where((target >= v0) & (target < v0 + BLOCK_V), target - v0, -1).to(tl.int32)
         target_logit += tl.sum(tl.where(offs_v[None, :] == target_in_tile[:, None], z, 0.0), axis=1)
         logit_sum += tl.sum(tl.where(in_tile[None, :], z, 0.0), axis=1)
-    out = split.to(tl.int64) * N + rows  # int64: each added plane stays int64 (4 planes may pass 2**31)
-    tl.store(partials_ptr + out, run_max, mask=row_mask)
-    tl.store(partials_ptr + out + plane, run_sumexp, mask=row_mask)
-    tl.store(partials_ptr + out + plane + plane, target_logit, mask=row_mask)
-    tl.store(partials_ptr + out + plane + plane + plane, logit_sum, mask=row_mask)
+    max_ptr, sumexp_ptr, target_logit_ptr, logit_sum_ptr, argmax_ptr = _partial_planes(partials_ptr, plane)
+    out = split.to(tl.int64) * N + rows
+    tl.store(max_ptr + out, run_max, mask=row_mask)
+    tl.store(sumexp_ptr + out, run_sumexp, mask=row_mask)
+    tl.store(target_logit_ptr + out, target_logit, mask=row_mask)
+    tl.store(logit_sum_ptr + out, logit_sum, mask=row_mask)
     tl.store(argmax_ptr + out, argmax, mask=row_mask)
 
 
 @triton.jit
 def _mlm_loss_merge_kernel(
-    partials_ptr,  # [4, splits, N] fp32: the forward kernel's, planes `plane` = splits x N apart
-    argmax_ptr,  # [splits, N] int64: the forward kernel's
+    partials_ptr,  # [6, splits, N]: the forward kernel's (_partial_planes), planes `plane` = splits x N apart
     target_ptr,  # [N] integer targets, stride stride_t
     stats_ptr,  # [2, N] fp32 out: each row's max logit m, then s = log sum_v exp(z_v - m)
     loss_ptr,  # [] fp32 out: the loss
@@ -202,6 +214,7 @@ def _mlm_loss_merge_kernel(
     # One program, row block after row block in order, so that the fp64 sum of the row losses and the counts
     # are reproducible without atomics. A row block's [BLOCK_S, BLOCK_N] partials are loaded at once, so each
     # block waits for memory about once per plane, not once per split.
+    max_ptr, sumexp_ptr, target_logit_ptr, logit_sum_ptr, argmax_ptr = _partial_planes(partials_ptr, plane)
     offs_s = tl.arange(0, BLOCK_S)
     split_mask = offs_s < splits
     loss = tl.zeros((BLOCK_N,), dtype=tl.float64)
@@ -214,16 +227,16 @@ def _mlm_loss_merge_kernel(
         read_rows = tl.minimum(rows, N - 1)
         mask = split_mask[:, None]
         offsets = offs_s[:, None].to(tl.int64) * N + read_rows[None, :]  # [BLOCK_S, BLOCK_N] into one plane
-        split_max = tl.load(partials_ptr + offsets, mask=mask, other=float("-inf"))
+        split_max = tl.load(max_ptr + offsets, mask=mask, other=float("-inf"))
         row_max = tl.max(split_max, axis=0)
         # the first split holding the row's max has its first argmax (ties: the first column)
         first = tl.min(tl.where(split_max == row_max[None, :], offs_s[:, None], BLOCK_S), axis=0)
         argmax = tl.load(argmax_ptr + first.to(tl.int64) * N + read_rows, mask=first < splits, other=-1)
-        sumexp = tl.load(partials_ptr + offsets + plane, mask=mask, other=0.0)
+        sumexp = tl.load(sumexp_ptr + offsets, mask=mask, other=0.0)
         log_sumexp = tl.log(tl.sum(tl.exp(split_max - row_max[None, :]) * sumexp, axis=0))
-        row_loss = row_max - tl.sum(tl.load(partials_ptr + offsets + plane + plane, mask=mask, other=0.0), axis=0)
+        row_loss = row_max - tl.sum(tl.load(target_logit_ptr + offsets, mask=mask, other=0.0), axis=0)
         if label_smoothing != 0.0:  # with none, (1 - e) * l + e * l' is l itself
-            logit_sum = tl.sum(tl.load(partials_ptr + offsets + plane + plane + plane, mask=mask, other=0.0), axis=0)
+            logit_sum = tl.sum(tl.load(logit_sum_ptr + offsets, mask=mask, other=0.0), axis=0)
             row_loss = (1.0 - label_smoothing) * row_loss + label_smoothing * (row_max - logit_sum / V)
         row_loss += log_sumexp
         tl.store(stats_ptr + rows, row_max, mask=row_mask)
@@ -400,11 +413,10 @@ def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     cols_per_split = _forward_cols_per_split(x.device, rows, vocab, config["BLOCK_N"], config["BLOCK_V"])
     splits = cdiv(vocab, cols_per_split)
     plane = splits * rows
-    partials = torch.empty((4, splits, rows), dtype=torch.float32, device=x.device)
-    split_argmax = torch.empty((splits, rows), dtype=torch.int64, device=x.device)
+    partials = torch.empty((6, splits, rows), dtype=torch.float32, device=x.device)  # _partial_planes
     b = weight if bias is None else bias  # a placeholder pointer when there is no bias
     launch(_mlm_loss_fwd_kernel, (cdiv(rows, config["BLOCK_N"]), splits),
-        x, weight, b, target, partials, split_argmax, rows, vocab, x.shape[1], cols_per_split, plane, *x.stride(),
+        x, weight, b, target, partials, rows, vocab, x.shape[1], cols_per_split, plane, *x.stride(),
         *weight.stride(), 0 if bias is None else bias.stride(0), target.stride(0), HAS_BIAS=bias is not None,
         DOT_PRECISION=dot_precision(x.dtype), **config,
     )
@@ -412,9 +424,9 @@ def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     loss = torch.empty((), dtype=torch.float32, device=x.device)
     num_correct = torch.empty((), dtype=torch.int64, device=x.device)
     labelled_rows = torch.empty((), dtype=torch.int64, device=x.device)
-    launch(_mlm_loss_merge_kernel, (1,), partials, split_argmax, target, softmax_stats, loss, num_correct,
-           labelled_rows, rows, vocab, splits, plane, ignore_index, label_smoothing, target.stride(0),
-           MEAN=reduction == "mean", **_merge_config(splits, rows))
+    launch(_mlm_loss_merge_kernel, (1,), partials, target, softmax_stats, loss, num_correct, labelled_rows, rows,
+           vocab, splits, plane, ignore_index, label_smoothing, target.stride(0), MEAN=reduction == "mean",
+           **_merge_config(splits, rows))
     return loss, num_correct, softmax_stats, labelled_rows
 
 
