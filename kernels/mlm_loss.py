@@ -213,7 +213,8 @@ def _mlm_loss_merge_kernel(
 ):
     # One program, row block after row block in order, so that the fp64 sum of the row losses and the counts
     # are reproducible without atomics. A row block's [BLOCK_S, BLOCK_N] partials are loaded at once, so each
-    # block waits for memory about once per plane, not once per split.
+    # block waits for memory about once per plane, not once per split (the pretraining shape, N = 2458 in 27
+    # splits on an H100, is 20 row blocks of 128; no GPU has timed it yet).
     max_ptr, sumexp_ptr, target_logit_ptr, logit_sum_ptr, argmax_ptr = _partial_planes(partials_ptr, plane)
     offs_s = tl.arange(0, BLOCK_S)
     split_mask = offs_s < splits
