@@ -12,9 +12,13 @@
 # fp32 matmuls at the time of the call, see kernels/numerics.py: IEEE is exact and several times slower) and
 # folds them into per-row running statistics: an online log-sum-exp (max, sum of exp(z - max)), the
 # target's logit, the sum of logits and the first argmax. The vocabulary is split across programs so
-# that few rows (N = 2458 is 20 row blocks) still fill the GPU; a few torch ops merge the [splits, N]
-# partials (the N row losses are summed in fp64, as PyTorch's CPU nll_loss does). Only m and s [N]
-# are kept for the backward. Nothing of size N x V is written.
+# that few rows (N = 2458 is 20 row blocks) still fill the GPU. A second kernel, one program, merges the
+# [splits, N] partials row block by row block (m, s, the first argmax: that of the first split holding m,
+# the row loss) and sums the N row losses in fp64, as PyTorch's CPU nll_loss does, and the correct and
+# labelled rows, in a fixed order: no atomics, bitwise reproducible. Two launches and no torch op: each
+# torch op costs the host about a launch, and the ~20 small ones that merged the partials made the loss's
+# host time 12.8x PyTorch's F.linear + F.cross_entropy (PERF.md's host suite at 900a9ab). Only m and s [N]
+# and the labelled rows are kept for the backward. Nothing of size N x V is written.
 #
 # Why m and s apart, not their sum lse = m + s: a row whose target holds nearly all the probability
 # has d loss / d z_t = exp(z_t - lse) - 1, a difference of two numbers near 1. One fp32 lse near 10 is
@@ -26,7 +30,8 @@
 #   dz = (softmax(z) - (1 - e) onehot(t) - e / V) * c
 #   dx = dz W,   dW = dz^T x,   db = sum_rows dz
 # The vocabulary is cut into column chunks so that N x chunk stays under BACKWARD_CHUNK_ELEMENTS. For
-# each chunk a Triton kernel recomputes the chunk's logits and writes dz [N, chunk] in x's dtype, then
+# each chunk a Triton kernel recomputes the chunk's logits and writes dz [N, chunk] in x's dtype (c from
+# grad_loss, the forward's labelled-row count and the targets, in the kernel: no torch op before it), then
 # two cuBLAS GEMMs give dW for the chunk's vocabulary rows (written once, never accumulated) and add
 # dz W_chunk into an fp32 dx, chunk by chunk in a fixed order: no atomics, bitwise reproducible. The
 # chunk's product reaches dx in fp32, never rounded to 16 bits (with many chunks whose products cancel,
@@ -81,6 +86,9 @@ INTERPRETER_FORWARD_PROGRAMS = 8
 INTERPRETER_BLOCK_V = 2048
 INTERPRETER_BLOCK_K = 256
 DZ_ROW_ALIGNMENT = 16  # elements
+# The merge kernel's tile per row block: splits (rounded up to a power of 2) x rows, about this many elements
+MERGE_TILE_ELEMENTS = 4096  # 16 per thread of 8 warps and plane
+INTERPRETER_MERGE_TILE_ELEMENTS = 1 << 16
 
 
 @triton.jit
@@ -120,17 +128,28 @@ def _split_columns(split, cols_per_split, V):
 
 
 @triton.jit
+def _partial_planes(partials_ptr, plane):
+    """The forward's fp32 [6, splits, N] partials buffer as its planes' base pointers: the fp32 max, sum of
+    exp, target logit and logit sum, and the int64 argmax in the last two planes' bytes (one buffer, so one
+    allocation; an int32 argmax made the fp32 forward spill on sm_90a). Each plane is added to the scalar
+    pointer on its own: four planes may pass 2**31 elements, one does not."""
+    sumexp_ptr = partials_ptr + plane
+    target_logit_ptr = sumexp_ptr + plane
+    logit_sum_ptr = target_logit_ptr + plane
+    argmax_ptr = (logit_sum_ptr + plane).to(tl.pointer_type(tl.int64))
+    return partials_ptr, sumexp_ptr, target_logit_ptr, logit_sum_ptr, argmax_ptr
+
+
+@triton.jit
 def _mlm_loss_fwd_kernel(
     x_ptr,  # [N, H] activations
     w_ptr,  # [V, H] decoder weight
     b_ptr,  # [V] decoder bias; read only when HAS_BIAS
     target_ptr,  # [N] integer targets, stride stride_t
-    max_ptr,  # [splits, N] fp32 out: max logit of the row over the split's columns
-    sumexp_ptr,  # [splits, N] fp32 out: sum of exp(z - max) over the split's columns
-    target_logit_ptr,  # [splits, N] fp32 out: z_t when t is in the split's columns, else 0
-    logit_sum_ptr,  # [splits, N] fp32 out: sum of z over the split's columns
-    argmax_ptr,  # [splits, N] int64 out: first column of the split holding its max
-    N, V, H, cols_per_split,
+    partials_ptr,  # [6, splits, N] out (_partial_planes), planes `plane` = splits x N apart, per split and
+    # row: the max logit over the split's columns, the sum of exp(z - max) over them, z_t when t is among
+    # them (else 0), the sum of z over them, and the first column of the split holding its max
+    N, V, H, cols_per_split, plane,
     stride_xn, stride_xh, stride_wv, stride_wh, stride_b, stride_t,
     HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (kernels/numerics.py dot_precision)
@@ -170,6 +189,7 @@ def _mlm_loss_fwd_kernel(
         target_in_tile = tl.where((target >= v0) & (target < v0 + BLOCK_V), target - v0, -1).to(tl.int32)
         target_logit += tl.sum(tl.where(offs_v[None, :] == target_in_tile[:, None], z, 0.0), axis=1)
         logit_sum += tl.sum(tl.where(in_tile[None, :], z, 0.0), axis=1)
+    max_ptr, sumexp_ptr, target_logit_ptr, logit_sum_ptr, argmax_ptr = _partial_planes(partials_ptr, plane)
     out = split.to(tl.int64) * N + rows
     tl.store(max_ptr + out, run_max, mask=row_mask)
     tl.store(sumexp_ptr + out, run_sumexp, mask=row_mask)
@@ -179,18 +199,82 @@ def _mlm_loss_fwd_kernel(
 
 
 @triton.jit
+def _mlm_loss_merge_kernel(
+    partials_ptr,  # [6, splits, N]: the forward kernel's (_partial_planes), planes `plane` = splits x N apart
+    target_ptr,  # [N] integer targets, stride stride_t
+    stats_ptr,  # [2, N] fp32 out: each row's max logit m, then s = log sum_v exp(z_v - m)
+    loss_ptr,  # [] fp32 out: the loss
+    correct_ptr,  # [] int64 out: num_correct
+    labelled_ptr,  # [] int64 out: the labelled rows, for the backward's "mean"
+    N, V, splits, plane, ignore_index, label_smoothing, stride_t,
+    MEAN: tl.constexpr,  # divide the loss by the labelled rows (at least 1)
+    BLOCK_S: tl.constexpr,  # splits, rounded up to a power of 2
+    BLOCK_N: tl.constexpr,
+):
+    # One program, row block after row block in order, so that the fp64 sum of the row losses and the counts
+    # are reproducible without atomics. A row block's [BLOCK_S, BLOCK_N] partials are loaded at once, so each
+    # block waits for memory about once per plane, not once per split (the pretraining shape, N = 2458 in 27
+    # splits on an H100, is 20 row blocks of 128; no GPU has timed it yet).
+    max_ptr, sumexp_ptr, target_logit_ptr, logit_sum_ptr, argmax_ptr = _partial_planes(partials_ptr, plane)
+    offs_s = tl.arange(0, BLOCK_S)
+    split_mask = offs_s < splits
+    loss = tl.zeros((BLOCK_N,), dtype=tl.float64)
+    correct = tl.zeros((BLOCK_N,), dtype=tl.int64)
+    labelled_rows = tl.zeros((BLOCK_N,), dtype=tl.int64)
+    for r0 in range(0, N, BLOCK_N):
+        rows = r0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        row_mask = rows < N
+        # padding rows read the last row's partials (finite: no -inf - -inf or log(0)); nothing of theirs is kept
+        read_rows = tl.minimum(rows, N - 1)
+        mask = split_mask[:, None]
+        offsets = offs_s[:, None].to(tl.int64) * N + read_rows[None, :]  # [BLOCK_S, BLOCK_N] into one plane
+        split_max = tl.load(max_ptr + offsets, mask=mask, other=float("-inf"))
+        row_max = tl.max(split_max, axis=0)
+        # the first split holding the row's max has its first argmax (ties: the first column)
+        first = tl.min(tl.where(split_max == row_max[None, :], offs_s[:, None], BLOCK_S), axis=0)
+        argmax = tl.load(argmax_ptr + first.to(tl.int64) * N + read_rows, mask=first < splits, other=-1)
+        sumexp = tl.load(sumexp_ptr + offsets, mask=mask, other=0.0)
+        log_sumexp = tl.log(tl.sum(tl.exp(split_max - row_max[None, :]) * sumexp, axis=0))
+        row_loss = row_max - tl.sum(tl.load(target_logit_ptr + offsets, mask=mask, other=0.0), axis=0)
+        if label_smoothing != 0.0:  # with none, (1 - e) * l + e * l' is l itself
+            logit_sum = tl.sum(tl.load(logit_sum_ptr + offsets, mask=mask, other=0.0), axis=0)
+            row_loss = (1.0 - label_smoothing) * row_loss + label_smoothing * (row_max - logit_sum / V)
+        row_loss += log_sumexp
+        tl.store(stats_ptr + rows, row_max, mask=row_mask)
+        tl.store(stats_ptr + N + rows, log_sumexp, mask=row_mask)
+        target = tl.load(target_ptr + rows * stride_t, mask=row_mask, other=0).to(tl.int64)
+        labelled = row_mask & (target != ignore_index)
+        row_loss = tl.where(labelled, row_loss, 0.0)
+        row_loss = tl.where(labelled & ((target < 0) | (target >= V)), float("nan"), row_loss)
+        # fp64 accumulation of the N row losses, as PyTorch's CPU nll_loss does: an fp32 sum of thousands
+        # of terms would add more error than the whole rest of the computation
+        loss += cast(row_loss, tl.float64)
+        correct += (labelled & (argmax == target)).to(tl.int64)
+        labelled_rows += labelled.to(tl.int64)
+    total = tl.sum(loss, axis=0)
+    count = tl.sum(labelled_rows, axis=0)
+    if MEAN:
+        total = total / cast(tl.maximum(count, 1), tl.float64)
+    tl.store(loss_ptr, cast(total, tl.float32))
+    tl.store(correct_ptr, tl.sum(correct, axis=0))
+    tl.store(labelled_ptr, count)
+
+
+@triton.jit
 def _mlm_loss_bwd_kernel(
     x_ptr,  # [N, H] activations
     w_ptr,  # [V, H] decoder weight
     b_ptr,  # [V] decoder bias; read only when HAS_BIAS
     target_ptr,  # [N] integer targets, stride stride_t
-    max_ptr,  # [N] fp32 m: each row's max logit, from the forward
-    log_sumexp_ptr,  # [N] fp32 s = log sum_v exp(z_v - m), from the forward
-    coef_ptr,  # [N] fp32 d loss / d loss_row: grad_loss (/ count for "mean") on labelled rows, else 0
+    stats_ptr,  # [2, N] fp32 softmax_stats from the forward, strides (stride_stat, stride_sn): each row's max
+    # logit m, then s = log sum_v exp(z_v - m)
+    grad_loss_ptr,  # [] d loss from the caller, any float dtype
+    labelled_ptr,  # [] int64 the labelled rows, from the forward; read only when MEAN
     dz_ptr,  # [N, V1 - V0] out, x's dtype, row stride stride_dzn: d loss / d z for columns [V0, V1)
-    N, V, H, V0, V1, label_smoothing,
-    stride_xn, stride_xh, stride_wv, stride_wh, stride_b, stride_t, stride_dzn,
+    N, V, H, V0, V1, ignore_index, label_smoothing,
+    stride_xn, stride_xh, stride_wv, stride_wh, stride_b, stride_t, stride_stat, stride_sn, stride_dzn,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,  # as in the forward
+    MEAN: tl.constexpr,  # "mean" reduction: grad_loss / labelled rows (at least 1)
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # d loss_row / d z_v = softmax(z)_v - (1 - e) [v == t] - e / V, with softmax(z)_v = exp((z_v - m) - s)
@@ -201,10 +285,18 @@ def _mlm_loss_bwd_kernel(
     z = _logits_tile(x_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, H,
                      stride_xn, stride_xh, stride_wv, stride_wh, stride_b,
                      HAS_BIAS, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
-    row_max = tl.load(max_ptr + rows, mask=row_mask, other=0.0)
-    log_sumexp = tl.load(log_sumexp_ptr + rows, mask=row_mask, other=float("inf"))  # padding rows: exp(.) = 0
-    coef = tl.load(coef_ptr + rows, mask=row_mask, other=0.0)
+    row_max = tl.load(stats_ptr + rows * stride_sn, mask=row_mask, other=0.0)
+    # padding rows: exp(.) = 0
+    log_sumexp = tl.load(stats_ptr + stride_stat + rows * stride_sn, mask=row_mask, other=float("inf"))
     target = tl.load(target_ptr + rows * stride_t, mask=row_mask, other=-1).to(tl.int64)
+    # d loss / d loss_row: grad_loss (/ labelled rows for "mean") on labelled rows, 0 on the others, NaN on
+    # labelled rows whose target is outside [0, V)
+    grad = cast(tl.load(grad_loss_ptr), tl.float32)
+    if MEAN:
+        grad = grad / cast(tl.maximum(tl.load(labelled_ptr), 1), tl.float32)
+    labelled = target != ignore_index
+    coef = tl.where(labelled, grad, 0.0)
+    coef = tl.where(labelled & ((target < 0) | (target >= V)), float("nan"), coef)
     dz = tl.exp((z - row_max[:, None]) - log_sumexp[:, None]) - label_smoothing / V
     dz -= tl.where(cols[None, :] == target[:, None], 1.0 - label_smoothing, 0.0)
     # unlabelled rows give exact zeros whatever their logits; a NaN coef (bad target) propagates
@@ -292,72 +384,66 @@ def _backward_chunk_cols(rows: int, vocab: int, block_v: int) -> int:
     return min(vocab, cdiv(cdiv(vocab, chunks), block_v) * block_v)
 
 
-def _labelled(target, ignore_index, vocab):
-    """(labelled rows [N] bool, labelled rows whose target is outside [0, V) [N] bool)."""
-    labelled = target != ignore_index
-    return labelled, (target < 0).logical_or_(target >= vocab).logical_and_(labelled)
+def _merge_config(splits: int, rows: int) -> dict:
+    """The merge kernel's tile: every split of as many rows as fit MERGE_TILE_ELEMENTS (at least one)."""
+    block_s = next_power_of_2(splits)
+    tile = INTERPRETER_MERGE_TILE_ELEMENTS if INTERPRETER else MERGE_TILE_ELEMENTS
+    config = dict(BLOCK_S=block_s, BLOCK_N=min(next_power_of_2(rows), max(1, tile // block_s)))
+    if not INTERPRETER:
+        config.update(num_warps=8 if block_s * config["BLOCK_N"] >= MERGE_TILE_ELEMENTS else 4)
+    return config
 
 
 @fused_op("fastbert::mlm_loss_fwd")
 def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
                  ignore_index: int, reduction: str,
-                 label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [N, H], weight [V, H], bias [V] or None (any strides), target int [N], checked by
     `linear_cross_entropy` (or fastbert.ops) and, where PyTorch traces, by the fake registration.
 
-    Returns loss (fp32 scalar), num_correct (int64 scalar) and softmax_stats (fp32 [2, N]: each
-    row's max logit m and log sum exp(z - m), for the backward).
+    Returns loss (fp32 scalar), num_correct (int64 scalar), and for the backward softmax_stats (fp32
+    [2, N]: each row's max logit m and log sum exp(z - m)) and labelled_rows (int64 scalar).
     """
     rows = x.shape[0]
     vocab = weight.shape[0]
     if rows == 0:
-        zero = torch.zeros((), dtype=torch.float32, device=x.device)
-        return zero, torch.zeros((), dtype=torch.int64, device=x.device), x.new_empty((2, 0), dtype=torch.float32)
+        def zero(dtype):
+            return torch.zeros((), dtype=dtype, device=x.device)
+        return zero(torch.float32), zero(torch.int64), x.new_empty((2, 0), dtype=torch.float32), zero(torch.int64)
     config = _config(x.dtype, rows, forward=True)
     cols_per_split = _forward_cols_per_split(x.device, rows, vocab, config["BLOCK_N"], config["BLOCK_V"])
     splits = cdiv(vocab, cols_per_split)
-    stats = torch.empty((4, splits, rows), dtype=torch.float32, device=x.device)
-    split_max, split_sumexp, target_logit, logit_sum = stats
-    split_argmax = torch.empty((splits, rows), dtype=torch.int64, device=x.device)
+    plane = splits * rows
+    partials = torch.empty((6, splits, rows), dtype=torch.float32, device=x.device)  # _partial_planes
     b = weight if bias is None else bias  # a placeholder pointer when there is no bias
     launch(_mlm_loss_fwd_kernel, (cdiv(rows, config["BLOCK_N"]), splits),
-        x, weight, b, target, split_max, split_sumexp, target_logit, logit_sum, split_argmax,
-        rows, vocab, x.shape[1], cols_per_split, *x.stride(), *weight.stride(), 0 if bias is None else bias.stride(0),
-        target.stride(0), HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype), **config,
+        x, weight, b, target, partials, rows, vocab, x.shape[1], cols_per_split, plane, *x.stride(),
+        *weight.stride(), 0 if bias is None else bias.stride(0), target.stride(0), HAS_BIAS=bias is not None,
+        DOT_PRECISION=dot_precision(x.dtype), **config,
     )
-    # merge the splits: s = log sum_s sumexp_s exp(max_s - m) with m the overall max; the first
-    # split holding m has the first argmax (torch.max returns the first maximal index, as argmax).
-    # Each torch op here costs the host about a launch, so they run in place where they can.
-    row_max, max_split = split_max.max(dim=0)
-    log_sumexp = (split_max - row_max).exp_().mul_(split_sumexp).sum(dim=0).log_()
-    argmax = split_argmax.gather(0, max_split.unsqueeze(0)).squeeze(0)
-    row_loss = row_max - target_logit.sum(dim=0)
-    if label_smoothing != 0.0:  # with none, (1 - e) * l + e * l' is l itself
-        row_loss = (1.0 - label_smoothing) * row_loss + label_smoothing * (row_max - logit_sum.sum(dim=0) / vocab)
-    row_loss += log_sumexp
-    labelled, out_of_vocab = _labelled(target, ignore_index, vocab)
-    row_loss = torch.where(labelled, row_loss, 0.0).masked_fill_(out_of_vocab, float("nan"))
-    # fp64 accumulation of the N row losses, as PyTorch's CPU nll_loss does: an fp32 sum of
-    # thousands of terms would add more error than the whole rest of the computation
-    loss = row_loss.sum(dtype=torch.float64)
-    if reduction == "mean":
-        loss /= labelled.sum().clamp_(min=1)
-    num_correct = torch.eq(argmax, target).logical_and_(labelled).sum()
-    return loss.float(), num_correct, torch.stack((row_max, log_sumexp))
+    softmax_stats = torch.empty((2, rows), dtype=torch.float32, device=x.device)
+    loss = torch.empty((), dtype=torch.float32, device=x.device)
+    num_correct = torch.empty((), dtype=torch.int64, device=x.device)
+    labelled_rows = torch.empty((), dtype=torch.int64, device=x.device)
+    launch(_mlm_loss_merge_kernel, (1,), partials, target, softmax_stats, loss, num_correct, labelled_rows, rows,
+           vocab, splits, plane, ignore_index, label_smoothing, target.stride(0), MEAN=reduction == "mean",
+           **_merge_config(splits, rows))
+    return loss, num_correct, softmax_stats, labelled_rows
 
 
 @mlm_loss_fwd.register_fake
 def _(x, weight, bias, target, ignore_index, reduction, label_smoothing):
     _check_inputs(x, weight, bias, target, reduction, label_smoothing)
     return (x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.int64),
-            x.new_empty((2, x.shape[0]), dtype=torch.float32))
+            x.new_empty((2, x.shape[0]), dtype=torch.float32), x.new_empty((), dtype=torch.int64))
 
 
 @fused_op("fastbert::mlm_loss_bwd")
 def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 target: torch.Tensor, softmax_stats: torch.Tensor, ignore_index: int, reduction: str,
-                 label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `mlm_loss_fwd` from its inputs and softmax_stats; grad_loss a scalar tensor.
+                 target: torch.Tensor, softmax_stats: torch.Tensor, labelled_rows: torch.Tensor, ignore_index: int,
+                 reduction: str, label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `mlm_loss_fwd` from its inputs, softmax_stats and labelled_rows; grad_loss a scalar
+    tensor.
 
     Returns dx [N, H] in x's dtype, dweight [V, H] in weight's dtype and dbias fp32 [V] (empty [0]
     when bias is None), all contiguous.
@@ -368,14 +454,8 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     dbias = torch.empty(vocab if bias is not None else 0, dtype=torch.float32, device=x.device)
     if rows == 0:
         return x.new_empty((0, hidden)), dweight.zero_(), dbias.zero_()
-    labelled, out_of_vocab = _labelled(target, ignore_index, vocab)
-    coef = grad_loss if grad_loss.dtype == torch.float32 else grad_loss.to(torch.float32)
-    if reduction == "mean":
-        coef = coef / labelled.sum().clamp_(min=1)
-    coef = torch.where(labelled, coef, 0.0).masked_fill_(out_of_vocab, float("nan"))  # [N]
     config = _config(x.dtype, rows, forward=False)
     chunk_cols = _backward_chunk_cols(rows, vocab, config["BLOCK_V"])
-    row_max, log_sumexp = softmax_stats
     b = weight if bias is None else bias
     dx = None
     for v0 in range(0, vocab, chunk_cols):
@@ -390,10 +470,10 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         if aligned != width:
             dz = dz[:, :width]
         launch(_mlm_loss_bwd_kernel, (cdiv(rows, config["BLOCK_N"]), cdiv(width, config["BLOCK_V"])),
-            x, weight, b, target, row_max, log_sumexp, coef, dz,
-            rows, vocab, hidden, v0, v1, label_smoothing, *x.stride(), *weight.stride(),
-            0 if bias is None else bias.stride(0), target.stride(0), dz.stride(0), HAS_BIAS=bias is not None,
-            DOT_PRECISION=dot_precision(x.dtype), **config,
+            x, weight, b, target, softmax_stats, grad_loss, labelled_rows, dz,
+            rows, vocab, hidden, v0, v1, ignore_index, label_smoothing, *x.stride(), *weight.stride(),
+            0 if bias is None else bias.stride(0), target.stride(0), *softmax_stats.stride(), dz.stride(0),
+            HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype), MEAN=reduction == "mean", **config,
         )
         whole = width == vocab  # one chunk: no slices of the weight and its gradients
         torch.mm(dz.t(), x, out=dweight if whole else dweight[v0:v1])
@@ -426,7 +506,7 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @mlm_loss_bwd.register_fake
-def _(grad_loss, x, weight, bias, target, softmax_stats, ignore_index, reduction, label_smoothing):
+def _(grad_loss, x, weight, bias, target, softmax_stats, labelled_rows, ignore_index, reduction, label_smoothing):
     vocab = weight.shape[0]
     return (x.new_empty(x.shape), weight.new_empty(weight.shape),
             x.new_empty(vocab if bias is not None else 0, dtype=torch.float32))
@@ -434,16 +514,17 @@ def _(grad_loss, x, weight, bias, target, softmax_stats, ignore_index, reduction
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, target, ignore_index, reduction, label_smoothing = inputs
-    _, num_correct, softmax_stats = output
-    ctx.save_for_backward(x, weight, bias, target, softmax_stats)
+    _, num_correct, softmax_stats, labelled_rows = output
+    ctx.save_for_backward(x, weight, bias, target, softmax_stats, labelled_rows)
     ctx.arguments = (ignore_index, reduction, label_smoothing)
-    ctx.mark_non_differentiable(num_correct, softmax_stats)
+    ctx.mark_non_differentiable(num_correct, softmax_stats, labelled_rows)
     ctx.set_materialize_grads(False)  # the loss's gradient starts every backward; the others stay None
 
 
-def _backward(ctx, grad_loss, grad_num_correct, grad_softmax_stats):
-    x, weight, bias, target, softmax_stats = ctx.saved_tensors
-    dx, dweight, dbias = mlm_loss_bwd(grad_loss, x, weight, bias, target, softmax_stats, *ctx.arguments)
+def _backward(ctx, grad_loss, grad_num_correct, grad_softmax_stats, grad_labelled_rows):
+    x, weight, bias, target, softmax_stats, labelled_rows = ctx.saved_tensors
+    dx, dweight, dbias = mlm_loss_bwd(grad_loss, x, weight, bias, target, softmax_stats, labelled_rows,
+                                      *ctx.arguments)
     if bias is not None and dbias.dtype != bias.dtype:
         dbias = dbias.to(bias.dtype)
     return dx, dweight, None if bias is None else dbias, None, None, None, None
@@ -469,6 +550,6 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
 def linear_cross_entropy_unchecked(x, weight, bias, target, ignore_index, reduction, label_smoothing):
     """`linear_cross_entropy` after its checks, which the caller has made (fastbert.ops: the shapes and
     options, then `check_limits`)."""
-    loss, num_correct, _ = mlm_loss_fwd(x, weight, bias, target, int(ignore_index), reduction,
-                                        float(label_smoothing))
+    loss, num_correct, _, _ = mlm_loss_fwd(x, weight, bias, target, int(ignore_index), reduction,
+                                           float(label_smoothing))
     return loss, num_correct

@@ -32,8 +32,8 @@ CI_JOBS = [Job(None, "sm_90a", "bfloat16"), Job(None, "sm_80", "float16"),
            Job(GPU_ENVIRONMENT_TRITON_DIR, "sm_90a", "float16"), Job(GPU_ENVIRONMENT_TRITON_DIR, "sm_80", "bfloat16")]
 KERNELS = {"_matmul_fwd_kernel", "_bias_gelu_fwd_kernel", "_bias_gelu_bwd_kernel", "_qkv_bwd_kernel",
            "_attention_fwd_kernel", "_attention_bwd_preprocess_kernel", "_attention_bwd_kernel",
-           "_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_mlm_loss_fwd_kernel", "_mlm_loss_bwd_kernel",
-           "_dropout_kernel"}
+           "_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_mlm_loss_fwd_kernel", "_mlm_loss_merge_kernel",
+           "_mlm_loss_bwd_kernel", "_dropout_kernel"}
 # the fixture `audit` builds every kernel for two GPU targets with two Tritons: CPU-minutes with an empty Triton cache
 COMPILES = pytest.mark.slow(reason="the compile gates: every kernel built for sm_90a and sm_80 with both Tritons")
 

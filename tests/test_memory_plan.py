@@ -192,7 +192,7 @@ def test_a_plan_through_the_launchers_saves_what_each_op_saves(checkpointing):
     assert not plan["compiled"]
     assert plan["tuned"] == 0  # a plan's choices (every config timed alike) are not left to a GPU run
     for kernel in ("_attention_fwd_kernel", "_attention_bwd_kernel", "_layer_norm_fwd_kernel",
-                   "_layer_norm_bwd_kernel", "_mlm_loss_fwd_kernel", "_mlm_loss_bwd_kernel"):
+                   "_layer_norm_bwd_kernel", "_mlm_loss_fwd_kernel", "_mlm_loss_merge_kernel", "_mlm_loss_bwd_kernel"):
         assert kernel in plan["asked"]
     config = BertConfig.tiny()
     hidden, intermediate, heads = config.hidden_size, config.intermediate_size, config.num_attention_heads
@@ -214,7 +214,7 @@ def test_a_plan_through_the_launchers_saves_what_each_op_saves(checkpointing):
     mlm = (2 * int64 * labelled  # the labelled positions and their targets
            + 3 * bf16 * labelled * hidden  # the gathered rows, the transform's pre-activation, its LayerNorm
            + fp32 * labelled * (1 + 8)  # that LayerNorm's 1/std and side buffer
-           + 2 * fp32 * labelled)  # the loss's per-row statistics
+           + 2 * fp32 * labelled + int64)  # the loss's per-row statistics and its count of labelled rows
     nsp = bf16 * rows * 2 + fp32 * rows * 2 + fp32  # log_softmax (bf16), nll_loss's fp32 copy, total weight
     assert plan["saved"] == embeddings + layers * layer + pooler + mlm + nsp
     assert plan["phase_of_peak"] == "backward"

@@ -238,6 +238,16 @@ def test_num_correct_takes_first_argmax_on_ties(impl, gpu_tiles, device, monkeyp
         assert correct.item() == rows // 2, dtype
 
 
+def test_merge_carries_row_blocks(device, monkeypatch):
+    """The merge kernel in row blocks of 8 (8 splits each), the last one partial: the fp64 loss, num_correct
+    and the labelled-row count (the backward's "mean") carry from block to block."""
+    _gpu_tiles(monkeypatch)
+    monkeypatch.setattr(mlm_loss, "INTERPRETER_MERGE_TILE_ELEMENTS", 64)
+    x, weight, bias, target = _make_inputs(50, 37, 1000, 384, torch.float32, device)
+    assert mlm_loss._merge_config(8, 50) == {"BLOCK_S": 8, "BLOCK_N": 8}
+    _assert_matches_float64("triton", x, weight, bias, target, label_smoothing=0.1)
+
+
 def test_target_outside_vocabulary_gives_nan(device):
     x, weight, bias, target = _make_inputs(4, 4, 1000, 384, torch.float32, device)
     target[1] = 1000
