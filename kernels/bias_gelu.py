@@ -11,7 +11,7 @@
 # memory-bound pass), so dbias carries one rounding, not the error of a long fp32 summation. (Summing the
 # rows of every tile as it came crossed warps: for BERT-base's [32768, 3072] in bf16 on sm_90a, 16 barriers
 # and 8 shared-memory round trips in each loop iteration of 4 x 1024 elements, the H100 profile's bias-GELU
-# backward at ~3x its bytes' floor; now none in the loop, 99 registers against 97.)
+# backward at ~3x its bytes' floor; now none in the loop, and on tiles half the forward's size, _BWD_TILE_ELEMENTS.)
 #
 # linear_bias_gelu has two forms; LINEAR_BIAS_GELU_FORM picks the one the model uses:
 #   "epilogue"              one Triton matmul (kernels/matmul.py) with bias + GELU in its epilogue,
@@ -53,6 +53,10 @@ LINEAR_BIAS_GELU_FORM = "epilogue"
 # Elements per tile of the elementwise kernels: 4096 (32 per thread at 4 warps) is enough work per
 # program to hide memory latency on an H100; the interpreter wants few, large programs instead.
 _TILE_ELEMENTS = 65536 if INTERPRETER else 4096
+# The backward's tiles are half as large: each thread keeps an fp64 sum per tile element across the loop, and at
+# 4096 elements on 8 warps those sums took the bf16 backward to 96-99 registers and the GeGLU's to 175 (sm_90a,
+# Triton 3.9); at 2048, 48-68 and 94, still one 16-byte load per thread and operand per iteration in 16-bit.
+_BWD_TILE_ELEMENTS = 65536 if INTERPRETER else 2048
 _MAX_BLOCK_N = 1024
 # The backward's tile and its fp64 column sums on 4 warps spilled 4 to 16 bytes on sm_80 and sm_90a (Triton 3.9)
 _BWD_WARPS = 8
@@ -142,9 +146,10 @@ def _bias_gelu_bwd_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _blocks(cols: int) -> tuple[int, int]:
+def _blocks(cols: int, tile: int = _TILE_ELEMENTS) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of a tile of about `tile` elements over rows of `cols`."""
     block_n = min(next_power_of_2(cols), _MAX_BLOCK_N)
-    return _TILE_ELEMENTS // block_n, block_n
+    return max(1, tile // block_n), block_n
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -210,7 +215,7 @@ def _gelu_bwd_launch(dy2, x2, bias, dx, rows, cols, approximate, gated, sum_colu
     sums = 2 * cols if gated else cols
     if rows == 0:
         return torch.zeros(sums, dtype=dx.dtype, device=dx.device) if sum_columns else None
-    block_m, block_n = _blocks(cols)
+    block_m, block_n = _blocks(cols, _BWD_TILE_ELEMENTS)
     col_blocks = cdiv(cols, block_n)
     groups, rows_per_group = row_groups(rows, col_blocks, block_m, dx.device)
     partial = (torch.empty((groups, sums), dtype=torch.float64, device=dx.device) if sum_columns
