@@ -81,3 +81,15 @@ def test_the_interpreter_is_refused():
         pytest.skip("this process runs Triton's compiled kernels (a GPU): no interpreter to refuse")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"), stubbed_launches():
         pass
+
+
+def test_compared_functions_take_turns():
+    """The functions a ratio compares are timed in alternating runs (after each one's warm-up), so a slow spell
+    of the machine falls on all of them; each gets its own least mean."""
+    from fastbert.simulated.host_time import interleaved_host_microseconds
+
+    calls = []
+    figures = interleaved_host_microseconds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                                            number=2, repeats=3, warmup=1)
+    assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
+    assert set(figures) == {"a", "b"} and all(0 <= us < float("inf") for us in figures.values())

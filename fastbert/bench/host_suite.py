@@ -5,7 +5,7 @@ fastbert's kernels run their host code on CPU tensors with every Triton launch s
 (fastbert.simulated.host_time.stubbed_launches: the steady path of a GPU launch up to the driver's launch call);
 PyTorch's ops and transformers' models run on the same CPU tensors, arithmetic included, at sizes where it is
 small. Times are this thread's CPU time (other processes on the machine do not count), the least mean of
-several repeats, one intra-op thread.
+several repeats, the providers of a case taking turns, one intra-op thread.
 
 Ops: each fused op against "the same job in PyTorch" as a user writes it (op_cases' "torch" provider:
 dropout + add + F.layer_norm, F.gelu(x + b), F.linear and views, SDPA, F.linear + F.cross_entropy, ...), in
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from fastbert import ops
 from fastbert.bench import model_cases, op_cases
 from fastbert.kernels.fused_op import always_custom_op
-from fastbert.simulated.host_time import host_microseconds, one_thread, stubbed_launches
+from fastbert.simulated.host_time import interleaved_host_microseconds, one_thread, stubbed_launches
 
 FASTBERT, TORCH, HF_SDPA = op_cases.FASTBERT, op_cases.TORCH, model_cases.HF_SDPA
 # fastbert's ops with every eager call through its torch.library custom op (kernels/fused_op.py: what an eager call
@@ -39,7 +39,8 @@ DIRECTIONS = ("fwd", "fwd+bwd")
 # CPU arithmetic stays a small part of each op's time
 NARROW = {"hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 64, "vocab_size": 128}
 MODEL_BATCH, MODEL_SEQLEN = 2, 8  # one sequence padded
-CPU_CLOCK = "time.thread_time_ns (CPU time of the measuring thread), least mean of repeated groups of calls"
+CPU_CLOCK = ("time.thread_time_ns (CPU time of the measuring thread), least mean of repeated groups of calls, the "
+             "providers of a case taking turns")
 TIMING = {"number": 50, "repeats": 5}
 QUICK_TIMING = {"number": 3, "repeats": 2, "warmup": 2}
 
@@ -241,38 +242,47 @@ def host_cases() -> list[HostCase]:
     return op_host_cases() + model_host_cases()
 
 
-def measure_case(case: HostCase, provider: str, direction: str, timing: dict) -> dict:
-    """One row's figures: host microseconds per call and the host syncs of one call."""
+def measure_case(case: HostCase, providers, direction: str, timing: dict) -> dict:
+    """{provider: one row's figures (host microseconds per call, host syncs of one call)} for these providers of
+    the case, timed taking turns (host_time.interleaved_host_microseconds)."""
     from fastbert.host_syncs import HostSyncCounter
 
-    call = case.providers[provider](direction)
-    call()  # the first call of each launch signature stubs its kernel (and autotunes)
-    with HostSyncCounter() as counter:
-        call()
-    return {"host_us": round(host_microseconds(call, **timing), 2), "host_syncs": counter.syncs}
+    calls, syncs = {}, {}
+    for provider in providers:
+        call = calls[provider] = case.providers[provider](direction)
+        call()  # the first call of each launch signature stubs its kernel (and autotunes)
+        with HostSyncCounter() as counter:
+            call()
+        syncs[provider] = counter.syncs
+    host_us = interleaved_host_microseconds(calls, **timing)
+    return {provider: {"host_us": round(host_us[provider], 2), "host_syncs": syncs[provider]} for provider in providers}
 
 
 def measure(quick: bool = False, progress: bool = True, only=None) -> list[dict]:
-    """The suite's rows (without provenance): one per case, provider and direction."""
+    """The suite's rows (without provenance): one per case, provider and direction; the providers of a case and
+    direction timed taking turns, so that their ratio sees the same machine."""
     import re
     import sys
 
     from tqdm import tqdm
 
     timing = QUICK_TIMING if quick else TIMING
-    items = [(case, provider, direction) for case in host_cases() for provider in case.providers
-             for direction in DIRECTIONS]
-    if only:
-        pattern = re.compile(only)
-        items = [item for item in items if pattern.search(f"{item[0].name} {item[1]}")]
+    pattern = re.compile(only) if only else None
+    groups = []  # (case, direction, its providers that `only` keeps)
+    for case in host_cases():
+        for direction in DIRECTIONS:
+            providers = [p for p in case.providers if pattern is None or pattern.search(f"{case.name} {p}")]
+            if providers:
+                groups.append((case, direction, providers))
     rows = []
     with one_thread(), stubbed_launches():
-        bar = tqdm(items, desc="fastbert bench host", unit="item", file=sys.stderr, disable=not progress,
+        bar = tqdm(groups, desc="fastbert bench host", unit="case", file=sys.stderr, disable=not progress,
                    dynamic_ncols=True)
-        for case, provider, direction in bar:
-            bar.set_postfix_str(f"{case.name} [{provider}] {direction}", refresh=False)
-            rows.append({"op": case.op, "case": case.name, "provider": provider, "direction": direction,
-                         "dtype": "float32", "status": "ok", **measure_case(case, provider, direction, timing)})
+        for case, direction, providers in bar:
+            bar.set_postfix_str(f"{case.name} {direction}", refresh=False)
+            figures = measure_case(case, providers, direction, timing)
+            rows += [{"op": case.op, "case": case.name, "provider": provider, "direction": direction,
+                      "dtype": "float32", "status": "ok", **figures[provider]} for provider in providers]
     return rows
 
 

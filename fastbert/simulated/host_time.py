@@ -10,7 +10,8 @@ driver's cuLaunchKernel, a few microseconds) is not counted; PyTorch's own ops o
 their (small) CPU arithmetic.
 
 `host_microseconds(fn)`: the CPU time of this thread per call of fn, the least of several repeats: thread
-time, not wall time, so other processes on the machine do not count.
+time, not wall time, so other processes on the machine do not count; `interleaved_host_microseconds` times several
+functions taking turns, for the ones a ratio compares.
 """
 from __future__ import annotations
 
@@ -58,14 +59,23 @@ def stubbed_launches():
 def host_microseconds(fn, number: int = 50, repeats: int = 5, warmup: int = 5) -> float:
     """Thread CPU microseconds per call of fn: the least mean over `repeats` runs of `number` calls, after
     `warmup` calls (the first call of a signature compiles or stubs, and autotunes)."""
-    for _ in range(warmup):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.thread_time_ns()
-        for _ in range(number):
+    return interleaved_host_microseconds({None: fn}, number, repeats, warmup)[None]
+
+
+def interleaved_host_microseconds(fns: dict, number: int = 50, repeats: int = 5, warmup: int = 5) -> dict:
+    """{name: thread CPU microseconds per call of fns[name]}, each the least mean over `repeats` runs of `number`
+    calls, the functions' runs taking turns: a slow spell of the machine (a neighbour's load, a clock change)
+    then falls on every function compared, not on one of them."""
+    for fn in fns.values():
+        for _ in range(warmup):
             fn()
-        best = min(best, (time.thread_time_ns() - start) / number / 1e3)
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.thread_time_ns()
+            for _ in range(number):
+                fn()
+            best[name] = min(best[name], (time.thread_time_ns() - start) / number / 1e3)
     return best
 
 
