@@ -10,8 +10,9 @@
 # bitwise reproducible. The sums are fp64 (a conversion and an add per element, free in a
 # memory-bound pass), so dbias carries one rounding, not the error of a long fp32 summation. (Summing the
 # rows of every tile as it came crossed warps: for BERT-base's [32768, 3072] in bf16 on sm_90a, 16 barriers
-# and 8 shared-memory round trips in each loop iteration of 4 x 1024 elements, the H100 profile's bias-GELU
-# backward at ~3x its bytes' floor; now none in the loop, and on tiles half the forward's size, _BWD_TILE_ELEMENTS.)
+# (and shared-memory round trips) in each loop iteration of 4 x 1024 elements, the H100 profile's bias-GELU
+# backward at ~3x its bytes' floor; now none in the loop, and on tiles half the forward's size, _BWD_TILE_ELEMENTS.
+# `python benchmarks/loop_barriers.py` prints the registers and the barriers per loop.)
 #
 # linear_bias_gelu has two forms; LINEAR_BIAS_GELU_FORM picks the one the model uses:
 #   "epilogue"              one Triton matmul (kernels/matmul.py) with bias + GELU in its epilogue,
@@ -53,9 +54,11 @@ LINEAR_BIAS_GELU_FORM = "epilogue"
 # Elements per tile of the elementwise kernels: 4096 (32 per thread at 4 warps) is enough work per
 # program to hide memory latency on an H100; the interpreter wants few, large programs instead.
 _TILE_ELEMENTS = 65536 if INTERPRETER else 4096
-# The backward's tiles are half as large: each thread keeps an fp64 sum per tile element across the loop, and at
-# 4096 elements on 8 warps those sums took the bf16 backward to 96-99 registers and the GeGLU's to 175 (sm_90a,
-# Triton 3.9); at 2048, 48-68 and 94, still one 16-byte load per thread and operand per iteration in 16-bit.
+# The backward's tiles are half as large: each thread keeps an fp64 sum per tile element across the loop, which at
+# the forward's 4096 elements on 8 warps cost the backward occupancy. At 2048 (sm_90a, BERT-base's training shapes,
+# `python benchmarks/loop_barriers.py`): 48-68 registers in bf16, 94 for the GeGLU's (at 4096 with per-tile
+# reductions before: 76-97 and 154, and 16 and 32 barriers in every loop iteration; now none), still one 16-byte
+# load per thread and operand per iteration in 16-bit.
 _BWD_TILE_ELEMENTS = 65536 if INTERPRETER else 2048
 _MAX_BLOCK_N = 1024
 # The backward's tile and its fp64 column sums on 4 warps spilled 4 to 16 bytes on sm_80 and sm_90a (Triton 3.9)

@@ -6,7 +6,7 @@ import json
 import pytest
 import triton
 
-from fastbert.bench import compile_cases, compile_report
+from fastbert.bench import compile_cases, compile_report, cubin
 from fastbert.bench.compile_audit import GPU_ENVIRONMENT_TRITON, GPU_ENVIRONMENT_TRITON_DIR, gate_failures
 from fastbert.simulated.stand_in_gpu import A100, H100, occupancy
 
@@ -123,3 +123,28 @@ def test_cli_writes_one_row_per_compiled_kernel(tmp_path, capsys):
         assert row["registers"] > 0 and row["shared_bytes"] >= 0 and row["commit"] and row["ptxas"]
         assert [u["chosen_by"] for u in row["uses"]] == ["launcher"]
     assert "_layer_norm_fwd_kernel" in capsys.readouterr().out
+
+
+# cuobjdump -sass's layout: a loop from 0x0080 to a branch back at 0x00b0 holding one barrier, a second loop without
+# one, a forward branch (not a loop) over a barrier
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0080*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0090*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*00a0*/                   DADD R6, R6, R4 ;
+        /*00b0*/              @!P0 BRA 0x80 ;
+        /*00c0*/               @P1 BRA 0x100 ;
+        /*00d0*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0100*/                   IADD3 R0, R0, 0x1, RZ ;
+        /*0110*/               @P0 BRA 0x100 ;
+        /*0120*/                   EXIT ;
+"""
+
+
+def test_barriers_are_counted_per_loop():
+    """benchmarks/loop_barriers.py's reading of SASS: a loop is a branch back, its barriers those between the
+    branch's target and the branch; barriers outside loops and forward branches do not count."""
+    assert cubin.barriers_in_loops(SASS) == [1, 0]
+    assert cubin.barriers_in_loops(SASS.replace("@!P0 BRA 0x80", "@!P0 BRA 0x90")) == [1, 0]
+    assert cubin.barriers_in_loops(SASS.replace("@!P0 BRA 0x80", "@!P0 BRA 0xa0")) == [0, 0]

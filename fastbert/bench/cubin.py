@@ -45,6 +45,26 @@ def resources(cubin: bytes) -> dict:
             "wgmma": opcodes.count("HGMMA"), "mma": opcodes.count("HMMA")}
 
 
+def sass(cubin: bytes) -> str:
+    """The cubin's SASS (cuobjdump -sass)."""
+    return _cuobjdump(cubin, "-sass")
+
+
+_ADDRESS = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/", re.MULTILINE)
+_BACK_BRANCH = re.compile(r"\bBRA\s+(?:`\()?(0x[0-9a-f]+)")
+
+
+def barriers_in_loops(sass_text: str) -> list[int]:
+    """The barriers (BAR.SYNC) inside each loop of a kernel's SASS, one count per loop in address order: a loop is
+    a branch to a lower address, its body the instructions from that target to the branch. A barrier in a loop
+    that streams rows makes every warp wait for the slowest once per iteration."""
+    instructions = [(int(m.group(1), 16), line) for line in sass_text.splitlines() for m in [_ADDRESS.match(line)] if m]
+    loops = [(int(target.group(1), 16), address) for address, line in instructions
+             for target in [_BACK_BRANCH.search(line)] if target and int(target.group(1), 16) < address]
+    return [sum(1 for address, line in instructions if start <= address <= end and "BAR.SYNC" in line)
+            for start, end in sorted(loops)]
+
+
 def ptxas_spills(ptx: str, metadata: dict, capability: int) -> dict:
     """{spill_store_bytes, spill_load_bytes} per thread from `ptxas -v`, run by Triton's own make_cubin
     (the flags Triton compiles with) with its log printed, on the kernel's PTX."""
