@@ -17,6 +17,7 @@
 # microseconds, and launchers call them several times per launch.
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 from typing import Callable, Union
@@ -31,6 +32,7 @@ Grid = Union[tuple, Callable[[dict], tuple]]
 _DRIVERS = triton.runtime.driver  # .active: the driver now (a stand-in's while one is installed)
 _DTYPE = operator.attrgetter("dtype")
 _DATA_PTR = torch.Tensor.data_ptr
+_OR, _REDUCE = operator.or_, functools.reduce
 # Signatures kept per kernel: packed inputs change the token count (an int argument) from batch to batch; past
 # this many the cache starts again rather than grow without bound.
 SIGNATURES_PER_KERNEL = 4096
@@ -126,9 +128,13 @@ class KernelLauncher:
         # the exact key, built here rather than in a method (a call per launch), and flat (a tuple's hash is not
         # kept: nested tuples are hashed again on every lookup): per device (a compiled kernel is loaded on one)
         # and driver (a stand-in's stubs never reach a GPU), the argument types (which fix where each part
-        # starts), the ints' values, each tensor's dtype and 16-byte alignment, the constexprs' names and values
+        # starts), the ints' values, each tensor's dtype, the tensors' 16-byte alignment, the constexprs' names
+        # and values. Alignment: one bit, every address's low bits or-ed together, when all are aligned (nearly
+        # every launch), else each tensor's, in a tuple (a nested item never equal to the bit)
+        misaligned = _REDUCE(_OR, map(_DATA_PTR, tensors), 0) & 15
         key = (device, driver, types, *layout.ints(args), *map(_DTYPE, tensors),
-               *[address & 15 == 0 for address in map(_DATA_PTR, tensors)], *constexprs, *constexprs.values())
+               tuple(address & 15 == 0 for address in map(_DATA_PTR, tensors)) if misaligned else True,
+               *constexprs, *constexprs.values())
         entry = self.by_key.get(key)
         if entry is None:
             specialisation = (device, driver, self.specialisation(args, constexprs))
