@@ -8,6 +8,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fastbert.last_mask import LastMask
+
 
 def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, training=True, return_residual=False):
     """LayerNorm(dropout(x) + residual) over the last dim. x, residual [..., H]; weight [H]; bias [H] or None.
@@ -63,17 +65,24 @@ def qkv_projection(x, weight, bias, num_heads):
     return qkv.unbind(0)
 
 
+# what the last key mask gives, kept (fastbert.last_mask: every layer takes its forward's one mask): the additive
+# score bias per dtype, the query multiplier per dtype, and for packed sequences the padded layout's mask and rows
+_MASK_BIAS, _QUERY_KEEP, _PACKED_LAYOUT = LastMask(), LastMask(), LastMask()
+
+
 def _key_mask_bias(attention_mask, dtype):
     """[B, S] 1/0 mask -> additive [B, 1, 1, S] bias. A finite large negative (not -inf) keeps fully
     padded rows finite; those rows are zeroed afterwards by _zero_padded_queries."""
-    keep = attention_mask.to(torch.bool)
-    bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
-    return bias.masked_fill(~keep, torch.finfo(dtype).min)[:, None, None, :]
+    def make():
+        keep = attention_mask.to(torch.bool)
+        bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
+        return bias.masked_fill(~keep, torch.finfo(dtype).min)[:, None, None, :]
+    return _MASK_BIAS.get(attention_mask, dtype, make)
 
 
 def _zero_padded_queries(out, attention_mask):
     """out [B, heads, S, d]: rows of padded query positions become zeros."""
-    return out * attention_mask.to(out.dtype)[:, None, :, None]
+    return out * _QUERY_KEEP.get(attention_mask, out.dtype, lambda: attention_mask.to(out.dtype)[:, None, :, None])
 
 
 def relative_position_buckets(num_buckets: int = 32, max_distance: int = 128, device=None) -> torch.Tensor:
@@ -189,9 +198,8 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None,
     (past cu_seqlens[-1]) come out as zeros. Runs `attention` on the padded layout [B, heads, max_seqlen, d],
     built with sizes from the shapes (no host sync)."""
     batch = cu_seqlens.numel() - 1
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [B]
-    mask = torch.arange(max_seqlen, device=q.device)[None, :] < lengths[:, None]  # [B, S]
-    positions = packed_positions(cu_seqlens, q.shape[0], max_seqlen)
+    mask, positions = _PACKED_LAYOUT.get(cu_seqlens, (max_seqlen, q.shape[0]),
+                                         lambda: _padded_layout(cu_seqlens, max_seqlen, q.shape[0]))
 
     def to_padded(t):  # [T, heads, d] -> [B, heads, S, d]
         return pad(t, positions, batch, max_seqlen).transpose(1, 2)
@@ -200,6 +208,13 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None,
                     relative_buckets, rotary_base, window)
     out = F.pad(out.transpose(1, 2).flatten(0, 1), (0, 0, 0, 0, 0, 1))  # [B*S + 1, heads, d]: a zero row last
     return out.index_select(0, positions)  # [T, heads, d]
+
+
+def _padded_layout(cu_seqlens, max_seqlen: int, rows: int):
+    """(the key mask [B, max_seqlen] bool, packed_positions) of packed sequences."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [B]
+    mask = torch.arange(max_seqlen, device=cu_seqlens.device)[None, :] < lengths[:, None]  # [B, S]
+    return mask, packed_positions(cu_seqlens, rows, max_seqlen)
 
 
 def packed_positions(cu_seqlens, rows: int, max_seqlen: int) -> torch.Tensor:

@@ -90,7 +90,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from typing import Optional
 
 import torch
@@ -101,6 +100,7 @@ from fastbert.kernels.arguments import check_relative_bias, check_rotary_window
 from fastbert.kernels.fused_op import fused_op
 from fastbert.kernels.launch import cdiv, launch, next_power_of_2, placeholders
 from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_accumulate, dot_precision, philox_seed
+from fastbert.last_mask import LastMask
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -772,15 +772,8 @@ def _row_stats_strides(stats: torch.Tensor, varlen: bool) -> tuple[int, int]:
     return (0, strides[0]) if varlen else (strides[0], strides[1])
 
 
-# The bounds of the last key mask: every layer of an encoder takes its forward's one mask, forward and backward,
-# so they are computed once, not per call. Kept with a weak reference to the mask and its version (an in-place
-# change computes them anew); never for an inference-mode tensor (it has no version, and a static input buffer
-# refilled in place must not read old bounds) nor while a CUDA graph is captured, whose replays must compute them.
-_LAST_MASK: list = [None]
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+# the uint8 mask and bounds of the last key mask (fastbert.last_mask: every layer takes its forward's one mask)
+_LAST_MASK = LastMask()
 
 
 def _mask_and_bounds(q, key_mask, unread):
@@ -790,20 +783,17 @@ def _mask_and_bounds(q, key_mask, unread):
     if key_mask is None:
         bounds = unread[torch.int32]
         return unread[torch.uint8], bounds, bounds, 0, 0
-    last = _LAST_MASK[0]
-    cacheable = not key_mask.is_inference() and not _capturing(key_mask)
-    if cacheable and last is not None and last[0]() is key_mask and last[1] == key_mask._version:
-        return last[2]
+    return _LAST_MASK.get(key_mask, None, lambda: _bounds(key_mask))
+
+
+def _bounds(key_mask):
     keep = key_mask != 0  # [B, S] bool
     seqlen = keep.shape[1]
     positions = torch.arange(seqlen, device=keep.device, dtype=torch.int32)
     lo = torch.where(keep, positions, seqlen).amin(dim=1).to(torch.int32)
     hi = torch.where(keep, positions + 1, 0).amax(dim=1).to(torch.int32)
     mask = keep.view(torch.uint8)
-    bounds = mask, lo, hi, mask.stride(0), mask.stride(1)
-    if cacheable:
-        _LAST_MASK[0] = (weakref.ref(key_mask), key_mask._version, bounds)
-    return bounds
+    return mask, lo, hi, mask.stride(0), mask.stride(1)
 
 
 def _bias_by_distance(relative_bias, relative_buckets, unread):

@@ -1,0 +1,36 @@
+"""What attention derives from a key mask, made once per mask rather than once per layer.
+
+Every layer of an encoder takes its forward's one key mask [B, S], forward and backward, and each attention call
+turned it into the same few tensors (the Triton kernels' uint8 mask and bounds; the PyTorch path's additive
+score bias and query multiplier): 5 to 8 torch ops a layer, each a kernel launch on a GPU. `LastMask` keeps what
+was made from the last mask, with a weak reference to it and its version, so an in-place change makes it anew.
+Never for an inference-mode tensor (it has no version: a static input buffer refilled in place must not read old
+values) nor while a CUDA graph is captured, whose replays must compute them.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Hashable
+
+import torch
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+class LastMask:
+    """make() for (mask, key), the last result kept (key: what else the result depends on, e.g. a dtype)."""
+
+    def __init__(self):
+        self._last = None  # (weak reference to the mask, its version, key, result)
+
+    def get(self, mask: torch.Tensor, key: Hashable, make: Callable[[], Any]):
+        last = self._last
+        cacheable = not mask.is_inference() and not _capturing(mask)
+        if cacheable and last is not None and last[0]() is mask and last[1] == mask._version and last[2] == key:
+            return last[3]
+        result = make()
+        if cacheable:
+            self._last = (weakref.ref(mask), mask._version, key, result)
+        return result

@@ -1,0 +1,82 @@
+"""fastbert.last_mask: what attention derives from a key mask, made once per mask (not per layer) and anew when
+it could be stale; and the PyTorch path's attention using it."""
+import gc
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastbert import reference
+from fastbert.last_mask import LastMask
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_kept_per_mask_version_and_key():
+    cache, made = LastMask(), []
+
+    def make():
+        made.append(1)
+        return object()
+
+    mask = torch.tensor([[1, 1, 0]])
+    first = cache.get(mask, torch.float32, make)
+    assert cache.get(mask, torch.float32, make) is first and len(made) == 1
+    assert cache.get(mask, torch.bfloat16, make) is not first  # another key
+    again = cache.get(mask, torch.bfloat16, make)
+    mask[0, 2] = 1  # an in-place change bumps the version
+    assert cache.get(mask, torch.bfloat16, make) is not again
+    equal = torch.tensor([[1, 1, 1]])  # equal values, another tensor
+    assert cache.get(equal, torch.bfloat16, make) is not cache.get(mask, torch.bfloat16, make)
+    assert len(made) == 5
+
+
+def test_never_kept_for_an_inference_tensor_or_a_dead_mask():
+    cache = LastMask()
+    with torch.inference_mode():
+        static = torch.tensor([[1, 0]])
+        first = cache.get(static, None, object)
+        assert cache.get(static, None, object) is not first  # no version to tell a refilled buffer
+    mask = torch.tensor([[1, 0]])
+    kept = cache.get(mask, None, object)
+    del mask
+    gc.collect()
+    assert cache.get(torch.tensor([[1, 0]]), None, object) is not kept
+
+
+def test_reference_attention_derives_the_mask_once_per_forward():
+    """Every layer passes the same mask: the additive bias and the query multiplier are made by the first call
+    only, and the outputs equal those of fresh masks."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 4, 8, generator=g) for _ in range(3))
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    with _CountOps() as first:
+        out1 = reference.attention(q, k, v, mask, training=False)
+    with _CountOps() as second:
+        out2 = reference.attention(q, k, v, mask, training=False)
+    assert first.calls.count("masked_fill") == 1 and "masked_fill" not in second.calls
+    assert len(second.calls) < len(first.calls)
+    torch.testing.assert_close(out2, out1, rtol=0, atol=0)
+    torch.testing.assert_close(out2, reference.attention(q, k, v, mask.clone(), training=False), rtol=0, atol=0)
+    assert (out1[1, :, 2:] == 0).all()  # padded queries still zeros
+
+
+def test_reference_varlen_derives_the_padded_layout_once():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(5, 2, 8, generator=g) for _ in range(3))
+    cu_seqlens = torch.tensor([0, 3, 5], dtype=torch.int32)
+    with _CountOps() as first:
+        out1 = reference.attention_varlen(q, k, v, cu_seqlens, 3, training=False)
+    with _CountOps() as second:
+        out2 = reference.attention_varlen(q, k, v, cu_seqlens, 3, training=False)
+    assert first.calls.count("searchsorted") == 1 and "searchsorted" not in second.calls
+    torch.testing.assert_close(out2, out1, rtol=0, atol=0)
+    fresh = reference.attention_varlen(q, k, v, cu_seqlens.clone(), 3, training=False)
+    torch.testing.assert_close(out2, fresh, rtol=0, atol=0)
