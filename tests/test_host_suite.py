@@ -43,7 +43,7 @@ def test_every_case_has_a_comparison():
             "attention_varlen", "linear_cross_entropy", "dropout", "model"} == ops_measured
     for case in cases:
         assert set(case.providers) in ({host_suite.FASTBERT, host_suite.CUSTOM_OP, host_suite.TORCH},
-                                       {host_suite.FASTBERT, host_suite.HF_SDPA}), case.name
+                                       {host_suite.FASTBERT, host_suite.TORCH_PATH, host_suite.HF_SDPA}), case.name
 
 
 def test_the_quick_suite_writes_rows_perf_reads(tmp_path):
@@ -55,14 +55,14 @@ def test_the_quick_suite_writes_rows_perf_reads(tmp_path):
     assert {(r["op"], r["provider"], r["direction"]) for r in rows} == {
         (op, provider, direction) for op, providers in (("layer_norm", ("fastbert", "fastbert-custom-op", "torch")),
                                                         ("dropout", ("fastbert", "fastbert-custom-op", "torch")),
-                                                        ("model", ("fastbert", "hf-sdpa")))
+                                                        ("model", ("fastbert", "fastbert-eager", "hf-sdpa")))
         for provider in providers for direction in host_suite.DIRECTIONS}
     assert all(r["status"] == "ok" and r["host_us"] > 0 and r["suite"] == "host" for r in rows)
     # issue 25: fastbert's default forward and training step make the host wait zero times
-    assert [r["host_syncs"] for r in rows if r["op"] == "model" and r["provider"] == "fastbert"] == [0, 0]
+    assert [r["host_syncs"] for r in rows if r["op"] == "model" and r["provider"] != "hf-sdpa"] == [0] * 4
     assert "model/base" in done.stdout and "ratio" in done.stdout
     section = "\n".join(host_report.host_section(rows, report.provenance_line))
-    assert section.count("| model/base") == 2 and "fastbert bench --suite host" in section
+    assert section.count("| model/base") == 4 and "fastbert bench --suite host" in section
 
 
 def test_stubbed_launches_leave_nothing_behind():

@@ -5,6 +5,7 @@ HOST_COMMAND = "fastbert bench --suite host --out benchmarks/results"
 # The done-when of issue 25: a fused op's host time at most this many times PyTorch's same job
 OP_LIMIT = 1.5
 COMPARISONS = ("torch", "hf-sdpa")  # an op's: PyTorch's same job; a model's: transformers with SDPA
+FASTBERT_PROVIDERS = ("fastbert", "fastbert-eager")  # a model's also on its PyTorch path (backend "torch")
 
 
 def _newest(rows: list[dict]) -> list[dict]:
@@ -31,7 +32,8 @@ def host_section(rows: list[dict], provenance_line) -> list[str]:
             "Ops: `fwd` is an inference call (no_grad, dropout off), `fwd+bwd` a training "
             "forward and its backward, against the same job written with PyTorch's ops. Models: BERT-base's and "
             "ModernBERT-base's graphs (every layer and op, 2 heads of 32, hidden 64), fastbert (backend "
-            "\"triton\") against transformers with SDPA, both with default arguments: `fwd` an inference forward "
+            "\"triton\"; and, as fastbert-eager, backend \"torch\": what \"auto\" runs on CPU tensors) against "
+            "transformers with SDPA, all with default arguments: `fwd` an inference forward "
             "of a padded batch, `fwd+bwd` a pretraining step (loss, backward, AdamW). Syncs: what would make the "
             f"host wait for a GPU in one call (`fastbert.host_syncs`). The limit for an op is {OP_LIMIT}x; for a "
             "model, transformers' own time.", ""]
@@ -39,7 +41,7 @@ def host_section(rows: list[dict], provenance_line) -> list[str]:
     out += ["| case | direction | fastbert us | through the custom op us | PyTorch / transformers us | ratio | within "
             "| syncs (fastbert / other) |", "|---|---|---|---|---|---|---|---|"]
     for (case, direction, provider), row in by_key.items():
-        if provider != "fastbert":
+        if provider not in FASTBERT_PROVIDERS:
             continue
         other = next((by_key[(case, direction, p)] for p in COMPARISONS if (case, direction, p) in by_key), None)
         if other is None:
@@ -48,7 +50,8 @@ def host_section(rows: list[dict], provenance_line) -> list[str]:
         custom_us = f"{custom['host_us']:.1f}" if custom else "-"
         ratio = row["host_us"] / other["host_us"]
         limit = OP_LIMIT if row["op"] != "model" else 1.0
-        out.append(f"| {case} | {direction} | {row['host_us']:.1f} | {custom_us} | {other['host_us']:.1f} "
+        label = case if provider == "fastbert" else f"{case} [{provider}]"
+        out.append(f"| {label} | {direction} | {row['host_us']:.1f} | {custom_us} | {other['host_us']:.1f} "
                    f"({other['provider']}) | {ratio:.2f} | {'yes' if ratio <= limit else '**no**'} "
                    f"| {row['host_syncs']} / {other['host_syncs']} |")
     return out + ["", provenance_line(run), ""]

@@ -11,10 +11,10 @@ Ops: each fused op against "the same job in PyTorch" as a user writes it (op_cas
 dropout + add + F.layer_norm, F.gelu(x + b), F.linear and views, SDPA, F.linear + F.cross_entropy, ...), in
 two directions: "fwd" (under torch.no_grad, as at inference) and "fwd+bwd" (the forward with autograd, then
 the backward). Models: BERT-base's and ModernBERT-base's op graphs (their layer and head counts, every op) at
-the narrow widths below, fastbert on its Triton path (backend="triton") against transformers with SDPA, both
-called with their default arguments: an inference forward of a padded batch (eval, no_grad) and a training
-step (the pretraining head's loss, backward, AdamW's step). Each row also counts the host syncs of one call
-(fastbert.host_syncs: what would make the host wait for a GPU).
+the narrow widths below, fastbert on its Triton path (backend="triton") and on its PyTorch path (TORCH_PATH),
+against transformers with SDPA, all called with their default arguments: an inference forward of a padded batch
+(eval, no_grad) and a training step (the pretraining head's loss, backward, AdamW's step). Each row also counts
+the host syncs of one call (fastbert.host_syncs: what would make the host wait for a GPU).
 """
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ from fastbert.kernels.fused_op import always_custom_op
 from fastbert.simulated.host_time import interleaved_host_microseconds, one_thread, stubbed_launches
 
 FASTBERT, TORCH, HF_SDPA = op_cases.FASTBERT, op_cases.TORCH, model_cases.HF_SDPA
+# fastbert's model on its PyTorch path (backend "torch"): what "auto" runs on CPU tensors (and, on an H100, for
+# the QKV projection at BERT-base's width and for attention without a mask: fastbert/paths.json)
+TORCH_PATH = model_cases.EAGER
 # fastbert's ops with every eager call through its torch.library custom op (kernels/fused_op.py: what an eager call
 # costs that way, beside the direct call fastbert makes)
 CUSTOM_OP = "fastbert-custom-op"
@@ -207,11 +210,13 @@ def _model_calls(size: str, provider: str) -> Callable[[str], Callable[[], None]
     training step of the pretraining head (loss, backward, AdamW). Default arguments, as a user calls them."""
     def make(direction: str) -> Callable[[], None]:
         config = model_config(size)
+        if provider == TORCH_PATH:
+            config = config.replace(backend="torch")
         mode = "inference" if direction == "fwd" else "train"
         model = model_cases.build_model(provider, config, mode, torch.device("cpu"))
         batch = model_cases.make_batch(config, MODEL_BATCH, MODEL_SEQLEN, True, torch.device("cpu"))
         tensors = batch["tensors"]
-        if provider == FASTBERT and mode == "train":  # the MLM head's static budget, as `fastbert pretrain` sets it
+        if provider != HF_SDPA and mode == "train":  # the MLM head's static budget, as `fastbert pretrain` sets it
             model.config.max_predictions_per_seq = batch["most_labelled"]
         if mode == "inference":
             inputs = {k: tensors[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in tensors}
@@ -234,7 +239,7 @@ def _model_calls(size: str, provider: str) -> Callable[[str], Callable[[], None]
 def model_host_cases() -> list[HostCase]:
     return [HostCase(f"model/{size},layers={model_config(size).num_hidden_layers},hidden={NARROW['hidden_size']},"
                      f"batch={MODEL_BATCH},seqlen={MODEL_SEQLEN},padded", "model",
-                     {FASTBERT: _model_calls(size, FASTBERT), HF_SDPA: _model_calls(size, HF_SDPA)})
+                     {provider: _model_calls(size, provider) for provider in (FASTBERT, TORCH_PATH, HF_SDPA)})
             for size in ("base", "modernbert-base")]
 
 
@@ -287,12 +292,13 @@ def measure(quick: bool = False, progress: bool = True, only=None) -> list[dict]
 
 
 def summary(rows: list[dict]) -> str:
-    """Each case and direction: fastbert's host us, the same through the custom op, the comparison's (PyTorch's job,
-    or transformers), fastbert's ratio to it and the host syncs of each."""
+    """Each case and direction: fastbert's host us (a model's on both paths), the same through the custom op, the
+    comparison's (PyTorch's job, or transformers), fastbert's ratio to it and the host syncs of each."""
     by_key = {(r["case"], r["direction"], r["provider"]): r for r in rows if r["status"] == "ok"}
-    lines = [f"{'case':<62} {'dir':<8} {'fastbert us':>11} {'custom op':>9} {'other us':>9} {'ratio':>6} {'syncs':>7}"]
+    lines = [f"{'case':<62} {'provider':<14} {'dir':<8} {'fastbert us':>11} {'custom op':>9} {'other us':>9} "
+             f"{'ratio':>6} {'syncs':>7}"]
     for (case, direction, provider), row in by_key.items():
-        if provider != FASTBERT:
+        if provider not in (FASTBERT, TORCH_PATH):
             continue
         custom = by_key.get((case, direction, CUSTOM_OP))
         other = by_key.get((case, direction, TORCH)) or by_key.get((case, direction, HF_SDPA))
@@ -300,6 +306,6 @@ def summary(rows: list[dict]) -> str:
         other_us = f"{other['host_us']:.1f}" if other else "-"
         custom_us = f"{custom['host_us']:.1f}" if custom else "-"
         syncs = f"{row['host_syncs']}/{other['host_syncs']}" if other else str(row["host_syncs"])
-        lines.append(f"{case[:62]:<62} {direction:<8} {row['host_us']:>11.1f} {custom_us:>9} {other_us:>9} {ratio:>6} "
-                     f"{syncs:>7}")
+        lines.append(f"{case[:62]:<62} {provider:<14} {direction:<8} {row['host_us']:>11.1f} {custom_us:>9} "
+                     f"{other_us:>9} {ratio:>6} {syncs:>7}")
     return "\n".join(lines)
