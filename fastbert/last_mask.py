@@ -5,7 +5,8 @@ turned it into the same few tensors (the Triton kernels' uint8 mask and bounds; 
 score bias and query multiplier): 5 to 8 torch ops a layer, each a kernel launch on a GPU. `LastMask` keeps what
 was made from the last mask, with a weak reference to it and its version, so an in-place change makes it anew.
 Never for an inference-mode tensor (it has no version: a static input buffer refilled in place must not read old
-values) nor while a CUDA graph is captured, whose replays must compute them.
+values), while a CUDA graph is captured, whose replays must compute them, nor while PyTorch traces or transforms
+the call (torch.compile, fake tensors, dispatch modes, vmap): what it makes there belongs to the trace.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import weakref
 from typing import Any, Callable, Hashable
 
 import torch
+
+from fastbert.kernels.fused_op import tracing
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -27,6 +30,8 @@ class LastMask:
 
     def get(self, mask: torch.Tensor, key: Hashable, make: Callable[[], Any]):
         last = self._last
+        if tracing():
+            return make()
         cacheable = not mask.is_inference() and not _capturing(mask)
         if cacheable and last is not None and last[0]() is mask and last[1] == mask._version and last[2] == key:
             return last[3]

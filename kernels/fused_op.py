@@ -22,13 +22,13 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _AUTOGRAD_APPLY = torch._C._FunctionBase.__dict__["apply"]  # autograd.Function's C apply (a classmethod)
 
 
-# looked up once: _tracing runs on every fused op call (torch.compile still recognises is_compiling by identity)
+# looked up once: tracing runs on every fused op call (torch.compile still recognises is_compiling by identity)
 _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _functorch_transforms = torch._C._are_functorch_transforms_active
 
 
-def _tracing() -> bool:
+def tracing() -> bool:
     """Whether PyTorch traces or transforms the call: torch.compile / torch.export, a dispatch mode (fake
     tensors, proxies, fastbert's memory tracker), or a functorch transform (vmap, grad), whose wrapped
     tensors look like plain ones."""
@@ -74,13 +74,13 @@ class FusedOp:
 
         EagerFunction.__name__ = EagerFunction.__qualname__ = f"{forward_function.__name__}_eager"
         # autograd's own apply, without Function.apply's Python layer (functorch's unwrapping, ~2 us a call):
-        # the eager path never runs under a functorch transform (_tracing)
+        # the eager path never runs under a functorch transform (tracing)
         self._eager_apply = _AUTOGRAD_APPLY.__get__(None, EagerFunction)
 
     def __call__(self, *args):
         if len(args) < self._arity:
             args += self._defaults[len(args):]
-        if _ALWAYS_CUSTOM_OP[0] or _tracing():
+        if _ALWAYS_CUSTOM_OP[0] or tracing():
             return self.custom_op(*args)
         # one pass: a tensor that is not a plain one on a real device takes the custom op (meta tensors its
         # shape-only fake registration); any that requires grad takes autograd
