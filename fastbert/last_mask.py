@@ -18,8 +18,10 @@ import torch
 from fastbert.kernels.fused_op import tracing
 
 
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+def may_keep(device: torch.device) -> bool:
+    """Whether what a call makes on `device` may be kept for later calls: not while PyTorch traces or transforms
+    the call, nor while a CUDA graph is captured (its replays must make it again)."""
+    return not tracing() and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 class LastMask:
@@ -30,12 +32,10 @@ class LastMask:
 
     def get(self, mask: torch.Tensor, key: Hashable, make: Callable[[], Any]):
         last = self._last
-        if tracing():
+        if not may_keep(mask.device) or mask.is_inference():
             return make()
-        cacheable = not mask.is_inference() and not _capturing(mask)
-        if cacheable and last is not None and last[0]() is mask and last[1] == mask._version and last[2] == key:
+        if last is not None and last[0]() is mask and last[1] == mask._version and last[2] == key:
             return last[3]
         result = make()
-        if cacheable:
-            self._last = (weakref.ref(mask), mask._version, key, result)
+        self._last = (weakref.ref(mask), mask._version, key, result)
         return result

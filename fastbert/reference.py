@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fastbert.last_mask import LastMask
+from fastbert.last_mask import LastMask, may_keep
 
 
 def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, training=True, return_residual=False):
@@ -130,12 +130,33 @@ def rotate(x, base: float):
     (float64 for float64 x) and returned in x's dtype."""
     d = x.shape[-1]
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, device=x.device, dtype=torch.int64).to(work) / d))
-    angles = torch.arange(x.shape[-2], device=x.device, dtype=work)[:, None] * inv_freq[None]  # [S, d/2]
-    cos, sin = torch.cat([angles, angles], dim=-1).cos(), torch.cat([angles, angles], dim=-1).sin()
+    cos, sin = _rotary_tables(x.device, x.shape[-2], d, base, work)
     xw = x.to(work)
     half = torch.cat([-xw[..., d // 2:], xw[..., : d // 2]], dim=-1)
     return (xw * cos + half * sin).to(x.dtype)
+
+
+# (device, positions, head dim, base, dtype) -> rotate's (cos, sin), made once: every layer of a rotary model rotates
+# q and k at the same positions, and took 12 torch ops a call to make them. A few entries (ModernBERT's global and
+# local layers have their own bases; packed batches bring their own lengths), each [S, d]
+_ROTARY_TABLES: dict = {}
+ROTARY_TABLES_KEPT = 8
+
+
+def _rotary_tables(device, seqlen: int, d: int, base: float, work: torch.dtype):
+    """(cos, sin) [seqlen, d] in `work` at angles position * base ** (-2i / d), i < d/2, repeated over both halves."""
+    key = (device, seqlen, d, base, work)
+    keep = may_keep(device)
+    found = _ROTARY_TABLES.get(key) if keep else None
+    if found is None:
+        inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, device=device, dtype=torch.int64).to(work) / d))
+        angles = torch.arange(seqlen, device=device, dtype=work)[:, None] * inv_freq[None]  # [S, d/2]
+        found = torch.cat([angles, angles], dim=-1).cos(), torch.cat([angles, angles], dim=-1).sin()
+        if keep:
+            if len(_ROTARY_TABLES) >= ROTARY_TABLES_KEPT:
+                _ROTARY_TABLES.clear()
+            _ROTARY_TABLES[key] = found
+    return found
 
 
 def _score_bias(q, attention_mask, relative_bias, relative_buckets, window=None):

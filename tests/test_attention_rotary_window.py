@@ -133,6 +133,22 @@ def test_inverse_frequencies_are_transformers_and_made_once(device):
     assert attn._inv_freq(q, None, unread) is unread[torch.float32]  # no rotary positions: the placeholder
 
 
+def test_reference_rotary_tables_are_made_once(device):
+    """The PyTorch path's cos and sin tables are made once per device, length, head dim, base and dtype (every
+    layer rotates q and k at the same positions), not while torch.compile traces, and rotate's result is the
+    same from kept tables."""
+    x = torch.randn(2, 2, 5, 32, device=device)
+    reference._ROTARY_TABLES.clear()
+    first = reference.rotate(x, LOCAL_THETA)
+    tables = reference._rotary_tables(x.device, 5, 32, LOCAL_THETA, torch.float32)
+    assert reference._rotary_tables(x.device, 5, 32, LOCAL_THETA, torch.float32) is tables
+    assert torch.equal(reference.rotate(x, LOCAL_THETA), first)
+    assert reference._rotary_tables(x.device, 5, 32, GLOBAL_THETA, torch.float32) is not tables  # another base
+    kept = dict(reference._ROTARY_TABLES)
+    torch.compile(lambda t: reference.rotate(t, 500.0), backend="eager", fullgraph=True)(x)
+    assert reference._ROTARY_TABLES == kept  # what a trace makes is not kept
+
+
 @pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
 def test_reference_and_kernel_are_transformers_modernbert(device, layer_type):
     """reference.attention with the layer's theta and window (config.sliding_window, |i - j| <= 64 on
