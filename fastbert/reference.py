@@ -66,8 +66,9 @@ def qkv_projection(x, weight, bias, num_heads):
 
 
 # what the last key mask gives, kept (fastbert.last_mask: every layer takes its forward's one mask): the additive
-# score bias per dtype, the query multiplier per dtype, and for packed sequences the padded layout's mask and rows
-_MASK_BIAS, _QUERY_KEEP, _PACKED_LAYOUT = LastMask(), LastMask(), LastMask()
+# score bias per dtype, with a sliding window's band per dtype and window, the query multiplier per dtype, and for
+# packed sequences the padded layout's mask and rows
+_MASK_BIAS, _MASK_AND_BAND, _QUERY_KEEP, _PACKED_LAYOUT = LastMask(), LastMask(), LastMask(), LastMask()
 
 
 def _key_mask_bias(attention_mask, dtype):
@@ -163,16 +164,25 @@ def _score_bias(q, attention_mask, relative_bias, relative_buckets, window=None)
     """What is added to q k^T * scale: the key mask's bias [B, 1, 1, S], the relative-position bias
     [heads, S, S] and the sliding window's band (-inf where |i - j| > window) (any may be absent: None when
     all are)."""
+    if window is not None and relative_bias is None and attention_mask is not None:
+        # the mask's terms alone (ModernBERT's local layers), kept per mask: [B, 1, S, S], as each layer made
+        return _MASK_AND_BAND.get(attention_mask, (q.dtype, window),
+                                  lambda: _key_mask_bias(attention_mask, q.dtype) + _band(q, window))
     bias = None if attention_mask is None else _key_mask_bias(attention_mask, q.dtype)
     if relative_bias is not None:
         position_bias = _relative_position_bias(relative_bias, relative_buckets, q.shape[2], q.dtype)
         bias = position_bias if bias is None else bias + position_bias
     if window is not None:
-        positions = torch.arange(q.shape[2], device=q.device)
-        outside = (positions[None, :] - positions[:, None]).abs() > window  # [S, S]
-        band = torch.zeros(outside.shape, dtype=q.dtype, device=q.device).masked_fill(outside, float("-inf"))
+        band = _band(q, window)
         bias = band if bias is None else bias + band
     return bias
+
+
+def _band(q, window: int) -> torch.Tensor:
+    """[S, S] in q's dtype: 0 where |i - j| <= window, -inf elsewhere."""
+    positions = torch.arange(q.shape[2], device=q.device)
+    outside = (positions[None, :] - positions[:, None]).abs() > window  # [S, S]
+    return torch.zeros(outside.shape, dtype=q.dtype, device=q.device).masked_fill(outside, float("-inf"))
 
 
 def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, relative_bias=None,

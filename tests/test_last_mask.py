@@ -79,3 +79,17 @@ def test_reference_varlen_derives_the_padded_layout_once():
     torch.testing.assert_close(out2, out1, rtol=0, atol=0)
     fresh = reference.attention_varlen(q, k, v, cu_seqlens.clone(), 3, training=False)
     torch.testing.assert_close(out2, fresh, rtol=0, atol=0)
+
+
+def test_reference_local_layers_share_the_mask_and_band():
+    """ModernBERT's local layers add the window's band to the key mask's bias: made once per mask, dtype and
+    window, equal to the terms made fresh."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 2, 6, 8, generator=g)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    first = reference._score_bias(q, mask, None, None, window=2)
+    assert reference._score_bias(q, mask, None, None, window=2) is first
+    assert reference._score_bias(q, mask, None, None, window=3) is not first
+    fresh = reference._key_mask_bias(mask.clone(), q.dtype) + reference._band(q, 2)
+    torch.testing.assert_close(first, fresh, rtol=0, atol=0)
+    assert first.shape == (2, 1, 6, 6) and first[1, 0, 0, 3] == float("-inf") and first[1, 0, 0, 2] == 0
