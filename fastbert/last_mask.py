@@ -3,7 +3,8 @@
 Every layer of an encoder takes its forward's one key mask [B, S], forward and backward, and each attention call
 turned it into the same few tensors (the Triton kernels' uint8 mask and bounds; the PyTorch path's additive
 score bias and query multiplier): 5 to 8 torch ops a layer, each a kernel launch on a GPU. `LastMask` keeps what
-was made from the last mask, with a weak reference to it and its version, so an in-place change makes it anew.
+was made from the last mask, with a weak reference to it and its version, so an in-place change makes it anew,
+and lets it go with the mask (a local layer's bias is [B, 1, S, S]).
 Never for an inference-mode tensor (it has no version: a static input buffer refilled in place must not read old
 values), while a CUDA graph is captured, whose replays must compute them, nor while PyTorch traces or transforms
 the call (torch.compile, fake tensors, dispatch modes, vmap): what it makes there belongs to the trace.
@@ -37,5 +38,10 @@ class LastMask:
         if last is not None and last[0]() is mask and last[1] == mask._version and last[2] == key:
             return last[3]
         result = make()
-        self._last = (weakref.ref(mask), mask._version, key, result)
+        self._last = (weakref.ref(mask, self._forget), mask._version, key, result)
         return result
+
+    def _forget(self, gone: weakref.ref) -> None:
+        """The kept mask was freed: so is what was made from it."""
+        if self._last is not None and self._last[0] is gone:
+            self._last = None
