@@ -2,8 +2,8 @@
 # mask stored anywhere (DESIGN.md: dropout masks are regenerated from the seed, never stored).
 #
 # Algorithm. x is seen as a 2-D [rows, N] view (N its last dimension, any strides). Each program works
-# on a [BLOCK_ROWS, BLOCK_N] tile; the keep-mask comes from Philox (`tl.rand`) keyed by an int64 seed
-# and counted by the element's logical offset row * N + col, so it depends on neither strides nor tiles.
+# on a [BLOCK_ROWS, BLOCK_N] tile; the keep-mask comes from Philox keyed by an int64 seed, one call per four
+# consecutive columns of a row (numerics.keep_mask_rows), so it depends on neither strides nor tiles.
 # Dropout is linear and its own backward: dx = dy * keep / (1 - p) with the same mask, so the backward
 # runs the same kernel on dy with the forward's seed. What the autograd keeps is the seed (8 bytes):
 # PyTorch's F.dropout keeps a bool mask of x's size (1 byte per element; on CUDA, native_dropout's).
@@ -14,7 +14,7 @@
 # x fp32, fp16 or bf16; 0 <= p < 1. Philox draws
 # are not PyTorch's, so the mask differs from F.dropout's for the same torch seed (same rate).
 #
-# Sources: the Triton tutorial "Low-Memory Dropout" (seeded dropout from tl.rand over element offsets)
+# Sources: the Triton tutorial "Low-Memory Dropout" (seeded dropout from Philox over element offsets)
 # and flash-attention's flash_attn/ops/triton/layer_norm.py (the seed regenerated in the backward).
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ import triton.language as tl
 
 from fastbert.kernels.fused_op import fused_op
 from fastbert.kernels.launch import cdiv, launch, next_power_of_2
-from fastbert.kernels.numerics import INTERPRETER, cast, philox_seed
+from fastbert.kernels.numerics import INTERPRETER, cast, keep_mask_rows, philox_seed
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# On a GPU, 2048-element tiles at 8 elements per thread (8 warps): each element draws one Philox number,
-# which is register-hungry; under the interpreter (CPU) each Triton op costs a fixed overhead, so tiles are
+# On a GPU, 2048-element tiles at 8 elements per thread (8 warps): each four elements of a row take one
+# Philox call, which is register-hungry; under the interpreter (CPU) each Triton op costs a fixed overhead, so tiles are
 # as large as numpy handles comfortably.
 GPU_TILE_ELEMENTS = 2048
 GPU_ELEMENTS_PER_THREAD = 8
@@ -53,10 +53,9 @@ def _dropout_kernel(
     in_tile = (rows < n_rows)[:, None] & (cols < N)[None, :]
     x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :].to(tl.int64) * stride_x_col, mask=in_tile,
                 other=0.0)
-    offsets = rows[:, None] * N + cols[None, :]  # int64: rows * N can pass 2**31
-    keep = tl.rand(tl.load(SEED), offsets) >= p
+    keep = keep_mask_rows(tl.load(SEED), rows, tl.program_id(1) * BLOCK_N, N, p, BLOCK_ROWS, BLOCK_N)
     y = tl.where(keep, cast(x, tl.float32) * scale, 0.0)
-    tl.store(Y + offsets, cast(y, Y.dtype.element_ty), mask=in_tile)
+    tl.store(Y + rows[:, None] * N + cols[None, :], cast(y, Y.dtype.element_ty), mask=in_tile)  # int64 offsets
 
 
 def _check_inputs(x: torch.Tensor, p: float) -> None:
@@ -77,8 +76,9 @@ def check_limits(x: torch.Tensor) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _tile(n: int) -> tuple[int, int, int]:
-    """(BLOCK_ROWS, BLOCK_N, num_warps) for rows of n elements."""
-    block_n = min(MAX_BLOCK_N, next_power_of_2(n))
+    """(BLOCK_ROWS, BLOCK_N, num_warps) for rows of n elements; BLOCK_N at least 4 (the mask takes columns four
+    at a time)."""
+    block_n = min(MAX_BLOCK_N, max(4, next_power_of_2(n)))
     if INTERPRETER:
         return max(1, INTERPRETER_TILE_ELEMENTS // block_n), block_n, 4
     block_rows = max(1, GPU_TILE_ELEMENTS // block_n)

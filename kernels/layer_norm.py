@@ -8,10 +8,10 @@
 # it); the backward then adds the incoming gradient of summed to dh before it becomes dresidual and dx.
 #
 # Algorithm. Each program works on tiles of BLOCK_ROWS whole rows, [BLOCK_ROWS, BLOCK_H] in registers
-# (BLOCK_H is the next power of two of H; several rows per tile keep small hidden sizes from leaving
-# most of a program idle). The dropout keep-mask comes from Philox (`tl.rand`) keyed by a seed and
-# counted by the element's logical offset row * H + col, so it does not depend on strides or tiling and
-# the backward regenerates it. The forward reads x and the residual in their own dtype, computes each
+# (BLOCK_H is the next power of two of H, at least 4; several rows per tile keep small hidden sizes from
+# leaving most of a program idle). The dropout keep-mask comes from Philox keyed by a seed, one call per four
+# consecutive columns of a row (numerics.keep_mask_rows), so it does not depend on strides or tiling and the
+# backward regenerates it. The forward reads x and the residual in their own dtype, computes each
 # row's statistics in fp32 in two passes over the registers (mean, then the centred variance) and
 # writes y (in the dtype the caller asks for: a 16-bit y from fp32 embeddings under autocast) and the
 # fp32 mean and rstd of each row: no mask, no pre-norm sum and no fp32 copy of a 16-bit input are stored.
@@ -75,7 +75,7 @@ import triton.language as tl
 from fastbert.kernels.fused_op import fused_op
 from fastbert.kernels.launch import cdiv, launch, next_power_of_2
 from fastbert.kernels.matmul import sm_count
-from fastbert.kernels.numerics import INTERPRETER, cast, philox_seed
+from fastbert.kernels.numerics import INTERPRETER, cast, keep_mask_rows, philox_seed
 
 MAX_HIDDEN = 8192
 SAVE_CHOICES = ("output", "input")  # what the backward works from (see the header)
@@ -101,13 +101,6 @@ INTERPRETER_TILE_ELEMENTS = 65536
 # only has to be fixed.
 BACKWARD_PROGRAMS_PER_SM = 8
 INTERPRETER_BACKWARD_PROGRAMS = 16
-
-
-@triton.jit
-def _keep_mask(SEED, rows, cols, H, dropout_p):
-    """The dropout keep-mask of a [BLOCK_ROWS, BLOCK_H] tile: Philox keyed by the seed, counted by the
-    element's logical offset (int64: rows * H can pass 2**31), so forward and backward draw the same."""
-    return tl.rand(tl.load(SEED), rows[:, None] * H + cols[None, :]) >= dropout_p
 
 
 @triton.jit
@@ -137,7 +130,7 @@ def _pre_norm_tile(
     h = cast(h, tl.float32)
     keep = in_tile
     if HAS_DROPOUT:
-        keep = _keep_mask(SEED, rows, cols, H, dropout_p)
+        keep = keep_mask_rows(tl.load(SEED), rows, 0, H, dropout_p, rows.shape[0], cols.shape[0])
         h = tl.where(keep, h * dropout_scale, 0.0)
     if HAS_RESIDUAL:
         r = tl.load(R + rows[:, None] * stride_r_row + cols[None, :] * stride_r_col, mask=in_tile, other=0.0)
@@ -281,7 +274,8 @@ def _layer_norm_bwd_kernel(
         if HAS_RESIDUAL:
             tl.store(DR + out_offsets, cast(dh, DR.dtype.element_ty), mask=in_tile)
         if HAS_DROPOUT:
-            dh = tl.where(_keep_mask(SEED, rows, cols, H, dropout_p), dh * dropout_scale, 0.0)
+            keep = keep_mask_rows(tl.load(SEED), rows, 0, H, dropout_p, BLOCK_ROWS, BLOCK_H)
+            dh = tl.where(keep, dh * dropout_scale, 0.0)
         tl.store(DX + out_offsets, cast(dh, DX.dtype.element_ty), mask=in_tile)
         dw += dy * xhat
         if HAS_BIAS:
@@ -331,8 +325,9 @@ def check_limits(x, weight, bias, residual, out_dtype) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _tile(hidden: int) -> tuple[int, int, int]:
-    """(BLOCK_ROWS, BLOCK_H, num_warps) for rows of `hidden` elements."""
-    block_h = next_power_of_2(hidden)
+    """(BLOCK_ROWS, BLOCK_H, num_warps) for rows of `hidden` elements; BLOCK_H at least 4 (the dropout mask
+    takes columns four at a time)."""
+    block_h = max(4, next_power_of_2(hidden))
     if INTERPRETER:
         return max(1, INTERPRETER_TILE_ELEMENTS // block_h), block_h, 4
     block_rows = max(1, GPU_TILE_ELEMENTS // block_h)

@@ -151,3 +151,23 @@ def dot_accumulate(a, b, acc, PRECISION: tl.constexpr):
         return _rounded_add(acc, dot(a, b, None, PRECISION))
     else:
         return dot(a, b, acc, PRECISION)
+
+
+# Dropout's keep-mask along rows. tl.rand(seed, offset) runs one Philox-4x32-10 call per element and keeps one of
+# its four 32-bit outputs: ten rounds of 32-bit multiplies (18 IMAD.WIDE / IMAD.HI per element compiled for
+# sm_90), more issue slots per element than the bytes a fused elementwise kernel moves take at HBM speed. Here
+# each call decides four consecutive columns, as PyTorch's fused dropout (curand_uniform4) and flash-attention
+# use all four outputs.
+@triton.jit
+def keep_mask_rows(seed, rows, first_col, row_length, dropout_p, BLOCK_ROWS: tl.constexpr,
+                   BLOCK_COLS: tl.constexpr):
+    """The dropout keep-mask [BLOCK_ROWS, BLOCK_COLS] of rows (int64 [BLOCK_ROWS]) and columns first_col +
+    [0, BLOCK_COLS) of a [*, row_length] tensor (first_col and BLOCK_COLS multiples of 4): element (row, col)
+    is kept where output col % 4 of the Philox call counted row * ceil(row_length / 4) + col // 4 is >= dropout_p
+    as a uniform float. It depends on the seed and the element alone, never on the tiles."""
+    groups = first_col // 4 + tl.arange(0, BLOCK_COLS // 4)
+    counters = rows[:, None] * ((row_length + 3) // 4) + groups[None, :]  # int64
+    u0, u1, u2, u3 = tl.rand4x(seed, counters)
+    # [BLOCK_ROWS, BLOCK_COLS // 4, 2, 2] in the order (u0, u1, u2, u3) per group, then one column each
+    u = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), (BLOCK_ROWS, BLOCK_COLS))
+    return u >= dropout_p

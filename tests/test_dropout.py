@@ -37,6 +37,21 @@ def test_same_seed_same_mask(device):
     assert not torch.equal(first[0], first[1])  # rows do not share a mask: the element offset drives Philox
 
 
+def test_each_philox_output_decides_its_own_column(device):
+    """One Philox call decides four consecutive columns (numerics.keep_mask_rows): each of its outputs keeps its
+    column at the rate, and the four decisions are independent (all four equal for p^4 + (1 - p)^4 of the
+    groups: 1/8 at p = 1/2, where one output copied to four columns would make it 1); a width that is no
+    multiple of 4 and several column tiles included."""
+    rows, width = 50, 4 * 1025 + 3
+    keep = _seeded(torch.ones(rows, width, device=device), 0.5, seed=7) != 0
+    for position in range(4):
+        assert abs(keep[:, position::4].double().mean().item() - 0.5) < 0.02, position
+    groups = keep[:, :4 * 1025].reshape(rows, 1025, 4)
+    all_equal = (groups.all(dim=-1) | ~groups.any(dim=-1)).double().mean().item()
+    assert abs(all_equal - 0.125) < 0.02, all_equal
+    assert not torch.equal(keep[:, :4], keep[:, 4:8])  # the groups of a row differ
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1,), (113, 97), (3, 37, 129)], ids=str)
 def test_forward_backward_use_one_mask(shape, dtype, device):
