@@ -5,6 +5,7 @@ run on Triton's PTX exactly as Triton runs it.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import io
@@ -51,6 +52,13 @@ def sass(cubin: bytes) -> str:
 
 
 _ADDRESS = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/", re.MULTILINE)
+# an instruction line's mnemonic with its modifiers (IMAD.WIDE.U32), after an optional predicate (@P0, @!UPT)
+_MNEMONIC = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.MULTILINE)
+
+
+def mnemonics(sass_text: str) -> collections.Counter:
+    """How many times each instruction (mnemonic with modifiers) appears in a kernel's SASS."""
+    return collections.Counter(_MNEMONIC.findall(sass_text))
 _BACK_BRANCH = re.compile(r"\bBRA\s+(?:`\()?(0x[0-9a-f]+)")
 
 
