@@ -148,3 +148,11 @@ def test_barriers_are_counted_per_loop():
     assert cubin.barriers_in_loops(SASS) == [1, 0]
     assert cubin.barriers_in_loops(SASS.replace("@!P0 BRA 0x80", "@!P0 BRA 0x90")) == [1, 0]
     assert cubin.barriers_in_loops(SASS.replace("@!P0 BRA 0x80", "@!P0 BRA 0xa0")) == [0, 0]
+
+
+def test_mnemonics_are_counted_with_their_modifiers():
+    """benchmarks/dropout_sass.py's reading of SASS: each instruction's mnemonic with its modifiers, predicated or
+    not, once per line."""
+    counts = cubin.mnemonics(SASS.replace("IADD3 R0, R0, 0x1, RZ", "IMAD.WIDE.U32 R2, R0, R5, RZ"))
+    assert counts == {"MOV": 1, "BAR.SYNC.DEFER_BLOCKING": 3, "LDG.E.128": 1, "DADD": 1, "BRA": 3,
+                      "IMAD.WIDE.U32": 1, "EXIT": 1}
