@@ -1,11 +1,13 @@
-"""What the kernels that draw dropout masks in a row-major layout (the LayerNorm forward and backward, the dropout
-op) spend on Philox, compiled without a GPU for an H100 (sm_90a) by their own launchers at BERT-base's training
-shape (256 x 128 tokens, hidden 768, bf16, dropout and a residual) with the installed Triton.
+"""What the kernels that draw dropout masks (the LayerNorm forward and backward, the dropout op, attention's forward
+and backward) spend on Philox, compiled without a GPU for an H100 (sm_90a) by their own launchers at BERT-base's
+training shapes (256 x 128 tokens, hidden 768, 12 heads of 64, bf16, dropout, LayerNorm with a residual) with the
+installed Triton; attention's every autotuning candidate (the stand-in times them all alike).
 
     python benchmarks/dropout_sass.py
 
-Per kernel: registers, SASS instructions, the 32-bit multiplies Philox's rounds compile to (IMAD.WIDE.U32 and
-IMAD.HI.U32; nothing else in these kernels multiplies integers that wide) and barriers (BAR.SYNC).
+Per compiled kernel: registers, SASS instructions, the 32-bit multiplies Philox's rounds compile to (IMAD.WIDE.U32
+and IMAD.HI.U32, with any further modifier; a few address computations compile to them too), barriers
+(BAR.SYNC) and those inside each loop.
 """
 from __future__ import annotations
 
@@ -18,24 +20,30 @@ from fastbert.command import configure_logging
 from fastbert.simulated.stand_in_gpu import H100, LaunchLog, install
 
 logger = logging.getLogger("fastbert")
-TOKENS, HIDDEN, P = 256 * 128, 768, 0.1
+BATCH, SEQLEN, HIDDEN, HEADS, P = 256, 128, 768, 12, 0.1
+TOKENS = BATCH * SEQLEN
 PHILOX_MULTIPLIES = ("IMAD.WIDE.U32", "IMAD.HI.U32")  # with any further modifier (.X: the carry-in form)
 
 
 def launch_all() -> None:
-    """The training forward and the backward from the output of the LayerNorm with residual and dropout, and the
-    dropout op, on meta tensors (the stand-in compiles and runs nothing)."""
-    from fastbert.kernels import dropout, layer_norm
+    """The training forward and the backward from the output of the LayerNorm with residual and dropout, the
+    dropout op, and attention's forward and backward over a padded batch, on meta tensors (the stand-in compiles
+    and runs nothing)."""
+    from fastbert.kernels import attention, dropout, layer_norm
 
     def meta(*shape, dtype=torch.bfloat16):
         return torch.empty(shape, dtype=dtype, device="meta")
 
-    seed, weight, bias = meta(1, dtype=torch.int64), meta(HIDDEN, dtype=torch.float32), meta(HIDDEN, dtype=torch.float32)
+    seed = meta(1, dtype=torch.int64)
+    weight, bias = meta(HIDDEN, dtype=torch.float32), meta(HIDDEN, dtype=torch.float32)
     y, _, rstd, side, _ = layer_norm.layer_norm_fwd.function(meta(TOKENS, HIDDEN), weight, bias, meta(TOKENS, HIDDEN),
                                                              seed, 1e-12, P, torch.bfloat16, True)
     layer_norm.layer_norm_bwd.function(meta(TOKENS, HIDDEN), None, None, y, side, weight, bias, seed, None, rstd, P,
                                        torch.bfloat16, True)
     dropout.dropout_fwd.function(meta(TOKENS, HIDDEN), seed, P)
+    q, mask, scale = meta(BATCH, HEADS, SEQLEN, HIDDEN // HEADS), meta(BATCH, SEQLEN, dtype=torch.int64), 0.125
+    out, lse = attention.attention_fwd.function(q, q, q, mask, None, SEQLEN, seed, P, scale)
+    attention.attention_bwd.function(out, q, q, q, out, lse, mask, None, SEQLEN, seed, P, scale)
 
 
 def main() -> int:
@@ -43,16 +51,25 @@ def main() -> int:
     log = LaunchLog()
     install(H100, log, registers_of=cubin.registers, kernels="compile")
     launch_all()
-    logger.info(f"{'kernel':<24} {'registers':>9} {'instructions':>12} {'Philox multiplies':>17} {'barriers':>8}")
+    logger.info(f"{'kernel':<34} {'tile':<9} {'warps':>5} {'registers':>9} {'instructions':>12} "
+                f"{'Philox multiplies':>17} {'barriers':>8}  in loops")
+    seen = set()  # the autotuner's chosen config is compiled (and launched) again
     for event in log.take():
         if not hasattr(event, "cubin"):
             logger.error(f"a compile failed: {event}")
             return 1
-        counts = cubin.mnemonics(cubin.sass(event.cubin))
+        if event.metadata["hash"] in seen:
+            continue
+        seen.add(event.metadata["hash"])
+        constexprs = dict(event.constexprs)
+        tile = "x".join(str(constexprs[k]) for k in ("BLOCK_ROWS", "BLOCK_M", "BLOCK_MAJOR", "BLOCK_MINOR",
+                                                      "BLOCK_N", "BLOCK_H") if k in constexprs)
+        text = cubin.sass(event.cubin)
+        counts = cubin.mnemonics(text)
         multiplies = sum(n for m, n in counts.items() if m.startswith(PHILOX_MULTIPLIES))
         barriers = sum(n for m, n in counts.items() if m.startswith("BAR.SYNC"))
-        logger.info(f"{event.kernel:<24} {cubin.registers(event.cubin):>9} {sum(counts.values()):>12} "
-                    f"{multiplies:>17} {barriers:>8}")
+        logger.info(f"{event.kernel:<34} {tile:<9} {event.metadata['num_warps']:>5} {cubin.registers(event.cubin):>9} "
+                    f"{sum(counts.values()):>12} {multiplies:>17} {barriers:>8}  {cubin.barriers_in_loops(text)}")
     return 0
 
 

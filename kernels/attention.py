@@ -18,11 +18,12 @@
 # makes their probabilities, and so every gradient through them, exactly zero; a fully padded sequence
 # gives zeros, never NaN.
 #
-# Dropout drops probability (row, col) of head h of sequence b when the uniform float of Philox
-# (seed; counters col, row, h, b) is below p, and scales the kept ones by 1 / (1 - p). The counters are
-# the element's position within its sequence, so the backward regenerates the forward's mask, and the
-# padded and packed layouts of the same batch draw the same mask. The seed is an int64 tensor drawn with
-# torch's generator on the tensors' device (no host sync; torch.manual_seed reproduces a mask).
+# Dropout drops probability (row, col) of head h of sequence b when the uniform float of output col % 4
+# of Philox (seed; counters col // 4, row, h, b: one call per four keys) is below p, and scales the kept
+# ones by 1 / (1 - p). The counters are the element's position within its sequence, so the backward
+# regenerates the forward's mask, and the padded and packed layouts of the same batch draw the same mask.
+# The seed is an int64 tensor drawn with torch's generator on the tensors' device (no host sync;
+# torch.manual_seed reproduces a mask).
 #
 # Relative-position bias (MPNet; constexpr HAS_REL_BIAS): score (i, j) of head h gets
 # relative_bias[bucket(j - i), h] added, relative_bias [num_buckets, heads] a parameter and bucket() T5's
@@ -163,7 +164,7 @@ PREPROCESS_BLOCK_M = 64
 BIAS_GRAD_SLOT_ROWS = min(shape[0] for shapes in BWD_SHAPES.values() for shape in shapes)
 assert all(c.kwargs["BLOCK_MAJOR"] % BIAS_GRAD_SLOT_ROWS == 0 for c in BWD_CONFIGS)
 _BIAS_GRAD_SLOT_ROWS = tl.constexpr(BIAS_GRAD_SLOT_ROWS)  # the kernels' copy (jit code reads constexpr globals)
-# With dropout each probability draws its own Philox number, whose state takes registers: the blocks keep
+# With dropout each four probabilities of a row share a Philox call, whose state takes registers: the blocks keep
 # at most this many probabilities per thread (more spilled 20 to 88 bytes in the forward, 24 in the
 # backward, on sm_90a; on sm_80, where the limits are lower, 4 to 16 bytes).
 FWD_DROPOUT_PROBABILITIES_PER_THREAD = {90: 32, 80: 16}
@@ -228,11 +229,22 @@ def _token_valid(KEY_MASK, stride_mb, stride_ms, b64, idx, lo, hi, HAS_MASK: tl.
 
 
 @triton.jit
-def _dropout_keep(seed, b, h, rows, cols, dropout_p):
-    """Keep-mask of the probabilities at (rows, cols) of head h of sequence b: rows and cols broadcast
-    against each other, the result has their broadcast shape, in either orientation."""
-    c0, c1 = tl.broadcast(cols, rows)
-    r, _, _, _ = tl.philox(seed, c0, c1, h, b)
+def _dropout_keep(seed, b, h, rows, first_col, dropout_p, BLOCK_N: tl.constexpr, KEYS_FIRST: tl.constexpr):
+    """Keep-mask of the probabilities of head h of sequence b at rows (queries, [BLOCK_M]) and the BLOCK_N keys
+    from first_col (a multiple of 4): [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] with KEYS_FIRST. One Philox call
+    per four consecutive keys of a row, counted (col // 4, row, h, b), each of its four outputs deciding one key
+    (not a call per score with three outputs thrown away: numerics.keep_mask_rows says why)."""
+    groups = first_col // 4 + tl.arange(0, BLOCK_N // 4)
+    if KEYS_FIRST:
+        c0, c1 = tl.broadcast(groups[:, None], rows[None, :])  # [BLOCK_N // 4, BLOCK_M]
+        r0, r1, r2, r3 = tl.philox(seed, c0, c1, h, b)
+        # [BLOCK_N // 4, BLOCK_M, 2, 2] -> [BLOCK_N // 4, 2, 2, BLOCK_M]: key 4g + j takes output j of group g
+        r = tl.reshape(tl.permute(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (0, 2, 3, 1)),
+                       (BLOCK_N, rows.shape[0]))
+    else:
+        c0, c1 = tl.broadcast(groups[None, :], rows[:, None])  # [BLOCK_M, BLOCK_N // 4]
+        r0, r1, r2, r3 = tl.philox(seed, c0, c1, h, b)
+        r = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (rows.shape[0], BLOCK_N))
     return tl.uint_to_uniform_float(r) >= dropout_p
 
 
@@ -414,7 +426,7 @@ def _attention_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             # the normaliser l sums the probabilities before dropout; only the values are dropped
-            p = tl.where(_dropout_keep(seed, b, h, rows[:, None], cols[None, :], dropout_p), p, 0.0)
+            p = tl.where(_dropout_keep(seed, b, h, rows, start_n, dropout_p, BLOCK_N, False), p, 0.0)
         v = tl.load(v_ptrs + start_n * stride_vs, mask=in_cols[:, None], other=0.0)
         acc = dot_accumulate(cast(p, v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
@@ -563,7 +575,7 @@ def _attention_bwd_kernel(
             pt = tl.where(key_valid[:, None], tl.math.exp2(st - lse[None, :]), 0.0)
         dpt = dot(v, tl.trans(do), None, DOT_PRECISION)  # (dO V^T)^T
         if DROPOUT:
-            keep = _dropout_keep(seed, b, h, rows[None, :], keys[:, None], dropout_p)
+            keep = _dropout_keep(seed, b, h, rows, pid * BLOCK_MAJOR, dropout_p, BLOCK_MAJOR, True)
             pt_dropped = tl.where(keep, pt * keep_scale, 0.0)
             dpt = tl.where(keep, dpt * keep_scale, 0.0)
         else:
@@ -624,7 +636,7 @@ def _attention_bwd_kernel(
             p = tl.where(col_valid[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
         dp = dot(do, vt, None, DOT_PRECISION)
         if DROPOUT:
-            keep = _dropout_keep(seed, b, h, rows[:, None], cols[None, :], dropout_p)
+            keep = _dropout_keep(seed, b, h, rows, start_n, dropout_p, BLOCK_MINOR, False)
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if ROTARY:

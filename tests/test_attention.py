@@ -175,6 +175,18 @@ def test_dropout_rate_and_seed(device):
     assert torch.equal(attn.attention(q, q, q, dropout_p=p, training=False), attn.attention(q, q, q))
 
 
+def test_each_philox_output_decides_its_own_key(device):
+    """One Philox call decides four consecutive keys of a query row (kernels/attention.py _dropout_keep): each of
+    its outputs keeps its key at the rate, and the four decisions are independent (all four equal for p^4 +
+    (1 - p)^4 of the groups: 1/8 at p = 1/2, where one output copied to four keys would make it 1)."""
+    keep = recover_dropout_keep(4, 4, 128, 64, 0.5, seed=5, device=device)
+    for position in range(4):
+        assert abs(keep[..., position::4].float().mean().item() - 0.5) < 0.02, position
+    groups = keep.reshape(*keep.shape[:-1], 32, 4)
+    all_equal = (groups.all(dim=-1) | ~groups.any(dim=-1)).float().mean().item()
+    assert abs(all_equal - 0.125) < 0.02, all_equal
+
+
 def dropout_reference(q, k, v, mask, keep, dropout_p):
     """softmax(q k^T / sqrt(d) + key mask) * keep / (1 - p) v, padded query rows zeroed."""
     scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
