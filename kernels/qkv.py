@@ -8,7 +8,7 @@
 #
 # Backward: with dQKV [M, 3H] the gradient of the matmul's output in token-major order,
 #   dx = dQKV @ Wqkv,   dWqkv = dQKV^T @ x,   dbias = sum over tokens of dQKV.
-# A Triton kernel gathers dq, dk, dv (any strides: attention backwards hand over what they have)
+# One Triton launch gathers dq, dk, dv (any strides: attention backwards hand over what they have)
 # into dQKV and sums its columns in the same pass into per-row-group partials (fixed order, no
 # atomics, so dbias is reproducible; in fp64, a few conversions in a memory-bound pass, so the only
 # error left is the final rounding); the two matmuls are cuBLAS's.
@@ -39,16 +39,25 @@ _MAX_BLOCK_N = 256
 
 @triton.jit
 def _qkv_bwd_kernel(
-    grad_ptr,  # [B, heads, S, d]: dq, dk or dv (packed tokens: [1, heads, T, d])
-    dqkv_ptr,  # [M, 3H] contiguous; this launch fills columns [col_offset, col_offset + H)
+    dq_ptr, dk_ptr, dv_ptr,  # [B, heads, S, d] each (packed tokens: [1, heads, T, d]), any strides
+    dqkv_ptr,  # [M, 3H] contiguous
     dbias_partial_ptr,  # [num_row_groups, 3H] fp64: column sums of dqkv over each group's rows (SUM_COLUMNS)
-    M, H, seqlen, col_offset, rows_per_group,
-    stride_b, stride_h, stride_s, stride_d,
+    M, H, seqlen, rows_per_group,
+    stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
     HEAD_DIM: tl.constexpr,
     SUM_COLUMNS: tl.constexpr,  # False without a bias: nothing to sum
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # dQKV[m, col_offset + c] = grad[m // S, c // d, m % S, c % d];  dbias[col_offset + c] = sum_m of it.
+    # Grid axis 2 picks dq, dk or dv (one launch for the three): which = 0, 1, 2 fills columns [which H, which H + H).
+    # dQKV[m, which H + c] = grad[m // S, c // d, m % S, c % d];  dbias[which H + c] = sum_m of it.
+    which = tl.program_id(2)
+    grad_ptr = tl.where(which == 0, dq_ptr, tl.where(which == 1, dk_ptr, dv_ptr))
+    stride_b = tl.where(which == 0, stride_qb, tl.where(which == 1, stride_kb, stride_vb)).to(tl.int64)
+    stride_h = tl.where(which == 0, stride_qh, tl.where(which == 1, stride_kh, stride_vh)).to(tl.int64)
+    stride_s = tl.where(which == 0, stride_qs, tl.where(which == 1, stride_ks, stride_vs)).to(tl.int64)
+    stride_d = tl.where(which == 0, stride_qd, tl.where(which == 1, stride_kd, stride_vd)).to(tl.int64)
+    col_offset = which * H
     group = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < H
@@ -131,7 +140,7 @@ def _backward_tiles(rows: int, hidden: int, device: torch.device) -> tuple[int, 
     block_n = min(next_power_of_2(hidden), _MAX_BLOCK_N)
     block_m = _TILE_ELEMENTS // block_n
     col_blocks = cdiv(hidden, block_n)
-    groups, rows_per_group = row_groups(rows, 3 * col_blocks, block_m, device)  # 3 launches share the GPU
+    groups, rows_per_group = row_groups(rows, 3 * col_blocks, block_m, device)  # dq, dk and dv share the grid
     return block_m, block_n, col_blocks, groups, rows_per_group
 
 
@@ -148,11 +157,10 @@ def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: 
     block_m, block_n, col_blocks, groups, rows_per_group = _backward_tiles(rows, hidden, x.device)
     partial = (torch.empty((groups, 3 * hidden), dtype=torch.float64, device=x.device) if has_bias
                else placeholders(x.device)[torch.float64])
-    for which, g in enumerate((dq, dk, dv)):
-        g = _heads_view(g)
-        launch(_qkv_bwd_kernel, (groups, col_blocks),
-            g, dqkv, partial, rows, hidden, g.shape[2], which * hidden, rows_per_group, *g.stride(),
-            HEAD_DIM=g.shape[3], SUM_COLUMNS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n)
+    dq, dk, dv = _heads_view(dq), _heads_view(dk), _heads_view(dv)
+    launch(_qkv_bwd_kernel, (groups, col_blocks, 3),
+        dq, dk, dv, dqkv, partial, rows, hidden, dq.shape[2], rows_per_group, *dq.stride(), *dk.stride(), *dv.stride(),
+        HEAD_DIM=dq.shape[3], SUM_COLUMNS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n)
     dx = dqkv @ weight
     return (dx if x.dim() == 2 else dx.view_as(x), dqkv.t() @ x2,
             partial.sum(dim=0).to(x.dtype) if has_bias else x.new_empty(0))

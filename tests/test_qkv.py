@@ -77,6 +77,19 @@ def test_packed_layout_matches_reference(tokens, hidden, num_heads, dtype, devic
     assert q.shape == (tokens, num_heads, hidden // num_heads)
 
 
+def test_each_gradient_its_own_layout(device):
+    """One launch gathers dq, dk and dv: each read with its own strides (contiguous, transposed heads, a stride-2
+    slice of the head dim)."""
+    batch, seqlen, hidden, num_heads = 2, 9, 96, 3
+    head_dim = hidden // num_heads
+    x, weight, bias = _inputs((batch, seqlen, hidden), torch.float32, device, seed=5)
+    grads = [torch.randn(batch, num_heads, seqlen, head_dim, device=device),
+             torch.randn(batch, seqlen, num_heads, head_dim, device=device).transpose(1, 2),
+             torch.randn(batch, num_heads, seqlen, 2 * head_dim, device=device)[..., ::2]]
+    assert len({g.stride() for g in grads}) == 3
+    _check_against_reference(x, weight, bias, num_heads, grads)
+
+
 def test_noncontiguous_inputs(device):
     # x [B, S, H] as the transpose of [S, B, H] (its leading dims do not merge), and a column-major weight.
     x = torch.randn(37, 3, 384, device=device).transpose(0, 1)
