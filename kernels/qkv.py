@@ -31,7 +31,7 @@ from fastbert.kernels.matmul import DTYPES, matmul_fwd, row_groups
 from fastbert.kernels.numerics import INTERPRETER, cast
 
 # Elements per tile of the gradient gather: as kernels/bias_gelu.py's backward (each thread keeps an fp64 column
-# sum per tile element across the loop; at 2048 on 4 warps, 64 registers in bf16 and 80 in fp32 on sm_90a, no
+# sum per tile element across the loop; at 2048 on 4 warps, 64 registers in bf16 and 72 in fp32 on sm_90a, no
 # barrier in the loop: `python benchmarks/loop_barriers.py`; the per-tile reduction before put 16 in each iteration).
 _TILE_ELEMENTS = 65536 if INTERPRETER else 2048
 _MAX_BLOCK_N = 256
