@@ -154,10 +154,10 @@ def dot_accumulate(a, b, acc, PRECISION: tl.constexpr):
 
 
 # Dropout's keep-mask along rows. tl.rand(seed, offset) runs one Philox-4x32-10 call per element and keeps one of
-# its four 32-bit outputs: ten rounds of 32-bit multiplies (18 IMAD.WIDE / IMAD.HI per element compiled for
-# sm_90), more issue slots per element than the bytes a fused elementwise kernel moves take at HBM speed. Here
-# each call decides four consecutive columns, as PyTorch's fused dropout (curand_uniform4) and flash-attention
-# use all four outputs.
+# its four 32-bit outputs: ten rounds of 32-bit multiplies, about 17 IMAD.WIDE / IMAD.HI per element compiled for
+# sm_90a (`python benchmarks/dropout_sass.py`), which can take more issue slots per element than moving its bytes
+# takes at HBM speed (not yet timed on a GPU). Here each call decides four consecutive columns, as PyTorch's fused
+# dropout (curand_uniform4) and flash-attention use all four outputs.
 @triton.jit
 def keep_mask_rows(seed, rows, first_col, row_length, dropout_p, BLOCK_ROWS: tl.constexpr,
                    BLOCK_COLS: tl.constexpr):
