@@ -53,14 +53,7 @@ def main() -> int:
     launch_all()
     logger.info(f"{'kernel':<34} {'tile':<9} {'warps':>5} {'registers':>9} {'instructions':>12} "
                 f"{'Philox multiplies':>17} {'barriers':>8}  in loops")
-    seen = set()  # the autotuner's chosen config is compiled (and launched) again
-    for event in log.take():
-        if not hasattr(event, "cubin"):
-            logger.error(f"a compile failed: {event}")
-            return 1
-        if event.metadata["hash"] in seen:
-            continue
-        seen.add(event.metadata["hash"])
+    for event in log.take_compiled():  # a failed compile raises, naming it
         constexprs = dict(event.constexprs)
         tile = "x".join(str(constexprs[k]) for k in ("BLOCK_ROWS", "BLOCK_M", "BLOCK_MAJOR", "BLOCK_MINOR",
                                                       "BLOCK_N", "BLOCK_H") if k in constexprs)

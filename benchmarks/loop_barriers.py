@@ -44,14 +44,7 @@ def main() -> int:
     logger.info(f"{'kernel':<22} {'dtype':<14} {'tile':>8} {'warps':>5} {'registers':>9}  barriers per loop  flags")
     for dtype in (torch.bfloat16, torch.float32):
         launch_all(dtype)
-        seen = set()  # a kernel compiled once may be logged again (the same hash)
-        for event in log.take():
-            if not hasattr(event, "cubin"):
-                logger.error(f"a compile failed: {event}")
-                return 1
-            if event.metadata["hash"] in seen:
-                continue
-            seen.add(event.metadata["hash"])
+        for event in log.take_compiled():  # a failed compile raises, naming it
             constexprs = dict(event.constexprs)
             tile = f"{constexprs.pop('BLOCK_M')}x{constexprs.pop('BLOCK_N')}"
             logger.info(f"{event.kernel:<22} {str(dtype):<14} {tile:>8} {event.metadata['num_warps']:>5} "

@@ -2,13 +2,14 @@
 the occupancy calculator, the gates' verdicts, the cases it compiles, PERF.md's section, and the command on
 one small case."""
 import json
+from types import SimpleNamespace
 
 import pytest
 import triton
 
 from fastbert.bench import compile_cases, compile_report, cubin
 from fastbert.bench.compile_audit import GPU_ENVIRONMENT_TRITON, GPU_ENVIRONMENT_TRITON_DIR, gate_failures
-from fastbert.simulated.stand_in_gpu import A100, H100, occupancy
+from fastbert.simulated.stand_in_gpu import A100, H100, LaunchLog, occupancy
 
 
 @pytest.mark.parametrize("gpu, registers, shared, warps, blocks, limit", [
@@ -156,3 +157,18 @@ def test_mnemonics_are_counted_with_their_modifiers():
     counts = cubin.mnemonics(SASS.replace("IADD3 R0, R0, 0x1, RZ", "IMAD.WIDE.U32 R2, R0, R5, RZ"))
     assert counts == {"MOV": 1, "BAR.SYNC.DEFER_BLOCKING": 3, "LDG.E.128": 1, "DADD": 1, "BRA": 3,
                       "IMAD.WIDE.U32": 1, "EXIT": 1}
+
+
+def test_take_compiled_keeps_each_kernel_once_and_names_a_failure():
+    """The SASS tools' reading of the stand-in's log: each compiled kernel once, in launch order; a failed compile
+    stops them with its message."""
+    def launch(hash_):
+        return SimpleNamespace(cubin=b"", metadata={"hash": hash_})
+
+    log = LaunchLog()
+    first, again, other = launch("a"), launch("a"), launch("b")
+    log.events += [first, again, other]
+    assert log.take_compiled() == [first, other] and log.events == []
+    log.events += [first, SimpleNamespace(kernel="_k", error="ptxas: out of registers")]
+    with pytest.raises(RuntimeError, match="a compile failed: .*out of registers"):
+        log.take_compiled()

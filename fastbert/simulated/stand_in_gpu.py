@@ -108,6 +108,18 @@ class LaunchLog:
         events, self.events = self.events, []
         return events
 
+    def take_compiled(self) -> list:
+        """`take`'s launches, each compiled kernel once (an autotuner launches its chosen config again); raises
+        RuntimeError naming the first compile that failed."""
+        launches, seen = [], set()
+        for event in self.take():
+            if not hasattr(event, "cubin"):
+                raise RuntimeError(f"a compile failed: {event}")
+            if event.metadata["hash"] not in seen:
+                seen.add(event.metadata["hash"])
+                launches.append(event)
+        return launches
+
     def failed(self, exc: BaseException) -> None:
         about = self.compiling or {}
         self.events.append(Failure(about.get("kernel"), about.get("constexprs", {}), about.get("num_warps"),
