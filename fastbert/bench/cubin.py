@@ -41,9 +41,11 @@ def resources(cubin: bytes) -> dict:
     usage = re.search(r"REG:(\d+) STACK:(\d+)", text)
     if usage is None:
         raise RuntimeError(f"cuobjdump -res-usage printed no REG/STACK line:\n{text[:2000]}")
-    opcodes = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text, re.MULTILINE)
+    opcodes = collections.Counter()  # without modifiers: HGMMA.64x128x16.F32.BF16 counts as HGMMA
+    for mnemonic, count in mnemonics(text).items():
+        opcodes[mnemonic.split(".")[0]] += count
     return {"registers": int(usage.group(1)), "stack_bytes": int(usage.group(2)),
-            "wgmma": opcodes.count("HGMMA"), "mma": opcodes.count("HMMA")}
+            "wgmma": opcodes["HGMMA"], "mma": opcodes["HMMA"]}
 
 
 def sass(cubin: bytes) -> str:
@@ -54,12 +56,12 @@ def sass(cubin: bytes) -> str:
 _ADDRESS = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/", re.MULTILINE)
 # an instruction line's mnemonic with its modifiers (IMAD.WIDE.U32), after an optional predicate (@P0, @!UPT)
 _MNEMONIC = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.MULTILINE)
+_BACK_BRANCH = re.compile(r"\bBRA\s+(?:`\()?(0x[0-9a-f]+)")
 
 
 def mnemonics(sass_text: str) -> collections.Counter:
     """How many times each instruction (mnemonic with modifiers) appears in a kernel's SASS."""
     return collections.Counter(_MNEMONIC.findall(sass_text))
-_BACK_BRANCH = re.compile(r"\bBRA\s+(?:`\()?(0x[0-9a-f]+)")
 
 
 def barriers_in_loops(sass_text: str) -> list[int]:
