@@ -36,9 +36,9 @@ def launch_all() -> None:
 
     seed = meta(1, dtype=torch.int64)
     weight, bias = meta(HIDDEN, dtype=torch.float32), meta(HIDDEN, dtype=torch.float32)
-    y, _, rstd, side, _ = layer_norm.layer_norm_fwd.function(meta(TOKENS, HIDDEN), weight, bias, meta(TOKENS, HIDDEN),
-                                                             seed, 1e-12, P, torch.bfloat16, True)
-    layer_norm.layer_norm_bwd.function(meta(TOKENS, HIDDEN), None, None, y, side, weight, bias, seed, None, rstd, P,
+    y, stats, _ = layer_norm.layer_norm_fwd.function(meta(TOKENS, HIDDEN), weight, bias, meta(TOKENS, HIDDEN), seed,
+                                                     1e-12, P, torch.bfloat16, True)
+    layer_norm.layer_norm_bwd.function(meta(TOKENS, HIDDEN), None, None, y, stats, weight, bias, seed, P,
                                        torch.bfloat16, True)
     dropout.dropout_fwd.function(meta(TOKENS, HIDDEN), seed, P)
     q, mask, scale = meta(BATCH, HEADS, SEQLEN, HIDDEN // HEADS), meta(BATCH, SEQLEN, dtype=torch.int64), 0.125

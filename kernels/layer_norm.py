@@ -13,8 +13,9 @@
 # consecutive columns of a row (numerics.keep_mask_rows), so it does not depend on strides or tiling and the
 # backward regenerates it. The forward reads x and the residual in their own dtype, computes each
 # row's statistics in fp32 in two passes over the registers (mean, then the centred variance) and
-# writes y (in the dtype the caller asks for: a 16-bit y from fp32 embeddings under autocast) and the
-# fp32 mean and rstd of each row: no mask, no pre-norm sum and no fp32 copy of a 16-bit input are stored.
+# writes y (in the dtype the caller asks for: a 16-bit y from fp32 embeddings under autocast) and, for a
+# backward, one fp32 row of statistics per row (the side buffer below or the mean, then rstd): no mask, no
+# pre-norm sum and no fp32 copy of a 16-bit input are stored.
 #
 # The backward works, by default (save="output"), from the saved OUTPUT (apex's memory-efficient
 # LayerNorm): xhat = (y - bias) / weight, so it needs y, weight, bias, rstd and the seed, and never x or
@@ -41,17 +42,18 @@
 # save="input" (keep x, the residual and the mean, recompute the pre-norm rows: 2 more activations)
 # is exact for any weights.
 #
-# What autograd keeps for the backward, besides weight, bias and (with dropout) the int64 seed:
-#   save="output":                      y, rstd [rows], side [rows, SIDE_COLUMNS]   (with or without
+# What autograd keeps for the backward, besides weight, bias and (with dropout) the int64 seed, the
+# statistics in one [rows, stats_width] buffer (one allocation, one saved tensor):
+#   save="output":                      y, side and rstd [rows, SIDE_COLUMNS + 1]   (with or without
 #                                       return_residual: summed is not needed)
-#   save="input":                       x, residual (if any), mean and rstd [rows]
+#   save="input":                       x, residual (if any), mean and rstd [rows, 2]
 #   save="input", return_residual:      summed (instead of x and residual: one activation, not two; the
 #                                       backward reads the pre-norm rows from it), mean and rstd
 #
 # dx and dresidual follow from xhat and the regenerated mask. dweight and dbias are reduced without atomics: each
 # backward program owns a contiguous chunk of rows, accumulates their partial sums in fp32 registers and
-# writes them to a [programs, H] buffer that one torch.sum over the programs finishes. Tile and program
-# counts depend only on H, the row count and the device, so the results are bitwise reproducible.
+# writes them to a [programs, 1 + has bias, H] buffer that one torch.sum over the programs finishes. Tile and
+# program counts depend only on H, the row count and the device, so the results are bitwise reproducible.
 #
 # Limits. Hidden size 1..MAX_HIDDEN (8192: a whole row lives in registers); any number of rows; x and
 # residual fp32, fp16 or bf16 of one dtype; y fp32, fp16 or bf16; weight and bias fp32, fp16 or bf16,
@@ -146,10 +148,9 @@ def _layer_norm_fwd_kernel(
     B,  # [H] bias; read only when HAS_BIAS
     Y,  # [rows, H] output, contiguous, fp32, fp16 or bf16
     SUM,  # [rows, H] contiguous, X's dtype: the pre-norm rows dropout(x) + residual; written when STORE_SUM
-    MEAN,  # [rows] fp32 mean of each pre-norm row; written when STORE_STATS
-    RSTD,  # [rows] fp32 1 / sqrt(var + eps) of each pre-norm row; written when STORE_STATS
+    STATS,  # [rows, stats_width(SAVE_SIDE)] fp32, per pre-norm row: with SAVE_SIDE the xhat of the small-weight
+            # columns (_side_slots), else the mean, then 1 / sqrt(var + eps); written when STORE_STATS
     SEED,  # [1] int64 Philox seed; read only when HAS_DROPOUT
-    SIDE,  # [rows, SIDE_COLUMNS] fp32 xhat of the small-weight columns (_side_slots); written when SAVE_SIDE
     stride_x_row, stride_x_col, stride_r_row, stride_r_col,
     n_rows, H, eps, dropout_p, dropout_scale, min_weight,
     HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_SUM: tl.constexpr,
@@ -179,19 +180,22 @@ def _layer_norm_fwd_kernel(
         y += cast(tl.load(B + cols, mask=col_exists, other=0.0), tl.float32)[None, :]
     tl.store(Y + rows[:, None] * H + cols[None, :], cast(y, Y.dtype.element_ty), mask=in_tile)
     if STORE_STATS:  # for a backward; an inference forward writes y (and summed) alone
-        tl.store(MEAN + rows, mean, mask=row_exists)
-        tl.store(RSTD + rows, rstd, mask=row_exists)
-    if SAVE_SIDE:
-        slot = _side_slots(w, col_exists, min_weight, SIDE_COLUMNS)
-        side_offsets = rows[:, None] * SIDE_COLUMNS + slot[None, :]
-        tl.store(SIDE + side_offsets, centred * rstd[:, None], mask=row_exists[:, None] & (slot >= 0)[None, :])
-        # the slots past the small-weight columns hold zeros, written here so that the launcher's buffer needs
-        # no fill (a launch of its own on a GPU)
-        used = tl.sum((slot >= 0).to(tl.int32), axis=0)
-        side_cols = tl.arange(0, SIDE_COLUMNS)
-        tl.store(SIDE + rows[:, None] * SIDE_COLUMNS + side_cols[None, :],
-                 tl.zeros([BLOCK_ROWS, SIDE_COLUMNS], dtype=tl.float32),
-                 mask=row_exists[:, None] & (side_cols >= used)[None, :])
+        # the side slots first: at an odd offset the backward's gather of them took 7 more registers on sm_90a
+        width: tl.constexpr = (SIDE_COLUMNS + 1) if SAVE_SIDE else 2
+        stats = STATS + rows * width  # [BLOCK_ROWS] pointers to each row's statistics
+        tl.store(stats + (width - 1), rstd, mask=row_exists)
+        if SAVE_SIDE:
+            slot = _side_slots(w, col_exists, min_weight, SIDE_COLUMNS)
+            tl.store(stats[:, None] + slot[None, :], centred * rstd[:, None],
+                     mask=row_exists[:, None] & (slot >= 0)[None, :])
+            # the slots past the small-weight columns hold zeros, written here so that the launcher's buffer
+            # needs no fill (a launch of its own on a GPU)
+            used = tl.sum((slot >= 0).to(tl.int32), axis=0)
+            side_cols = tl.arange(0, SIDE_COLUMNS)
+            tl.store(stats[:, None] + side_cols[None, :], tl.zeros([BLOCK_ROWS, SIDE_COLUMNS], dtype=tl.float32),
+                     mask=row_exists[:, None] & (side_cols >= used)[None, :])
+        else:
+            tl.store(stats, mean, mask=row_exists)
 
 
 @triton.jit
@@ -204,14 +208,12 @@ def _layer_norm_bwd_kernel(
     Y,  # [rows, H] forward output, contiguous; read only when FROM_OUTPUT
     W,  # [H] weight
     B,  # [H] bias; read only when FROM_OUTPUT and HAS_BIAS
-    MEAN,  # [rows] fp32, from the forward; read only when not FROM_OUTPUT
-    RSTD,  # [rows] fp32, from the forward
+    STATS,  # [rows, stats_width(FROM_OUTPUT)] fp32, the forward's: the side slots when FROM_OUTPUT, else the mean,
+            # then 1 / std
     SEED,  # [1] int64, the forward's Philox seed; read only when HAS_DROPOUT
-    SIDE,  # [rows, SIDE_COLUMNS] fp32, the forward's xhat of the small-weight columns; read when FROM_OUTPUT
     DX,  # [rows, H] gradient of x, contiguous, x's dtype
     DR,  # [rows, H] gradient of the residual, contiguous; written only when HAS_RESIDUAL
-    DW_PARTIAL,  # [programs, H] fp32 partial sums of dweight, one row per program
-    DB_PARTIAL,  # [programs, H] fp32 partial sums of dbias, one row per program; written only when HAS_BIAS
+    PARTIAL,  # [programs, 1 + HAS_BIAS, H] fp32 partial sums of dweight (and dbias), one row of each per program
     stride_dy_row, stride_dy_col, stride_ds_row, stride_ds_col, stride_x_row, stride_x_col, stride_r_row,
     stride_r_col, n_rows, rows_per_program, H, dropout_p, dropout_scale, min_weight,
     HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DSUM: tl.constexpr,
@@ -249,18 +251,20 @@ def _layer_norm_bwd_kernel(
         row_exists = rows < row_end
         in_tile = row_exists[:, None] & col_exists[None, :]
         out_offsets = rows[:, None] * H + cols[None, :]
-        rstd = tl.load(RSTD + rows, mask=row_exists, other=0.0)
+        width: tl.constexpr = (SIDE_COLUMNS + 1) if FROM_OUTPUT else 2
+        stats = STATS + rows * width
+        rstd = tl.load(stats + (width - 1), mask=row_exists, other=0.0)
         if FROM_OUTPUT:
             y = cast(tl.load(Y + out_offsets, mask=in_tile, other=0.0), tl.float32)
             in_side = in_tile & (slot >= 0)[None, :]
-            side = tl.load(SIDE + rows[:, None] * SIDE_COLUMNS + slot[None, :], mask=in_side, other=0.0)
+            side = tl.load(stats[:, None] + slot[None, :], mask=in_side, other=0.0)
             xhat = tl.where(in_side, side, tl.where(in_tile, (y - b[None, :]) * w_inverse[None, :], 0.0))
         else:
             # X_IS_SUM: X holds the pre-norm rows themselves, nothing to add or drop
             h, _ = _pre_norm_tile(X, R, SEED, rows, cols, in_tile, stride_x_row, stride_x_col, stride_r_row,
                                   stride_r_col, H, dropout_p, dropout_scale, HAS_RESIDUAL and not X_IS_SUM,
                                   HAS_DROPOUT and not X_IS_SUM)
-            mean = tl.load(MEAN + rows, mask=row_exists, other=0.0)
+            mean = tl.load(stats, mask=row_exists, other=0.0)
             xhat = tl.where(in_tile, (h - mean[:, None]) * rstd[:, None], 0.0)
         dy_offsets = rows[:, None] * stride_dy_row + cols[None, :] * stride_dy_col
         dy = cast(tl.load(DY + dy_offsets, mask=in_tile, other=0.0), tl.float32)
@@ -280,9 +284,10 @@ def _layer_norm_bwd_kernel(
         dw += dy * xhat
         if HAS_BIAS:
             db += dy
-    tl.store(DW_PARTIAL + program * H + cols, tl.sum(dw, axis=0), mask=col_exists)
+    partial = PARTIAL + program * (1 + HAS_BIAS) * H + cols
+    tl.store(partial, tl.sum(dw, axis=0), mask=col_exists)
     if HAS_BIAS:
-        tl.store(DB_PARTIAL + program * H + cols, tl.sum(db, axis=0), mask=col_exists)
+        tl.store(partial + H, tl.sum(db, axis=0), mask=col_exists)
 
 
 def check_inputs(x, weight, bias, residual, out_dtype) -> None:
@@ -357,70 +362,68 @@ def _backward_split(device: torch.device, rows: int, block_rows: int) -> tuple[i
     return cdiv(rows, rows_per_program), rows_per_program
 
 
+def stats_width(save_output: bool) -> int:
+    """Columns of the forward's fp32 statistics per row: the side slots (save_output) or the mean, then 1 / std."""
+    return 1 + SIDE_COLUMNS if save_output else 2
+
+
 def _forward(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output, store_sum, store_stats):
-    """The forward launch: (y, mean, rstd, side, summed), the last four as in `layer_norm_fwd`; without
-    store_stats (an inference forward) mean, rstd and side are None, neither allocated nor written."""
+    """The forward launch: (y, stats, summed) as in `layer_norm_fwd`, but summed None without store_sum, and
+    without store_stats (an inference forward) stats None: neither allocated nor written."""
     rows, hidden = x.shape
     device = x.device
     x, stride_x_row, stride_x_col = _with_int32_columns(x)
-    if residual is None:  # x stands for the residual pointer, never read
-        res, stride_r_row, stride_r_col = x, stride_x_row, stride_x_col
+    if residual is None:  # x's strides stand for the residual's, never read
+        stride_r_row, stride_r_col = stride_x_row, stride_x_col
     else:
-        res, stride_r_row, stride_r_col = _with_int32_columns(residual)
+        residual, stride_r_row, stride_r_col = _with_int32_columns(residual)
     # empty_like: an allocation from a shape tuple costs the host half a microsecond more
     y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
-    summed = torch.empty_like(x, memory_format=torch.contiguous_format) if store_sum else x.new_empty(0)
-    mean = rstd = side = None
-    if store_stats:
-        mean = torch.empty(rows, dtype=torch.float32, device=device)
-        rstd = torch.empty(rows, dtype=torch.float32, device=device)
-        # not filled: the kernel writes every slot, zeros past the small-weight columns
-        side = (torch.empty((rows, SIDE_COLUMNS), dtype=torch.float32, device=device) if save_output
-                else mean.new_empty(0))
+    summed = torch.empty_like(x, memory_format=torch.contiguous_format) if store_sum else None
+    # one buffer for what the backward reads per row; not filled: the kernel writes every slot, zeros past the
+    # small-weight columns
+    stats = torch.empty((rows, stats_width(save_output)), dtype=torch.float32, device=device) if store_stats else None
     if rows == 0:
-        return y, mean, rstd, side, summed
+        return y, stats, summed
     block_rows, block_h, num_warps = _tile(hidden)
-    # placeholder pointers (never read or written) for the buffers a flag leaves out
+    # None for each pointer a flag leaves unread: Triton compiles it as a constant, and no tensor is read for it
     launch(_layer_norm_fwd_kernel, (cdiv(rows, block_rows),),
-           x, res, weight.contiguous(), weight if bias is None else bias.contiguous(), y, summed if store_sum else y,
-           y if mean is None else mean, y if rstd is None else rstd, x if seed is None else seed,
-           side if save_output else y, stride_x_row, stride_x_col, stride_r_row, stride_r_col,
-           rows, hidden, eps, dropout_p, 1.0 / (1.0 - dropout_p), MIN_WEIGHT,
+           x, residual, weight.contiguous(), None if bias is None else bias.contiguous(), y, summed, stats, seed,
+           stride_x_row, stride_x_col, stride_r_row, stride_r_col, rows, hidden, eps, dropout_p,
+           1.0 / (1.0 - dropout_p), MIN_WEIGHT,
            HAS_RESIDUAL=residual is not None, HAS_DROPOUT=seed is not None, HAS_BIAS=bias is not None,
            STORE_SUM=store_sum, STORE_STATS=store_stats, SAVE_SIDE=save_output, SIDE_COLUMNS=SIDE_COLUMNS,
            BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=num_warps)
-    return y, mean, rstd, side, summed
+    return y, stats, summed
 
 
 @fused_op("fastbert::layer_norm_fwd")
 def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    residual: Optional[torch.Tensor], seed: Optional[torch.Tensor], eps: float, dropout_p: float,
                    out_dtype: torch.dtype, save_output: bool, store_sum: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x, residual [rows, H] (any strides, checked by `layer_norm`); weight [H]; bias [H] or None; seed int64 [1]
     or None (no dropout).
 
-    Returns y [rows, H] contiguous in out_dtype, the fp32 mean [rows] and rstd [rows] of the pre-norm
-    rows, with save_output the fp32 side buffer [rows, SIDE_COLUMNS] (xhat of the columns whose
-    |weight| < MIN_WEIGHT), else an empty [0], and with store_sum the pre-norm rows summed =
+    Returns y [rows, H] contiguous in out_dtype; stats, fp32 [rows, stats_width(save_output)]: for each
+    pre-norm row, with save_output its side buffer (SIDE_COLUMNS slots: xhat of the columns whose
+    |weight| < MIN_WEIGHT, zeros past them), else its mean, then its rstd; and with store_sum the pre-norm rows summed =
     dropout(x) + residual [rows, H] contiguous in x's dtype (y is then their LayerNorm as stored), else
     an empty [0]. save_output chooses what autograd keeps for the backward (see `layer_norm`).
     """
-    return _forward(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output, store_sum, True)
+    y, stats, summed = _forward(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output, store_sum,
+                                True)
+    return y, stats, x.new_empty(0) if summed is None else summed
 
 
 @fused_op("fastbert::layer_norm_infer")
 def layer_norm_infer(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      residual: Optional[torch.Tensor], seed: Optional[torch.Tensor], eps: float, dropout_p: float,
-                     out_dtype: torch.dtype, store_sum: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`layer_norm_fwd` where no backward follows: (y, summed) only; no statistics written or allocated."""
-    y, _, _, _, summed = _forward(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, False, store_sum,
-                                  False)
-    return y, summed
-
-
-def _side_shape(rows: int, save_output: bool) -> tuple[int, ...]:
-    return (rows, SIDE_COLUMNS) if save_output else (0,)
+                     out_dtype: torch.dtype, store_sum: bool) -> list[torch.Tensor]:
+    """`layer_norm_fwd` where no backward follows: [y], with store_sum [y, summed]; no statistics written or
+    allocated (a list, so that no empty tensor stands for a summed not asked for: an allocation a call)."""
+    y, _, summed = _forward(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, False, store_sum, False)
+    return [y] if summed is None else [y, summed]
 
 
 def _sum_shape(x: torch.Tensor, store_sum: bool) -> tuple[int, ...]:
@@ -430,32 +433,31 @@ def _sum_shape(x: torch.Tensor, store_sum: bool) -> tuple[int, ...]:
 @layer_norm_infer.register_fake
 def _(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, store_sum):
     check_inputs(x, weight, bias, residual, out_dtype)
-    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(_sum_shape(x, store_sum))
+    y = x.new_empty(x.shape, dtype=out_dtype)
+    return [y, x.new_empty(x.shape)] if store_sum else [y]
 
 
 @layer_norm_fwd.register_fake
 def _(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output, store_sum=False):
     check_inputs(x, weight, bias, residual, out_dtype)
-    rows = x.shape[0]
-    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(rows, dtype=torch.float32),
-            x.new_empty(rows, dtype=torch.float32), x.new_empty(_side_shape(rows, save_output), dtype=torch.float32),
+    return (x.new_empty(x.shape, dtype=out_dtype),
+            x.new_empty((x.shape[0], stats_width(save_output)), dtype=torch.float32),
             x.new_empty(_sum_shape(x, store_sum)))
 
 
 @fused_op("fastbert::layer_norm_bwd")
 def layer_norm_bwd(dy: torch.Tensor, x: Optional[torch.Tensor], residual: Optional[torch.Tensor],
-                   y: Optional[torch.Tensor], side: Optional[torch.Tensor], weight: torch.Tensor,
-                   bias: Optional[torch.Tensor], seed: Optional[torch.Tensor], mean: Optional[torch.Tensor],
-                   rstd: torch.Tensor, dropout_p: float, x_dtype: torch.dtype, has_residual: bool,
+                   y: Optional[torch.Tensor], stats: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   seed: Optional[torch.Tensor], dropout_p: float, x_dtype: torch.dtype, has_residual: bool,
                    dsum: Optional[torch.Tensor] = None, x_is_sum: bool = False,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `layer_norm_fwd` from its output y (contiguous [rows, H]) and side buffer when y is
-    given, else from its inputs x and residual and the mean (x_is_sum: x is the forward's summed and
-    residual None); with weight, bias (or None), rstd and the seed. dsum [rows, H] (any strides), the
-    gradient of the forward's summed, or None.
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `layer_norm_fwd` from its output y (contiguous [rows, H]) when y is given, else from its
+    inputs x and residual (x_is_sum: x is the forward's summed and residual None); with its stats (the side
+    buffer with y, the mean without, then rstd), weight, bias (or None) and the seed. dsum
+    [rows, H] (any strides), the gradient of the forward's summed, or None.
 
     dy, x, residual [rows, H] (any strides). Returns dx [rows, H] in x_dtype, dresidual [rows, H] in
-    x_dtype (empty [0] without a residual), and fp32 dweight [H] and dbias [H] (empty [0] without a bias).
+    x_dtype (empty [0] without a residual), and fp32 [1 + has bias, H]: dweight, then dbias.
     From y, more than SIDE_COLUMNS weight elements with |w| < MIN_WEIGHT make dweight of the further ones
     and every dx NaN (the kernel header says why).
     """
@@ -464,82 +466,80 @@ def layer_norm_bwd(dy: torch.Tensor, x: Optional[torch.Tensor], residual: Option
     rows, hidden = like.shape
     dx = torch.empty_like(like, dtype=x_dtype, memory_format=torch.contiguous_format)
     dres = torch.empty_like(dx) if has_residual else dx.new_empty(0)
+    parameters = 1 if bias is None else 2  # the gradients reduced over rows: dweight, dbias
     if rows == 0:
-        return (dx, dres, torch.zeros(hidden, dtype=torch.float32, device=like.device),
-                torch.zeros(_dbias_shape(bias), dtype=torch.float32, device=like.device))
+        return dx, dres, torch.zeros((parameters, hidden), dtype=torch.float32, device=like.device)
     block_rows, block_h, num_warps = _tile(hidden)
+    # the strides of a tensor not read (None) repeat another's
     dy, stride_dy_row, stride_dy_col = _with_int32_columns(dy)
-    if dsum is None:  # dy stands for the dsum pointer, never read
-        ds, stride_ds_row, stride_ds_col = dy, stride_dy_row, stride_dy_col
+    if dsum is None:
+        stride_ds_row, stride_ds_col = stride_dy_row, stride_dy_col
     else:
-        ds, stride_ds_row, stride_ds_col = _with_int32_columns(dsum)
-    if x is None:  # reading y: y stands for the input pointers, never read
-        x, (stride_x_row, stride_x_col) = like, like.stride()
+        dsum, stride_ds_row, stride_ds_col = _with_int32_columns(dsum)
+    if x is None:  # reading y
+        stride_x_row, stride_x_col = like.stride()
     else:
         x, stride_x_row, stride_x_col = _with_int32_columns(x)
     if residual is None:
-        res, stride_r_row, stride_r_col = x, stride_x_row, stride_x_col
+        stride_r_row, stride_r_col = stride_x_row, stride_x_col
     else:
-        res, stride_r_row, stride_r_col = _with_int32_columns(residual)
+        residual, stride_r_row, stride_r_col = _with_int32_columns(residual)
     programs, rows_per_program = _backward_split(like.device, rows, block_rows)
-    # every program writes its whole row of partial sums, so no zero-fill is needed
-    dw_partial = torch.empty((programs, hidden), dtype=torch.float32, device=like.device)
-    db_partial = (torch.empty((programs, hidden), dtype=torch.float32, device=like.device) if bias is not None
-                  else dw_partial.new_empty(0))
+    # every program writes its whole rows of partial sums, so no zero-fill is needed; dweight's and dbias's in one
+    # buffer, so that one reduction (a launch of its own on a GPU) finishes both
+    partial = torch.empty((programs, parameters, hidden), dtype=torch.float32, device=like.device)
     launch(_layer_norm_bwd_kernel, (programs,),
-        dy, ds, x, res, like, weight.contiguous(), weight if bias is None else bias.contiguous(),
-        rstd if mean is None else mean, rstd, like if seed is None else seed, rstd if side is None else side,
-        dx, dres, dw_partial, dw_partial if bias is None else db_partial,
+        dy, dsum, x, residual, y, weight.contiguous(), None if bias is None else bias.contiguous(), stats, seed, dx,
+        dres if has_residual else None, partial,
         stride_dy_row, stride_dy_col, stride_ds_row, stride_ds_col, stride_x_row, stride_x_col, stride_r_row,
         stride_r_col, rows, rows_per_program, hidden, dropout_p, 1.0 / (1.0 - dropout_p), MIN_WEIGHT,
         HAS_RESIDUAL=has_residual, HAS_DROPOUT=seed is not None, HAS_BIAS=bias is not None,
         HAS_DSUM=dsum is not None, X_IS_SUM=x_is_sum, FROM_OUTPUT=from_output,
         SIDE_COLUMNS=SIDE_COLUMNS, BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=num_warps,
     )
-    return dx, dres, dw_partial.sum(dim=0), db_partial.sum(dim=0) if bias is not None else db_partial
-
-
-def _dbias_shape(bias: Optional[torch.Tensor]) -> tuple[int, ...]:
-    return (0,) if bias is None else tuple(bias.shape)
+    return dx, dres, partial.sum(dim=0)
 
 
 @layer_norm_bwd.register_fake
-def _(dy, x, residual, y, side, weight, bias, seed, mean, rstd, dropout_p, x_dtype, has_residual, dsum=None,
-      x_is_sum=False):
-    hidden = dy.shape[1]
+def _(dy, x, residual, y, stats, weight, bias, seed, dropout_p, x_dtype, has_residual, dsum=None, x_is_sum=False):
     dres = dy.new_empty(dy.shape if has_residual else (0,), dtype=x_dtype)
-    return (dy.new_empty(dy.shape, dtype=x_dtype), dres, dy.new_empty(hidden, dtype=torch.float32),
-            dy.new_empty(_dbias_shape(bias), dtype=torch.float32))
+    return (dy.new_empty(dy.shape, dtype=x_dtype), dres,
+            dy.new_empty((1 if bias is None else 2, dy.shape[1]), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output, store_sum = inputs
-    y, mean, rstd, side, summed = output
+    y, stats, summed = output
     # from the output, nothing of x's size beyond y, which the next op keeps anyway; from the input, summed
     # when it was written (one activation instead of x and the residual); see the header
     if save_output:
-        saved = (None, None, y, side, None)
+        saved = (None, None, y)
     else:
-        saved = (summed, None, None, None, mean) if store_sum else (x, residual, None, None, mean)
-    ctx.save_for_backward(*saved, weight, bias, seed, rstd)
+        saved = (summed, None, None) if store_sum else (x, residual, None)
+    ctx.save_for_backward(*saved, stats, weight, bias, seed)
     ctx.dropout_p = dropout_p
     ctx.x_dtype = x.dtype
     ctx.has_residual = residual is not None
     ctx.store_sum = store_sum
-    ctx.mark_non_differentiable(mean, rstd, side)
+    ctx.mark_non_differentiable(stats)
     # without store_sum y is the one output a backward starts from: the gradients of the others stay None
     # rather than zeros allocated for them (with store_sum, y or summed may go unused: zeros stand for it)
     ctx.set_materialize_grads(store_sum)
 
 
-def _backward(ctx, dy, dmean, drstd, dside, dsum):
-    x, residual, y, side, mean, weight, bias, seed, rstd = ctx.saved_tensors
+def _backward(ctx, dy, dstats, dsum):
+    x, residual, y, stats, weight, bias, seed = ctx.saved_tensors
     # without store_sum, dsum (None) belongs to the unused empty output
-    dx, dres, dw, db = layer_norm_bwd(dy, x, residual, y, side, weight, bias, seed, mean, rstd, ctx.dropout_p,
-                                      ctx.x_dtype, ctx.has_residual, dsum if ctx.store_sum else None,
-                                      ctx.store_sum and y is None)
-    return (dx, _as_dtype(dw, weight.dtype), None if bias is None else _as_dtype(db, bias.dtype),
-            dres if ctx.has_residual else None, None, None, None, None, None, None)
+    dx, dres, dparameters = layer_norm_bwd(dy, x, residual, y, stats, weight, bias, seed, ctx.dropout_p,
+                                           ctx.x_dtype, ctx.has_residual, dsum if ctx.store_sum else None,
+                                           ctx.store_sum and y is None)
+    if bias is None:
+        dw, db = dparameters[0], None
+    else:
+        dw, db = dparameters.unbind()
+        db = _as_dtype(db, bias.dtype)
+    return (dx, _as_dtype(dw, weight.dtype), db, dres if ctx.has_residual else None, None, None, None, None, None,
+            None)
 
 
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -570,9 +570,9 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
     (the backward adds summed's gradient to what reaches x and the residual). Dropout applies only
     when training and dropout_p > 0; its seed is drawn from torch's generator on x's device, so
     torch.manual_seed reproduces the mask. Returns [..., H] in out_dtype (None: x's dtype),
-    differentiable in x, residual, weight and bias. save="output": the backward keeps the output, rstd
-    [rows], the seed and an fp32 [rows, SIDE_COLUMNS] side buffer, nothing else of x's size, and takes at
-    most SIDE_COLUMNS weights with |weight| < MIN_WEIGHT (more give NaN gradients); save="input": it
+    differentiable in x, residual, weight and bias. save="output": the backward keeps the output, an
+    fp32 side buffer and rstd in one [rows, SIDE_COLUMNS + 1] buffer, and the seed, nothing else of x's size,
+    and takes at most SIDE_COLUMNS weights with |weight| < MIN_WEIGHT (more give NaN gradients); save="input": it
     keeps x, the residual, mean and rstd, exact for any weight (with return_residual: summed instead of
     x and the residual).
     Raises ValueError for unsupported sizes, dtypes, devices or `save`, or return_residual without a residual.
@@ -596,11 +596,12 @@ def layer_norm_unchecked(x, weight, bias, eps, residual, dropout_p, training, ou
     residual_rows = residual if residual is None or two_d else residual.reshape(rows.shape)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
                                     or (residual is not None and residual.requires_grad)):
-        y, _, _, _, summed = layer_norm_fwd(rows, weight, bias, residual_rows, seed, float(eps), dropout_p, out_dtype,
-                                            save == "output", return_residual)
+        y, _, summed = layer_norm_fwd(rows, weight, bias, residual_rows, seed, float(eps), dropout_p, out_dtype,
+                                      save == "output", return_residual)
     else:  # no backward can follow: no statistics, no side buffer
-        y, summed = layer_norm_infer(rows, weight, bias, residual_rows, seed, float(eps), dropout_p, out_dtype,
-                                     return_residual)
+        y, *rest = layer_norm_infer(rows, weight, bias, residual_rows, seed, float(eps), dropout_p, out_dtype,
+                                    return_residual)
+        summed = rest[0] if rest else None
     if not two_d:  # view_as: a view to a torch.Size costs a microsecond more
         y, summed = y.view_as(x), summed.view_as(x) if return_residual else summed
     return (y, summed) if return_residual else y

@@ -287,9 +287,9 @@ def _storage(t):
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1])
 def test_backward_keeps_the_output_and_rstd(dropout_p, device):
-    """save="output": autograd keeps y (the output itself, no copy), rstd, the seed, the [rows, 8] side
-    buffer, weight and bias: nothing else of x's size, so neither x nor the residual. save="input" keeps x
-    and the residual."""
+    """save="output": autograd keeps y (the output itself, no copy), the side buffer and rstd in one
+    [rows, 8 + 1] buffer, the seed, weight and bias: nothing else of x's size, so neither x nor the residual.
+    save="input" keeps x and the residual."""
     rows, hidden = 37, 128
     x, weight, bias, residual, _ = _make_inputs((rows, hidden), torch.float32, device, with_residual=True)
     params = {_storage(weight), _storage(bias)}
@@ -297,7 +297,7 @@ def test_backward_keeps_the_output_and_rstd(dropout_p, device):
     activations = [t for t, _ in saved if _storage(t) not in params]
     assert [_storage(t) for t in activations if t.numel() >= rows * hidden] == [_storage(y)]
     small = sorted((str(t.dtype), t.numel()) for t in activations if t.numel() < rows * hidden)
-    assert small == [("torch.float32", rows), ("torch.float32", rows * ln.SIDE_COLUMNS)] + (
+    assert small == [("torch.float32", rows * (1 + ln.SIDE_COLUMNS))] + (
         [("torch.int64", 1)] if dropout_p else [])
     _, saved_input = _saved_for_backward(lambda: _kernel(dropout_p, save="input")(x, weight, bias, residual))
     assert {_storage(x), _storage(residual)} <= {_storage(t) for t, _ in saved_input}
@@ -349,18 +349,20 @@ def test_small_weights_come_from_the_side_buffer(dtype, device):
 
 
 def test_the_side_buffer_is_written_whole(device):
-    """The side buffer is an output of the op, allocated unfilled: per row, the xhat of the small-weight
-    columns in column order, then zeros in every slot past them (memory the allocator hands back full of NaN
-    shows a slot left unwritten)."""
+    """The statistics buffer is an output of the op, allocated unfilled: per row the xhat of the small-weight
+    columns in column order, then zeros in every slot past them, then rstd (memory the allocator hands back
+    full of NaN shows a slot left unwritten)."""
     rows, hidden = 37, 128
     x, weight, bias, _, _ = _make_inputs((rows, hidden), torch.float32, device, with_residual=False)
     columns = [5, 17, 64]
     weight[columns] = 0.0
     for _ in range(2):  # the buffer freed after the first call is the second's
-        poison = torch.full((rows, ln.SIDE_COLUMNS), float("nan"), device=device)
+        poison = torch.full((rows, ln.stats_width(True)), float("nan"), device=device)
         del poison
-        _, mean, rstd, side, _ = ln.layer_norm_fwd(x, weight, bias, None, None, EPS, 0.0, x.dtype, True)
-        xhat = (x[:, columns] - mean[:, None]) * rstd[:, None]
+        _, stats, _ = ln.layer_norm_fwd(x, weight, bias, None, None, EPS, 0.0, x.dtype, True)
+        side, rstd = stats[:, :-1], stats[:, -1]
+        assert side.shape[1] == ln.SIDE_COLUMNS
+        xhat = (x[:, columns] - x.mean(dim=1, keepdim=True)) * rstd[:, None]
         torch.testing.assert_close(side[:, :len(columns)], xhat)
         assert side[:, len(columns):].eq(0).all(), side
 

@@ -228,10 +228,9 @@ def _layer_norm_cases(b: Batch) -> list[tuple[str, str, Callable]]:
         def backward(save, p=p, tensors=tensors):
             x, weight, residual = tensors()
             y = _meta(b.rows, hidden, dtype=b.dtype)
-            stats = _meta(b.rows, dtype=torch.float32)
-            side = _meta(b.rows, layer_norm.SIDE_COLUMNS, dtype=torch.float32)
-            inputs, mean = ((None, None, y, side), None) if save == "output" else ((x, residual, None, None), stats)
-            _implementation(layer_norm.layer_norm_bwd)(y, *inputs, weight, weight, _seed(p), mean, stats, p, x.dtype,
+            stats = _meta(b.rows, layer_norm.stats_width(save == "output"), dtype=torch.float32)
+            inputs = (None, None, y) if save == "output" else (x, residual, None)
+            _implementation(layer_norm.layer_norm_bwd)(y, *inputs, stats, weight, weight, _seed(p), p, x.dtype,
                                                        residual is not None)
 
         def inference(p=p, tensors=tensors):
@@ -360,7 +359,6 @@ def _modernbert_cases(dtype) -> list[tuple[str, str, Callable]]:
              ("bias_gelu.geglu_bwd", "no bias", functools.partial(geglu_backward, False)),
              ("bias_gelu.geglu_bwd", "bias", functools.partial(geglu_backward, True)),
              ("qkv.qkv_projection_fwd", "no bias", qkv_forward), ("qkv.qkv_projection_bwd", "no bias", qkv_backward)]
-    stats = _meta(rows, dtype=torch.float32)
     for residual in (True, False):
         for save in layer_norm.SAVE_CHOICES:
             def forward(residual=residual, save=save):
@@ -371,12 +369,10 @@ def _modernbert_cases(dtype) -> list[tuple[str, str, Callable]]:
             def backward(residual=residual, save=save):
                 # with the stream out, save="input" reads the saved summed alone (x_is_sum)
                 from_output = save == "output"
-                y, side = (tokens(m.hidden), _meta(rows, layer_norm.SIDE_COLUMNS, dtype=torch.float32)) if from_output \
-                    else (None, None)
-                x = None if from_output else tokens(m.hidden)
+                y, x = (tokens(m.hidden), None) if from_output else (None, tokens(m.hidden))
                 _implementation(layer_norm.layer_norm_bwd)(
-                    tokens(m.hidden), x, None, y, side, _meta(m.hidden, dtype=dtype), None, None,
-                    None if from_output else stats, stats, 0.0, dtype, residual,
+                    tokens(m.hidden), x, None, y, _meta(rows, layer_norm.stats_width(from_output), dtype=torch.float32),
+                    _meta(m.hidden, dtype=dtype), None, None, 0.0, dtype, residual,
                     tokens(m.hidden) if residual else None, residual and not from_output)
 
             variant = f"no bias,{'residual out' if residual else 'residual=False'},save={save}"
