@@ -18,7 +18,7 @@
 # labelled rows, in a fixed order: no atomics, bitwise reproducible. Two launches and no torch op: each
 # torch op costs the host about a launch, and the ~20 small ones that merged the partials made the loss's
 # host time 12.8x PyTorch's F.linear + F.cross_entropy (PERF.md's host suite at 900a9ab). Only m and s [N]
-# and the labelled rows are kept for the backward. Nothing of size N x V is written.
+# and the labelled rows' count (one buffer) are kept for the backward. Nothing of size N x V is written.
 #
 # Why m and s apart, not their sum lse = m + s: a row whose target holds nearly all the probability
 # has d loss / d z_t = exp(z_t - lse) - 1, a difference of two numbers near 1. One fp32 lse near 10 is
@@ -202,10 +202,10 @@ def _mlm_loss_fwd_kernel(
 def _mlm_loss_merge_kernel(
     partials_ptr,  # [6, splits, N]: the forward kernel's (_partial_planes), planes `plane` = splits x N apart
     target_ptr,  # [N] integer targets, stride stride_t
-    stats_ptr,  # [2, N] fp32 out: each row's max logit m, then s = log sum_v exp(z_v - m)
+    stats_ptr,  # [2 N + 1] fp32 out (_softmax_stats): each row's max logit m, then s = log sum_v exp(z_v - m),
+    # then the labelled rows, for the backward's "mean"
     loss_ptr,  # [] fp32 out: the loss
     correct_ptr,  # [] int64 out: num_correct
-    labelled_ptr,  # [] int64 out: the labelled rows, for the backward's "mean"
     N, V, splits, plane, ignore_index, label_smoothing, stride_t,
     MEAN: tl.constexpr,  # divide the loss by the labelled rows (at least 1)
     BLOCK_S: tl.constexpr,  # splits, rounded up to a power of 2
@@ -257,7 +257,8 @@ def _mlm_loss_merge_kernel(
         total = total / cast(tl.maximum(count, 1), tl.float64)
     tl.store(loss_ptr, cast(total, tl.float32))
     tl.store(correct_ptr, tl.sum(correct, axis=0))
-    tl.store(labelled_ptr, count)
+    # in fp32, as the backward divides by it: the same rounding (above 2**24 rows) as its cast from int64 would make
+    tl.store(stats_ptr + 2 * N, cast(count, tl.float32))
 
 
 @triton.jit
@@ -266,13 +267,12 @@ def _mlm_loss_bwd_kernel(
     w_ptr,  # [V, H] decoder weight
     b_ptr,  # [V] decoder bias; read only when HAS_BIAS
     target_ptr,  # [N] integer targets, stride stride_t
-    stats_ptr,  # [2, N] fp32 softmax_stats from the forward, strides (stride_stat, stride_sn): each row's max
-    # logit m, then s = log sum_v exp(z_v - m)
+    stats_ptr,  # [2 N + 1] fp32 softmax_stats from the forward (_softmax_stats): each row's max logit m, then
+    # s = log sum_v exp(z_v - m), then the labelled rows (read only when MEAN)
     grad_loss_ptr,  # [] d loss from the caller, any float dtype
-    labelled_ptr,  # [] int64 the labelled rows, from the forward; read only when MEAN
     dz_ptr,  # [N, V1 - V0] out, x's dtype, row stride stride_dzn: d loss / d z for columns [V0, V1)
     N, V, H, V0, V1, ignore_index, label_smoothing,
-    stride_xn, stride_xh, stride_wv, stride_wh, stride_b, stride_t, stride_stat, stride_sn, stride_dzn,
+    stride_xn, stride_xh, stride_wv, stride_wh, stride_b, stride_t, stride_dzn,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,  # as in the forward
     MEAN: tl.constexpr,  # "mean" reduction: grad_loss / labelled rows (at least 1)
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -285,15 +285,15 @@ def _mlm_loss_bwd_kernel(
     z = _logits_tile(x_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, H,
                      stride_xn, stride_xh, stride_wv, stride_wh, stride_b,
                      HAS_BIAS, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
-    row_max = tl.load(stats_ptr + rows * stride_sn, mask=row_mask, other=0.0)
+    row_max = tl.load(stats_ptr + rows, mask=row_mask, other=0.0)
     # padding rows: exp(.) = 0
-    log_sumexp = tl.load(stats_ptr + stride_stat + rows * stride_sn, mask=row_mask, other=float("inf"))
+    log_sumexp = tl.load(stats_ptr + N + rows, mask=row_mask, other=float("inf"))
     target = tl.load(target_ptr + rows * stride_t, mask=row_mask, other=-1).to(tl.int64)
     # d loss / d loss_row: grad_loss (/ labelled rows for "mean") on labelled rows, 0 on the others, NaN on
     # labelled rows whose target is outside [0, V)
     grad = cast(tl.load(grad_loss_ptr), tl.float32)
     if MEAN:
-        grad = grad / cast(tl.maximum(tl.load(labelled_ptr), 1), tl.float32)
+        grad = grad / tl.maximum(tl.load(stats_ptr + 2 * N), 1.0)
     labelled = target != ignore_index
     coef = tl.where(labelled, grad, 0.0)
     coef = tl.where(labelled & ((target < 0) | (target >= V)), float("nan"), coef)
@@ -397,53 +397,51 @@ def _merge_config(splits: int, rows: int) -> dict:
 @fused_op("fastbert::mlm_loss_fwd")
 def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
                  ignore_index: int, reduction: str,
-                 label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [N, H], weight [V, H], bias [V] or None (any strides), target int [N], checked by
     `linear_cross_entropy` (or fastbert.ops) and, where PyTorch traces, by the fake registration.
 
     Returns loss (fp32 scalar), num_correct (int64 scalar), and for the backward softmax_stats (fp32
-    [2, N]: each row's max logit m and log sum exp(z - m)) and labelled_rows (int64 scalar).
+    [2 N + 1]: each row's max logit m, then each row's log sum exp(z - m), then the labelled rows' count: one
+    buffer, so one allocation and one saved tensor).
     """
     rows = x.shape[0]
     vocab = weight.shape[0]
     if rows == 0:
-        def zero(dtype):
-            return torch.zeros((), dtype=dtype, device=x.device)
-        return zero(torch.float32), zero(torch.int64), x.new_empty((2, 0), dtype=torch.float32), zero(torch.int64)
+        def zero(dtype, *shape):
+            return torch.zeros(shape, dtype=dtype, device=x.device)
+        return zero(torch.float32), zero(torch.int64), zero(torch.float32, 1)
     config = _config(x.dtype, rows, forward=True)
     cols_per_split = _forward_cols_per_split(x.device, rows, vocab, config["BLOCK_N"], config["BLOCK_V"])
     splits = cdiv(vocab, cols_per_split)
     plane = splits * rows
     partials = torch.empty((6, splits, rows), dtype=torch.float32, device=x.device)  # _partial_planes
-    b = weight if bias is None else bias  # a placeholder pointer when there is no bias
     launch(_mlm_loss_fwd_kernel, (cdiv(rows, config["BLOCK_N"]), splits),
-        x, weight, b, target, partials, rows, vocab, x.shape[1], cols_per_split, plane, *x.stride(),
+        x, weight, bias, target, partials, rows, vocab, x.shape[1], cols_per_split, plane, *x.stride(),
         *weight.stride(), 0 if bias is None else bias.stride(0), target.stride(0), HAS_BIAS=bias is not None,
         DOT_PRECISION=dot_precision(x.dtype), **config,
     )
-    softmax_stats = torch.empty((2, rows), dtype=torch.float32, device=x.device)
+    softmax_stats = torch.empty(2 * rows + 1, dtype=torch.float32, device=x.device)
     loss = torch.empty((), dtype=torch.float32, device=x.device)
     num_correct = torch.empty((), dtype=torch.int64, device=x.device)
-    labelled_rows = torch.empty((), dtype=torch.int64, device=x.device)
-    launch(_mlm_loss_merge_kernel, (1,), partials, target, softmax_stats, loss, num_correct, labelled_rows, rows,
-           vocab, splits, plane, ignore_index, label_smoothing, target.stride(0), MEAN=reduction == "mean",
+    launch(_mlm_loss_merge_kernel, (1,), partials, target, softmax_stats, loss, num_correct, rows, vocab, splits,
+           plane, ignore_index, label_smoothing, target.stride(0), MEAN=reduction == "mean",
            **_merge_config(splits, rows))
-    return loss, num_correct, softmax_stats, labelled_rows
+    return loss, num_correct, softmax_stats
 
 
 @mlm_loss_fwd.register_fake
 def _(x, weight, bias, target, ignore_index, reduction, label_smoothing):
     _check_inputs(x, weight, bias, target, reduction, label_smoothing)
     return (x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.int64),
-            x.new_empty((2, x.shape[0]), dtype=torch.float32), x.new_empty((), dtype=torch.int64))
+            x.new_empty(2 * x.shape[0] + 1, dtype=torch.float32))
 
 
 @fused_op("fastbert::mlm_loss_bwd")
 def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 target: torch.Tensor, softmax_stats: torch.Tensor, labelled_rows: torch.Tensor, ignore_index: int,
-                 reduction: str, label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `mlm_loss_fwd` from its inputs, softmax_stats and labelled_rows; grad_loss a scalar
-    tensor.
+                 target: torch.Tensor, softmax_stats: torch.Tensor, ignore_index: int, reduction: str,
+                 label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `mlm_loss_fwd` from its inputs and softmax_stats; grad_loss a scalar tensor.
 
     Returns dx [N, H] in x's dtype, dweight [V, H] in weight's dtype and dbias fp32 [V] (empty [0]
     when bias is None), all contiguous.
@@ -456,7 +454,6 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         return x.new_empty((0, hidden)), dweight.zero_(), dbias.zero_()
     config = _config(x.dtype, rows, forward=False)
     chunk_cols = _backward_chunk_cols(rows, vocab, config["BLOCK_V"])
-    b = weight if bias is None else bias
     dx = None
     for v0 in range(0, vocab, chunk_cols):
         v1 = min(v0 + chunk_cols, vocab)
@@ -470,9 +467,9 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         if aligned != width:
             dz = dz[:, :width]
         launch(_mlm_loss_bwd_kernel, (cdiv(rows, config["BLOCK_N"]), cdiv(width, config["BLOCK_V"])),
-            x, weight, b, target, softmax_stats, grad_loss, labelled_rows, dz,
+            x, weight, bias, target, softmax_stats, grad_loss, dz,
             rows, vocab, hidden, v0, v1, ignore_index, label_smoothing, *x.stride(), *weight.stride(),
-            0 if bias is None else bias.stride(0), target.stride(0), *softmax_stats.stride(), dz.stride(0),
+            0 if bias is None else bias.stride(0), target.stride(0), dz.stride(0),
             HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype), MEAN=reduction == "mean", **config,
         )
         whole = width == vocab  # one chunk: no slices of the weight and its gradients
@@ -506,7 +503,7 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @mlm_loss_bwd.register_fake
-def _(grad_loss, x, weight, bias, target, softmax_stats, labelled_rows, ignore_index, reduction, label_smoothing):
+def _(grad_loss, x, weight, bias, target, softmax_stats, ignore_index, reduction, label_smoothing):
     vocab = weight.shape[0]
     return (x.new_empty(x.shape), weight.new_empty(weight.shape),
             x.new_empty(vocab if bias is not None else 0, dtype=torch.float32))
@@ -514,17 +511,16 @@ def _(grad_loss, x, weight, bias, target, softmax_stats, labelled_rows, ignore_i
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, target, ignore_index, reduction, label_smoothing = inputs
-    _, num_correct, softmax_stats, labelled_rows = output
-    ctx.save_for_backward(x, weight, bias, target, softmax_stats, labelled_rows)
+    _, num_correct, softmax_stats = output
+    ctx.save_for_backward(x, weight, bias, target, softmax_stats)
     ctx.arguments = (ignore_index, reduction, label_smoothing)
-    ctx.mark_non_differentiable(num_correct, softmax_stats, labelled_rows)
+    ctx.mark_non_differentiable(num_correct, softmax_stats)
     ctx.set_materialize_grads(False)  # the loss's gradient starts every backward; the others stay None
 
 
-def _backward(ctx, grad_loss, grad_num_correct, grad_softmax_stats, grad_labelled_rows):
-    x, weight, bias, target, softmax_stats, labelled_rows = ctx.saved_tensors
-    dx, dweight, dbias = mlm_loss_bwd(grad_loss, x, weight, bias, target, softmax_stats, labelled_rows,
-                                      *ctx.arguments)
+def _backward(ctx, grad_loss, grad_num_correct, grad_softmax_stats):
+    x, weight, bias, target, softmax_stats = ctx.saved_tensors
+    dx, dweight, dbias = mlm_loss_bwd(grad_loss, x, weight, bias, target, softmax_stats, *ctx.arguments)
     if bias is not None and dbias.dtype != bias.dtype:
         dbias = dbias.to(bias.dtype)
     return dx, dweight, None if bias is None else dbias, None, None, None, None
@@ -550,6 +546,6 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
 def linear_cross_entropy_unchecked(x, weight, bias, target, ignore_index, reduction, label_smoothing):
     """`linear_cross_entropy` after its checks, which the caller has made (fastbert.ops: the shapes and
     options, then `check_limits`)."""
-    loss, num_correct, _, _ = mlm_loss_fwd(x, weight, bias, target, int(ignore_index), reduction,
-                                           float(label_smoothing))
+    loss, num_correct, _ = mlm_loss_fwd(x, weight, bias, target, int(ignore_index), reduction,
+                                        float(label_smoothing))
     return loss, num_correct
