@@ -448,12 +448,16 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     """
     rows, hidden = x.shape
     vocab = weight.shape[0]
-    dweight = torch.empty((vocab, hidden), dtype=weight.dtype, device=x.device)
-    dbias = torch.empty(vocab if bias is not None else 0, dtype=torch.float32, device=x.device)
     if rows == 0:
-        return x.new_empty((0, hidden)), dweight.zero_(), dbias.zero_()
+        return (x.new_empty((0, hidden)), torch.zeros_like(weight),
+                torch.zeros(vocab if bias is not None else 0, dtype=torch.float32, device=x.device))
     config = _config(x.dtype, rows, forward=False)
     chunk_cols = _backward_chunk_cols(rows, vocab, config["BLOCK_V"])
+    # one chunk: dW and db come out of their ops whole; several: each chunk's rows are written into them
+    chunks = chunk_cols < vocab
+    dweight = torch.empty((vocab, hidden), dtype=weight.dtype, device=x.device) if chunks else None
+    dbias = (torch.empty(vocab, dtype=torch.float32, device=x.device) if chunks and bias is not None
+             else None if bias is not None else x.new_empty(0, dtype=torch.float32))
     dx = None
     for v0 in range(0, vocab, chunk_cols):
         v1 = min(v0 + chunk_cols, vocab)
@@ -472,11 +476,15 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
             0 if bias is None else bias.stride(0), target.stride(0), dz.stride(0),
             HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype), MEAN=reduction == "mean", **config,
         )
-        whole = width == vocab  # one chunk: no slices of the weight and its gradients
-        torch.mm(dz.t(), x, out=dweight if whole else dweight[v0:v1])
-        if bias is not None:
-            torch.sum(dz, dim=0, dtype=torch.float32, out=dbias if whole else dbias[v0:v1])
-        product = _mm_fp32(dz, weight if whole else weight[v0:v1])
+        if chunks:
+            torch.mm(dz.t(), x, out=dweight[v0:v1])
+            if bias is not None:
+                torch.sum(dz, dim=0, dtype=torch.float32, out=dbias[v0:v1])
+        else:
+            dweight = torch.mm(dz.t(), x)
+            if bias is not None:
+                dbias = torch.sum(dz, dim=0, dtype=torch.float32)
+        product = _mm_fp32(dz, weight[v0:v1] if chunks else weight)
         if dx is None:
             dx = product
         else:
