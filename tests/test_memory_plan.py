@@ -198,7 +198,7 @@ def test_a_plan_through_the_launchers_saves_what_each_op_saves(checkpointing):
     hidden, intermediate, heads = config.hidden_size, config.intermediate_size, config.num_attention_heads
     tokens, labelled = rows * seqlen, rows * budget
     bf16, fp32, int64, seed = 2, 4, 8, 8  # a dropout seed: one int64
-    # kernels/layer_norm.py: the output, 1/std and the side buffer (xhat of 8 small-weight columns) per row
+    # kernels/layer_norm.py: the output, the side buffer (xhat of 8 small-weight columns) and 1/std per row
     layer_norm = bf16 * tokens * hidden + fp32 * tokens + fp32 * tokens * 8
     embeddings = (int64 * seqlen  # the position ids, for the embedding's backward
                   + layer_norm + seed  # the LayerNorm, then a dropout that keeps its seed
@@ -214,7 +214,7 @@ def test_a_plan_through_the_launchers_saves_what_each_op_saves(checkpointing):
     mlm = (2 * int64 * labelled  # the labelled positions and their targets
            + 3 * bf16 * labelled * hidden  # the gathered rows, the transform's pre-activation, its LayerNorm
            + fp32 * labelled * (1 + 8)  # that LayerNorm's 1/std and side buffer
-           + 2 * fp32 * labelled + int64)  # the loss's per-row statistics and its count of labelled rows
+           + fp32 * (2 * labelled + 1))  # the loss's per-row statistics and its count of labelled rows
     nsp = bf16 * rows * 2 + fp32 * rows * 2 + fp32  # log_softmax (bf16), nll_loss's fp32 copy, total weight
     assert plan["saved"] == embeddings + layers * layer + pooler + mlm + nsp
     assert plan["phase_of_peak"] == "backward"
