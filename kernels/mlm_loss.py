@@ -202,8 +202,8 @@ def _mlm_loss_fwd_kernel(
 def _mlm_loss_merge_kernel(
     partials_ptr,  # [6, splits, N]: the forward kernel's (_partial_planes), planes `plane` = splits x N apart
     target_ptr,  # [N] integer targets, stride stride_t
-    stats_ptr,  # [2 N + 1] fp32 out (_softmax_stats): each row's max logit m, then s = log sum_v exp(z_v - m),
-    # then the labelled rows, for the backward's "mean"
+    stats_ptr,  # [2 N + 1] fp32 out, mlm_loss_fwd's softmax_stats: each row's max logit m, then
+    # s = log sum_v exp(z_v - m), then the labelled rows, for the backward's "mean"
     loss_ptr,  # [] fp32 out: the loss
     correct_ptr,  # [] int64 out: num_correct
     N, V, splits, plane, ignore_index, label_smoothing, stride_t,
@@ -267,7 +267,7 @@ def _mlm_loss_bwd_kernel(
     w_ptr,  # [V, H] decoder weight
     b_ptr,  # [V] decoder bias; read only when HAS_BIAS
     target_ptr,  # [N] integer targets, stride stride_t
-    stats_ptr,  # [2 N + 1] fp32 softmax_stats from the forward (_softmax_stats): each row's max logit m, then
+    stats_ptr,  # [2 N + 1] fp32 softmax_stats from the forward: each row's max logit m, then
     # s = log sum_v exp(z_v - m), then the labelled rows (read only when MEAN)
     grad_loss_ptr,  # [] d loss from the caller, any float dtype
     dz_ptr,  # [N, V1 - V0] out, x's dtype, row stride stride_dzn: d loss / d z for columns [V0, V1)
@@ -449,15 +449,17 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     rows, hidden = x.shape
     vocab = weight.shape[0]
     if rows == 0:
-        return (x.new_empty((0, hidden)), torch.zeros_like(weight),
+        return (x.new_empty((0, hidden)), torch.zeros((vocab, hidden), dtype=weight.dtype, device=x.device),
                 torch.zeros(vocab if bias is not None else 0, dtype=torch.float32, device=x.device))
     config = _config(x.dtype, rows, forward=False)
     chunk_cols = _backward_chunk_cols(rows, vocab, config["BLOCK_V"])
     # one chunk: dW and db come out of their ops whole; several: each chunk's rows are written into them
     chunks = chunk_cols < vocab
     dweight = torch.empty((vocab, hidden), dtype=weight.dtype, device=x.device) if chunks else None
-    dbias = (torch.empty(vocab, dtype=torch.float32, device=x.device) if chunks and bias is not None
-             else None if bias is not None else x.new_empty(0, dtype=torch.float32))
+    if bias is None:
+        dbias = x.new_empty(0, dtype=torch.float32)  # a custom op returns a tensor
+    else:
+        dbias = torch.empty(vocab, dtype=torch.float32, device=x.device) if chunks else None
     dx = None
     for v0 in range(0, vocab, chunk_cols):
         v1 = min(v0 + chunk_cols, vocab)
