@@ -193,7 +193,8 @@ _PLACEHOLDERS: dict = {}
 def placeholders(device: torch.device) -> dict:
     """dtype -> an empty tensor on `device` for a pointer argument a launch does not read, kept (one per dtype
     and device; never an op's output, which must be a tensor of its own). Its dtype is the real argument's:
-    Triton specialises, and an autotuner keys, on every tensor argument's dtype."""
+    Triton specialises, and an autotuner keys, on every tensor argument's dtype. Where that does not matter,
+    None is cheaper (LayerNorm, the MLM loss): Triton makes it a constant and the launch reads no tensor."""
     found = _PLACEHOLDERS.get(device)
     if found is None:
         found = _PLACEHOLDERS[device] = _Placeholders(device)
