@@ -35,10 +35,12 @@ def rows_of(columns, misaligned):
     flat = torch.zeros(ROWS * columns + 1)
     return (flat[1:] if misaligned else flat[:-1]).view(ROWS, columns)
 
-def layer_norm_call(rows, misaligned):
+def layer_norm_call(rows, misaligned, residual=None):
+    # the inference launch: None for the pointers its flags leave unread (the residual, summed, stats, seed)
     x, y = rows_of(HIDDEN, misaligned), torch.empty(ROWS, HIDDEN)
     weight = torch.ones(HIDDEN)
-    args = (x, x, weight, weight, y, y, y, y, x, y, HIDDEN, 1, HIDDEN, 1, rows, HIDDEN, 1e-12, 0.0, 1.0, 0.25)
+    args = (x, residual, weight, weight, y, None, None, None, HIDDEN, 1, HIDDEN, 1, rows, HIDDEN, 1e-12, 0.0, 1.0,
+            0.25)
     constexprs = dict(HAS_RESIDUAL=False, HAS_DROPOUT=False, HAS_BIAS=True, STORE_SUM=False, STORE_STATS=False,
                       SAVE_SIDE=False, SIDE_COLUMNS=8, BLOCK_ROWS=16, BLOCK_H=HIDDEN, num_warps=4)
     return layer_norm._layer_norm_fwd_kernel, (cdiv(rows, 16),), args, constexprs
@@ -74,6 +76,14 @@ with stubbed_launches():
                                 "same": launched is triton_own and triton_own is not None,
                                 "first_through_triton": first_through_triton,
                                 "then_through_triton": len(through_triton), "distinct": id(triton_own)})
+    # a tensor where the same launch passed None: a kernel of its own (Triton makes None a constant)
+    kernel, grid, args, constexprs = layer_norm_call(16, False, residual=torch.zeros(ROWS, HIDDEN))
+    for _ in range(3):
+        launched = launch(kernel, grid, *args, **constexprs)
+    triton_own = kernel.run(*args, grid=grid, warmup=True, **constexprs)
+    none_row = next(row for row in results if row["case"] == "layer_norm, rows=16, misaligned=False")
+    results.append({"case": "layer_norm, a tensor for None", "same": launched is triton_own and triton_own is not None,
+                    "distinct_from_none": id(triton_own) != none_row["distinct"]})
 print(json.dumps(results))
 """
 
@@ -83,6 +93,8 @@ def test_the_cached_path_launches_the_kernel_triton_would():
     result = subprocess.run([sys.executable, "-c", _LAUNCHES], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(result.stdout.splitlines()[-1])
+    *rows, tensor_for_none = rows
+    assert tensor_for_none["same"] and tensor_for_none["distinct_from_none"], tensor_for_none
     for row in rows:
         assert row["same"], row["case"]
         assert row["then_through_triton"] == 0, row
