@@ -371,7 +371,6 @@ def _forward(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_ou
     """The forward launch: (y, stats, summed) as in `layer_norm_fwd`, but summed None without store_sum, and
     without store_stats (an inference forward) stats None: neither allocated nor written."""
     rows, hidden = x.shape
-    device = x.device
     x, stride_x_row, stride_x_col = _with_int32_columns(x)
     if residual is None:  # x's strides stand for the residual's, never read
         stride_r_row, stride_r_col = stride_x_row, stride_x_col
@@ -382,7 +381,7 @@ def _forward(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_ou
     summed = torch.empty_like(x, memory_format=torch.contiguous_format) if store_sum else None
     # one buffer for what the backward reads per row; not filled: the kernel writes every slot, zeros past the
     # small-weight columns
-    stats = torch.empty((rows, stats_width(save_output)), dtype=torch.float32, device=device) if store_stats else None
+    stats = x.new_empty((rows, stats_width(save_output)), dtype=torch.float32) if store_stats else None
     if rows == 0:
         return y, stats, summed
     block_rows, block_h, num_warps = _tile(hidden)
