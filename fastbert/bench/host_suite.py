@@ -45,9 +45,9 @@ MODEL_BATCH, MODEL_SEQLEN = 2, 8  # one sequence padded
 CPU_CLOCK = ("time.thread_time_ns (CPU time of the measuring thread), least mean of repeated groups of calls, the "
              "providers of a case taking turns")
 TIMING = {"number": 50, "repeats": 5}
-# A model call takes milliseconds: 50 of them in a row let a slow spell of this shared machine fall on one
-# provider's group, and the training step's ratio to transformers moved from 0.96x to 1.23x between runs; the
-# same 250 calls in turns of 5 gave 1.13x to 1.16x in three runs
+# A model call takes milliseconds: 50 of them in a row let a slow spell of a shared machine fall on one
+# provider's group (four runs at 9a6109d put BERT-base's training step at 0.96x to 1.23x transformers'); the
+# same 250 calls in turns of 5 gave 1.14x to 1.18x in three runs
 MODEL_TIMING = {"number": 5, "repeats": 50}
 QUICK_TIMING = {"number": 3, "repeats": 2, "warmup": 2}
 
@@ -275,7 +275,7 @@ def measure(quick: bool = False, progress: bool = True, only=None) -> list[dict]
 
     from tqdm import tqdm
 
-    timing = QUICK_TIMING if quick else TIMING
+    op_timing, model_timing = (QUICK_TIMING, QUICK_TIMING) if quick else (TIMING, MODEL_TIMING)
     pattern = re.compile(only) if only else None
     groups = []  # (case, direction, its providers that `only` keeps)
     for case in host_cases():
@@ -289,8 +289,7 @@ def measure(quick: bool = False, progress: bool = True, only=None) -> list[dict]
                    dynamic_ncols=True)
         for case, direction, providers in bar:
             bar.set_postfix_str(f"{case.name} {direction}", refresh=False)
-            figures = measure_case(case, providers, direction,
-                                   MODEL_TIMING if case.op == "model" and not quick else timing)
+            figures = measure_case(case, providers, direction, model_timing if case.op == "model" else op_timing)
             rows += [{"op": case.op, "case": case.name, "provider": provider, "direction": direction,
                       "dtype": "float32", "status": "ok", **figures[provider]} for provider in providers]
     return rows
