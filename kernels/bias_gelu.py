@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from fastbert.kernels.fused_op import fused_op
-from fastbert.kernels.launch import cdiv, launch, next_power_of_2, placeholders
+from fastbert.kernels.launch import as_rows, cdiv, launch, next_power_of_2, placeholders
 from fastbert.kernels.matmul import DTYPES, check_operands, gelu, gelu_grad, matmul_fwd, row_groups
 from fastbert.kernels.numerics import INTERPRETER, cast
 
@@ -155,11 +155,6 @@ def _blocks(cols: int, tile: int = _TILE_ELEMENTS) -> tuple[int, int]:
     return max(1, tile // block_n), block_n
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """[..., N] -> [M, N]: a view whenever the leading dims merge, whatever the strides (t itself when 2-D)."""
-    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
-
-
 def _check(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> None:
     if approximate not in APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
@@ -180,7 +175,7 @@ def _check(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> None
 def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:
     """gelu(x + bias) (bias None: gelu(x)). x [..., N] (any strides), bias [N] or None, one dtype.
     Returns contiguous [..., N]."""
-    x2 = _as_rows(x)
+    x2 = as_rows(x)
     rows, cols = x2.shape
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if rows == 0:
@@ -206,7 +201,7 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
     """
     if in_place and not dy.is_contiguous():
         raise ValueError(f"in_place needs a contiguous dy, got strides {dy.stride()}")
-    x2, dy2 = _as_rows(x), _as_rows(dy)
+    x2, dy2 = as_rows(x), as_rows(dy)
     rows, cols = x2.shape
     dx = dy if in_place else torch.empty_like(x, memory_format=torch.contiguous_format)
     return dx, _gelu_bwd_launch(dy2, x2, bias, dx, rows, cols, approximate, False, sum_columns)
@@ -234,7 +229,7 @@ def _gelu_bwd_launch(dy2, x2, bias, dx, rows, cols, approximate, gated, sum_colu
 def geglu_fwd(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """gelu(a) * b with [a, b] = h split in halves: h [..., 2N] (any strides, 2N even) -> contiguous [..., N]
     in h's dtype."""
-    h2 = _as_rows(h)
+    h2 = as_rows(h)
     rows, cols = h2.shape[0], h2.shape[1] // 2
     y = torch.empty((*h.shape[:-1], cols), dtype=h.dtype, device=h.device)
     if rows == 0:
@@ -251,7 +246,7 @@ def geglu_bwd(dy: torch.Tensor, h: torch.Tensor, approximate: str = "none",
     """Gradients of y = gelu(a) * b, [a, b] = h split in halves. dy [..., N], h [..., 2N] (any strides, one
     dtype). Returns (dh [..., 2N] contiguous in h's dtype, its column sums [2N] (the bias gradient of the
     up-projection) or None without sum_columns)."""
-    h2, dy2 = _as_rows(h), _as_rows(dy)
+    h2, dy2 = as_rows(h), as_rows(dy)
     dh = torch.empty_like(h, memory_format=torch.contiguous_format)
     return dh, _gelu_bwd_launch(dy2, h2, None, dh, h2.shape[0], dy2.shape[1], approximate, True, sum_columns)
 
@@ -355,7 +350,7 @@ def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
         raise ValueError(f"form must be one of {LINEAR_BIAS_GELU_FORMS}, got {form!r}")
     if approximate not in APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
-    x2 = _as_rows(x)
+    x2 = as_rows(x)
     check_operands(x2, weight, bias)
     if form == "cublas_then_bias_gelu":
         return _bias_gelu_op(x @ weight.t(), bias, approximate)

@@ -45,15 +45,18 @@
 # kernel the backward recomputes it with (bias_gelu / geglu forward). Same saves, same backward; g is the
 # GELU of the rounded h, as the backward's recomputed g always is. fastbert.paths picks the faster per GPU.
 #
-# Limits: as kernels/matmul.py and kernels/bias_gelu.py: x [M, K], w1 [N, K] ([2N, K] gated), b1 [N] ([2N])
+# Limits: as kernels/matmul.py and kernels/bias_gelu.py: x [..., K] (M rows), w1 [N, K] ([2N, K] gated), b1 [N] ([2N])
 # or None, w2 [K2, N], b2 [K2] or None, of one dtype (fp32, fp16, bf16), any strides, M >= 0.
 # Sources: Megatron-LM's fused bias-GELU with recomputation; Korthikanti et al. 2022 (selective
 # activation recomputation).
+import math
+
 import torch
 
 from fastbert.kernels.bias_gelu import (APPROXIMATIONS, LINEAR_BIAS_GELU_FORMS, bias_gelu_bwd, bias_gelu_fwd,
                                         geglu_bwd, geglu_fwd, linear_bias_gelu_fwd)
 from fastbert.kernels.fused_op import fused_op
+from fastbert.kernels.launch import as_rows
 from fastbert.kernels.matmul import DTYPES
 
 
@@ -72,7 +75,7 @@ def _check(x, w1, b1, w2, b2, approximate, gated=False, form="epilogue") -> None
     projected, out_features = w1.shape[0], w2.shape[0]
     inner = projected // 2 if gated else projected
     dtype, device = x.dtype, x.device
-    for name, t, expected in (("w1", w1, (projected, x.shape[1])), ("b1", b1, (projected,)),
+    for name, t, expected in (("w1", w1, (projected, x.shape[-1])), ("b1", b1, (projected,)),
                               ("w2", w2, (out_features, inner)), ("b2", b2, (out_features,))):
         if t is None:
             continue
@@ -93,19 +96,24 @@ def _up_projection(x, w1, b1, approximate, keep_pre, gated, form):
 
 
 def feed_forward_fwd(x, w1, b1, w2, b2, approximate, keep_pre=True, gated=False, form="epilogue"):
-    """(out, h): out = gelu(h) @ w2.T + b2 [M, K2] (gated: (gelu(a) * b) @ w2.T + b2), h = x @ w1.T + b1
-    [M, N] ([M, 2N] gated), both contiguous; without keep_pre h is never written (an empty [0, N] stands for
-    it): nothing will read it. b1, b2 may be None. form: how h and gelu(h) are made (header)."""
-    g, pre = _up_projection(x, w1, b1, approximate, keep_pre, gated, form)
+    """(out, h): x [..., K] (M rows); out = gelu(h) @ w2.T + b2 [..., K2] (gated: (gelu(a) * b) @ w2.T + b2),
+    h = x @ w1.T + b1 [M, N] ([M, 2N] gated), both contiguous; without keep_pre h is never written (an empty
+    [0, N] stands for it): nothing will read it. b1, b2 may be None. form: how h and gelu(h) are made
+    (header)."""
+    g, pre = _up_projection(as_rows(x), w1, b1, approximate, keep_pre, gated, form)
     out = g @ w2.t() if b2 is None else torch.addmm(b2, g, w2.t())
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], w2.shape[0])
     return out, x.new_empty((0, w1.shape[0])) if pre is None else pre
 
 
 def feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate, gated=False, has_b1=True, has_b2=True,
                      form="epilogue"):
     """Gradients (dx, dw1, db1, dw2, db2) of feed_forward_fwd's out; pre None recomputes h from x and b1
-    (b1 is read only then, by `form`: the forward's). db1, db2 are None where has_b1, has_b2 say there is no
-    bias."""
+    (b1 is read only then, by `form`: the forward's). dout [..., K2] and x [..., K] in the forward's shapes;
+    dx takes x's. db1, db2 are None where has_b1, has_b2 say there is no bias."""
+    shape = x.shape
+    x, dout = as_rows(x), as_rows(dout)
     if pre is None:
         _, pre = _up_projection(x, w1, b1, approximate, True, gated, form)
     g = geglu_fwd(pre, approximate) if gated else bias_gelu_fwd(pre, None, approximate)  # [M, N]
@@ -118,7 +126,8 @@ def feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate, gated=False, has_b1=
     else:
         dpre, db1 = bias_gelu_bwd(dg, pre, None, approximate, in_place=True, sum_columns=has_b1)  # over dg
     del dg
-    return dpre @ w1, dpre.t() @ x, db1, dw2, db2
+    dx = dpre @ w1
+    return dx if len(shape) == 2 else dx.view(shape), dpre.t() @ x, db1, dw2, db2
 
 
 # ---- custom ops: autograd and fake registrations so torch.compile traces through them ----
@@ -134,7 +143,8 @@ def _feed_forward_op(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
 
 @_feed_forward_op.register_fake
 def _(x, w1, b1, w2, b2, approximate, keep_pre, gated=False, form="epilogue"):
-    return x.new_empty((x.shape[0], w2.shape[0])), x.new_empty((x.shape[0] if keep_pre else 0, w1.shape[0]))
+    rows = math.prod(x.shape[:-1]) if keep_pre else 0
+    return x.new_empty((*x.shape[:-1], w2.shape[0])), x.new_empty((rows, w1.shape[0]))
 
 
 @fused_op("fastbert::feed_forward_bwd")
@@ -190,16 +200,15 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2:
     "cublas_then_bias_gelu" (header). Raises ValueError on mismatched shapes, dtypes, an unknown
     approximation or form.
     """
-    two_d = x.dim() == 2
-    x2 = x if two_d else x.reshape(-1, x.shape[-1])  # [M, K]: a view whenever the leading dims merge
-    _check(x2, w1, b1, w2, b2, approximate, gated, form)
+    _check(x, w1, b1, w2, b2, approximate, gated, form)
     # h is written only for a backward that reads it: an inference forward never holds it beside the GELU
     # output while the second matmul runs (one [M, N] less at its peak), and recompute_pre reruns it anyway
-    backward = torch.is_grad_enabled() and (x2.requires_grad or w1.requires_grad or w2.requires_grad
+    backward = torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad or w2.requires_grad
                                             or (b1 is not None and b1.requires_grad)
                                             or (b2 is not None and b2.requires_grad))
-    out, _ = _feed_forward_op(x2, w1, b1, w2, b2, approximate, backward and not recompute_pre, gated, form)
-    return out if two_d else out.view(*x.shape[:-1], w2.shape[0])
+    # x goes in with its own shape, the op flattening it (launch.as_rows)
+    out, _ = _feed_forward_op(x, w1, b1, w2, b2, approximate, backward and not recompute_pre, gated, form)
+    return out
 
 
 def feed_forward_geglu(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,

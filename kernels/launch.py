@@ -46,6 +46,13 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [..., N] as [rows, N] (a view where the leading dimensions merge). The ops that take N-D activations
+    flatten them inside, so that an eager call records no view nodes for autograd (a reshape of each input
+    and a view of each output, each a node run forward and backward)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
 def _launch_hooks_active() -> bool:
     """Whether a launch hook is installed (a profiler's): Triton then builds each launch's metadata and calls
     the hooks, so such launches go through Triton. Triton 3.6-3.9 keep the hooks in (normally empty) chains.

@@ -68,6 +68,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -75,7 +76,7 @@ import triton
 import triton.language as tl
 
 from fastbert.kernels.fused_op import fused_op
-from fastbert.kernels.launch import cdiv, launch, next_power_of_2
+from fastbert.kernels.launch import as_rows, cdiv, launch, next_power_of_2
 from fastbert.kernels.matmul import sm_count
 from fastbert.kernels.numerics import INTERPRETER, cast, keep_mask_rows, philox_seed
 
@@ -370,15 +371,17 @@ def stats_width(save_output: bool) -> int:
 def _forward(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output, store_sum, store_stats):
     """The forward launch: (y, stats, summed) as in `layer_norm_fwd`, but summed None without store_sum, and
     without store_stats (an inference forward) stats None: neither allocated nor written."""
+    # y and summed take x's shape (contiguous, so their rows are [rows, H] as the kernel writes them)
+    # empty_like: an allocation from a shape tuple costs the host half a microsecond more
+    y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
+    summed = torch.empty_like(x, memory_format=torch.contiguous_format) if store_sum else None
+    x = as_rows(x)
     rows, hidden = x.shape
     x, stride_x_row, stride_x_col = _with_int32_columns(x)
     if residual is None:  # x's strides stand for the residual's, never read
         stride_r_row, stride_r_col = stride_x_row, stride_x_col
     else:
-        residual, stride_r_row, stride_r_col = _with_int32_columns(residual)
-    # empty_like: an allocation from a shape tuple costs the host half a microsecond more
-    y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
-    summed = torch.empty_like(x, memory_format=torch.contiguous_format) if store_sum else None
+        residual, stride_r_row, stride_r_col = _with_int32_columns(as_rows(residual))
     # one buffer for what the backward reads per row; not filled: the kernel writes every slot, zeros past the
     # small-weight columns
     stats = x.new_empty((rows, stats_width(save_output)), dtype=torch.float32) if store_stats else None
@@ -401,13 +404,13 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
                    residual: Optional[torch.Tensor], seed: Optional[torch.Tensor], eps: float, dropout_p: float,
                    out_dtype: torch.dtype, save_output: bool, store_sum: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x, residual [rows, H] (any strides, checked by `layer_norm`); weight [H]; bias [H] or None; seed int64 [1]
-    or None (no dropout).
+    """x, residual [..., H] (any strides, checked by `layer_norm`); weight [H]; bias [H] or None; seed int64 [1]
+    or None (no dropout). rows below: the product of the leading dimensions.
 
-    Returns y [rows, H] contiguous in out_dtype; stats, fp32 [rows, stats_width(save_output)]: for each
+    Returns y [..., H] contiguous in out_dtype; stats, fp32 [rows, stats_width(save_output)]: for each
     pre-norm row, with save_output its side buffer (SIDE_COLUMNS slots: xhat of the columns whose
     |weight| < MIN_WEIGHT, zeros past them), else its mean, then its rstd; and with store_sum the pre-norm rows summed =
-    dropout(x) + residual [rows, H] contiguous in x's dtype (y is then their LayerNorm as stored), else
+    dropout(x) + residual [..., H] contiguous in x's dtype (y is then their LayerNorm as stored), else
     an empty [0]. save_output chooses what autograd keeps for the backward (see `layer_norm`).
     """
     y, stats, summed = _forward(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output, store_sum,
@@ -440,7 +443,7 @@ def _(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, store_sum):
 def _(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output, store_sum=False):
     check_inputs(x, weight, bias, residual, out_dtype)
     return (x.new_empty(x.shape, dtype=out_dtype),
-            x.new_empty((x.shape[0], stats_width(save_output)), dtype=torch.float32),
+            x.new_empty((math.prod(x.shape[:-1]), stats_width(save_output)), dtype=torch.float32),
             x.new_empty(_sum_shape(x, store_sum)))
 
 
@@ -450,19 +453,20 @@ def layer_norm_bwd(dy: torch.Tensor, x: Optional[torch.Tensor], residual: Option
                    seed: Optional[torch.Tensor], dropout_p: float, x_dtype: torch.dtype, has_residual: bool,
                    dsum: Optional[torch.Tensor] = None, x_is_sum: bool = False,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `layer_norm_fwd` from its output y (contiguous [rows, H]) when y is given, else from its
+    """Gradients of `layer_norm_fwd` from its output y (contiguous [..., H]) when y is given, else from its
     inputs x and residual (x_is_sum: x is the forward's summed and residual None); with its stats (the side
     buffer with y, the mean without, then rstd), weight, bias (or None) and the seed. dsum
-    [rows, H] (any strides), the gradient of the forward's summed, or None.
+    [..., H] (any strides), the gradient of the forward's summed, or None.
 
-    dy, x, residual [rows, H] (any strides). Returns dx [rows, H] in x_dtype, dresidual [rows, H] in
-    x_dtype (empty [0] without a residual), and fp32 [1 + has bias, H]: dweight, then dbias.
+    dy, x, residual [..., H] (any strides), the forward's shape. Returns dx [..., H] in x_dtype, dresidual
+    [..., H] in x_dtype (empty [0] without a residual), and fp32 [1 + has bias, H]: dweight, then dbias.
     From y, more than SIDE_COLUMNS weight elements with |w| < MIN_WEIGHT make dweight of the further ones
     and every dx NaN (the kernel header says why).
     """
     from_output = y is not None
     like = y if from_output else x
-    rows, hidden = like.shape
+    hidden = like.shape[-1]
+    rows = stats.shape[0]
     dx = torch.empty_like(like, dtype=x_dtype, memory_format=torch.contiguous_format)
     dres = torch.empty_like(dx) if has_residual else dx.new_empty(0)
     parameters = 1 if bias is None else 2  # the gradients reduced over rows: dweight, dbias
@@ -470,19 +474,19 @@ def layer_norm_bwd(dy: torch.Tensor, x: Optional[torch.Tensor], residual: Option
         return dx, dres, torch.zeros((parameters, hidden), dtype=torch.float32, device=like.device)
     block_rows, block_h, num_warps = _tile(hidden)
     # the strides of a tensor not read (None) repeat another's
-    dy, stride_dy_row, stride_dy_col = _with_int32_columns(dy)
+    dy, stride_dy_row, stride_dy_col = _with_int32_columns(as_rows(dy))
     if dsum is None:
         stride_ds_row, stride_ds_col = stride_dy_row, stride_dy_col
     else:
-        dsum, stride_ds_row, stride_ds_col = _with_int32_columns(dsum)
-    if x is None:  # reading y
-        stride_x_row, stride_x_col = like.stride()
+        dsum, stride_ds_row, stride_ds_col = _with_int32_columns(as_rows(dsum))
+    if x is None:  # reading y, contiguous
+        stride_x_row, stride_x_col = hidden, 1
     else:
-        x, stride_x_row, stride_x_col = _with_int32_columns(x)
+        x, stride_x_row, stride_x_col = _with_int32_columns(as_rows(x))
     if residual is None:
         stride_r_row, stride_r_col = stride_x_row, stride_x_col
     else:
-        residual, stride_r_row, stride_r_col = _with_int32_columns(residual)
+        residual, stride_r_row, stride_r_col = _with_int32_columns(as_rows(residual))
     programs, rows_per_program = _backward_split(like.device, rows, block_rows)
     # every program writes its whole rows of partial sums, so no zero-fill is needed; dweight's and dbias's in one
     # buffer, so that one reduction (a launch of its own on a GPU) finishes both
@@ -503,7 +507,7 @@ def layer_norm_bwd(dy: torch.Tensor, x: Optional[torch.Tensor], residual: Option
 def _(dy, x, residual, y, stats, weight, bias, seed, dropout_p, x_dtype, has_residual, dsum=None, x_is_sum=False):
     dres = dy.new_empty(dy.shape if has_residual else (0,), dtype=x_dtype)
     return (dy.new_empty(dy.shape, dtype=x_dtype), dres,
-            dy.new_empty((1 if bias is None else 2, dy.shape[1]), dtype=torch.float32))
+            dy.new_empty((1 if bias is None else 2, dy.shape[-1]), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
@@ -590,17 +594,14 @@ def layer_norm_unchecked(x, weight, bias, eps, residual, dropout_p, training, ou
     use_dropout = training and dropout_p > 0.0
     seed = philox_seed(x.device) if use_dropout else None
     dropout_p = float(dropout_p) if use_dropout else 0.0
-    two_d = x.dim() == 2
-    rows = x if two_d else x.reshape(-1, x.shape[-1])
-    residual_rows = residual if residual is None or two_d else residual.reshape(rows.shape)
+    # x and the residual go in with their own shapes ([..., H]), the ops flattening them: a reshape here would
+    # be a node of autograd's graph, forward and backward, for each of x, the residual and y
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
                                     or (residual is not None and residual.requires_grad)):
-        y, _, summed = layer_norm_fwd(rows, weight, bias, residual_rows, seed, float(eps), dropout_p, out_dtype,
+        y, _, summed = layer_norm_fwd(x, weight, bias, residual, seed, float(eps), dropout_p, out_dtype,
                                       save == "output", return_residual)
     else:  # no backward can follow: no statistics, no side buffer
-        y, *rest = layer_norm_infer(rows, weight, bias, residual_rows, seed, float(eps), dropout_p, out_dtype,
+        y, *rest = layer_norm_infer(x, weight, bias, residual, seed, float(eps), dropout_p, out_dtype,
                                     return_residual)
         summed = rest[0] if rest else None
-    if not two_d:  # view_as: a view to a torch.Size costs a microsecond more
-        y, summed = y.view_as(x), summed.view_as(x) if return_residual else summed
     return (y, summed) if return_residual else y
