@@ -53,14 +53,15 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
+_RUNTIME = triton.knobs.runtime
+
+
 def _launch_hooks_active() -> bool:
     """Whether a launch hook is installed (a profiler's): Triton then builds each launch's metadata and calls
-    the hooks, so such launches go through Triton. Triton 3.6-3.9 keep the hooks in (normally empty) chains.
-    Runs on every launch: no generator."""
-    runtime = triton.knobs.runtime
-    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-    return bool((enter is not None and getattr(enter, "calls", True))
-                or (leave is not None and getattr(leave, "calls", True)))
+    the hooks, so such launches go through Triton. Triton 3.6-3.9 keep the hooks in (normally empty) chains; a
+    callable set in their place is a hook, None none. Runs on every launch: no generator, no branch per hook."""
+    enter, leave = _RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
 
 
 class _Entry:
@@ -125,7 +126,7 @@ class KernelLauncher:
         return tuple(spec)
 
     def __call__(self, grid: Grid, args: tuple, constexprs: dict):
-        driver = _DRIVERS.active
+        driver = _DRIVERS._active or _DRIVERS.active  # the attribute, without the property's call once set
         device = driver.get_current_device()
         types = tuple(map(type, args))
         layout = self.layouts.get(types)
@@ -151,11 +152,10 @@ class KernelLauncher:
             self._keep(self.by_key, key, entry)
         elif _launch_hooks_active():
             return self._first(key, (device, driver, self.specialisation(args, constexprs)), grid, args, constexprs)
-        dims = grid(entry.grid_meta) if callable(grid) else grid
+        dims = (*(grid(entry.grid_meta) if callable(grid) else grid), 1, 1)  # a grid of 1 to 3 dimensions
         compiled = entry.compiled
-        compiled.run(dims[0], dims[1] if len(dims) > 1 else 1, dims[2] if len(dims) > 2 else 1,
-                     driver.get_current_stream(device), compiled.function, compiled.packed_metadata, None, None,
-                     None, *args, *entry.tail)
+        compiled.run(dims[0], dims[1], dims[2], driver.get_current_stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *entry.tail)
         return compiled
 
     def _first(self, key, specialisation, grid, args, constexprs):

@@ -84,6 +84,19 @@ with stubbed_launches():
     none_row = next(row for row in results if row["case"] == "layer_norm, rows=16, misaligned=False")
     results.append({"case": "layer_norm, a tensor for None", "same": launched is triton_own and triton_own is not None,
                     "distinct_from_none": id(triton_own) != none_row["distinct"]})
+    # a launch hook (a profiler's) installed: the launch goes through Triton, which calls it; removed: cached again
+    import triton
+    kernel, grid, args, constexprs = layer_norm_call(16, False)
+    hook = lambda *args, **kwargs: None
+    counts = []
+    for install in (True, False):
+        if install:
+            triton.knobs.runtime.launch_enter_hook.add(hook)
+        through_triton.clear()
+        launch(kernel, grid, *args, **constexprs)
+        counts.append(len(through_triton))
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    results.append({"case": "launch hook", "hooked_through_triton": counts[0], "unhooked_through_triton": counts[1]})
 print(json.dumps(results))
 """
 
@@ -93,8 +106,9 @@ def test_the_cached_path_launches_the_kernel_triton_would():
     result = subprocess.run([sys.executable, "-c", _LAUNCHES], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(result.stdout.splitlines()[-1])
-    *rows, tensor_for_none = rows
+    *rows, tensor_for_none, hooked = rows
     assert tensor_for_none["same"] and tensor_for_none["distinct_from_none"], tensor_for_none
+    assert (hooked["hooked_through_triton"], hooked["unhooked_through_triton"]) == (1, 0), hooked
     for row in rows:
         assert row["same"], row["case"]
         assert row["then_through_triton"] == 0, row
