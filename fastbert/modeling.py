@@ -44,14 +44,16 @@ class AttentionLayout:
         return self.cu_seqlens is not None
 
 
+# torch's global module hooks: dicts that registering a hook adds to and its handle removes from (never rebound)
+_GLOBAL_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks,
+                 nn.modules.module._global_backward_hooks, nn.modules.module._global_backward_pre_hooks)
+
+
 def is_unhooked(module: nn.Module, cls: type) -> bool:
     """True for an instance of `cls` itself (not a subclass or a wrapper) with no hooks, module or global:
-    only then may a fused op bypass its forward."""
-    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
-             module._backward_pre_hooks, nn.modules.module._global_forward_hooks,
-             nn.modules.module._global_forward_pre_hooks, nn.modules.module._global_backward_hooks,
-             nn.modules.module._global_backward_pre_hooks)
-    return type(module) is cls and not any(hooks)
+    only then may a fused op bypass its forward. Runs several times a layer: short-circuits, no tuple."""
+    return type(module) is cls and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                                        or module._backward_pre_hooks or any(_GLOBAL_HOOKS))
 
 
 def is_plain_linear(module: nn.Module) -> bool:
