@@ -88,3 +88,38 @@ def test_torch_compile_traces_the_custom_op_and_gives_the_same_numbers(counted, 
     assert forward.calls >= 1 and backward.calls >= 1  # traced once (calls at trace time), run from the graph
     for a, b in zip(eager, traced):
         assert torch.equal(a, b)
+
+
+def test_meta_tensors_and_tensors_without_grad_take_their_entrances(counted):
+    forward, backward = counted
+    x, bias = _inputs("meta")
+    y = bias_gelu.bias_gelu(x, bias)  # meta: the custom op's shape-only registration
+    assert (y.shape, y.device.type, forward.calls) == (x.shape, "meta", 1)
+    x, bias = _inputs("cpu")
+    y = bias_gelu.bias_gelu(x.detach(), bias.detach())  # nothing requires grad: the host function, no autograd
+    assert (y.grad_fn, forward.calls) == (None, 1)
+
+
+def _accumulators(output):
+    """The inputs whose gradients output's node hands on directly (AccumulateGrad nodes' variables)."""
+    return {id(node.variable) for node, _ in output.grad_fn.next_functions if hasattr(node, "variable")}
+
+
+def test_n_d_activations_record_one_node_per_op(device):
+    # [B, S, H] in and out with one autograd node: the op flattens its activations inside, so no reshape of
+    # an input and no view of the output joins autograd's graph (a node each, forward and backward)
+    from fastbert.kernels import ffn, layer_norm
+
+    generator = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=generator).to(device).requires_grad_()
+
+    x, residual, weight, bias = leaf(2, 3, 32), leaf(2, 3, 32), leaf(32), leaf(32)
+    y = layer_norm.layer_norm(x, weight, bias, residual=residual, dropout_p=0.1)
+    assert y.shape == x.shape and _accumulators(y) == {id(x), id(weight), id(bias), id(residual)}
+    w1, b1, w2, b2 = leaf(64, 32), leaf(64), leaf(32, 64), leaf(32)
+    out = ffn.feed_forward(x, w1, b1, w2, b2)
+    assert out.shape == x.shape and _accumulators(out) == {id(x), id(w1), id(b1), id(w2), id(b2)}
+    (y.sum() + out.sum()).backward()
+    assert x.grad.shape == x.shape and residual.grad.shape == x.shape
