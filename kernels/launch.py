@@ -56,19 +56,15 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 _RUNTIME = triton.knobs.runtime
 
 
-def _launch_hooks_active() -> bool:
-    """Whether a launch hook is installed (a profiler's): Triton then builds each launch's metadata and calls
-    the hooks, so such launches go through Triton. Triton 3.6-3.9 keep the hooks in (normally empty) chains; a
-    callable set in their place is a hook, None none. Runs on every launch: no generator, no branch per hook."""
-    enter, leave = _RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook
-    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
-
-
 class _Entry:
-    __slots__ = ("compiled", "tail", "grid_meta")
+    __slots__ = ("compiled", "run", "head", "tail", "grid_meta")
 
     def __init__(self, compiled, tail: tuple, grid_meta: dict):
         self.compiled = compiled  # Triton's CompiledKernel
+        self.run = compiled.run  # its launcher: (grid x, y, z, stream, *head, *arguments, *tail)
+        # the launcher's arguments between the stream and the kernel's: the function, its packed metadata, no
+        # launch metadata and no hooks (a launch with hooks goes through Triton)
+        self.head = (compiled.function, compiled.packed_metadata, None, None, None)
         self.tail = tail  # the arguments after the positional ones, in the kernel's order: constexprs and config
         self.grid_meta = grid_meta  # what a grid callable reads: the constexprs and the autotuned config
 
@@ -144,19 +140,21 @@ class KernelLauncher:
                tuple(address & 15 == 0 for address in map(_DATA_PTR, tensors)) if misaligned else True,
                *constexprs, *constexprs.values())
         entry = self.by_key.get(key)
-        if entry is None:
+        # a launch hook installed (a profiler's) sends the launch through Triton, which builds each launch's
+        # metadata and calls the hooks. Triton 3.6-3.9 keep the hooks in (normally empty) chains; a callable set
+        # in their place is a hook, None none
+        enter, leave = _RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook
+        hooked = getattr(enter, "calls", enter) or getattr(leave, "calls", leave)
+        if entry is None or hooked:
             specialisation = (device, driver, self.specialisation(args, constexprs))
-            entry = self.by_specialisation.get(specialisation)
-            if entry is None or _launch_hooks_active():
+            if entry is None:
+                entry = self.by_specialisation.get(specialisation)
+            if entry is None or hooked:
                 return self._first(key, specialisation, grid, args, constexprs)
             self._keep(self.by_key, key, entry)
-        elif _launch_hooks_active():
-            return self._first(key, (device, driver, self.specialisation(args, constexprs)), grid, args, constexprs)
         dims = (*(grid(entry.grid_meta) if callable(grid) else grid), 1, 1)  # a grid of 1 to 3 dimensions
-        compiled = entry.compiled
-        compiled.run(dims[0], dims[1], dims[2], driver.get_current_stream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args, *entry.tail)
-        return compiled
+        entry.run(dims[0], dims[1], dims[2], driver.get_current_stream(device), *entry.head, *args, *entry.tail)
+        return entry.compiled
 
     def _first(self, key, specialisation, grid, args, constexprs):
         """Triton's own launch; its compiled kernel (None where a stand-in driver skipped it) is kept."""
