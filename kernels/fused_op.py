@@ -11,18 +11,14 @@
 # gradients, and that torch.compile(fullgraph=True) still traces the op). `fastbert bench --suite host`
 # measures what each entrance costs: its "fastbert-custom-op" rows run every op through the custom op.
 import contextlib
-import functools
 import inspect
-import operator
 from typing import Callable, Optional
 
 import torch
 
 # Tensor types the eager path takes; any other subclass (FakeTensor, FunctionalTensor, DTensor, ...) belongs to
 # a tracer or a wrapper that only the custom op's registrations know how to handle.
-_PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
-_IS_NOT_NONE = functools.partial(operator.is_not, None)
-_IS_META, _REQUIRES_GRAD = operator.attrgetter("is_meta"), operator.attrgetter("requires_grad")
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _AUTOGRAD_APPLY = torch._C._FunctionBase.__dict__["apply"]  # autograd.Function's C apply (a classmethod)
 
 
@@ -53,11 +49,8 @@ class FusedOp:
         self._arity = len(self._defaults)
         # the positions of the Tensor and Optional[Tensor] arguments, from the custom op's schema
         any_tensor = torch._C.OptionalType.ofTensor()
-        positions = [i for i, argument in enumerate(self.custom_op._opoverload._schema.arguments)
-                     if argument.type.isSubtypeOf(any_tensor)]
-        # args -> the tuple of the Tensor and Optional[Tensor] arguments (itemgetter returns a bare item for one)
-        self._tensors = (operator.itemgetter(*positions) if len(positions) > 1
-                         else lambda args: tuple(args[i] for i in positions))
+        self._tensor_positions = tuple(i for i, argument in enumerate(self.custom_op._opoverload._schema.arguments)
+                                       if argument.type.isSubtypeOf(any_tensor))
         self._eager_apply: Optional[Callable] = None  # the eager autograd.Function's apply, once registered
 
     def register_fake(self, fake: Callable) -> Callable:
@@ -89,13 +82,18 @@ class FusedOp:
             args += self._defaults[len(args):]
         if _ALWAYS_CUSTOM_OP[0] or tracing():
             return self.custom_op(*args)
-        # in C, not a Python loop over the tensors (this runs on every fused op call, forward and backward): a
-        # tensor that is not a plain one on a real device takes the custom op (meta tensors its shape-only fake
-        # registration); any that requires grad takes autograd
-        tensors = tuple(filter(_IS_NOT_NONE, self._tensors(args)))
-        if not _PLAIN_TENSORS.issuperset(map(type, tensors)) or any(map(_IS_META, tensors)):
-            return self.custom_op(*args)
-        if self._eager_apply is not None and torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, tensors)):
+        # one pass: a tensor that is not a plain one on a real device takes the custom op (meta tensors its
+        # shape-only fake registration); any that requires grad takes autograd
+        differentiable = self._eager_apply is not None and torch.is_grad_enabled()
+        requires_grad = False
+        for i in self._tensor_positions:
+            a = args[i]
+            if a is not None:
+                if type(a) not in _PLAIN_TENSORS or a.is_meta:
+                    return self.custom_op(*args)
+                if differentiable and not requires_grad:
+                    requires_grad = a.requires_grad
+        if requires_grad:
             return self._eager_apply(*args)
         return self.function(*args)
 
