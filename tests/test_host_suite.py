@@ -93,3 +93,27 @@ def test_compared_functions_take_turns():
                                             number=2, repeats=3, warmup=1)
     assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
     assert set(figures) == {"a", "b"} and all(0 <= us < float("inf") for us in figures.values())
+
+
+def test_the_host_census_counts_exactly(tmp_path):
+    # benchmarks/host_census.py: two runs give the same counts (what makes them worth comparing across commits),
+    # launches only on the Triton path, Python autograd nodes only in fastbert's, no host sync in fastbert's calls
+    counts = []
+    for run in ("first", "second"):
+        done = _compiled_path("", "benchmarks/host_census.py", "--size", "base", "--out", str(tmp_path / run),
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert done.returncode == 0, done.stderr
+        (path,) = (tmp_path / run).glob("host-census-*.json")
+        rows = json.loads(path.read_text())
+        counts.append({(r["provider"], r["direction"]): {k: r.get(k) for k in (
+            "python_calls", "c_calls", "launches", "backward_launches", "autograd_nodes", "python_nodes",
+            "view_nodes", "host_syncs")} for r in rows})
+    assert counts[0] == counts[1]
+    by = counts[0]
+    assert set(by) == {(p, d) for p in ("fastbert", "fastbert-eager", "hf-sdpa") for d in ("fwd", "fwd+bwd")}
+    step = {provider: by[(provider, "fwd+bwd")] for provider in ("fastbert", "fastbert-eager", "hf-sdpa")}
+    assert step["fastbert"]["launches"] > step["fastbert"]["backward_launches"] > 0
+    assert step["fastbert-eager"]["launches"] == step["hf-sdpa"]["launches"] == 0
+    assert step["fastbert"]["python_nodes"] > 0 and step["hf-sdpa"]["python_nodes"] == 0
+    assert all(by[("fastbert", d)]["host_syncs"] == 0 for d in ("fwd", "fwd+bwd"))
+    assert 0 < step["fastbert"]["autograd_nodes"] < step["hf-sdpa"]["autograd_nodes"]

@@ -209,22 +209,29 @@ def model_config(size: str):
     return config.replace(**NARROW, **ids, backend="triton")
 
 
+def model_and_inputs(size: str, provider: str, mode: str) -> tuple[torch.nn.Module, dict]:
+    """The model of a model row and its keyword inputs on a padded batch: mode "inference" (eval; the ids, the
+    mask and the token types) or "train" (the pretraining head; labels too)."""
+    config = model_config(size)
+    if provider == TORCH_PATH:
+        config = config.replace(backend="torch")
+    model = model_cases.build_model(provider, config, mode, torch.device("cpu"))
+    batch = model_cases.make_batch(config, MODEL_BATCH, MODEL_SEQLEN, True, torch.device("cpu"))
+    tensors = batch["tensors"]
+    if mode == "inference":
+        return model, {k: tensors[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in tensors}
+    if provider != HF_SDPA:  # the MLM head's static budget, as `fastbert pretrain` sets it
+        model.config.max_predictions_per_seq = batch["most_labelled"]
+    return model, tensors
+
+
 def _model_calls(size: str, provider: str) -> Callable[[str], Callable[[], None]]:
     """direction "fwd": an inference forward (eval, no_grad) of the base model on a padded batch; "fwd+bwd": a
     training step of the pretraining head (loss, backward, AdamW). Default arguments, as a user calls them."""
     def make(direction: str) -> Callable[[], None]:
-        config = model_config(size)
-        if provider == TORCH_PATH:
-            config = config.replace(backend="torch")
         mode = "inference" if direction == "fwd" else "train"
-        model = model_cases.build_model(provider, config, mode, torch.device("cpu"))
-        batch = model_cases.make_batch(config, MODEL_BATCH, MODEL_SEQLEN, True, torch.device("cpu"))
-        tensors = batch["tensors"]
-        if provider != HF_SDPA and mode == "train":  # the MLM head's static budget, as `fastbert pretrain` sets it
-            model.config.max_predictions_per_seq = batch["most_labelled"]
+        model, inputs = model_and_inputs(size, provider, mode)
         if mode == "inference":
-            inputs = {k: tensors[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in tensors}
-
             def infer():
                 with torch.no_grad():
                     model(**inputs)
@@ -233,7 +240,7 @@ def _model_calls(size: str, provider: str) -> Callable[[str], Callable[[], None]
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
         def train_step():
-            model(**tensors).loss.backward()
+            model(**inputs).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return train_step

@@ -1,0 +1,149 @@
+"""What the host does in one model call, counted rather than timed: fastbert against transformers.
+
+Run from the repository root: `python benchmarks/host_census.py [--out DIR] [--size base|modernbert-base]`. For each model row of
+`fastbert bench --suite host` (BERT-base and ModernBERT-base at the host suite's narrow widths, a padded batch,
+Triton launches stubbed) and each provider (fastbert on its Triton path and on its PyTorch path, transformers
+with SDPA), one inference forward and one training step (forward, backward, AdamW) are counted:
+- autograd nodes of the step's graph: all, those implemented in Python (autograd.Function backwards, each a
+  call from the engine into Python) and view nodes (reshapes and views, each a C++ node run forward and back);
+- kernel launches (the stand-in GPU's stub launcher calls), in the forward and in the backward;
+- Python function calls and calls from Python into C (PyTorch's bindings, builtins), as sys.setprofile sees
+  them: the interpreter's share of the host time, which a CPU timing on a shared machine buries in noise;
+- host syncs (fastbert.host_syncs' dispatch-level counter).
+The counts are exact: the same code, library versions and inputs give the same figures on any machine.
+Prints a table and writes the rows (with provenance) to DIR/host-census-<machine>-<time>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+import torch
+
+from fastbert.bench import host_suite
+from fastbert.bench.provenance import provenance
+from fastbert.bench.runner import result_path, write_rows
+from fastbert.host_syncs import HostSyncCounter
+from fastbert.simulated.host_time import one_thread, stubbed_launches
+from fastbert.simulated.stand_in_gpu import _StubKernel
+
+PROVIDERS = (host_suite.FASTBERT, host_suite.TORCH_PATH, host_suite.HF_SDPA)
+SIZES = ("base", "modernbert-base")
+_STUB_LAUNCH = _StubKernel.run.__code__
+
+
+class _CallCounter:
+    """sys.setprofile's events while entered: Python calls, C calls, stub launches (the stand-in's run)."""
+
+    def __init__(self):
+        self.counts = collections.Counter(python_calls=0, c_calls=0, launches=0)
+
+    def _profile(self, frame, event, arg):
+        if event == "call":
+            self.counts["python_calls"] += 1
+            if frame.f_code is _STUB_LAUNCH:
+                self.counts["launches"] += 1
+        elif event == "c_call":
+            self.counts["c_calls"] += 1
+
+    def __enter__(self):
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+
+
+def graph_nodes(loss: torch.Tensor) -> dict:
+    """Autograd nodes reachable from loss.grad_fn (parameter accumulators left out): all, Python, view."""
+    seen, stack = set(), [loss.grad_fn]
+    counts = collections.Counter()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            continue
+        counts["autograd_nodes"] += 1
+        counts["python_nodes"] += isinstance(node, torch.autograd.function.BackwardCFunction)
+        counts["view_nodes"] += name in ("ViewBackward0", "UnsafeViewBackward0", "TransposeBackward0",
+                                         "TBackward0", "PermuteBackward0", "ExpandBackward0")
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return dict(counts)
+
+
+def census(size: str, provider: str) -> list[dict]:
+    """Two rows, "fwd" (an inference forward) and "fwd+bwd" (a training step), after warm-up calls."""
+    # host syncs are counted in a call of their own: the counter is a dispatch mode, under which fastbert's
+    # fused ops take their custom ops and every aten op a Python call
+    model, inputs = host_suite.model_and_inputs(size, provider, "inference")
+
+    def infer():
+        with torch.no_grad():
+            model(**inputs)
+    infer()
+    with HostSyncCounter() as syncs:
+        infer()
+    with _CallCounter() as forward:
+        infer()
+    rows = [{"direction": "fwd", **forward.counts, "host_syncs": syncs.syncs}]
+
+    model, inputs = host_suite.model_and_inputs(size, provider, "train")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def finish(loss):
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    finish(model(**inputs).loss)
+    with HostSyncCounter() as syncs:
+        finish(model(**inputs).loss)
+    with _CallCounter() as forward:
+        loss = model(**inputs).loss
+    nodes = graph_nodes(loss)
+    with _CallCounter() as backward:
+        finish(loss)
+    step = {key: forward.counts[key] + backward.counts[key] for key in ("python_calls", "c_calls", "launches")}
+    rows.append({"direction": "fwd+bwd", **step, "backward_launches": backward.counts["launches"], **nodes,
+                 "host_syncs": syncs.syncs})
+    return [{"case": f"{size} (host suite widths)", "provider": provider, **row} for row in rows]
+
+
+COLUMNS = ("python_calls", "c_calls", "launches", "backward_launches", "autograd_nodes", "python_nodes",
+           "view_nodes", "host_syncs")
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'case':28s} {'provider':15s} {'dir':8s} " + " ".join(f"{c:>17s}" for c in COLUMNS)]
+    for row in rows:
+        lines.append(f"{row['case']:28s} {row['provider']:15s} {row['direction']:8s} "
+                     + " ".join(f"{row.get(c, '-'):>17}" for c in COLUMNS))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join("benchmarks", "results"),
+                        help="directory of the JSON rows (default benchmarks/results)")
+    parser.add_argument("--size", choices=SIZES, action="append", help="a model (repeatable; default both)")
+    args = parser.parse_args()
+    rows = []
+    with one_thread(), stubbed_launches():
+        for size in args.size or SIZES:
+            for provider in PROVIDERS:
+                rows += census(size, provider)
+    common = {"suite": "host-census", **provenance(torch.device("cpu"))}
+    rows = [{**common, **row} for row in rows]
+    print(table(rows))
+    os.makedirs(args.out, exist_ok=True)
+    path = result_path(args.out, "host-census", common)
+    write_rows(path, rows)
+    print(f"{len(rows)} rows written to {path}")
+
+
+if __name__ == "__main__":
+    main()
