@@ -1,11 +1,13 @@
 """What the host does in one model call, counted rather than timed: fastbert against transformers.
 
-Run from the repository root: `python benchmarks/host_census.py [--out DIR] [--size base|modernbert-base]`. For each model row of
-`fastbert bench --suite host` (BERT-base and ModernBERT-base at the host suite's narrow widths, a padded batch,
-Triton launches stubbed) and each provider (fastbert on its Triton path and on its PyTorch path, transformers
-with SDPA), one inference forward and one training step (forward, backward, AdamW) are counted:
+Run from the repository root: `python benchmarks/host_census.py [--out DIR] [--size base|modernbert-base]`.
+For each model row of `fastbert bench --suite host` (BERT-base and ModernBERT-base at the host suite's narrow
+widths, a padded batch, Triton launches stubbed) and each provider (fastbert on its Triton path and on its
+PyTorch path, transformers with SDPA), one inference forward and one training step (forward, backward, AdamW)
+are counted:
 - autograd nodes of the step's graph: all, those implemented in Python (autograd.Function backwards, each a
-  call from the engine into Python) and view nodes (reshapes and views, each a C++ node run forward and back);
+  call from the engine into Python) and view nodes (views, reshapes, transposes, expands: each a C++ node run
+  forward and back);
 - kernel launches (the stand-in GPU's stub launcher calls), in the forward and in the backward;
 - Python function calls and calls from Python into C (PyTorch's bindings, builtins), as sys.setprofile sees
   them: the interpreter's share of the host time, which a CPU timing on a shared machine buries in noise;
