@@ -27,6 +27,7 @@ import torch
 from fastbert.bench import host_suite
 from fastbert.bench.provenance import provenance
 from fastbert.bench.runner import result_path, write_rows
+from fastbert.command import LOG, run_command
 from fastbert.host_syncs import HostSyncCounter
 from fastbert.simulated.host_time import one_thread, stubbed_launches
 from fastbert.simulated.stand_in_gpu import _StubKernel
@@ -127,12 +128,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"),
                         help="directory of the JSON rows (default benchmarks/results)")
     parser.add_argument("--size", choices=SIZES, action="append", help="a model (repeatable; default both)")
     args = parser.parse_args()
+    # an output that cannot be written is one message and exit code 2, as for the fastbert commands
+    return run_command("host-census", lambda: _census_rows(args))
+
+
+def _census_rows(args) -> None:
     rows = []
     with one_thread(), stubbed_launches():
         for size in args.size or SIZES:
@@ -144,8 +150,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     path = result_path(args.out, "host-census", common)
     write_rows(path, rows)
-    print(f"{len(rows)} rows written to {path}")
+    LOG.info("%d rows written to %s", len(rows), path)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -117,3 +117,8 @@ def test_the_host_census_counts_exactly(tmp_path):
     assert step["fastbert"]["python_nodes"] > 0 and step["hf-sdpa"]["python_nodes"] == 0
     assert all(by[("fastbert", d)]["host_syncs"] == 0 for d in ("fwd", "fwd+bwd"))
     assert 0 < step["fastbert"]["autograd_nodes"] < step["hf-sdpa"]["autograd_nodes"]
+    # an output that cannot be written: one message naming it, exit code 2, no traceback
+    (tmp_path / "a file").write_text("")
+    done = _compiled_path("", "benchmarks/host_census.py", "--size", "base", "--out", str(tmp_path / "a file" / "x"),
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 2 and "a file" in done.stderr and "Traceback" not in done.stderr, done.stderr
