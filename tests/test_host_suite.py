@@ -117,6 +117,10 @@ def test_the_host_census_counts_exactly(tmp_path):
     assert step["fastbert"]["python_nodes"] > 0 and step["hf-sdpa"]["python_nodes"] == 0
     assert all(by[("fastbert", d)]["host_syncs"] == 0 for d in ("fwd", "fwd+bwd"))
     assert 0 < step["fastbert"]["autograd_nodes"] < step["hf-sdpa"]["autograd_nodes"]
+    # PERF.md's table of the run: a line per provider and direction, under the run's provenance
+    table = host_report.census_lines(rows, report.provenance_line)
+    assert sum(line.startswith("| base (host suite widths) |") for line in table) == 6
+    assert "benchmarks/host_census.py --size base" in table[-2] and "counted" in table[-2]
     # an output that cannot be written: one message naming it, exit code 2, no traceback
     (tmp_path / "a file").write_text("")
     done = _compiled_path("", "benchmarks/host_census.py", "--size", "base", "--out", str(tmp_path / "a file" / "x"),

@@ -1,4 +1,5 @@
-"""PERF.md's section on host time: the newest `fastbert bench --suite host` run, op by op and model by model."""
+"""PERF.md's section on host time: the newest `fastbert bench --suite host` run, op by op and model by model, and
+the newest `benchmarks/host_census.py` run, what those model calls do, counted."""
 from __future__ import annotations
 
 HOST_COMMAND = "fastbert bench --suite host --out benchmarks/results"
@@ -8,12 +9,36 @@ COMPARISONS = ("torch", "hf-sdpa")  # an op's: PyTorch's same job; a model's: tr
 FASTBERT_PROVIDERS = ("fastbert", "fastbert-eager")  # a model's also on its PyTorch path (backend "torch")
 
 
-def _newest(rows: list[dict]) -> list[dict]:
+CENSUS_COMMAND = "python benchmarks/host_census.py"
+CENSUS_COLUMNS = (("python_calls", "Python calls"), ("c_calls", "calls into C"), ("launches", "launches"),
+                  ("backward_launches", "of them in the backward"), ("autograd_nodes", "autograd nodes"),
+                  ("python_nodes", "of them Python"), ("view_nodes", "of them views"), ("host_syncs", "syncs"))
+
+
+def _newest(rows: list[dict], suite: str = "host") -> list[dict]:
     runs: dict[str, list[dict]] = {}
     for row in rows:
-        if row.get("suite") == "host":
+        if row.get("suite") == suite:
             runs.setdefault(row["date"], []).append(row)
     return runs[max(runs)] if runs else []
+
+
+def census_lines(rows: list[dict], provenance_line) -> list[str]:
+    """The newest `benchmarks/host_census.py` run as a table: what each model call does, counted."""
+    run = _newest(rows, "host-census")
+    out = ["### Host work per call, counted", ""]
+    if not run:
+        return out + [f"Not yet counted: `{CENSUS_COMMAND}`.", ""]
+    out += ["The same model calls as the rows above, counted rather than timed (`benchmarks/host_census.py`): "
+            "exact on any machine, so a change shows here even where the timings' noise hides it. Python calls "
+            "and calls into C as sys.setprofile sees them; launches of Triton kernels; the training step's "
+            "autograd graph (parameter accumulators left out); host syncs.", "",
+            "| case | provider | direction | " + " | ".join(title for _, title in CENSUS_COLUMNS) + " |",
+            "|---|---|---|" + "---|" * len(CENSUS_COLUMNS)]
+    for row in run:
+        out.append(f"| {row['case']} | {row['provider']} | {row['direction']} | "
+                   + " | ".join(str(row.get(key, "-")) for key, _ in CENSUS_COLUMNS) + " |")
+    return out + ["", provenance_line(run), ""]
 
 
 def host_section(rows: list[dict], provenance_line) -> list[str]:
@@ -22,7 +47,7 @@ def host_section(rows: list[dict], provenance_line) -> list[str]:
     out = ["## Host time per call (no GPU)", ""]
     run = _newest(rows)
     if not run:
-        return out + [f"Not yet measured: `{HOST_COMMAND}`.", ""]
+        return out + [f"Not yet measured: `{HOST_COMMAND}`.", ""] + census_lines(rows, provenance_line)
     out += ["What the host spends per call, measured without a GPU: fastbert's launchers run on CPU tensors with "
             "every Triton launch stubbed (the steady path of a GPU launch up to the driver's launch call, which "
             "is not counted), PyTorch's ops and transformers' models run on the same CPU tensors at sizes where "
@@ -56,4 +81,4 @@ def host_section(rows: list[dict], provenance_line) -> list[str]:
         out.append(f"| {label} | {direction} | {row['host_us']:.1f} | {custom_us} | {other['host_us']:.1f} "
                    f"({other['provider']}) | {ratio:.2f} | {'yes' if ratio <= limit else '**no**'} "
                    f"| {row['host_syncs']} / {other['host_syncs']} |")
-    return out + ["", provenance_line(run), ""]
+    return out + ["", provenance_line(run), ""] + census_lines(rows, provenance_line)
