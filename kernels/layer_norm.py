@@ -342,8 +342,9 @@ def _tile(hidden: int) -> tuple[int, int, int]:
 
 
 def _with_int32_columns(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """(t, its row stride, its column stride) for t [rows, H], t copied to contiguous when its column
-    offsets would not fit the kernels' int32."""
+    """(rows, their row stride, their column stride) for t [..., H]: rows = t as [rows, H] (launch.as_rows),
+    copied to contiguous when its column offsets would not fit the kernels' int32."""
+    t = as_rows(t)
     stride_row, stride_col = t.stride()
     if stride_col * (t.shape[1] - 1) < 2**31:
         return t, stride_row, stride_col
@@ -375,13 +376,12 @@ def _forward(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_ou
     # empty_like: an allocation from a shape tuple costs the host half a microsecond more
     y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
     summed = torch.empty_like(x, memory_format=torch.contiguous_format) if store_sum else None
-    x = as_rows(x)
-    rows, hidden = x.shape
     x, stride_x_row, stride_x_col = _with_int32_columns(x)
+    rows, hidden = x.shape
     if residual is None:  # x's strides stand for the residual's, never read
         stride_r_row, stride_r_col = stride_x_row, stride_x_col
     else:
-        residual, stride_r_row, stride_r_col = _with_int32_columns(as_rows(residual))
+        residual, stride_r_row, stride_r_col = _with_int32_columns(residual)
     # one buffer for what the backward reads per row; not filled: the kernel writes every slot, zeros past the
     # small-weight columns
     stats = x.new_empty((rows, stats_width(save_output)), dtype=torch.float32) if store_stats else None
@@ -474,19 +474,19 @@ def layer_norm_bwd(dy: torch.Tensor, x: Optional[torch.Tensor], residual: Option
         return dx, dres, torch.zeros((parameters, hidden), dtype=torch.float32, device=like.device)
     block_rows, block_h, num_warps = _tile(hidden)
     # the strides of a tensor not read (None) repeat another's
-    dy, stride_dy_row, stride_dy_col = _with_int32_columns(as_rows(dy))
+    dy, stride_dy_row, stride_dy_col = _with_int32_columns(dy)
     if dsum is None:
         stride_ds_row, stride_ds_col = stride_dy_row, stride_dy_col
     else:
-        dsum, stride_ds_row, stride_ds_col = _with_int32_columns(as_rows(dsum))
+        dsum, stride_ds_row, stride_ds_col = _with_int32_columns(dsum)
     if x is None:  # reading y, contiguous
         stride_x_row, stride_x_col = hidden, 1
     else:
-        x, stride_x_row, stride_x_col = _with_int32_columns(as_rows(x))
+        x, stride_x_row, stride_x_col = _with_int32_columns(x)
     if residual is None:
         stride_r_row, stride_r_col = stride_x_row, stride_x_col
     else:
-        residual, stride_r_row, stride_r_col = _with_int32_columns(as_rows(residual))
+        residual, stride_r_row, stride_r_col = _with_int32_columns(residual)
     programs, rows_per_program = _backward_split(like.device, rows, block_rows)
     # every program writes its whole rows of partial sums, so no zero-fill is needed; dweight's and dbias's in one
     # buffer, so that one reduction (a launch of its own on a GPU) finishes both
