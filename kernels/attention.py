@@ -10,7 +10,10 @@
 # blockwise from q, k and the saved log-sum-exp, with no atomics, so it is deterministic: a preprocess
 # kernel gives delta = rowsum(dO * O); then program i of the backward kernel owns key block i, looping
 # over the query blocks for its dk and dv, and then query block i, looping over the key blocks for its
-# dq (the Triton tutorial's split: every gradient row has one writer). Padded and packed layouts share
+# dq (the Triton tutorial's split: every gradient row has one writer). dq, dk and dv are written into one
+# buffer, [B, S, 3, heads, d] (packed: [T, 3, heads, d]): the token-major gradient of the fused QKV
+# projection's output, which kernels/qkv.py's backward then reads in place instead of gathering three tensors
+# into it (a pass over 3 x tokens x H elements and a second buffer of that size, in each layer). Padded and packed layouts share
 # these kernels (constexpr VARLEN): a sequence is a row offset into the layout, a row count and a range
 # [lo, hi) of rows that can hold tokens. With a mask, lo/hi are its first and last 1 (+1), so right padding (the
 # common case) skips the padded key and query blocks entirely, and the mask itself is read inside that
@@ -80,7 +83,7 @@
 # several times slower, without tensor cores and with large register spills); any sequence length
 # (blocks are masked, not padded); heads and batch up to 65535 (grid axes); q, k, v and the output
 # gradient with any strides (offsets across sequences and heads are int64; offsets inside one sequence,
-# of the inputs and of the outputs, must fit int32, checked). Block sizes are autotuned on the GPU per
+# of the inputs and of the outputs, must fit int32, checked: for the gradients, 3 x S x heads x d). Block sizes are autotuned on the GPU per
 # (sequence length bucket, head dim, dtype, dropout, precision), the same for the padded and the packed
 # layout; the autotuned choice is fixed within a process, so results are bitwise reproducible there.
 #
@@ -736,8 +739,16 @@ def check_limits(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, relative_bias,
     seqlen = max_seqlen if varlen else q.shape[2]
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         _check_sequence_reach(name, tensor, seqlen, varlen)
-    # out, dq, dk and dv are allocated [B, S, heads, d] (packed: [T, heads, d]): a sequence step of heads * d
-    _check_reach("out, dq, dk, dv", seqlen, heads * head_dim, seqlen * heads * head_dim + head_dim)
+    # out is allocated [B, S, heads, d] (packed: [T, heads, d]): a sequence step of heads * d
+    _check_reach("out", seqlen, heads * head_dim, seqlen * heads * head_dim + head_dim)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        _check_grads_reach(seqlen, heads, head_dim)
+
+
+def _check_grads_reach(seqlen, heads, head_dim) -> None:
+    """dq, dk and dv are the column blocks of [B, S, 3, heads, d] (`_empty_qkv_grads`): a sequence step of
+    3 heads * d."""
+    _check_reach("dq, dk, dv", seqlen, 3 * heads * head_dim, 3 * seqlen * heads * head_dim + head_dim)
 
 
 def _check_sequence_reach(name, tensor, seqlen, varlen) -> None:
@@ -769,6 +780,26 @@ def _empty_like_qkv(q: torch.Tensor, varlen: bool) -> torch.Tensor:
     batch, heads, seqlen, head_dim = q.shape
     return torch.empty_strided((batch, heads, seqlen, head_dim), (seqlen * heads * head_dim, head_dim,
                                                                   heads * head_dim, 1), dtype=q.dtype, device=q.device)
+
+
+def _empty_qkv_grads(q: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """The backward's one buffer for dq, dk and dv: [B, S, 3, heads, d] (packed: [T, 3, heads, d]), that is the
+    token-major [tokens, 3 H] gradient of a fused QKV projection's output, so that its backward reads it as it
+    is (kernels/qkv.py) rather than gathering three tensors into it. One tensor: a custom op's outputs may not
+    alias one another, so the op returns it and `qkv_grads` takes the three views."""
+    if varlen:
+        return q.new_empty((q.shape[0], 3, q.shape[1], q.shape[2]))
+    batch, heads, seqlen, head_dim = q.shape
+    return q.new_empty((batch, seqlen, 3, heads, head_dim))
+
+
+def qkv_grads(grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv, each shaped as q ([B, heads, S, d] or packed [T, heads, d]), as views of the backward's
+    buffer (`_empty_qkv_grads`)."""
+    if grads.dim() == 4:  # packed [T, 3, heads, d]
+        return grads.unbind(1)
+    dq, dk, dv = grads.unbind(2)  # [B, S, heads, d] each
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def _new_row_stats(q: torch.Tensor, varlen: bool) -> torch.Tensor:
@@ -924,19 +955,22 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   max_seqlen: int, seed: Optional[torch.Tensor], dropout_p: float, scale: float,
                   relative_bias: Optional[torch.Tensor] = None, relative_buckets: Optional[torch.Tensor] = None,
                   rotary_base: Optional[float] = None, window: Optional[int] = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv, d relative_bias) of `attention_fwd` from its inputs, output, log-sum-exp and
-    seed (the same dropout mask is regenerated). dout has out's shape, any strides. d relative_bias has
-    relative_bias' shape and dtype (an empty tensor without a bias: a custom op cannot return None).
-    Deterministic: no atomics."""
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients (dqkv, d relative_bias) of `attention_fwd` from its inputs, output, log-sum-exp and seed (the
+    same dropout mask is regenerated): dqkv holds dq, dk and dv ([B, S, 3, heads, d], packed [T, 3, heads, d];
+    `qkv_grads` views them). dout has out's shape, any strides. d relative_bias has relative_bias' shape and
+    dtype (an empty tensor without a bias: a custom op cannot return None). Deterministic: no atomics."""
     varlen = cu_seqlens is not None
     if dout.shape != out.shape:
         raise ValueError(f"dout has shape {tuple(dout.shape)}, expected out's shape {tuple(out.shape)}")
-    _check_sequence_reach("dout", dout, max_seqlen if varlen else q.shape[2], varlen)
-    # k and v have q's shape: their gradients are laid out as q's is
-    dq, dk, dv = _empty_like_qkv(q, varlen), _empty_like_qkv(q, varlen), _empty_like_qkv(q, varlen)
+    seqlen = max_seqlen if varlen else q.shape[2]
+    _check_sequence_reach("dout", dout, seqlen, varlen)
+    _check_grads_reach(seqlen, q.shape[-2] if varlen else q.shape[1], q.shape[-1])
+    # k and v have q's shape: their gradients are the buffer's three column blocks, laid out as one another
+    grads = _empty_qkv_grads(q, varlen)
+    dq, dk, dv = qkv_grads(grads)
     if q.numel() == 0:
-        return dq, dk, dv, _bias_grad_without_kernel(q, relative_bias)
+        return grads, _bias_grad_without_kernel(q, relative_bias)
     (heads, batch), pointers, mask_strides, scalars, flags = _launch_meta(
         q, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets, rotary_base,
         window)
@@ -969,10 +1003,10 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         **flags, NUM_BUCKETS_PADDED=num_buckets_padded,
     )
     if relative_bias is None:
-        return dq, dk, dv, _bias_grad_without_kernel(q, None)
+        return grads, _bias_grad_without_kernel(q, None)
     # the slots' sums in one fixed-order reduction: [heads, buckets] -> [num_buckets, heads]
     dbias = dbias_slots.sum(dim=(0, 2))[:, :num_buckets].t().to(relative_bias.dtype).contiguous()
-    return dq, dk, dv, dbias
+    return grads, dbias
 
 
 def _bias_grad_without_kernel(q, relative_bias):
@@ -986,9 +1020,7 @@ def _bias_grad_without_kernel(q, relative_bias):
 @attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias=None,
       relative_buckets=None, rotary_base=None, window=None):
-    varlen = cu_seqlens is not None
-    return (_empty_like_qkv(q, varlen), _empty_like_qkv(q, varlen), _empty_like_qkv(q, varlen),
-            _bias_grad_without_kernel(q, relative_bias))
+    return _empty_qkv_grads(q, cu_seqlens is not None), _bias_grad_without_kernel(q, relative_bias)
 
 
 def _setup_context(ctx, inputs, output):
@@ -1005,10 +1037,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, key_mask, cu_seqlens, seed, relative_bias, relative_buckets = ctx.saved_tensors
-    dq, dk, dv, dbias = attention_bwd(dout, q, k, v, out, lse, key_mask, cu_seqlens, ctx.max_seqlen, seed,
-                                      ctx.dropout_p, ctx.scale, relative_bias, relative_buckets, ctx.rotary_base,
-                                      ctx.window)
-    return (dq, dk, dv, None, None, None, None, None, None, None if relative_bias is None else dbias, None, None,
+    grads, dbias = attention_bwd(dout, q, k, v, out, lse, key_mask, cu_seqlens, ctx.max_seqlen, seed, ctx.dropout_p,
+                                 ctx.scale, relative_bias, relative_buckets, ctx.rotary_base, ctx.window)
+    return (*qkv_grads(grads), None, None, None, None, None, None, None if relative_bias is None else dbias, None, None,
             None)
 
 

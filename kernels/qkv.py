@@ -8,10 +8,12 @@
 #
 # Backward: with dQKV [M, 3H] the gradient of the matmul's output in token-major order,
 #   dx = dQKV @ Wqkv,   dWqkv = dQKV^T @ x,   dbias = sum over tokens of dQKV.
-# One Triton launch gathers dq, dk, dv (any strides: attention backwards hand over what they have)
-# into dQKV and sums its columns in the same pass into per-row-group partials (fixed order, no
-# atomics, so dbias is reproducible; in fp64, a few conversions in a memory-bound pass, so the only
-# error left is the final rounding); the two matmuls are cuBLAS's.
+# fastbert's attention backward writes dq, dk, dv as the three column blocks of one [M, 3H] buffer
+# (kernels/attention.py), which is dQKV as it is: nothing is gathered, and dbias is one torch sum over it in
+# fp64. Gradients laid out otherwise (another attention's, or ones autograd summed) are gathered by one Triton
+# launch (any strides), which sums the columns in the same pass into per-row-group partials (fixed order, no
+# atomics, so dbias is reproducible), also in fp64, so either way the only error in dbias is its final
+# rounding. The two matmuls are cuBLAS's.
 #
 # The bias is optional (None: no bias in the epilogue and no column sums in the backward; ModernBERT's Wqkv
 # has none).
@@ -144,6 +146,23 @@ def _backward_tiles(rows: int, hidden: int, device: torch.device) -> tuple[int, 
     return block_m, block_n, col_blocks, groups, rows_per_group
 
 
+def _one_matrix(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, rows: int, hidden: int) -> torch.Tensor | None:
+    """The [rows, 3H] matrix whose column blocks dq, dk and dv are, as attention's backward writes them (views
+    of one [B, S, 3, heads, d] or [T, 3, heads, d] buffer), or None for gradients laid out otherwise."""
+    base = dq._base
+    if base is None or dk._base is not base or dv._base is not base or not base.is_contiguous() \
+            or base.numel() != rows * 3 * hidden:
+        return None
+    row_stride = 3 * hidden
+    strides = (row_stride, dq.shape[-1], 1) if dq.dim() == 3 else (dq.shape[2] * row_stride, dq.shape[3], row_stride, 1)
+    start = base.storage_offset()
+    if dq.stride() != strides or dk.stride() != strides or dv.stride() != strides \
+            or dq.storage_offset() != start or dk.storage_offset() != start + hidden \
+            or dv.storage_offset() != start + 2 * hidden:
+        return None
+    return base.view(rows, row_stride)
+
+
 def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor,
                        weight: torch.Tensor, has_bias: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv shaped like q, k, v (any strides, x's dtype: autograd hands over gradients of its outputs'
@@ -151,19 +170,24 @@ def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: 
     hidden = x.shape[-1]
     x2 = x if x.dim() == 2 else x.reshape(-1, hidden)
     rows = x2.shape[0]
-    dqkv = x.new_empty((rows, 3 * hidden))
     if rows == 0:
         return torch.zeros_like(x), torch.zeros_like(weight), x.new_zeros(3 * hidden if has_bias else 0)
-    block_m, block_n, col_blocks, groups, rows_per_group = _backward_tiles(rows, hidden, x.device)
-    partial = (torch.empty((groups, 3 * hidden), dtype=torch.float64, device=x.device) if has_bias
-               else placeholders(x.device)[torch.float64])
-    dq, dk, dv = _heads_view(dq), _heads_view(dk), _heads_view(dv)
-    launch(_qkv_bwd_kernel, (groups, col_blocks, 3),
-        dq, dk, dv, dqkv, partial, rows, hidden, dq.shape[2], rows_per_group, *dq.stride(), *dk.stride(), *dv.stride(),
-        HEAD_DIM=dq.shape[3], SUM_COLUMNS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n)
+    dqkv = _one_matrix(dq, dk, dv, rows, hidden)
+    if dqkv is not None:
+        dbias = dqkv.sum(dim=0, dtype=torch.float64) if has_bias else None
+    else:
+        dqkv = x.new_empty((rows, 3 * hidden))
+        block_m, block_n, col_blocks, groups, rows_per_group = _backward_tiles(rows, hidden, x.device)
+        partial = (torch.empty((groups, 3 * hidden), dtype=torch.float64, device=x.device) if has_bias
+                   else placeholders(x.device)[torch.float64])
+        dq, dk, dv = _heads_view(dq), _heads_view(dk), _heads_view(dv)
+        launch(_qkv_bwd_kernel, (groups, col_blocks, 3),
+            dq, dk, dv, dqkv, partial, rows, hidden, dq.shape[2], rows_per_group, *dq.stride(), *dk.stride(),
+            *dv.stride(), HEAD_DIM=dq.shape[3], SUM_COLUMNS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n)
+        dbias = partial.sum(dim=0) if has_bias else None
     dx = dqkv @ weight
     return (dx if x.dim() == 2 else dx.view_as(x), dqkv.t() @ x2,
-            partial.sum(dim=0).to(x.dtype) if has_bias else x.new_empty(0))
+            dbias.to(x.dtype) if has_bias else x.new_empty(0))
 
 
 # ---- custom ops: autograd and fake registrations so torch.compile traces through them ----

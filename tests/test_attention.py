@@ -117,19 +117,34 @@ def test_head_dims_and_dtypes_errors(device):
         attn.attention_varlen(packed, packed, packed, torch.tensor([0, 8], device=device, dtype=torch.int32), 0)
 
 
+def _broadcast_attention(varlen, seqlen, heads, requires_grad=False):
+    """attention of q = k = v broadcast along the sequence (stride 0: they reach d elements), on meta tensors
+    (nothing is allocated or launched)."""
+    head_dim = 64
+    shape = (seqlen, heads, head_dim) if varlen else (1, heads, seqlen, head_dim)
+    q = torch.zeros(1, device="meta", requires_grad=requires_grad).expand(shape)
+    if varlen:
+        return attn.attention_varlen(q, q, q, torch.tensor([0, seqlen], dtype=torch.int32, device="meta"), seqlen)
+    return attn.attention(q, q, q)
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "packed"])
 def test_output_offsets_past_int32_are_refused(varlen):
-    """q, k, v broadcast along the sequence (stride 0: they reach d elements) while the outputs and
-    gradients they would get, laid out [.., S, heads, d], span S * heads * d > 2**31 elements in one
-    sequence: refused before anything is allocated (meta tensors: nothing could be)."""
-    seqlen, heads, head_dim = 2**14, 2**11, 64
-    shape = (seqlen, heads, head_dim) if varlen else (1, heads, seqlen, head_dim)
-    q = torch.zeros(1, device="meta").expand(shape)
-    with pytest.raises(ValueError, match=r"out, dq, dk, dv: one sequence spans 2147483712 elements"):
-        if varlen:
-            attn.attention_varlen(q, q, q, torch.tensor([0, seqlen], dtype=torch.int32, device="meta"), seqlen)
-        else:
-            attn.attention(q, q, q)
+    """The output, laid out [.., S, heads, d], would span S * heads * d > 2**31 elements in one sequence:
+    refused before anything is allocated."""
+    with pytest.raises(ValueError, match=r"out: one sequence spans 2147483712 elements"):
+        _broadcast_attention(varlen, 2**14, 2**11)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "packed"])
+def test_gradient_offsets_past_int32_are_refused_when_a_backward_may_run(varlen):
+    """dq, dk and dv are the column blocks of one [.., S, 3, heads, d] buffer: 3 S heads d elements in one
+    sequence, past 2**31 here while the output's S heads d fits. Refused in the forward when its inputs need
+    gradients; an inference call of the same size runs."""
+    with pytest.raises(ValueError, match=r"dq, dk, dv: one sequence spans 3221225536 elements"):
+        _broadcast_attention(varlen, 2**14, 2**10, requires_grad=True)
+    out = _broadcast_attention(varlen, 2**14, 2**10)
+    assert out.shape == ((2**14, 2**10, 64) if varlen else (1, 2**10, 2**14, 64))
 
 
 def test_fully_padded_batch_gives_zeros_and_finite_grads(device):

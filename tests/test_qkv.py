@@ -7,6 +7,7 @@ from strided import past_int32
 from tolerance import GRADIENT_FACTOR, assert_within_rule
 
 from fastbert import ops, reference
+from fastbert.kernels import attention
 from fastbert.kernels import qkv as kernel
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -88,6 +89,72 @@ def test_each_gradient_its_own_layout(device):
              torch.randn(batch, num_heads, seqlen, 2 * head_dim, device=device)[..., ::2]]
     assert len({g.stride() for g in grads}) == 3
     _check_against_reference(x, weight, bias, num_heads, grads)
+
+
+class _NoGather:
+    """In place of the gather kernel: launching it fails the test."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("the gradients were gathered, not read in place")
+
+
+def _attention_layout_grads(like: torch.Tensor, dtype, device) -> list[torch.Tensor]:
+    """dq, dk, dv as fastbert's attention backward hands them over: views of one [B, S, 3, heads, d] buffer
+    (packed: [T, 3, heads, d])."""
+    buffer_shape = ((like.shape[0], 3, *like.shape[1:]) if like.dim() == 3
+                    else (like.shape[0], like.shape[2], 3, like.shape[1], like.shape[3]))
+    return list(attention.qkv_grads(torch.randn(buffer_shape, device=device, dtype=dtype)))
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_attention_layout_gradients_are_read_in_place(layout, device, monkeypatch):
+    """dq, dk and dv as the column blocks of one [tokens, 3H] buffer, as the attention backward writes them:
+    no gather launch, and the gradients the gather gives for the same values in three tensors of their own."""
+    shape = (2, 9, 96) if layout == "padded" else (13, 96)
+    x, weight, bias = _inputs(shape, torch.float32, device, seed=7)
+    like = torch.empty(2, 3, 9, 32) if layout == "padded" else torch.empty(13, 3, 32)
+    grads = _attention_layout_grads(like, torch.float32, device)
+    gathered = kernel.qkv_projection_bwd(*[g.clone() for g in grads], x, weight)
+    monkeypatch.setattr(kernel, "_qkv_bwd_kernel", _NoGather())
+    for name, got, want in zip(("dx", "dweight", "dbias"), kernel.qkv_projection_bwd(*grads, x, weight), gathered):
+        assert torch.equal(got, want), name
+    _check_against_reference(x, weight, bias, 3, grads)
+    # the same buffer's blocks in another order (dk first) are not dQKV: gathered
+    with pytest.raises(AssertionError, match="gathered"):
+        kernel.qkv_projection_bwd(grads[1], grads[0], grads[2], x, weight)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_projection_then_attention_gathers_nothing(layout, device, monkeypatch):
+    """fastbert's QKV projection then its attention, as a model's layer runs them: the attention backward's
+    gradients reach the projection's backward as one buffer, which it reads without the gather kernel."""
+    shape = (2, 9, 96) if layout == "padded" else (13, 96)
+    x, weight, bias = _inputs(shape, torch.float32, device, seed=8)
+    cu_seqlens = torch.tensor([0, 6, 13], dtype=torch.int32, device=device)
+
+    def layer(x, weight, bias):
+        q, k, v = kernel.qkv_projection(x, weight, bias, 3)
+        if layout == "padded":
+            return attention.attention(q, k, v)
+        return attention.attention_varlen(q, k, v, cu_seqlens, 7)
+
+    def reference_layer(x, weight, bias):
+        q, k, v = reference.qkv_projection(x, weight, bias, 3)
+        if layout == "padded":
+            return reference.attention(q, k, v)
+        return reference.attention_varlen(q, k, v, cu_seqlens, 7)
+
+    monkeypatch.setattr(kernel, "_qkv_bwd_kernel", _NoGather())
+    dout = torch.randn(*shape[:-1], 3, 32, device=device)
+    if layout == "padded":
+        dout = dout.transpose(1, 2)
+    (out,), grads = _run(lambda *t: (layer(*t),), [x, weight, bias], [dout])
+    (torch_out,), torch_grads = _run(lambda *t: (reference_layer(*t),), [x, weight, bias], [dout])
+    (exact_out,), exact_grads = _run(lambda *t: (reference_layer(*t),), [t.double() for t in (x, weight, bias)],
+                                     [dout.double()])
+    assert_within_rule("out", out, torch_out, exact_out)
+    for name, g, tg, eg in zip(("dx", "dweight", "dbias"), grads, torch_grads, exact_grads):
+        assert_within_rule(name, g, tg, eg, GRADIENT_FACTOR)
 
 
 def test_noncontiguous_inputs(device):
