@@ -13,13 +13,13 @@
 # dq (the Triton tutorial's split: every gradient row has one writer). dq, dk and dv are written into one
 # buffer, [B, S, 3, heads, d] (packed: [T, 3, heads, d]): the token-major gradient of the fused QKV
 # projection's output, which kernels/qkv.py's backward then reads in place instead of gathering three tensors
-# into it (a pass over 3 x tokens x H elements and a second buffer of that size, in each layer). Padded and packed layouts share
-# these kernels (constexpr VARLEN): a sequence is a row offset into the layout, a row count and a range
-# [lo, hi) of rows that can hold tokens. With a mask, lo/hi are its first and last 1 (+1), so right padding (the
-# common case) skips the padded key and query blocks entirely, and the mask itself is read inside that
-# range, so any 0/1 pattern works. Padded query rows are written as zeros with log-sum-exp +inf, which
-# makes their probabilities, and so every gradient through them, exactly zero; a fully padded sequence
-# gives zeros, never NaN.
+# into it (a pass over 3 x tokens x H elements and a second buffer of that size, in each layer).
+# Padded and packed layouts share these kernels (constexpr VARLEN): a sequence is a row offset into the
+# layout, a row count and a range [lo, hi) of rows that can hold tokens. With a mask, lo/hi are its first and
+# last 1 (+1), so right padding (the common case) skips the padded key and query blocks entirely, and the mask
+# itself is read inside that range, so any 0/1 pattern works. Padded query rows are written as zeros with
+# log-sum-exp +inf, which makes their probabilities, and so every gradient through them, exactly zero; a fully
+# padded sequence gives zeros, never NaN.
 #
 # Dropout drops probability (row, col) of head h of sequence b when the uniform float of output col % 4
 # of Philox (seed; counters col // 4, row, h, b: one call per four keys) is below p, and scales the kept
@@ -83,9 +83,10 @@
 # several times slower, without tensor cores and with large register spills); any sequence length
 # (blocks are masked, not padded); heads and batch up to 65535 (grid axes); q, k, v and the output
 # gradient with any strides (offsets across sequences and heads are int64; offsets inside one sequence,
-# of the inputs and of the outputs, must fit int32, checked: for the gradients, 3 x S x heads x d). Block sizes are autotuned on the GPU per
-# (sequence length bucket, head dim, dtype, dropout, precision), the same for the padded and the packed
-# layout; the autotuned choice is fixed within a process, so results are bitwise reproducible there.
+# of the inputs and of the outputs, must fit int32, checked: for the gradients, 3 x S x heads x d elements).
+# Block sizes are autotuned on the GPU per (sequence length bucket, head dim, dtype, dropout, precision), the
+# same for the padded and the packed layout; the autotuned choice is fixed within a process, so results are
+# bitwise reproducible there.
 #
 # Sources: Dao, "FlashAttention-2" (2023), algorithms 1 and 2; the Triton tutorial "Fused Attention"
 # (06-fused-attention.py: base-2 softmax, the dk/dv-then-dq backward program, delta preprocess);
