@@ -1,6 +1,7 @@
 """Registers and barriers per loop of the kernels that stream rows while they sum columns (the bias-GELU and
-GeGLU backwards, the QKV projection's gradient gather), compiled without a GPU for an H100 (sm_90a) by their
-own launchers at BERT-base's training shapes (256 x 128 tokens) with the installed Triton.
+GeGLU backwards, the QKV projection's gather of gradients that do not come from fastbert's attention),
+compiled without a GPU for an H100 (sm_90a) by their own launchers at BERT-base's training shapes
+(256 x 128 tokens) with the installed Triton.
 
     python benchmarks/loop_barriers.py
 

@@ -742,8 +742,9 @@ def check_limits(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, relative_bias,
         _check_sequence_reach(name, tensor, seqlen, varlen)
     # out is allocated [B, S, heads, d] (packed: [T, heads, d]): a sequence step of heads * d
     _check_reach("out", seqlen, heads * head_dim, seqlen * heads * head_dim + head_dim)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        _check_grads_reach(seqlen, heads, head_dim)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (relative_bias is not None and relative_bias.requires_grad)):
+        _check_grads_reach(seqlen, heads, head_dim)  # the backward writes dq, dk, dv for any of these
 
 
 def _check_grads_reach(seqlen, heads, head_dim) -> None:

@@ -9,11 +9,11 @@
 # Backward: with dQKV [M, 3H] the gradient of the matmul's output in token-major order,
 #   dx = dQKV @ Wqkv,   dWqkv = dQKV^T @ x,   dbias = sum over tokens of dQKV.
 # fastbert's attention backward writes dq, dk, dv as the three column blocks of one [M, 3H] buffer
-# (kernels/attention.py), which is dQKV as it is: nothing is gathered, and dbias is one torch sum over it in
-# fp64. Gradients laid out otherwise (another attention's, or ones autograd summed) are gathered by one Triton
-# launch (any strides), which sums the columns in the same pass into per-row-group partials (fixed order, no
-# atomics, so dbias is reproducible), also in fp64, so either way the only error in dbias is its final
-# rounding. The two matmuls are cuBLAS's.
+# (kernels/attention.py), which is dQKV as it is: nothing is gathered, and dbias is one torch column sum over
+# it (fp32 accumulation for 16-bit dQKV, PyTorch's own bias gradient; deterministic). Gradients laid out
+# otherwise (another attention's, or ones autograd summed) are gathered by one Triton launch (any strides),
+# which sums the columns in the same pass into per-row-group partials in fp64 (a few conversions in a
+# memory-bound pass; fixed order, no atomics, so dbias is reproducible). The two matmuls are cuBLAS's.
 #
 # The bias is optional (None: no bias in the epilogue and no column sums in the backward; ModernBERT's Wqkv
 # has none).
@@ -148,19 +148,19 @@ def _backward_tiles(rows: int, hidden: int, device: torch.device) -> tuple[int, 
 
 def _one_matrix(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, rows: int, hidden: int) -> torch.Tensor | None:
     """The [rows, 3H] matrix whose column blocks dq, dk and dv are, as attention's backward writes them (views
-    of one [B, S, 3, heads, d] or [T, 3, heads, d] buffer), or None for gradients laid out otherwise."""
-    base = dq._base
-    if base is None or dk._base is not base or dv._base is not base or not base.is_contiguous() \
-            or base.numel() != rows * 3 * hidden:
-        return None
+    of one [B, S, 3, heads, d] or [T, 3, heads, d] buffer), or None for gradients laid out otherwise. Read
+    from the strides, the storage offsets and the storage itself, not from `_base`: torch.compile's Inductor
+    hands a custom op views made without one."""
     row_stride = 3 * hidden
     strides = (row_stride, dq.shape[-1], 1) if dq.dim() == 3 else (dq.shape[2] * row_stride, dq.shape[3], row_stride, 1)
-    start = base.storage_offset()
+    start = dq.storage_offset()
     if dq.stride() != strides or dk.stride() != strides or dv.stride() != strides \
-            or dq.storage_offset() != start or dk.storage_offset() != start + hidden \
-            or dv.storage_offset() != start + 2 * hidden:
+            or dk.storage_offset() != start + hidden or dv.storage_offset() != start + 2 * hidden \
+            or not (torch._C._is_alias_of(dk, dq) and torch._C._is_alias_of(dv, dq)):  # one storage
         return None
-    return base.view(rows, row_stride)
+    # dq[b, h, s, c] is at start + (b S + s) 3H + h d + c, dk's and dv's H and 2H further: row b S + s of the
+    # matrix at start, whose last element is dv's last (in the storage's bounds)
+    return dq.as_strided((rows, row_stride), (row_stride, 1))
 
 
 def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor,
@@ -174,7 +174,9 @@ def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: 
         return torch.zeros_like(x), torch.zeros_like(weight), x.new_zeros(3 * hidden if has_bias else 0)
     dqkv = _one_matrix(dq, dk, dv, rows, hidden)
     if dqkv is not None:
-        dbias = dqkv.sum(dim=0, dtype=torch.float64) if has_bias else None
+        # accumulated in fp32 for 16-bit dQKV (as PyTorch's own bias gradient), with no copy of dQKV: an fp64
+        # sum would first convert all of it
+        dbias = dqkv.sum(dim=0) if has_bias else None
     else:
         dqkv = x.new_empty((rows, 3 * hidden))
         block_m, block_n, col_blocks, groups, rows_per_group = _backward_tiles(rows, hidden, x.device)
@@ -184,10 +186,10 @@ def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: 
         launch(_qkv_bwd_kernel, (groups, col_blocks, 3),
             dq, dk, dv, dqkv, partial, rows, hidden, dq.shape[2], rows_per_group, *dq.stride(), *dk.stride(),
             *dv.stride(), HEAD_DIM=dq.shape[3], SUM_COLUMNS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n)
-        dbias = partial.sum(dim=0) if has_bias else None
+        dbias = partial.sum(dim=0).to(x.dtype) if has_bias else None
     dx = dqkv @ weight
     return (dx if x.dim() == 2 else dx.view_as(x), dqkv.t() @ x2,
-            dbias.to(x.dtype) if has_bias else x.new_empty(0))
+            dbias if has_bias else x.new_empty(0))
 
 
 # ---- custom ops: autograd and fake registrations so torch.compile traces through them ----
@@ -219,8 +221,9 @@ def _(dq, dk, dv, x, weight, has_bias=True):
 
 
 class _QKVProjection(torch.autograd.Function):
-    """Returns q, k, v as slices of the forward op's buffer and takes their gradients separately, so
-    the backward gathers dq, dk, dv once (autograd's unbind backward would first stack them)."""
+    """Returns q, k, v as slices of the forward op's buffer and takes their gradients separately, so that
+    the backward reads them where they are (attention's one buffer) or gathers them once (autograd's unbind
+    backward would first stack them)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, num_heads):

@@ -117,15 +117,20 @@ def test_head_dims_and_dtypes_errors(device):
         attn.attention_varlen(packed, packed, packed, torch.tensor([0, 8], device=device, dtype=torch.int32), 0)
 
 
-def _broadcast_attention(varlen, seqlen, heads, requires_grad=False):
+def _broadcast_attention(varlen, seqlen, heads, requires_grad=False, trained_bias=False):
     """attention of q = k = v broadcast along the sequence (stride 0: they reach d elements), on meta tensors
-    (nothing is allocated or launched)."""
+    (nothing is allocated or launched); trained_bias: with a relative-position bias that requires grad."""
     head_dim = 64
     shape = (seqlen, heads, head_dim) if varlen else (1, heads, seqlen, head_dim)
     q = torch.zeros(1, device="meta", requires_grad=requires_grad).expand(shape)
+    bias = {}
+    if trained_bias:
+        bias = dict(relative_bias=torch.zeros(8, heads, device="meta", requires_grad=True),
+                    relative_buckets=torch.zeros(9, dtype=torch.int32, device="meta"))
     if varlen:
-        return attn.attention_varlen(q, q, q, torch.tensor([0, seqlen], dtype=torch.int32, device="meta"), seqlen)
-    return attn.attention(q, q, q)
+        return attn.attention_varlen(q, q, q, torch.tensor([0, seqlen], dtype=torch.int32, device="meta"), seqlen,
+                                     **bias)
+    return attn.attention(q, q, q, **bias)
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "packed"])
@@ -139,10 +144,12 @@ def test_output_offsets_past_int32_are_refused(varlen):
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "packed"])
 def test_gradient_offsets_past_int32_are_refused_when_a_backward_may_run(varlen):
     """dq, dk and dv are the column blocks of one [.., S, 3, heads, d] buffer: 3 S heads d elements in one
-    sequence, past 2**31 here while the output's S heads d fits. Refused in the forward when its inputs need
-    gradients; an inference call of the same size runs."""
+    sequence, past 2**31 here while the output's S heads d fits. Refused in the forward when q, k, v or the
+    relative bias need gradients; an inference call of the same size runs."""
     with pytest.raises(ValueError, match=r"dq, dk, dv: one sequence spans 3221225536 elements"):
         _broadcast_attention(varlen, 2**14, 2**10, requires_grad=True)
+    with pytest.raises(ValueError, match=r"dq, dk, dv: one sequence spans 3221225536 elements"):
+        _broadcast_attention(varlen, 2**14, 2**10, trained_bias=True)  # its gradient's backward writes them too
     out = _broadcast_attention(varlen, 2**14, 2**10)
     assert out.shape == ((2**14, 2**10, 64) if varlen else (1, 2**10, 2**14, 64))
 
