@@ -7,9 +7,11 @@ import copy
 
 import pytest
 import torch
+from test_qkv import NoGather
 from tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, assert_within_rule, pytorch_in
 
 import fastbert
+from fastbert.kernels import qkv
 
 CONFIG = fastbert.BertConfig.tiny(vocab_size=1000, hidden_size=128, num_attention_heads=2, intermediate_size=256,
                                   max_position_embeddings=64, hidden_dropout_prob=0.0,
@@ -39,7 +41,9 @@ def pair(unpad, device):
 
 
 @pytest.mark.parametrize("unpad", [False, True], ids=["padded", "unpadded"])
-def test_triton_model_matches_reference(unpad, device):
+def test_triton_model_matches_reference(unpad, device, monkeypatch):
+    """Also: each layer's QKV backward reads the attention backward's one buffer, never gathering (test_qkv.py)."""
+    monkeypatch.setattr(qkv, "_qkv_bwd_kernel", NoGather())
     reference, kernels = pair(unpad, device)
     inputs = batch(device)
     real = inputs["attention_mask"].bool()

@@ -17,10 +17,12 @@ import pytest
 import torch
 from family_models import (VOCAB, base_loss, flattened, named_outputs, padded_batch, randomize, real_tokens,
                            to_device)
+from test_qkv import NoGather
 from tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, assert_within_rule, pytorch_in
 
 import fastbert
 from fastbert.in_place import ACCELERATED
+from fastbert.kernels import qkv
 
 transformers = pytest.importorskip("transformers")
 
@@ -469,7 +471,9 @@ TRITON_CASES = [pytest.param(dtype, biases, id=f"{name}-{'biases' if biases else
 
 
 @pytest.mark.parametrize("dtype, biases", TRITON_CASES)
-def test_triton_path_within_the_rule_against_float64(dtype, biases, device):
+def test_triton_path_within_the_rule_against_float64(dtype, biases, device, monkeypatch):
+    """Also: each layer's QKV backward reads the attention backward's one buffer, never gathering (test_qkv.py)."""
+    monkeypatch.setattr(qkv, "_qkv_bwd_kernel", NoGather())
     exact = hf_model(**TRITON_SIZES, **(BIASES if biases else {})).double().to(device)
     assert_triton_within_the_rule(exact, to_device(padded_batch(exact.config, lengths=LENGTHS, seq=SEQ), device),
                                   dtype)

@@ -91,7 +91,7 @@ def test_each_gradient_its_own_layout(device):
     _check_against_reference(x, weight, bias, num_heads, grads)
 
 
-class _NoGather:
+class NoGather:
     """In place of the gather kernel: launching it fails the test."""
 
     def __getitem__(self, grid):
@@ -116,7 +116,7 @@ def test_attention_layout_gradients_are_read_in_place(layout, device, monkeypatc
     like = torch.empty(2, 3, 9, 32) if layout == "padded" else torch.empty(13, 3, 32)
     grads = _attention_layout_grads(like, torch.float32, device)
     gathered = kernel.qkv_projection_bwd(*[g.clone() for g in grads], x, weight)
-    monkeypatch.setattr(kernel, "_qkv_bwd_kernel", _NoGather())
+    monkeypatch.setattr(kernel, "_qkv_bwd_kernel", NoGather())
     for name, got, want in zip(("dx", "dweight"), kernel.qkv_projection_bwd(*grads, x, weight), gathered):
         assert torch.equal(got, want), name
     _check_against_reference(x, weight, bias, 3, grads)
@@ -145,7 +145,7 @@ def test_projection_then_attention_gathers_nothing(layout, device, monkeypatch):
             return reference.attention(q, k, v)
         return reference.attention_varlen(q, k, v, cu_seqlens, 7)
 
-    monkeypatch.setattr(kernel, "_qkv_bwd_kernel", _NoGather())
+    monkeypatch.setattr(kernel, "_qkv_bwd_kernel", NoGather())
     dout = torch.randn(*shape[:-1], 3, 32, device=device)
     if layout == "padded":
         dout = dout.transpose(1, 2)
@@ -172,7 +172,7 @@ def test_compiled_projection_then_attention_gathers_nothing(device, monkeypatch)
     eager_grads = [t.grad.clone() for t in (x, weight, bias)]
     for t in (x, weight, bias):
         t.grad = None
-    monkeypatch.setattr(kernel, "_qkv_bwd_kernel", _NoGather())
+    monkeypatch.setattr(kernel, "_qkv_bwd_kernel", NoGather())
     torch._dynamo.reset()
     torch.compile(layer, backend="inductor", fullgraph=True)(x, weight, bias).backward()
     for name, eager, t in zip(("dx", "dweight", "dbias"), eager_grads, (x, weight, bias)):
