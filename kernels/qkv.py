@@ -176,7 +176,7 @@ def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: 
     if dqkv is not None:
         # accumulated in fp32 for 16-bit dQKV (as PyTorch's own bias gradient), with no copy of dQKV: an fp64
         # sum would first convert all of it
-        dbias = dqkv.sum(dim=0) if has_bias else None
+        dbias = dqkv.sum(dim=0) if has_bias else x.new_empty(0)
     else:
         dqkv = x.new_empty((rows, 3 * hidden))
         block_m, block_n, col_blocks, groups, rows_per_group = _backward_tiles(rows, hidden, x.device)
@@ -186,10 +186,9 @@ def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: 
         launch(_qkv_bwd_kernel, (groups, col_blocks, 3),
             dq, dk, dv, dqkv, partial, rows, hidden, dq.shape[2], rows_per_group, *dq.stride(), *dk.stride(),
             *dv.stride(), HEAD_DIM=dq.shape[3], SUM_COLUMNS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n)
-        dbias = partial.sum(dim=0).to(x.dtype) if has_bias else None
+        dbias = partial.sum(dim=0).to(x.dtype) if has_bias else x.new_empty(0)
     dx = dqkv @ weight
-    return (dx if x.dim() == 2 else dx.view_as(x), dqkv.t() @ x2,
-            dbias if has_bias else x.new_empty(0))
+    return dx if x.dim() == 2 else dx.view_as(x), dqkv.t() @ x2, dbias
 
 
 # ---- custom ops: autograd and fake registrations so torch.compile traces through them ----
