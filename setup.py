@@ -13,7 +13,8 @@ setup(
     packages=["fastbert", "fastbert.kernels", "fastbert.train", "fastbert.data", "fastbert.bench", "fastbert.finetune",
               "fastbert.simulated"],
     package_dir={"fastbert.kernels": "kernels"},
-    package_data={"fastbert": ["paths.json"]},  # the measured paths backend="auto" chooses from (fastbert.paths)
+    # the measured paths backend="auto" chooses from (fastbert.paths); the C launch, built at first import
+    package_data={"fastbert": ["paths.json"], "fastbert.kernels": ["launch.c"]},
     install_requires=["torch>=2.4", "numpy", "safetensors", "tqdm", "tokenizers", "filelock>=3.10"],
     extras_require={
         # triton ships with CUDA builds of torch; on a CPU machine it is needed for the interpreter tests and the

@@ -13,13 +13,21 @@
 # Triton's own path would, for aligned and misaligned views and odd sizes, and `fastbert bench --suite host`
 # measures the host time it saves.
 #
+# The steady path, a call whose exact key was seen, runs in C (kernels/launch.c: the same key, lookup and launcher
+# call, without the interpreter between them; `fastbert bench --suite host` measures each op with it, and with
+# FASTBERT_PYTHON_LAUNCH=1 without it); every other call takes the Python path below, which also makes the
+# entries the C launch keeps. tests/test_launch.py holds both paths to the same checks.
+#
 # cdiv and next_power_of_2 are plain Python here: Triton's are constexpr functions whose host call costs
 # microseconds, and launchers call them several times per launch.
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import operator
+import os
+import pathlib
 from typing import Callable, Union
 
 import torch
@@ -29,6 +37,7 @@ from triton.runtime.autotuner import Autotuner
 from fastbert.kernels.numerics import INTERPRETER
 
 Grid = Union[tuple, Callable[[dict], tuple]]
+LOG = logging.getLogger("fastbert")
 _DRIVERS = triton.runtime.driver  # .active: the driver now (a stand-in's while one is installed)
 _DTYPE = operator.attrgetter("dtype")
 _DATA_PTR = torch.Tensor.data_ptr
@@ -57,7 +66,7 @@ _RUNTIME = triton.knobs.runtime
 
 
 class _Entry:
-    __slots__ = ("compiled", "run", "head", "tail", "grid_meta")
+    __slots__ = ("compiled", "run", "head", "tail", "grid_meta", "packed")
 
     def __init__(self, compiled, tail: tuple, grid_meta: dict):
         self.compiled = compiled  # Triton's CompiledKernel
@@ -67,6 +76,7 @@ class _Entry:
         self.head = (compiled.function, compiled.packed_metadata, None, None, None)
         self.tail = tail  # the arguments after the positional ones, in the kernel's order: constexprs and config
         self.grid_meta = grid_meta  # what a grid callable reads: the constexprs and the autotuned config
+        self.packed = (self.run, self.head, tail, grid_meta, compiled)  # what the C launch keeps (launch.c)
 
 
 def _getter(positions: list[int]):
@@ -121,7 +131,10 @@ class KernelLauncher:
         spec.extend(constexprs.items())
         return tuple(spec)
 
-    def __call__(self, grid: Grid, args: tuple, constexprs: dict):
+    def __call__(self, grid: Grid, args: tuple, constexprs: dict) -> tuple:
+        """Launch; returns (the compiled kernel launched, or None where a stand-in skipped it; the entry that
+        launched it, packed for the C launch to keep, or None where the launch went through Triton with a hook
+        installed or left the kernel to Triton)."""
         driver = _DRIVERS._active or _DRIVERS.active  # the attribute, without the property's call once set
         device = driver.get_current_device()
         types = tuple(map(type, args))
@@ -131,12 +144,13 @@ class KernelLauncher:
         tensors = layout.tensors(args)
         # the exact key, built here rather than in a method (a call per launch), and flat (a tuple's hash is not
         # kept: nested tuples are hashed again on every lookup): per device (a compiled kernel is loaded on one)
-        # and driver (a stand-in's stubs never reach a GPU), the argument types (which fix where each part
-        # starts), the ints' values, each tensor's dtype, the tensors' 16-byte alignment, the constexprs' names
-        # and values. Alignment: one bit, every address's low bits or-ed together, when all are aligned (nearly
-        # every launch), else each tensor's, in a tuple (a nested item never equal to the bit)
+        # and driver (a stand-in's stubs never reach a GPU), the argument types (as their layout: one object per
+        # types tuple, hashed and compared by identity; the types fix where each part starts), the ints' values,
+        # each tensor's dtype, the tensors' 16-byte alignment, the constexprs' names and values. Alignment: one
+        # bit, every address's low bits or-ed together, when all are aligned (nearly every launch), else each
+        # tensor's, in a tuple (a nested item never equal to the bit)
         misaligned = _REDUCE(_OR, map(_DATA_PTR, tensors), 0) & 15
-        key = (device, driver, types, *layout.ints(args), *map(_DTYPE, tensors),
+        key = (device, driver, layout, *layout.ints(args), *map(_DTYPE, tensors),
                tuple(address & 15 == 0 for address in map(_DATA_PTR, tensors)) if misaligned else True,
                *constexprs, *constexprs.values())
         entry = self.by_key.get(key)
@@ -150,28 +164,29 @@ class KernelLauncher:
             if entry is None:
                 entry = self.by_specialisation.get(specialisation)
             if entry is None or hooked:
-                return self._first(key, specialisation, grid, args, constexprs)
+                return self._first(key, specialisation, grid, args, constexprs, hooked)
             self._keep(self.by_key, key, entry)
         dims = (*(grid(entry.grid_meta) if callable(grid) else grid), 1, 1)  # a grid of 1 to 3 dimensions
         entry.run(dims[0], dims[1], dims[2], driver.get_current_stream(device), *entry.head, *args, *entry.tail)
-        return entry.compiled
+        return entry.compiled, entry.packed
 
-    def _first(self, key, specialisation, grid, args, constexprs):
-        """Triton's own launch; its compiled kernel (None where a stand-in driver skipped it) is kept."""
+    def _first(self, key, specialisation, grid, args, constexprs, hooked):
+        """Triton's own launch; its compiled kernel (None where a stand-in driver skipped it) is kept. Returns
+        (the compiled kernel, the entry made for it unless hooked, or None)."""
         compiled = self.kernel[grid](*args, **constexprs)
         if compiled is None:
-            return compiled
+            return compiled, None
         meta = dict(constexprs)
         if self.autotuner is not None:
             config = self.autotuner.best_config
             if config.pre_hook is not None:  # a hook runs per launch: leave such kernels to Triton
-                return compiled
+                return compiled, None
             meta.update(config.kwargs)
         entry = _Entry(compiled, tuple(meta[name] if name in meta else self.defaults[name]
                                        for name in self.arg_names[len(args):]), meta)
         self._keep(self.by_specialisation, specialisation, entry)
         self._keep(self.by_key, key, entry)
-        return compiled
+        return compiled, None if hooked else entry.packed
 
     @staticmethod
     def _keep(cache: dict, key, entry: _Entry) -> None:
@@ -209,18 +224,50 @@ def placeholders(device: torch.device) -> dict:
 _LAUNCHERS: dict = {}
 
 
-def launch(kernel, grid: Grid, *args, **constexprs):
-    """kernel[grid](*args, **constexprs), with the host work of repeated signatures cached (see the header).
-    Tensor and scalar arguments positionally, constexprs (num_warps and num_stages included) by keyword.
-    Under Triton's interpreter (no driver, nothing compiled) Triton's own launch."""
-    if INTERPRETER:
-        return kernel[grid](*args, **constexprs)
+def _launch_python(kernel, grid: Grid, args: tuple, constexprs: dict) -> tuple:
+    """KernelLauncher's launch of one call: (the compiled kernel, the packed entry or None)."""
     launcher = _LAUNCHERS.get(id(kernel))  # by id: a JITFunction hashes in Python
     if launcher is None:
         launcher = _LAUNCHERS[id(kernel)] = KernelLauncher(kernel)
     return launcher(grid, args, constexprs)
 
 
+def launch(kernel, grid: Grid, *args, **constexprs):
+    """kernel[grid](*args, **constexprs), with the host work of repeated signatures cached (see the header).
+    Tensor and scalar arguments positionally, constexprs (num_warps and num_stages included) by keyword.
+    Under Triton's interpreter (no driver, nothing compiled) Triton's own launch. Where the C launch builds
+    (`_c_launch`), this name is bound to it instead: the same cache, the same result."""
+    if INTERPRETER:
+        return kernel[grid](*args, **constexprs)
+    return _launch_python(kernel, grid, args, constexprs)[0]
+
+
+def _c_launch():
+    """kernels/launch.c's module, built once per machine and Triton version by Triton's own helper (Triton's cache
+    keeps it), or None: under the interpreter, with FASTBERT_PYTHON_LAUNCH=1 (the Python path, for a
+    comparison), or where it does not build (no C compiler)."""
+    if INTERPRETER or os.environ.get("FASTBERT_PYTHON_LAUNCH") == "1":
+        return None
+    try:
+        from triton.runtime.build import compile_module_from_src
+
+        source = pathlib.Path(__file__).with_name("launch.c").read_text()
+        module = compile_module_from_src(source, "fastbert_launch")
+    except Exception as exc:  # noqa: BLE001 - a machine without a compiler: the Python path serves
+        LOG.info("the C launch (kernels/launch.c) did not build (%s: %s); launches take the Python path",
+                 type(exc).__name__, exc)
+        return None
+    module.init(_DRIVERS, _RUNTIME, torch.Tensor, _launch_python)
+    return module
+
+
+_C_LAUNCH = _c_launch()
+if _C_LAUNCH is not None:
+    launch = _C_LAUNCH.launch  # noqa: F811 - the same launch, its cached path in C
+
+
 def clear_cache() -> None:
     """Forget every kept kernel (fastbert.simulated.host_time, after stubbing the launches)."""
     _LAUNCHERS.clear()
+    if _C_LAUNCH is not None:
+        _C_LAUNCH.clear()

@@ -10,8 +10,11 @@ of its own without it.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 _LAUNCHES = """
 import json
@@ -27,6 +30,12 @@ def counting_first(self, *args):
     through_triton.append(self.kernel)
     return first(self, *args)
 launch_module.KernelLauncher._first = counting_first
+through_python = []  # launches that reached KernelLauncher (the C launch's own cache did not serve them)
+python_call = launch_module.KernelLauncher.__call__
+def counting_call(self, *args):
+    through_python.append(self.kernel)
+    return python_call(self, *args)
+launch_module.KernelLauncher.__call__ = counting_call
 
 ROWS, HIDDEN, OUT = 16, 64, 48
 
@@ -68,14 +77,17 @@ with stubbed_launches():
                 first_launches = [launch(kernel, grid, *args, **constexprs) for _ in range(2)]
                 first_through_triton = len(through_triton)
                 through_triton.clear()
+                through_python.clear()
                 launched = launch(kernel, grid, *args, **constexprs)
+                then_through_python = len(through_python)
                 # Triton's own choice, without launching: for the autotuned matmul the autotuner's run, which
                 # calls the JITFunction's run with the config it chose for these arguments
                 triton_own = kernel.run(*args, grid=grid, warmup=True, **constexprs)
                 results.append({"case": f"{name}, rows={rows}, misaligned={misaligned}",
                                 "same": launched is triton_own and triton_own is not None,
                                 "first_through_triton": first_through_triton,
-                                "then_through_triton": len(through_triton), "distinct": id(triton_own)})
+                                "then_through_triton": len(through_triton), "then_through_python": then_through_python,
+                                "distinct": id(triton_own)})
     # a tensor where the same launch passed None: a kernel of its own (Triton makes None a constant)
     kernel, grid, args, constexprs = layer_norm_call(16, False, residual=torch.zeros(ROWS, HIDDEN))
     for _ in range(3):
@@ -97,21 +109,31 @@ with stubbed_launches():
         counts.append(len(through_triton))
         triton.knobs.runtime.launch_enter_hook.remove(hook)
     results.append({"case": "launch hook", "hooked_through_triton": counts[0], "unhooked_through_triton": counts[1]})
-print(json.dumps(results))
+print(json.dumps({"c_launch": launch_module._C_LAUNCH is not None, "results": results}))
 """
 
 
-def test_the_cached_path_launches_the_kernel_triton_would():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_the_cached_path_launches_the_kernel_triton_would(path):
+    """Both implementations of the cached path: kernels/launch.c's (built where a C compiler is found) and the
+    Python one it stands in for (FASTBERT_PYTHON_LAUNCH=1)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTBERT_PYTHON_LAUNCH")}
+    if path == "python":
+        env["FASTBERT_PYTHON_LAUNCH"] = "1"
+    elif not _c_compiler():
+        pytest.skip("no C compiler: the C launch cannot build here")
     result = subprocess.run([sys.executable, "-c", _LAUNCHES], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = json.loads(result.stdout.splitlines()[-1])
-    *rows, tensor_for_none, hooked = rows
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["c_launch"] == (path == "c")
+    *rows, tensor_for_none, hooked = report["results"]
     assert tensor_for_none["same"] and tensor_for_none["distinct_from_none"], tensor_for_none
     assert (hooked["hooked_through_triton"], hooked["unhooked_through_triton"]) == (1, 0), hooked
     for row in rows:
         assert row["same"], row["case"]
         assert row["then_through_triton"] == 0, row
+        # the C launch serves a call it has seen from its own cache; the Python path is that cache itself
+        assert row["then_through_python"] == (path == "python"), row
         # rows=33 reuses rows=17's specialisation: never through Triton
         assert (row["first_through_triton"] == 0) == (", rows=33," in row["case"]), row
     # the stubs are distinct per specialisation: alignment and each int class name a kernel of their own
@@ -119,3 +141,7 @@ def test_the_cached_path_launches_the_kernel_triton_would():
         ids = {row["case"].split(", ", 1)[1]: row["distinct"] for row in rows if row["case"].startswith(kernel)}
         assert ids["rows=33, misaligned=False"] == ids["rows=17, misaligned=False"]
         assert len({ids[f"rows={r}, misaligned={m}"] for r in (1, 16, 17, 2**31 + 5) for m in (False, True)}) == 8
+
+
+def _c_compiler() -> bool:
+    return bool(os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang"))

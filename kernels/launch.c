@@ -1,0 +1,297 @@
+/* fastbert.kernels.launch's cached launch, in C: the same key, dictionary lookup and launcher call as
+ * KernelLauncher.__call__, without the interpreter's work between them (kernels/launch.py's header says what
+ * the key holds and why). Built at first import with Triton's own helper (triton.runtime.build, which builds
+ * Triton's launchers the same way); where no C compiler is found, launch.py keeps its Python path.
+ *
+ * launch(kernel, grid, *args, **constexprs) builds the exact key of a call: the kernel's id, the device and
+ * the driver, the arguments' types, each int's value, each tensor's dtype, the tensors' 16-byte alignment (one
+ * True when all are aligned, else a tuple of each tensor's), the constexprs' names (one tuple: a call site
+ * passes the same) and values. A key it has kept launches its entry at once: the Triton launcher, called with
+ * the grid, the stream, the launcher's head, the arguments and the entry's tail. Any other call (the first of
+ * a key, or one with a launch hook installed) goes to the Python path, `slow(kernel, grid, args, constexprs)`,
+ * which returns (what launch returns, the entry to keep for this key or None); its entry is kept. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define MAX_KEPT 65536 /* keys kept, all kernels together; past this the cache starts again */
+#define MAX_ARGS 256
+
+static PyObject *drivers, *runtime_knobs, *tensor_type, *slow_path, *kept;
+static PyObject *s_active_attr, *s_active, *s_get_current_device, *s_get_current_stream, *s_dtype, *s_data_ptr,
+    *s_enter, *s_exit, *s_calls;
+
+static int hooked(void) {
+    /* A profiler's launch hook installed: Triton 3.6-3.9 keep the hooks in (normally empty) chains, whose
+     * `calls` list holds them; a callable set in a chain's place is a hook itself, None none. */
+    PyObject *names[2] = {s_enter, s_exit};
+    for (int i = 0; i < 2; i++) {
+        PyObject *hook = PyObject_GetAttr(runtime_knobs, names[i]);
+        if (hook == NULL) return -1;
+        PyObject *calls = PyObject_GetAttr(hook, s_calls);
+        if (calls == NULL) {
+            PyErr_Clear();
+            calls = hook;
+            Py_INCREF(calls);
+        }
+        int set = PyObject_IsTrue(calls);
+        Py_DECREF(calls);
+        Py_DECREF(hook);
+        if (set != 0) return set;
+    }
+    return 0;
+}
+
+static PyObject *driver_now(void) {
+    PyObject *driver = PyObject_GetAttr(drivers, s_active_attr); /* the attribute, once set */
+    if (driver == Py_None) {
+        Py_DECREF(driver);
+        driver = PyObject_GetAttr(drivers, s_active);
+    }
+    return driver;
+}
+
+/* The exact key of a call; NULL with an exception set on failure. */
+static PyObject *call_key(PyObject *kernel, PyObject *device, PyObject *driver, PyObject *const *args,
+                          Py_ssize_t nargs, PyObject *kwnames, PyObject *const *kwvalues, Py_ssize_t nkw) {
+    PyObject *types = PyTuple_New(nargs);
+    if (types == NULL) return NULL;
+    Py_ssize_t ints = 0, tensors = 0;
+    int tensor_at[MAX_ARGS];
+    size_t low_bits[MAX_ARGS], any_low = 0;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        PyObject *type = (PyObject *)Py_TYPE(args[i]);
+        Py_INCREF(type);
+        PyTuple_SET_ITEM(types, i, type);
+        if (PyLong_CheckExact(args[i]) || PyBool_Check(args[i])) {
+            ints++;
+        } else if (PyObject_TypeCheck(args[i], (PyTypeObject *)tensor_type)) {
+            PyObject *pointer = PyObject_CallMethodNoArgs(args[i], s_data_ptr);
+            if (pointer == NULL) goto fail;
+            size_t address = (size_t)PyLong_AsUnsignedLongLongMask(pointer);
+            Py_DECREF(pointer);
+            if (PyErr_Occurred()) goto fail;
+            tensor_at[tensors] = (int)i;
+            low_bits[tensors++] = address & 15;
+            any_low |= address & 15;
+        }
+    }
+    /* kernel id, device, driver, types, ints, dtypes, alignment, constexpr names, constexpr values */
+    Py_ssize_t size = 4 + ints + tensors + 1 + 1 + nkw, at = 0;
+    PyObject *key = PyTuple_New(size);
+    if (key == NULL) goto fail;
+    PyObject *id = PyLong_FromVoidPtr(kernel);
+    if (id == NULL) goto fail_key;
+    PyTuple_SET_ITEM(key, at++, id);
+    Py_INCREF(device);
+    PyTuple_SET_ITEM(key, at++, device);
+    Py_INCREF(driver);
+    PyTuple_SET_ITEM(key, at++, driver);
+    PyTuple_SET_ITEM(key, at++, types); /* the key owns it now */
+    types = NULL;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        if (PyLong_CheckExact(args[i]) || PyBool_Check(args[i])) {
+            Py_INCREF(args[i]);
+            PyTuple_SET_ITEM(key, at++, args[i]);
+        }
+    }
+    for (Py_ssize_t t = 0; t < tensors; t++) {
+        PyObject *dtype = PyObject_GetAttr(args[tensor_at[t]], s_dtype);
+        if (dtype == NULL) goto fail_key;
+        PyTuple_SET_ITEM(key, at++, dtype);
+    }
+    PyObject *alignment;
+    if (any_low == 0) {
+        alignment = Py_True;
+        Py_INCREF(alignment);
+    } else {
+        alignment = PyTuple_New(tensors);
+        if (alignment == NULL) goto fail_key;
+        for (Py_ssize_t t = 0; t < tensors; t++) {
+            PyObject *aligned = low_bits[t] == 0 ? Py_True : Py_False;
+            Py_INCREF(aligned);
+            PyTuple_SET_ITEM(alignment, t, aligned);
+        }
+    }
+    PyTuple_SET_ITEM(key, at++, alignment);
+    PyObject *names = kwnames != NULL ? kwnames : Py_None;
+    Py_INCREF(names);
+    PyTuple_SET_ITEM(key, at++, names);
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        Py_INCREF(kwvalues[k]);
+        PyTuple_SET_ITEM(key, at++, kwvalues[k]);
+    }
+    return key;
+fail_key:
+    /* unfilled items are NULL, which a tuple's dealloc skips */
+    Py_DECREF(key);
+fail:
+    Py_XDECREF(types);
+    return NULL;
+}
+
+/* Python's path: (what launch returns, the entry to keep or None); the entry is kept under `key`. */
+static PyObject *launch_slow(PyObject *kernel, PyObject *grid, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames, PyObject *const *kwvalues, Py_ssize_t nkw, PyObject *key) {
+    PyObject *arguments = PyTuple_New(nargs), *constexprs = PyDict_New(), *result = NULL, *returned = NULL;
+    if (arguments == NULL || constexprs == NULL) goto done;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        Py_INCREF(args[i]);
+        PyTuple_SET_ITEM(arguments, i, args[i]);
+    }
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        if (PyDict_SetItem(constexprs, PyTuple_GET_ITEM(kwnames, k), kwvalues[k]) < 0) goto done;
+    }
+    result = PyObject_CallFunctionObjArgs(slow_path, kernel, grid, arguments, constexprs, NULL);
+    if (result == NULL) goto done;
+    if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != 2) {
+        PyErr_SetString(PyExc_TypeError, "fastbert launch: the Python path must return (result, entry or None)");
+        goto done;
+    }
+    PyObject *entry = PyTuple_GET_ITEM(result, 1);
+    if (entry != Py_None && (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 5)) {
+        PyErr_SetString(PyExc_TypeError, "fastbert launch: an entry is (run, head, tail, grid_meta, compiled)");
+        goto done;
+    }
+    if (entry != Py_None && key != NULL) {
+        if (PyDict_GET_SIZE(kept) >= MAX_KEPT) PyDict_Clear(kept);
+        if (PyDict_SetItem(kept, key, entry) < 0) goto done;
+    }
+    returned = PyTuple_GET_ITEM(result, 0);
+    Py_INCREF(returned);
+done:
+    Py_XDECREF(result);
+    Py_XDECREF(constexprs);
+    Py_XDECREF(arguments);
+    return returned;
+}
+
+/* entry: (run, head tuple, tail tuple, grid_meta, compiled) */
+static PyObject *launch_kept(PyObject *entry, PyObject *grid, PyObject *device, PyObject *driver,
+                             PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *run = PyTuple_GET_ITEM(entry, 0), *head = PyTuple_GET_ITEM(entry, 1),
+             *tail = PyTuple_GET_ITEM(entry, 2), *grid_meta = PyTuple_GET_ITEM(entry, 3);
+    PyObject *dims = PyCallable_Check(grid) ? PyObject_CallOneArg(grid, grid_meta) : (Py_INCREF(grid), grid);
+    if (dims == NULL) return NULL;
+    PyObject *sequence = PySequence_Fast(dims, "fastbert launch: a grid is a tuple of 1 to 3 ints");
+    Py_DECREF(dims);
+    if (sequence == NULL) return NULL;
+    Py_ssize_t ndims = PySequence_Fast_GET_SIZE(sequence), nhead = PyTuple_GET_SIZE(head),
+               ntail = PyTuple_GET_SIZE(tail);
+    if (ndims < 1 || ndims > 3 || 4 + nhead + nargs + ntail > MAX_ARGS + 16) {
+        Py_DECREF(sequence);
+        PyErr_SetString(PyExc_ValueError, "fastbert launch: a grid of 1 to 3 dimensions and at most 256 arguments");
+        return NULL;
+    }
+    PyObject *stream = PyObject_CallMethodOneArg(driver, s_get_current_stream, device);
+    if (stream == NULL) {
+        Py_DECREF(sequence);
+        return NULL;
+    }
+    PyObject *one = PyLong_FromLong(1);
+    PyObject *stack[MAX_ARGS + 16 + 1];
+    PyObject **items = PySequence_Fast_ITEMS(sequence);
+    Py_ssize_t n = 0;
+    for (Py_ssize_t d = 0; d < 3; d++) stack[n++] = d < ndims ? items[d] : one;
+    stack[n++] = stream;
+    for (Py_ssize_t i = 0; i < nhead; i++) stack[n++] = PyTuple_GET_ITEM(head, i);
+    for (Py_ssize_t i = 0; i < nargs; i++) stack[n++] = args[i];
+    for (Py_ssize_t i = 0; i < ntail; i++) stack[n++] = PyTuple_GET_ITEM(tail, i);
+    PyObject *launched = PyObject_Vectorcall(run, stack, n, NULL);
+    Py_DECREF(one);
+    Py_DECREF(stream);
+    Py_DECREF(sequence);
+    if (launched == NULL) return NULL;
+    Py_DECREF(launched);
+    PyObject *compiled = PyTuple_GET_ITEM(entry, 4);
+    Py_INCREF(compiled);
+    return compiled;
+}
+
+static PyObject *launch(PyObject *self, PyObject *const *stack, Py_ssize_t nstack, PyObject *kwnames) {
+    if (slow_path == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "fastbert launch: init() was not called");
+        return NULL;
+    }
+    if (nstack < 2) {
+        PyErr_SetString(PyExc_TypeError, "launch(kernel, grid, *args, **constexprs)");
+        return NULL;
+    }
+    PyObject *kernel = stack[0], *grid = stack[1];
+    PyObject *const *args = stack + 2;
+    Py_ssize_t nargs = nstack - 2, nkw = kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0;
+    PyObject *const *kwvalues = stack + nstack;
+    int hook = hooked();
+    if (hook < 0) return NULL;
+    if (hook || nargs > MAX_ARGS) return launch_slow(kernel, grid, args, nargs, kwnames, kwvalues, nkw, NULL);
+    PyObject *driver = driver_now();
+    if (driver == NULL) return NULL;
+    PyObject *device = PyObject_CallMethodNoArgs(driver, s_get_current_device), *key = NULL, *result = NULL;
+    if (device == NULL) goto done;
+    key = call_key(kernel, device, driver, args, nargs, kwnames, kwvalues, nkw);
+    if (key == NULL) goto done;
+    PyObject *entry = PyDict_GetItemWithError(kept, key);
+    if (entry != NULL) {
+        Py_INCREF(entry); /* the grid callable or the launcher may run Python that clears the cache */
+        result = launch_kept(entry, grid, device, driver, args, nargs);
+        Py_DECREF(entry);
+    } else if (!PyErr_Occurred()) {
+        result = launch_slow(kernel, grid, args, nargs, kwnames, kwvalues, nkw, key);
+    }
+done:
+    Py_XDECREF(key);
+    Py_XDECREF(device);
+    Py_DECREF(driver);
+    return result;
+}
+
+static PyObject *init(PyObject *self, PyObject *args) {
+    PyObject *d, *r, *t, *s;
+    if (!PyArg_ParseTuple(args, "OOOO", &d, &r, &t, &s)) return NULL;
+    if (!PyType_Check(t) || !PyCallable_Check(s)) {
+        PyErr_SetString(PyExc_TypeError, "init(drivers, runtime knobs, torch.Tensor, slow path)");
+        return NULL;
+    }
+    Py_XSETREF(drivers, Py_NewRef(d));
+    Py_XSETREF(runtime_knobs, Py_NewRef(r));
+    Py_XSETREF(tensor_type, Py_NewRef(t));
+    Py_XSETREF(slow_path, Py_NewRef(s));
+    Py_RETURN_NONE;
+}
+
+static PyObject *clear(PyObject *self, PyObject *unused) {
+    PyDict_Clear(kept);
+    Py_RETURN_NONE;
+}
+
+static PyObject *kept_count(PyObject *self, PyObject *unused) {
+    return PyLong_FromSsize_t(PyDict_GET_SIZE(kept));
+}
+
+static PyMethodDef methods[] = {
+    {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL | METH_KEYWORDS,
+     "launch(kernel, grid, *args, **constexprs): a kept entry's launch, else the Python path's"},
+    {"init", init, METH_VARARGS, "init(triton.runtime.driver, triton.knobs.runtime, torch.Tensor, slow_path)"},
+    {"clear", clear, METH_NOARGS, "forget every kept entry"},
+    {"kept", kept_count, METH_NOARGS, "the number of keys kept"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fastbert_launch", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit_fastbert_launch(void) {
+    kept = PyDict_New();
+    s_active_attr = PyUnicode_InternFromString("_active");
+    s_active = PyUnicode_InternFromString("active");
+    s_get_current_device = PyUnicode_InternFromString("get_current_device");
+    s_get_current_stream = PyUnicode_InternFromString("get_current_stream");
+    s_dtype = PyUnicode_InternFromString("dtype");
+    s_data_ptr = PyUnicode_InternFromString("data_ptr");
+    s_enter = PyUnicode_InternFromString("launch_enter_hook");
+    s_exit = PyUnicode_InternFromString("launch_exit_hook");
+    s_calls = PyUnicode_InternFromString("calls");
+    if (kept == NULL || s_active_attr == NULL || s_active == NULL || s_get_current_device == NULL ||
+        s_get_current_stream == NULL || s_dtype == NULL || s_data_ptr == NULL || s_enter == NULL ||
+        s_exit == NULL || s_calls == NULL)
+        return NULL;
+    return PyModule_Create(&module);
+}
