@@ -20,6 +20,9 @@ import torch
 from fastbert.bases import COMMON_CONFIG_DEFAULTS, ConfigBase
 from fastbert.ops import LAYER_NORM_SAVES
 
+# looked up once: every config read asks (torch.compile still recognises the function by identity)
+_is_compiling = torch.compiler.is_compiling
+
 # hidden_act -> the `approximate` argument of GELU ("none" = exact erf form)
 GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
 BACKENDS = ("auto", "triton", "torch")
@@ -286,7 +289,7 @@ class BertConfig(ConfigBase):
         # (never one of attribute_map's aliases: setting an alias sets its target) comes from its __dict__ at once.
         # Other names (properties, methods) skip those overrides too, but for attribute_map's aliases. torch.compile
         # traces transformers' way (it cannot trace object.__getattribute__) and pays nothing at run time.
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             return super().__getattribute__(name)
         values = object.__getattribute__(self, "__dict__")
         if name in values:

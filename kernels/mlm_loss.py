@@ -61,6 +61,7 @@
 # split-K style partial merge (flash-decoding), the Triton matmul tutorial (tiling, masks).
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -74,6 +75,8 @@ from fastbert.kernels.matmul import sm_count
 from fastbert.kernels.numerics import INTERPRETER, cast, dot_accumulate, dot_precision
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+_INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})  # the fast check's
 MAX_VOCAB = 2**31 - 1
 MAX_GRID_AXIS = 65535  # CUDA's limit on grid axis 1: the backward's vocabulary tiles per chunk
 # dz is materialised one vocabulary chunk at a time: N x chunk elements at most (64 MiB in 16-bit),
@@ -321,11 +324,16 @@ def check_limits(x, weight, bias, target) -> None:
     of checked shapes (`_check_inputs`; fastbert.ops checks the shapes and options itself): the vocabulary
     and hidden sizes, dtypes, an integer target, one device."""
     vocab, hidden = weight.shape
+    dtype, device = x.dtype, x.device
+    # one condition for the inputs that pass (every call), the messages for those that do not
+    if (1 <= vocab <= MAX_VOCAB and hidden >= 1 and dtype in _SUPPORTED and weight.dtype == dtype
+            and (bias is None or (bias.dtype in _SUPPORTED and bias.device == device)) and weight.device == device
+            and target.device == device and target.shape == (x.shape[0],) and target.dtype in _INTEGER_DTYPES):
+        return
     if not 1 <= vocab <= MAX_VOCAB:
         raise ValueError(f"weight has vocabulary size {vocab}; the Triton cross entropy supports 1 to {MAX_VOCAB}")
     if hidden < 1:
         raise ValueError(f"x has hidden size {hidden}; the Triton cross entropy needs at least 1")
-    dtype = x.dtype
     for name, tensor in (("x", x), ("weight", weight), ("bias", bias)):
         if tensor is not None and tensor.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{name} has dtype {tensor.dtype}; the Triton cross entropy supports {SUPPORTED_DTYPES}")
@@ -335,7 +343,6 @@ def check_limits(x, weight, bias, target) -> None:
             or target.dtype == torch.bool:
         raise ValueError(f"target must be an integer tensor of shape ({x.shape[0]},), "
                          f"got {target.dtype} {tuple(target.shape)}")
-    device = x.device
     for name, tensor in (("weight", weight), ("bias", bias), ("target", target)):
         if tensor is not None and tensor.device != device:
             raise ValueError(f"{name} is on {tensor.device}, x on {device}; all must share one device")
@@ -394,6 +401,23 @@ def _merge_config(splits: int, rows: int) -> dict:
     return config
 
 
+@functools.lru_cache(maxsize=4096)
+def _forward_plan(device: torch.device, dtype: torch.dtype, rows: int, vocab: int) -> tuple[dict, int, int, dict]:
+    """(tile config, columns per split, splits, merge config) of a forward over rows >= 1: a function of the
+    shape and the device only, so cached (working it out cost the host more than the launch)."""
+    config = _config(dtype, rows, forward=True)
+    cols_per_split = _forward_cols_per_split(device, rows, vocab, config["BLOCK_N"], config["BLOCK_V"])
+    splits = cdiv(vocab, cols_per_split)
+    return config, cols_per_split, splits, _merge_config(splits, rows)
+
+
+@functools.lru_cache(maxsize=4096)
+def _backward_plan(dtype: torch.dtype, rows: int, vocab: int) -> tuple[dict, int]:
+    """(tile config, vocabulary columns per chunk) of a backward over rows >= 1, cached as `_forward_plan`."""
+    config = _config(dtype, rows, forward=False)
+    return config, _backward_chunk_cols(rows, vocab, config["BLOCK_V"])
+
+
 @fused_op("fastbert::mlm_loss_fwd")
 def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
                  ignore_index: int, reduction: str,
@@ -411,9 +435,7 @@ def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         def zero(dtype, *shape):
             return torch.zeros(shape, dtype=dtype, device=x.device)
         return zero(torch.float32), zero(torch.int64), zero(torch.float32, 1)
-    config = _config(x.dtype, rows, forward=True)
-    cols_per_split = _forward_cols_per_split(x.device, rows, vocab, config["BLOCK_N"], config["BLOCK_V"])
-    splits = cdiv(vocab, cols_per_split)
+    config, cols_per_split, splits, merge_config = _forward_plan(x.device, x.dtype, rows, vocab)
     plane = splits * rows
     partials = torch.empty((6, splits, rows), dtype=torch.float32, device=x.device)  # _partial_planes
     launch(_mlm_loss_fwd_kernel, (cdiv(rows, config["BLOCK_N"]), splits),
@@ -425,8 +447,7 @@ def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     loss = torch.empty((), dtype=torch.float32, device=x.device)
     num_correct = torch.empty((), dtype=torch.int64, device=x.device)
     launch(_mlm_loss_merge_kernel, (1,), partials, target, softmax_stats, loss, num_correct, rows, vocab, splits,
-           plane, ignore_index, label_smoothing, target.stride(0), MEAN=reduction == "mean",
-           **_merge_config(splits, rows))
+           plane, ignore_index, label_smoothing, target.stride(0), MEAN=reduction == "mean", **merge_config)
     return loss, num_correct, softmax_stats
 
 
@@ -451,8 +472,7 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     if rows == 0:
         return (x.new_empty((0, hidden)), torch.zeros((vocab, hidden), dtype=weight.dtype, device=x.device),
                 torch.zeros(vocab if bias is not None else 0, dtype=torch.float32, device=x.device))
-    config = _config(x.dtype, rows, forward=False)
-    chunk_cols = _backward_chunk_cols(rows, vocab, config["BLOCK_V"])
+    config, chunk_cols = _backward_plan(x.dtype, rows, vocab)
     # one chunk: dW and db come out of their ops whole; several: each chunk's rows are written into them
     chunks = chunk_cols < vocab
     dweight = torch.empty((vocab, hidden), dtype=weight.dtype, device=x.device) if chunks else None

@@ -5,6 +5,8 @@
 num_correct, first argmax on ties; large fp16 logits; no labelled row; bitwise determinism;
 torch.compile; bad input. Runs under Triton's interpreter on CPU (conftest sets TRITON_INTERPRET=1);
 a vocabulary of 30522 at hidden 768 is slow there, so those cases use few rows."""
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -79,8 +81,11 @@ def _assert_matches_float64(impl, x, weight, bias, target, **kwargs):
 
 
 def _gpu_tiles(monkeypatch):
-    """Run the interpreter with the GPU's tile sizes: many vocabulary tiles and splits on a small V."""
+    """Run the interpreter with the GPU's tile sizes: many vocabulary tiles and splits on a small V. The plans
+    made from the tiles are cached: the test gets fresh caches, and the module's own come back after it."""
     monkeypatch.setattr(mlm_loss, "_config", mlm_loss._gpu_config)
+    for name in ("_forward_plan", "_backward_plan"):
+        monkeypatch.setattr(mlm_loss, name, functools.lru_cache(maxsize=None)(getattr(mlm_loss, name).__wrapped__))
 
 
 # BERT's vocabulary: the interpreter's tiles over 30522 columns; many tiles and splits at a small V are
