@@ -8,15 +8,17 @@
  * True when all are aligned, else a tuple of each tensor's), the constexprs' names (one tuple: a call site
  * passes the same) and values. A key it has kept launches its entry at once: the Triton launcher, called with
  * the grid, the stream, the launcher's head, the arguments and the entry's tail. Any other call (the first of
- * a key, or one with a launch hook installed) goes to the Python path, `slow(kernel, grid, args, constexprs)`,
- * which returns (what launch returns, the entry to keep for this key or None); its entry is kept. */
+ * a key, one with a launch hook installed, or one its kept entry cannot launch) goes to the Python path,
+ * launch.py's `_launch_python(kernel, grid, args, constexprs)`, which returns (what launch returns, the entry to
+ * keep for this key or None); its entry is kept. An entry holds its kernel, whose id the key holds: while it is
+ * kept, no other kernel can take that id. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #define MAX_KEPT 65536 /* keys kept, all kernels together; past this the cache starts again */
 #define MAX_ARGS 256
 
-static PyObject *drivers, *runtime_knobs, *tensor_type, *slow_path, *kept;
+static PyObject *drivers, *runtime_knobs, *tensor_type, *tensor_data_ptr, *slow_path, *kept;
 static PyObject *s_active_attr, *s_active, *s_get_current_device, *s_get_current_stream, *s_dtype, *s_data_ptr,
     *s_enter, *s_exit, *s_calls;
 
@@ -29,6 +31,10 @@ static int hooked(void) {
         if (hook == NULL) return -1;
         PyObject *calls = PyObject_GetAttr(hook, s_calls);
         if (calls == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                Py_DECREF(hook);
+                return -1;
+            }
             PyErr_Clear();
             calls = hook;
             Py_INCREF(calls);
@@ -62,10 +68,11 @@ static PyObject *call_key(PyObject *kernel, PyObject *device, PyObject *driver, 
         PyObject *type = (PyObject *)Py_TYPE(args[i]);
         Py_INCREF(type);
         PyTuple_SET_ITEM(types, i, type);
-        if (PyLong_CheckExact(args[i]) || PyBool_Check(args[i])) {
+        if (PyLong_Check(args[i])) { /* bools and int subclasses too: Triton specialises any int by value */
             ints++;
         } else if (PyObject_TypeCheck(args[i], (PyTypeObject *)tensor_type)) {
-            PyObject *pointer = PyObject_CallMethodNoArgs(args[i], s_data_ptr);
+            /* torch.Tensor's own data_ptr, as the Python path calls it (a subclass may override it) */
+            PyObject *pointer = PyObject_CallOneArg(tensor_data_ptr, args[i]);
             if (pointer == NULL) goto fail;
             size_t address = (size_t)PyLong_AsUnsignedLongLongMask(pointer);
             Py_DECREF(pointer);
@@ -89,7 +96,7 @@ static PyObject *call_key(PyObject *kernel, PyObject *device, PyObject *driver, 
     PyTuple_SET_ITEM(key, at++, types); /* the key owns it now */
     types = NULL;
     for (Py_ssize_t i = 0; i < nargs; i++) {
-        if (PyLong_CheckExact(args[i]) || PyBool_Check(args[i])) {
+        if (PyLong_Check(args[i])) {
             Py_INCREF(args[i]);
             PyTuple_SET_ITEM(key, at++, args[i]);
         }
@@ -148,8 +155,10 @@ static PyObject *launch_slow(PyObject *kernel, PyObject *grid, PyObject *const *
         goto done;
     }
     PyObject *entry = PyTuple_GET_ITEM(result, 1);
-    if (entry != Py_None && (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 5)) {
-        PyErr_SetString(PyExc_TypeError, "fastbert launch: an entry is (run, head, tail, grid_meta, compiled)");
+    if (entry != Py_None && (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 6 ||
+                             !PyTuple_Check(PyTuple_GET_ITEM(entry, 1)) || !PyTuple_Check(PyTuple_GET_ITEM(entry, 2)))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "fastbert launch: an entry is (run, head tuple, tail tuple, grid_meta, compiled, kernel)");
         goto done;
     }
     if (entry != Py_None && key != NULL) {
@@ -165,33 +174,37 @@ done:
     return returned;
 }
 
-/* entry: (run, head tuple, tail tuple, grid_meta, compiled) */
+/* entry: (run, head tuple, tail tuple, grid_meta, compiled, kernel). Returns the compiled kernel launched; NULL
+ * with an exception set on an error; NULL without one where the entry cannot launch this call (a grid of other
+ * than 1 to 3 dimensions, too many arguments): the caller then takes the Python path, which behaves as Triton. */
 static PyObject *launch_kept(PyObject *entry, PyObject *grid, PyObject *device, PyObject *driver,
                              PyObject *const *args, Py_ssize_t nargs) {
     PyObject *run = PyTuple_GET_ITEM(entry, 0), *head = PyTuple_GET_ITEM(entry, 1),
              *tail = PyTuple_GET_ITEM(entry, 2), *grid_meta = PyTuple_GET_ITEM(entry, 3);
     PyObject *dims = PyCallable_Check(grid) ? PyObject_CallOneArg(grid, grid_meta) : (Py_INCREF(grid), grid);
     if (dims == NULL) return NULL;
-    PyObject *sequence = PySequence_Fast(dims, "fastbert launch: a grid is a tuple of 1 to 3 ints");
+    PyObject *sizes = PySequence_Tuple(dims); /* a tuple of its own: a list grid could change under us */
     Py_DECREF(dims);
-    if (sequence == NULL) return NULL;
-    Py_ssize_t ndims = PySequence_Fast_GET_SIZE(sequence), nhead = PyTuple_GET_SIZE(head),
-               ntail = PyTuple_GET_SIZE(tail);
+    if (sizes == NULL) return NULL;
+    Py_ssize_t ndims = PyTuple_GET_SIZE(sizes), nhead = PyTuple_GET_SIZE(head), ntail = PyTuple_GET_SIZE(tail);
     if (ndims < 1 || ndims > 3 || 4 + nhead + nargs + ntail > MAX_ARGS + 16) {
-        Py_DECREF(sequence);
-        PyErr_SetString(PyExc_ValueError, "fastbert launch: a grid of 1 to 3 dimensions and at most 256 arguments");
+        Py_DECREF(sizes);
         return NULL;
     }
     PyObject *stream = PyObject_CallMethodOneArg(driver, s_get_current_stream, device);
     if (stream == NULL) {
-        Py_DECREF(sequence);
+        Py_DECREF(sizes);
         return NULL;
     }
     PyObject *one = PyLong_FromLong(1);
+    if (one == NULL) {
+        Py_DECREF(stream);
+        Py_DECREF(sizes);
+        return NULL;
+    }
     PyObject *stack[MAX_ARGS + 16 + 1];
-    PyObject **items = PySequence_Fast_ITEMS(sequence);
     Py_ssize_t n = 0;
-    for (Py_ssize_t d = 0; d < 3; d++) stack[n++] = d < ndims ? items[d] : one;
+    for (Py_ssize_t d = 0; d < 3; d++) stack[n++] = d < ndims ? PyTuple_GET_ITEM(sizes, d) : one;
     stack[n++] = stream;
     for (Py_ssize_t i = 0; i < nhead; i++) stack[n++] = PyTuple_GET_ITEM(head, i);
     for (Py_ssize_t i = 0; i < nargs; i++) stack[n++] = args[i];
@@ -199,7 +212,7 @@ static PyObject *launch_kept(PyObject *entry, PyObject *grid, PyObject *device, 
     PyObject *launched = PyObject_Vectorcall(run, stack, n, NULL);
     Py_DECREF(one);
     Py_DECREF(stream);
-    Py_DECREF(sequence);
+    Py_DECREF(sizes);
     if (launched == NULL) return NULL;
     Py_DECREF(launched);
     PyObject *compiled = PyTuple_GET_ITEM(entry, 4);
@@ -230,10 +243,12 @@ static PyObject *launch(PyObject *self, PyObject *const *stack, Py_ssize_t nstac
     key = call_key(kernel, device, driver, args, nargs, kwnames, kwvalues, nkw);
     if (key == NULL) goto done;
     PyObject *entry = PyDict_GetItemWithError(kept, key);
-    if (entry != NULL) {
+    if (entry != NULL && PyTuple_GET_ITEM(entry, 5) == kernel) {
         Py_INCREF(entry); /* the grid callable or the launcher may run Python that clears the cache */
         result = launch_kept(entry, grid, device, driver, args, nargs);
         Py_DECREF(entry);
+        if (result == NULL && !PyErr_Occurred()) /* not launchable from the entry: as Triton would */
+            result = launch_slow(kernel, grid, args, nargs, kwnames, kwvalues, nkw, NULL);
     } else if (!PyErr_Occurred()) {
         result = launch_slow(kernel, grid, args, nargs, kwnames, kwvalues, nkw, key);
     }
@@ -253,8 +268,12 @@ static PyObject *init(PyObject *self, PyObject *args) {
     }
     Py_XSETREF(drivers, Py_NewRef(d));
     Py_XSETREF(runtime_knobs, Py_NewRef(r));
+    PyObject *data_ptr = PyObject_GetAttr(t, s_data_ptr);
+    if (data_ptr == NULL) return NULL;
     Py_XSETREF(tensor_type, Py_NewRef(t));
+    Py_XSETREF(tensor_data_ptr, data_ptr);
     Py_XSETREF(slow_path, Py_NewRef(s));
+    PyDict_Clear(kept); /* entries of an earlier init's kernels */
     Py_RETURN_NONE;
 }
 

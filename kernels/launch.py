@@ -28,6 +28,8 @@ import logging
 import operator
 import os
 import pathlib
+import shutil
+import sysconfig
 from typing import Callable, Union
 
 import torch
@@ -68,7 +70,7 @@ _RUNTIME = triton.knobs.runtime
 class _Entry:
     __slots__ = ("compiled", "run", "head", "tail", "grid_meta", "packed")
 
-    def __init__(self, compiled, tail: tuple, grid_meta: dict):
+    def __init__(self, kernel, compiled, tail: tuple, grid_meta: dict):
         self.compiled = compiled  # Triton's CompiledKernel
         self.run = compiled.run  # its launcher: (grid x, y, z, stream, *head, *arguments, *tail)
         # the launcher's arguments between the stream and the kernel's: the function, its packed metadata, no
@@ -76,7 +78,8 @@ class _Entry:
         self.head = (compiled.function, compiled.packed_metadata, None, None, None)
         self.tail = tail  # the arguments after the positional ones, in the kernel's order: constexprs and config
         self.grid_meta = grid_meta  # what a grid callable reads: the constexprs and the autotuned config
-        self.packed = (self.run, self.head, tail, grid_meta, compiled)  # what the C launch keeps (launch.c)
+        # what the C launch keeps (launch.c); the kernel too, so that its id, which the C key holds, stays its own
+        self.packed = (self.run, self.head, tail, grid_meta, compiled, kernel)
 
 
 def _getter(positions: list[int]):
@@ -95,14 +98,15 @@ class _Layout:
 
     def __init__(self, types: tuple):
         self.tensors = _getter([i for i, t in enumerate(types) if issubclass(t, torch.Tensor)])
-        self.ints = _getter([i for i, t in enumerate(types) if t is int or t is bool])
+        # ints by value, bools and int subclasses (an IntEnum) included: Triton specialises any int by its value
+        self.ints = _getter([i for i, t in enumerate(types) if issubclass(t, int)])
 
 
 class KernelLauncher:
     """Launches one @triton.jit kernel, autotuned or not, through a cache of Triton's choices. Grid callables
     read only the constexpr keywords and the autotuned config from their argument (all of fastbert's do).
 
-    Two levels: a call's exact key (the argument types, every int's value, each tensor's dtype and 16-byte
+    Two levels (three with the C launch's own cache of exact keys in front, kernels/launch.c): a call's exact key (the argument types, every int's value, each tensor's dtype and 16-byte
     alignment, the constexprs) finds its kernel in one dict lookup; a key not seen yet is reduced to Triton's
     specialisation (ints by 1 / a multiple of 16 / width, but the autotuner's key arguments by value), so that
     a token count that changes from batch to batch reuses the kernel Triton chose, without Triton's launch."""
@@ -125,7 +129,7 @@ class KernelLauncher:
         keys, tensor = self.key_positions, torch.Tensor
         spec = [(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, tensor)
                 else a if a is None or i in keys
-                else (a == 1, a % 16 == 0, -2**31 <= a < 2**31, a < 2**63) if type(a) is int
+                else (a == 1, a % 16 == 0, -2**31 <= a < 2**31, a < 2**63) if isinstance(a, int) and type(a) is not bool
                 else type(a)
                 for i, a in enumerate(args)]
         spec.extend(constexprs.items())
@@ -182,7 +186,7 @@ class KernelLauncher:
             if config.pre_hook is not None:  # a hook runs per launch: leave such kernels to Triton
                 return compiled, None
             meta.update(config.kwargs)
-        entry = _Entry(compiled, tuple(meta[name] if name in meta else self.defaults[name]
+        entry = _Entry(self.kernel, compiled, tuple(meta[name] if name in meta else self.defaults[name]
                                        for name in self.arg_names[len(args):]), meta)
         self._keep(self.by_specialisation, specialisation, entry)
         self._keep(self.by_key, key, entry)
@@ -236,29 +240,48 @@ def launch(kernel, grid: Grid, *args, **constexprs):
     """kernel[grid](*args, **constexprs), with the host work of repeated signatures cached (see the header).
     Tensor and scalar arguments positionally, constexprs (num_warps and num_stages included) by keyword.
     Under Triton's interpreter (no driver, nothing compiled) Triton's own launch. Where the C launch builds
-    (`_c_launch`), this name is bound to it instead: the same cache, the same result."""
+    (`_c_launch`), this name is bound to it instead: the same key, in a cache of its own in front of this one,
+    whose entries this path makes; the same kernel launched."""
     if INTERPRETER:
         return kernel[grid](*args, **constexprs)
     return _launch_python(kernel, grid, args, constexprs)[0]
 
 
 def _c_launch():
-    """kernels/launch.c's module, built once per machine and Triton version by Triton's own helper (Triton's cache
-    keeps it), or None: under the interpreter, with FASTBERT_PYTHON_LAUNCH=1 (the Python path, for a
-    comparison), or where it does not build (no C compiler)."""
+    """kernels/launch.c's module, built by Triton's own helper (Triton's cache keeps the build, keyed by the
+    source and the platform, so a machine builds it once), or None: under the interpreter, with
+    FASTBERT_PYTHON_LAUNCH=1 (the Python path, for a comparison), or where it cannot be built (no C compiler or
+    no Python headers: logged, and the Python path serves)."""
     if INTERPRETER or os.environ.get("FASTBERT_PYTHON_LAUNCH") == "1":
+        return None
+    missing = _build_tools_missing()
+    if missing:
+        LOG.info("the C launch (kernels/launch.c) is not built: %s; launches take the Python path", missing)
         return None
     try:
         from triton.runtime.build import compile_module_from_src
 
         source = pathlib.Path(__file__).with_name("launch.c").read_text()
         module = compile_module_from_src(source, "fastbert_launch")
-    except Exception as exc:  # noqa: BLE001 - a machine without a compiler: the Python path serves
-        LOG.info("the C launch (kernels/launch.c) did not build (%s: %s); launches take the Python path",
-                 type(exc).__name__, exc)
+    except Exception as exc:  # noqa: BLE001 - the Python path serves whatever went wrong
+        LOG.warning("the C launch (kernels/launch.c) did not build (%s: %s); launches take the Python path",
+                    type(exc).__name__, exc)
         return None
     module.init(_DRIVERS, _RUNTIME, torch.Tensor, _launch_python)
     return module
+
+
+def _build_tools_missing() -> str:
+    """What building the C launch needs and this machine lacks ("" for nothing): a C compiler where Triton's
+    helper looks ($CC, gcc, clang) and Python's headers (checked first: a compile without them would print its
+    errors at every import)."""
+    if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
+        return "no C compiler ($CC, gcc or clang)"
+    scheme = sysconfig.get_default_scheme()
+    scheme = "posix_prefix" if scheme == "posix_local" else scheme  # Debian's, as Triton's helper reads it
+    if not os.path.exists(os.path.join(sysconfig.get_paths(scheme=scheme)["include"], "Python.h")):
+        return "no Python headers (Python.h)"
+    return ""
 
 
 _C_LAUNCH = _c_launch()

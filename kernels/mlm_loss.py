@@ -404,18 +404,23 @@ def _merge_config(splits: int, rows: int) -> dict:
 @functools.lru_cache(maxsize=4096)
 def _forward_plan(device: torch.device, dtype: torch.dtype, rows: int, vocab: int) -> tuple[dict, int, int, dict]:
     """(tile config, columns per split, splits, merge config) of a forward over rows >= 1: a function of the
-    shape and the device only, so cached (working it out cost the host more than the launch)."""
+    shape and the device only, so cached (working it out cost the host more than the launch); the configs
+    read-only, as every call shares them."""
+    from types import MappingProxyType  # here, not above the kernels: Triton's hashes hold their first lines
+
     config = _config(dtype, rows, forward=True)
     cols_per_split = _forward_cols_per_split(device, rows, vocab, config["BLOCK_N"], config["BLOCK_V"])
     splits = cdiv(vocab, cols_per_split)
-    return config, cols_per_split, splits, _merge_config(splits, rows)
+    return MappingProxyType(config), cols_per_split, splits, MappingProxyType(_merge_config(splits, rows))
 
 
 @functools.lru_cache(maxsize=4096)
 def _backward_plan(dtype: torch.dtype, rows: int, vocab: int) -> tuple[dict, int]:
     """(tile config, vocabulary columns per chunk) of a backward over rows >= 1, cached as `_forward_plan`."""
+    from types import MappingProxyType
+
     config = _config(dtype, rows, forward=False)
-    return config, _backward_chunk_cols(rows, vocab, config["BLOCK_V"])
+    return MappingProxyType(config), _backward_chunk_cols(rows, vocab, config["BLOCK_V"])
 
 
 @fused_op("fastbert::mlm_loss_fwd")

@@ -109,6 +109,16 @@ with stubbed_launches():
         counts.append(len(through_triton))
         triton.knobs.runtime.launch_enter_hook.remove(hook)
     results.append({"case": "launch hook", "hooked_through_triton": counts[0], "unhooked_through_triton": counts[1]})
+    # an int subclass (an IntEnum's kind) for the row count: Triton specialises it by value, as an int
+    class Count(int):
+        pass
+    for value in (1, 17):
+        kernel, grid, args, constexprs = layer_norm_call(value, False)
+        args = args[:12] + (Count(value),) + args[13:]  # the row count's place
+        for _ in range(3):
+            launched = launch(kernel, grid, *args, **constexprs)
+        triton_own = kernel.run(*args, grid=grid, warmup=True, **constexprs)
+        results.append({"case": f"int subclass {value}", "same": launched is triton_own and triton_own is not None})
 print(json.dumps({"c_launch": launch_module._C_LAUNCH is not None, "results": results}))
 """
 
@@ -126,7 +136,8 @@ def test_the_cached_path_launches_the_kernel_triton_would(path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.splitlines()[-1])
     assert report["c_launch"] == (path == "c")
-    *rows, tensor_for_none, hooked = report["results"]
+    *rows, tensor_for_none, hooked, int_subclass_1, int_subclass_17 = report["results"]
+    assert int_subclass_1["same"] and int_subclass_17["same"], (int_subclass_1, int_subclass_17)
     assert tensor_for_none["same"] and tensor_for_none["distinct_from_none"], tensor_for_none
     assert (hooked["hooked_through_triton"], hooked["unhooked_through_triton"]) == (1, 0), hooked
     for row in rows:
