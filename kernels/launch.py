@@ -14,8 +14,8 @@
 # measures the host time it saves.
 #
 # The steady path, a call whose exact key was seen, runs in C (kernels/launch.c: the same key, lookup and launcher
-# call, without the interpreter between them; `fastbert bench --suite host` measures each op with it, and with
-# FASTBERT_PYTHON_LAUNCH=1 without it); every other call takes the Python path below, which also makes the
+# call, without the interpreter between them; `fastbert bench --suite host` measures each op with it, or, with
+# FASTBERT_PYTHON_LAUNCH=1 set, without it); every other call takes the Python path below, which also makes the
 # entries the C launch keeps. tests/test_launch.py holds both paths to the same checks.
 #
 # cdiv and next_power_of_2 are plain Python here: Triton's are constexpr functions whose host call costs
@@ -106,10 +106,11 @@ class KernelLauncher:
     """Launches one @triton.jit kernel, autotuned or not, through a cache of Triton's choices. Grid callables
     read only the constexpr keywords and the autotuned config from their argument (all of fastbert's do).
 
-    Two levels (three with the C launch's own cache of exact keys in front, kernels/launch.c): a call's exact key (the argument types, every int's value, each tensor's dtype and 16-byte
-    alignment, the constexprs) finds its kernel in one dict lookup; a key not seen yet is reduced to Triton's
-    specialisation (ints by 1 / a multiple of 16 / width, but the autotuner's key arguments by value), so that
-    a token count that changes from batch to batch reuses the kernel Triton chose, without Triton's launch."""
+    Two levels (and the C launch's own cache of exact keys in front of them, kernels/launch.c): a call's exact
+    key (the argument types, every int's value, each tensor's dtype and 16-byte alignment, the constexprs) finds
+    its kernel in one dict lookup; a key not seen yet is reduced to Triton's specialisation (ints by 1 / a
+    multiple of 16 / width, but the autotuner's key arguments by value), so that a token count that changes from
+    batch to batch reuses the kernel Triton chose, without Triton's launch."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -186,8 +187,8 @@ class KernelLauncher:
             if config.pre_hook is not None:  # a hook runs per launch: leave such kernels to Triton
                 return compiled, None
             meta.update(config.kwargs)
-        entry = _Entry(self.kernel, compiled, tuple(meta[name] if name in meta else self.defaults[name]
-                                       for name in self.arg_names[len(args):]), meta)
+        tail = tuple(meta[name] if name in meta else self.defaults[name] for name in self.arg_names[len(args):])
+        entry = _Entry(self.kernel, compiled, tail, meta)
         self._keep(self.by_specialisation, specialisation, entry)
         self._keep(self.by_key, key, entry)
         return compiled, None if hooked else entry.packed

@@ -76,7 +76,7 @@ from fastbert.kernels.numerics import INTERPRETER, cast, dot_accumulate, dot_pre
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
-_INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})  # the fast check's
+_INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})  # pass at once
 MAX_VOCAB = 2**31 - 1
 MAX_GRID_AXIS = 65535  # CUDA's limit on grid axis 1: the backward's vocabulary tiles per chunk
 # dz is materialised one vocabulary chunk at a time: N x chunk elements at most (64 MiB in 16-bit),
