@@ -6,15 +6,16 @@ a multiple of 16, a 32-bit int that is 64-bit). Checked with the stand-in driver
 (fastbert.simulated.host_time.stubbed_launches): Triton's kernel cache then holds one stub per
 specialisation, so the kernel object a launch returns names the specialisation it launched. Compiled-kernel
 launchers are needed (under TRITON_INTERPRET launch() is Triton's own launch), so the check runs in a process
-of its own without it.
+of its own without it, once for each implementation of the cached path (kernels/launch.c's and the Python one).
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
+
+from fastbert.kernels.launch import _build_tools_missing
 
 _LAUNCHES = """
 import json
@@ -125,13 +126,13 @@ print(json.dumps({"c_launch": launch_module._C_LAUNCH is not None, "results": re
 
 @pytest.mark.parametrize("path", ["c", "python"])
 def test_the_cached_path_launches_the_kernel_triton_would(path):
-    """Both implementations of the cached path: kernels/launch.c's (built where a C compiler is found) and the
-    Python one it stands in for (FASTBERT_PYTHON_LAUNCH=1)."""
+    """Both implementations of the cached path: kernels/launch.c's (built where a C compiler and Python's headers
+    are found) and the Python one it stands in for (FASTBERT_PYTHON_LAUNCH=1)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTBERT_PYTHON_LAUNCH")}
     if path == "python":
         env["FASTBERT_PYTHON_LAUNCH"] = "1"
-    elif not _c_compiler():
-        pytest.skip("no C compiler: the C launch cannot build here")
+    elif _build_tools_missing():
+        pytest.skip(f"the C launch cannot be built here: {_build_tools_missing()}")
     result = subprocess.run([sys.executable, "-c", _LAUNCHES], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.splitlines()[-1])
@@ -152,7 +153,3 @@ def test_the_cached_path_launches_the_kernel_triton_would(path):
         ids = {row["case"].split(", ", 1)[1]: row["distinct"] for row in rows if row["case"].startswith(kernel)}
         assert ids["rows=33, misaligned=False"] == ids["rows=17, misaligned=False"]
         assert len({ids[f"rows={r}, misaligned={m}"] for r in (1, 16, 17, 2**31 + 5) for m in (False, True)}) == 8
-
-
-def _c_compiler() -> bool:
-    return bool(os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang"))
