@@ -1,17 +1,18 @@
 /* fastbert.kernels.launch's cached launch, in C: the same key, dictionary lookup and launcher call as
  * KernelLauncher.__call__, without the interpreter's work between them (kernels/launch.py's header says what
  * the key holds and why). Built at first import with Triton's own helper (triton.runtime.build, which builds
- * Triton's launchers the same way); where no C compiler is found, launch.py keeps its Python path.
+ * Triton's launchers the same way); where it cannot be built (no C compiler or no Python headers), launch.py
+ * keeps its Python path.
  *
- * launch(kernel, grid, *args, **constexprs) builds the exact key of a call: the kernel's id, the device and
- * the driver, the arguments' types, each int's value, each tensor's dtype, the tensors' 16-byte alignment (one
- * True when all are aligned, else a tuple of each tensor's), the constexprs' names (one tuple: a call site
- * passes the same) and values. A key it has kept launches its entry at once: the Triton launcher, called with
- * the grid, the stream, the launcher's head, the arguments and the entry's tail. Any other call (the first of
- * a key, one with a launch hook installed, or one its kept entry cannot launch) goes to the Python path,
- * launch.py's `_launch_python(kernel, grid, args, constexprs)`, which returns (what launch returns, the entry to
- * keep for this key or None); its entry is kept. An entry holds its kernel, whose id the key holds: while it is
- * kept, no other kernel can take that id. */
+ * launch(kernel, grid, *args, **constexprs) builds the exact key of a call: the kernel's id, the device and the
+ * driver, the arguments' types, each int's value (bools and int subclasses too), each tensor's dtype, the tensors'
+ * 16-byte alignment (one True when all are aligned, else a tuple of each tensor's), the constexprs' names (one
+ * tuple: a call site passes the same) and values. A key it has kept launches its entry at once: the Triton
+ * launcher, called with the grid, the stream, the launcher's head, the arguments and the entry's tail. Any other
+ * call (the first of a key, one with a launch hook installed, or one its kept entry cannot launch) goes to the
+ * Python path, launch.py's `_launch_python(kernel, grid, args, constexprs)`, which returns (what launch returns,
+ * the entry to keep for this key or None); its entry is kept. An entry holds its kernel, whose id the key holds:
+ * while it is kept, no other kernel can take that id. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -155,8 +156,9 @@ static PyObject *launch_slow(PyObject *kernel, PyObject *grid, PyObject *const *
         goto done;
     }
     PyObject *entry = PyTuple_GET_ITEM(result, 1);
-    if (entry != Py_None && (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 6 ||
-                             !PyTuple_Check(PyTuple_GET_ITEM(entry, 1)) || !PyTuple_Check(PyTuple_GET_ITEM(entry, 2)))) {
+    if (entry != Py_None &&
+        (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 6 || !PyTuple_Check(PyTuple_GET_ITEM(entry, 1)) ||
+         !PyTuple_Check(PyTuple_GET_ITEM(entry, 2)))) {
         PyErr_SetString(PyExc_TypeError,
                         "fastbert launch: an entry is (run, head tuple, tail tuple, grid_meta, compiled, kernel)");
         goto done;
