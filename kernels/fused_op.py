@@ -80,8 +80,7 @@ class FusedOp:
     def __call__(self, *args):
         if len(args) < self._arity:
             args += self._defaults[len(args):]
-        # tracing(), inline: a fused op call is the hot path
-        if _ALWAYS_CUSTOM_OP[0] or _is_compiling() or _dispatch_modes() > 0 or _functorch_transforms():
+        if _ALWAYS_CUSTOM_OP[0] or tracing():
             return self.custom_op(*args)
         # one pass: a tensor that is not a plain one on a real device takes the custom op (meta tensors its
         # shape-only fake registration); any that requires grad takes autograd
