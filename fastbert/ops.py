@@ -97,10 +97,10 @@ def _backend_from_environment() -> str:
 
 def resolve_backend(backend: str | None, *tensors: torch.Tensor | None, op: str | None = None) -> str:
     """Return the path to run for these tensors: "triton", "torch", or, for "auto" on a GPU where
-    fastbert.paths' table chooses it, "cublas_then_bias_gelu" (op linear_bias_gelu and the FFNs); raise if the
-    request cannot run. op: the fastbert.paths op whose measurements "auto" reads on a GPU (the tensors as
-    paths.SIZES takes them, the op's input first); None: "auto" means the kernel there. Runs on every op
-    call: a few attribute reads."""
+    fastbert.paths' table chooses it, "cublas_then_bias_gelu" (op linear_bias_gelu and the FFNs) or
+    "cublas_forward" (op qkv_projection); raise if the request cannot run. op: the fastbert.paths op whose
+    measurements "auto" reads on a GPU (the tensors as paths.SIZES takes them, the op's input first); None:
+    "auto" means the kernel there. Runs on every op call: a few attribute reads."""
     if backend is None or backend == "auto":
         env = _backend_from_environment()
         if env in ("triton", "torch"):
@@ -290,11 +290,12 @@ def qkv_projection(x, weight, bias, num_heads, backend=None):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {(3 * hidden, hidden)}")
     if bias is not None and tuple(bias.shape) != (3 * hidden,):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(3 * hidden,)}")
-    if resolve_backend(backend, x, weight, bias, op="qkv_projection") == "triton":
+    path = resolve_backend(backend, x, weight, bias, op="qkv_projection")
+    if path != "torch":
         x, weight, bias = _matmul_inputs(x, weight, bias)
         kernel = KERNELS["qkv"]
         kernel.check_limits(x, weight, bias)  # the shapes are checked above
-        return kernel.qkv_projection_unchecked(x, weight, bias, num_heads)
+        return kernel.qkv_projection_unchecked(x, weight, bias, num_heads, path == "cublas_forward")
     return reference.qkv_projection(x, weight, bias, num_heads)
 
 

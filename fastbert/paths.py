@@ -8,12 +8,14 @@ committed table `fastbert/paths.json`. The implementations:
   GELU), what backend="torch" runs.
 - "cublas_then_bias_gelu" (linear_bias_gelu, feed_forward, feed_forward_geglu): cuBLAS's GEMM, then the Triton
   bias + GELU (GeGLU) kernel; the FFNs keep their Triton backward and its saves (kernels/ffn.py's `form`).
-The QKV projection's PyTorch path is already cuBLAS's GEMM with its bias, followed by views (no copy), so no
-third form exists for it; attention's PyTorch path is SDPA, a candidate only without a mask, a relative bias,
-rotary positions or a window (ops.attention passes no op otherwise, and the kernel runs).
+- "cublas_forward" (qkv_projection): PyTorch's forward (cuBLAS's GEMM with its bias, then views), the kernel's
+  backward, which reads attention's gradients where they are instead of autograd's stack and copy of them
+  (kernels/qkv.py).
+Attention's PyTorch path is SDPA, a candidate only without a mask, a relative bias, rotary positions or a
+window (ops.attention passes no op otherwise, and the kernel runs).
 
 Candidates (CANDIDATES): "auto" never trades the memory a training step keeps for speed. Only implementations
-that keep for the backward what the kernel keeps compete: the QKV projection's cuBLAS path (x and the weights),
+that keep for the backward what the kernel keeps compete: the QKV projection's cuBLAS paths (x and the weights),
 SDPA's flash and cuDNN kernels (q, k, v, the output and its log-sum-exp), PyTorch's gelu(x + bias) (the
 pre-activation) and the FFNs' cuBLAS form (its Triton backward and saves). The LayerNorm's PyTorch path keeps
 its input, a dropout mask and, under autocast, an fp32 residual stream (about twice a layer's activations);
@@ -52,13 +54,13 @@ import os
 
 import torch
 
-IMPLEMENTATIONS = ("triton", "torch", "cublas_then_bias_gelu")
+IMPLEMENTATIONS = ("triton", "torch", "cublas_then_bias_gelu", "cublas_forward")
 # op -> the implementations "auto" may choose (the docstring's Candidates); the first is the default
 CANDIDATES = {
     "layer_norm": ("triton",),
     "bias_gelu": ("triton", "torch"),
     "linear_bias_gelu": ("triton", "cublas_then_bias_gelu"),  # also the FFNs' choice: its reference keeps more
-    "qkv_projection": ("triton", "torch"),
+    "qkv_projection": ("triton", "torch", "cublas_forward"),
     "attention": ("triton", "torch"),
     "linear_cross_entropy": ("triton",),
 }

@@ -219,37 +219,52 @@ def _(dq, dk, dv, x, weight, has_bias=True):
     return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty(weight.shape[:1] if has_bias else (0,))
 
 
+def _project(x, weight, bias, num_heads: int, cublas_forward: bool):
+    """q, k, v: slices of the forward op's buffer, or, in the cuBLAS form (what backend="auto" runs where
+    fastbert.paths measured it faster), PyTorch's own projection: cuBLAS's GEMM with its bias, q, k, v strided
+    views of its [M, 3H] output. Either way the backward is this module's: PyTorch's autograd would stack the
+    three gradients into a new tensor and copy that back to [M, 3H] before its matmuls (two passes over dQKV,
+    about 0.5 ms a BERT-base layer at 256 x 128 tokens on the third H100 run's profile)."""
+    if cublas_forward:
+        from fastbert.reference import qkv_projection  # here: a line above the kernels would change their hashes
+        return qkv_projection(x, weight, bias, num_heads)
+    return _qkv_projection_op(x, weight, bias, num_heads).unbind(0)
+
+
 class _QKVProjection(torch.autograd.Function):
-    """Returns q, k, v as slices of the forward op's buffer and takes their gradients separately, so that
-    the backward reads them where they are (attention's one buffer) or gathers them once (autograd's unbind
+    """Returns q, k, v as views of one forward buffer and takes their gradients separately, so that the
+    backward reads them where they are (attention's one buffer) or gathers them once (autograd's unbind
     backward would first stack them)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, num_heads):
+    def forward(ctx, x, weight, bias, num_heads, cublas_forward):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _qkv_projection_op(x, weight, bias, num_heads).unbind(0)
+        return _project(x, weight, bias, num_heads, cublas_forward)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         x, weight = ctx.saved_tensors
         dx, dweight, dbias = _qkv_projection_bwd_op(dq, dk, dv, x, weight, ctx.has_bias)
-        return dx, dweight, dbias if ctx.has_bias else None, None
+        return dx, dweight, dbias if ctx.has_bias else None, None, None
 
 
-def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int):
+def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
+                   cublas_forward: bool = False):
     """x [B, S, H] -> (q, k, v) each [B, heads, S, H/heads]; x [T, H] -> each [T, heads, H/heads].
 
-    Contiguous outputs (three slices of one buffer), differentiable in x, weight and bias.
+    Contiguous outputs (three slices of one buffer; with cublas_forward, the cuBLAS form: strided views of
+    cuBLAS's [tokens, 3H] output), differentiable in x, weight and bias.
     weight [3H, H], bias [3H] or None. Raises ValueError on mismatched shapes, dtypes or num_heads.
     """
     _check(x, weight, bias, num_heads)
-    return qkv_projection_unchecked(x, weight, bias, num_heads)
+    return qkv_projection_unchecked(x, weight, bias, num_heads, cublas_forward)
 
 
-def qkv_projection_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int):
+def qkv_projection_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
+                             cublas_forward: bool = False):
     """`qkv_projection` after its checks, which the caller has made (fastbert.ops: the shapes, then
     `check_limits`)."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
-        return _QKVProjection.apply(x, weight, bias, num_heads)
-    return _qkv_projection_op(x, weight, bias, num_heads).unbind(0)
+        return _QKVProjection.apply(x, weight, bias, num_heads, cublas_forward)
+    return _project(x, weight, bias, num_heads, cublas_forward)

@@ -216,6 +216,21 @@ def test_build_table_chooses_the_fastest_measured_path_of_the_newest_run():
     assert set(table["architectures"]) == {"sm_80", "sm_90"}
 
 
+def test_the_split_provider_is_each_ops_cublas_form(tmp_path):
+    """"fastbert-split" rows are the FFN's cuBLAS form and, for the QKV projection, "cublas_forward" (PyTorch's
+    forward, the kernel's backward), a candidate there; the table's choice maps back to the provider."""
+    shape = {"batch": 32, "seqlen": 512, "hidden": 768, "heads": 12}
+    rows = [_row("qkv_projection", shape, provider, "fwd+bwd", ms)
+            for provider, ms in (("fastbert", 0.82), ("fastbert-split", 0.58), ("fastbert-eager", 0.76))]
+    table = path_table.build_table(rows)
+    classes = table["architectures"]["sm_90"]["ops"]["qkv_projection"]
+    assert classes["tokens=16384,hidden=768"]["bfloat16"]["fwd+bwd"] == {
+        "chosen": "cublas_forward", "ms": {"triton": 0.82, "cublas_forward": 0.58, "torch": 0.76}}
+    table_file = tmp_path / "paths.json"
+    table_file.write_text(json.dumps(table))
+    assert path_table.chosen_provider(rows[0], paths.load(str(table_file))) == "fastbert-split"
+
+
 def test_rows_of_a_device_without_an_architecture_are_refused():
     row = _row("layer_norm", {"rows": 8, "hidden": 8}, "fastbert", "fwd", 1.0, device="Some GPU")
     with pytest.raises(ValueError, match="'Some GPU' name no architecture"):

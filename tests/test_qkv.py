@@ -162,6 +162,35 @@ def test_projection_then_attention_gathers_nothing(layout, device, monkeypatch):
         assert_within_rule(name, g, tg, eg, GRADIENT_FACTOR)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_cublas_form_through_ops(layout, dtype, device, monkeypatch):
+    """Where fastbert.paths chooses "cublas_forward", ops.qkv_projection runs PyTorch's forward (q, k, v bitwise
+    the reference's, no Triton projection launched) and this module's backward: attention's one-buffer gradients
+    read in place (no gather; autograd's unbind backward would stack and copy them), gradients laid out otherwise
+    gathered; both within the tolerance rule against float64."""
+    monkeypatch.setattr(ops, "resolve_backend", lambda backend, *tensors, op=None: "cublas_forward")
+
+    def no_kernel_forward(*args):
+        raise AssertionError("the Triton projection ran where the cuBLAS form was chosen")
+
+    monkeypatch.setattr(kernel, "_qkv_projection_op", no_kernel_forward)
+    shape = (2, 9, 96) if layout == "padded" else (13, 96)
+    x, weight, bias = _inputs(shape, dtype, device, seed=11)
+    like = torch.empty(2, 3, 9, 32) if layout == "padded" else torch.empty(13, 3, 32)
+    for grads, gather in ((_attention_layout_grads(like, dtype, device), NoGather()),
+                          (_strided_grads(like, dtype, device), kernel._qkv_bwd_kernel)):
+        monkeypatch.setattr(kernel, "_qkv_bwd_kernel", gather)
+        outs, in_grads = _run(lambda *t: ops.qkv_projection(*t, 3), [x, weight, bias], grads)
+        torch_outs, torch_grads = _run(lambda *t: reference.qkv_projection(*t, 3), [x, weight, bias], grads)
+        _, exact_grads = _run(lambda *t: reference.qkv_projection(*t, 3), [t.double() for t in (x, weight, bias)],
+                              [g.double() for g in grads])
+        for name, out, torch_out in zip("qkv", outs, torch_outs):
+            assert torch.equal(out, torch_out), name
+        for name, g, tg, eg in zip(("dx", "dweight", "dbias"), in_grads, torch_grads, exact_grads):
+            assert_within_rule(name, g, tg, eg, GRADIENT_FACTOR)
+
+
 @pytest.mark.slow(reason="Inductor generates and compiles C++ for the CPU: ~25 s")
 def test_compiled_projection_then_attention_gathers_nothing(device, monkeypatch):
     """Under torch.compile's Inductor, which hands a custom op views of its buffers made without `_base`, the

@@ -8,7 +8,8 @@ Providers (every case has the first four; some add a variant of fastbert's):
   on the full logits as HF's head does).
 - "torch.compile": torch.compile of "fastbert-eager".
 - "fastbert-varlen" (padded attention cases): the Triton kernel on the same batch packed without padding.
-- "fastbert-split" (FFN up-projection): cuBLAS matmul, then the Triton bias + GELU kernel.
+- "fastbert-split" (FFN up-projection): cuBLAS matmul, then the Triton bias + GELU kernel; (QKV projection)
+  its cuBLAS form, PyTorch's forward and the kernel's backward.
 
 Each provider maps the case's inputs to the outputs the backward differentiates. FLOPs follow
 DESIGN.md (matmul 2MNK, its backward twice that; attention 4 * heads * d * sum(L_i^2), backward
@@ -161,6 +162,9 @@ def qkv_case(batch: int, seqlen: int, hidden: int, heads: int, dtype: torch.dtyp
     def fused(backend):
         return lambda x, weight, bias: tuple(ops.qkv_projection(x, weight, bias, heads, backend=backend))
 
+    def split(x, weight, bias):
+        return tuple(ops.KERNELS["qkv"].qkv_projection(x, weight, bias, heads, cublas_forward=True))
+
     def native(x, weight, bias):
         # HF's layout change: each of q, k, v viewed per head, transposed and made contiguous
         return tuple(t.view(batch, seqlen, heads, head_dim).transpose(1, 2).contiguous()
@@ -168,8 +172,8 @@ def qkv_case(batch: int, seqlen: int, hidden: int, heads: int, dtype: torch.dtyp
 
     matmul = 2 * batch * seqlen * hidden * 3 * hidden
     return OpCase("qkv_projection", {"batch": batch, "seqlen": seqlen, "hidden": hidden, "heads": heads}, dtype,
-                  make_inputs, {FASTBERT: fused("triton"), EAGER: fused("torch"), TORCH: native},
-                  flops=_by_direction(matmul, 2 * matmul))
+                  make_inputs, {FASTBERT: fused("triton"), SPLIT: split, EAGER: fused("torch"), TORCH: native},
+                  flops=_by_direction(matmul, 2 * matmul), notes={SPLIT: "PyTorch's forward, the kernel's backward"})
 
 
 def attention_case(batch: int, seqlen: int, heads: int, head_dim: int, dtype: torch.dtype, padded: bool,

@@ -3,7 +3,7 @@ suite's rows: `python benchmarks/choose_paths.py` after a GPU run has been copie
 
 For the newest GPU-suite run of each architecture, every op row maps to the op fastbert.paths looks up, its
 shape class, dtype and direction ("fwd": inference, "fwd+bwd": training), and each provider to the
-implementation it runs (PROVIDER_IMPLEMENTATION); the table keeps, per class, the median times of the op's
+implementation it runs (`implementation`); the table keeps, per class, the median times of the op's
 candidates (fastbert.paths.CANDIDATES: those that keep what the kernel keeps) and the fastest, `chosen`. Which rows decide which op (row_class):
   layer_norm -> layer_norm; bias_gelu -> bias_gelu; ffn_up -> linear_bias_gelu (and the FFNs' up-projection);
   qkv_projection -> qkv_projection; attention without padding -> attention (padded attention keeps the kernel,
@@ -28,7 +28,10 @@ from fastbert.files import write_text
 
 logger = logging.getLogger("fastbert.bench")
 PROVIDER_IMPLEMENTATION = {"fastbert": "triton", "fastbert-eager": "torch", "fastbert-split": "cublas_then_bias_gelu"}
+# "fastbert-split" is each op's cuBLAS form: the FFN's (cuBLAS's GEMM, then the bias + GELU kernel) or the QKV's
+SPLIT_FORMS = {"qkv_projection": "cublas_forward"}
 IMPLEMENTATION_PROVIDER = {implementation: provider for provider, implementation in PROVIDER_IMPLEMENTATION.items()}
+IMPLEMENTATION_PROVIDER.update({implementation: "fastbert-split" for implementation in SPLIT_FORMS.values()})
 # The compute capability of the GPUs whose rows predate the rows' "architecture" field (the first H100 run)
 DEVICE_ARCHITECTURES = {"NVIDIA H100": "sm_90", "NVIDIA H200": "sm_90", "NVIDIA A100": "sm_80"}
 REGENERATE = "python benchmarks/choose_paths.py"
@@ -74,6 +77,13 @@ def newest_runs(rows: list[dict]) -> dict[str, list[dict]]:
     return {arch: newest_per_case(group) for arch, group in sorted(groups.items())}
 
 
+def implementation_of(row: dict) -> str | None:
+    """The fastbert.paths implementation a GPU-suite row's provider ran; None for providers that are none."""
+    if row["provider"] == "fastbert-split" and row["op"] in SPLIT_FORMS:
+        return SPLIT_FORMS[row["op"]]
+    return PROVIDER_IMPLEMENTATION.get(row["provider"])
+
+
 def build_table(rows: list[dict], sources: dict[str, str] | None = None) -> dict:
     """The table fastbert.paths loads, from GPU-suite rows: per architecture, op, class, dtype and direction,
     each implementation's median ms and the fastest. Cases of one class add up (an implementation counts where
@@ -84,7 +94,7 @@ def build_table(rows: list[dict], sources: dict[str, str] | None = None) -> dict
         cases: dict[tuple, set[str]] = {}
         for row in run:
             measured = row_class(row) if row["status"] == "ok" else None
-            implementation = PROVIDER_IMPLEMENTATION.get(row["provider"])
+            implementation = implementation_of(row)
             if measured is None or implementation is None or row.get("direction") not in paths.DIRECTIONS:
                 continue
             op, sizes = measured
@@ -174,8 +184,9 @@ def table_section(path: str = paths.TABLE_PATH) -> list[str]:
              'On CUDA tensors, backend="auto" runs each fused op\'s implementation measured fastest at its shape class '
              "on the nearest measured GPU architecture (fastbert/paths.py: the shape classes, the fallbacks): "
              "`triton` (the kernel, what backend=\"triton\" runs), `torch` (the PyTorch reference: cuBLAS, SDPA, "
-             "PyTorch's LayerNorm and GELU) or `cublas_then_bias_gelu` (cuBLAS's GEMM, then the Triton bias + GELU "
-             f"kernel). The table is fastbert/paths.json, written by `{REGENERATE}` from the GPU suite's rows; the "
+             "PyTorch's LayerNorm and GELU), `cublas_then_bias_gelu` (cuBLAS's GEMM, then the Triton bias + GELU "
+             "kernel) or `cublas_forward` (the QKV projection: PyTorch's forward, the kernel's backward). "
+             f"The table is fastbert/paths.json, written by `{REGENERATE}` from the GPU suite's rows; the "
              "chosen implementation is in bold, with the median ms of each measured one. The per-op tables below "
              "mark the chosen provider \"(auto)\".", ""]
     if not table["architectures"]:
