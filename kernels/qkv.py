@@ -224,7 +224,7 @@ def _project(x, weight, bias, num_heads: int, cublas_forward: bool):
     fastbert.paths measured it faster), PyTorch's own projection: cuBLAS's GEMM with its bias, q, k, v strided
     views of its [M, 3H] output. Either way the backward is this module's: PyTorch's autograd would stack the
     three gradients into a new tensor and copy that back to [M, 3H] before its matmuls (two passes over dQKV,
-    about 0.5 ms a BERT-base layer at 256 x 128 tokens on the third H100 run's profile)."""
+    about 0.5 ms a BERT-base layer at batch 256 x 128 on the third H100 run's profile)."""
     if cublas_forward:
         from fastbert.reference import qkv_projection  # here: a line above the kernels would change their hashes
         return qkv_projection(x, weight, bias, num_heads)

@@ -55,7 +55,7 @@ def host_section(rows: list[dict], provenance_line) -> list[str]:
             "groups of calls (40 groups of 50 calls an op, 50 of 5 a model), the providers of a case taking turns "
             "(the speed of a shared machine drifts from minute to minute; rows of runs before 2026-11-26T23:16 "
             "timed one provider after the other, model rows before 2026-11-27T04:40 groups of 50 calls, and op "
-            "rows before 2026-11-27T14:56 5 groups, whose ratios moved by up to a third from run to run). "
+            "rows before 2026-11-27T14:56 5 groups, whose ratios moved by up to a half from run to run). "
             "Ops: `fwd` is an inference call (no_grad, dropout off), `fwd+bwd` a training "
             "forward and its backward, against the same job written with PyTorch's ops. Models: BERT-base's and "
             "ModernBERT-base's graphs (every layer and op, 2 heads of 32, hidden 64), fastbert (backend "
