@@ -63,9 +63,15 @@ def _by_direction(forward: float, backward: float) -> Callable[[str], float]:
     return {"fwd": forward, "bwd": backward, "fwd+bwd": forward + backward}.__getitem__
 
 
-def _randn(shape, device, dtype, generator, requires_grad=True, scale=1.0):
-    t = torch.randn(shape, generator=generator, dtype=torch.float32) * scale
+def _randn(shape, device, dtype, generator, requires_grad=True, scale=1.0, mean=0.0):
+    t = torch.randn(shape, generator=generator, dtype=torch.float32) * scale + mean
     return t.to(device=device, dtype=dtype).requires_grad_(requires_grad)
+
+
+def _layer_norm_weight(hidden, device, dtype, generator):
+    """A LayerNorm's weight near one, as an initialised or trained one is: a standard normal's puts a fifth of
+    its columns below the kernel's MIN_WEIGHT, past its SIDE_COLUMNS exact ones (the backward's NaN case)."""
+    return _randn((hidden,), device, dtype, generator, scale=0.1, mean=1.0)
 
 
 def _generator(seed: int = 0) -> torch.Generator:
@@ -88,7 +94,7 @@ def layer_norm_case(rows: int, hidden: int, dtype: torch.dtype, dropout_p: float
     def make_inputs(device):
         g = _generator()
         return {"x": _randn((rows, hidden), device, dtype, g), "residual": _randn((rows, hidden), device, dtype, g),
-                "weight": _randn((hidden,), device, dtype, g), "bias": _randn((hidden,), device, dtype, g)}
+                "weight": _layer_norm_weight(hidden, device, dtype, g), "bias": _randn((hidden,), device, dtype, g)}
 
     def fused(backend):
         return lambda x, residual, weight, bias: (ops.layer_norm(
@@ -239,7 +245,7 @@ def mlm_head_case(batch: int, seqlen: int, hidden: int, vocab: int, dtype: torch
         return {"hidden_states": _randn((batch, seqlen, hidden), device, dtype, g),
                 "dense_weight": _randn((hidden, hidden), device, dtype, g, scale=hidden ** -0.5),
                 "dense_bias": _randn((hidden,), device, dtype, g),
-                "ln_weight": _randn((hidden,), device, dtype, g), "ln_bias": _randn((hidden,), device, dtype, g),
+                "ln_weight": _layer_norm_weight(hidden, device, dtype, g), "ln_bias": _randn((hidden,), device, dtype, g),
                 "decoder_weight": _randn((vocab, hidden), device, dtype, g, scale=hidden ** -0.5),
                 "decoder_bias": _randn((vocab,), device, dtype, g), "labels": labels.to(device)}
 
