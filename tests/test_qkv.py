@@ -163,12 +163,12 @@ def test_projection_then_attention_gathers_nothing(layout, device, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_cublas_form_through_ops(layout, dtype, device, monkeypatch):
+@pytest.mark.parametrize("layout, has_bias", [("padded", True), ("packed", True), ("padded", False)])
+def test_cublas_form_through_ops(layout, has_bias, dtype, device, monkeypatch):
     """Where fastbert.paths chooses "cublas_forward", ops.qkv_projection runs PyTorch's forward (q, k, v bitwise
     the reference's, no Triton projection launched) and this module's backward: attention's one-buffer gradients
     read in place (no gather; autograd's unbind backward would stack and copy them), gradients laid out otherwise
-    gathered; both within the tolerance rule against float64."""
+    gathered; both within the tolerance rule against float64; with a bias and without (ModernBERT's)."""
     monkeypatch.setattr(ops, "resolve_backend", lambda backend, *tensors, op=None: "cublas_forward")
 
     def no_kernel_forward(*args):
@@ -177,13 +177,18 @@ def test_cublas_form_through_ops(layout, dtype, device, monkeypatch):
     monkeypatch.setattr(kernel, "_qkv_projection_op", no_kernel_forward)
     shape = (2, 9, 96) if layout == "padded" else (13, 96)
     x, weight, bias = _inputs(shape, dtype, device, seed=11)
+    inputs = [x, weight, bias] if has_bias else [x, weight]
     like = torch.empty(2, 3, 9, 32) if layout == "padded" else torch.empty(13, 3, 32)
+
+    def projection(project):
+        return lambda x, weight, bias=None: project(x, weight, bias, 3)
+
     for grads, gather in ((_attention_layout_grads(like, dtype, device), NoGather()),
                           (_strided_grads(like, dtype, device), kernel._qkv_bwd_kernel)):
         monkeypatch.setattr(kernel, "_qkv_bwd_kernel", gather)
-        outs, in_grads = _run(lambda *t: ops.qkv_projection(*t, 3), [x, weight, bias], grads)
-        torch_outs, torch_grads = _run(lambda *t: reference.qkv_projection(*t, 3), [x, weight, bias], grads)
-        _, exact_grads = _run(lambda *t: reference.qkv_projection(*t, 3), [t.double() for t in (x, weight, bias)],
+        outs, in_grads = _run(projection(ops.qkv_projection), inputs, grads)
+        torch_outs, torch_grads = _run(projection(reference.qkv_projection), inputs, grads)
+        _, exact_grads = _run(projection(reference.qkv_projection), [t.double() for t in inputs],
                               [g.double() for g in grads])
         for name, out, torch_out in zip("qkv", outs, torch_outs):
             assert torch.equal(out, torch_out), name
@@ -192,14 +197,16 @@ def test_cublas_form_through_ops(layout, dtype, device, monkeypatch):
 
 
 @pytest.mark.slow(reason="Inductor generates and compiles C++ for the CPU: ~25 s")
-def test_compiled_projection_then_attention_gathers_nothing(device, monkeypatch):
+@pytest.mark.parametrize("cublas_forward", [False, True], ids=["kernel", "cublas"])
+def test_compiled_projection_then_attention_gathers_nothing(cublas_forward, device, monkeypatch):
     """Under torch.compile's Inductor, which hands a custom op views of its buffers made without `_base`, the
     attention backward's buffer still reaches the projection's backward as one matrix: no gather launch, and the
-    eager gradients."""
+    eager gradients; with the Triton forward and with the cuBLAS form's."""
     x, weight, bias = (t.requires_grad_() for t in _inputs((2, 9, 96), torch.float32, device, seed=9))
 
     def layer(x, weight, bias):
-        return attention.attention(*kernel.qkv_projection(x, weight, bias, 3)).square().sum()
+        q, k, v = kernel.qkv_projection(x, weight, bias, 3, cublas_forward=cublas_forward)
+        return attention.attention(q, k, v).square().sum()
 
     layer(x, weight, bias).backward()
     eager_grads = [t.grad.clone() for t in (x, weight, bias)]

@@ -3,7 +3,7 @@ suite's rows: `python benchmarks/choose_paths.py` after a GPU run has been copie
 
 For the newest GPU-suite run of each architecture, every op row maps to the op fastbert.paths looks up, its
 shape class, dtype and direction ("fwd": inference, "fwd+bwd": training), and each provider to the
-implementation it runs (`implementation`); the table keeps, per class, the median times of the op's
+implementation it runs (`implementation_of`); the table keeps, per class, the median times of the op's
 candidates (fastbert.paths.CANDIDATES: those that keep what the kernel keeps) and the fastest, `chosen`. Which rows decide which op (row_class):
   layer_norm -> layer_norm; bias_gelu -> bias_gelu; ffn_up -> linear_bias_gelu (and the FFNs' up-projection);
   qkv_projection -> qkv_projection; attention without padding -> attention (padded attention keeps the kernel,
