@@ -59,7 +59,7 @@ def pytest_runtest_teardown(item, nextitem):
     GPU, and blocks one process kept cached after its large cases made another's model tests run out of
     memory (the third H100 session: 54 of 665 tests failed, most out of memory; the model test files run again
     alone in 4 processes all passed)."""
-    if torch.cuda.is_available():
+    if DEVICE == "cuda":
         torch.cuda.empty_cache()
 
 
