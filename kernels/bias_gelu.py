@@ -264,14 +264,16 @@ def _(x, bias, approximate):
 
 
 @fused_op("fastbert::bias_gelu_bwd")
-def _bias_gelu_bwd_op(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
-                      approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return bias_gelu_bwd(dy, x, bias, approximate)
+def _bias_gelu_bwd_op(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, approximate: str,
+                      sum_columns: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """bias_gelu_bwd; without sum_columns (no bias gradient needed) an empty [0] for dbias."""
+    dx, dbias = bias_gelu_bwd(dy, x, bias, approximate, sum_columns=sum_columns)
+    return dx, x.new_empty(0) if dbias is None else dbias
 
 
 @_bias_gelu_bwd_op.register_fake
-def _(dy, x, bias, approximate):
-    return x.new_empty(x.shape), x.new_empty(x.shape[-1:])
+def _(dy, x, bias, approximate, sum_columns):
+    return x.new_empty(x.shape), x.new_empty(x.shape[-1:] if sum_columns else (0,))
 
 
 def _bias_gelu_setup(ctx, inputs, output):
@@ -282,8 +284,9 @@ def _bias_gelu_setup(ctx, inputs, output):
 
 def _bias_gelu_backward(ctx, dy):
     x, bias = ctx.saved_tensors
-    dx, dbias = _bias_gelu_bwd_op(dy, x, bias, ctx.approximate)
-    return dx, dbias, None
+    needs_dbias = ctx.needs_input_grad[1]  # no column sums for a frozen bias
+    dx, dbias = _bias_gelu_bwd_op(dy, x, bias, ctx.approximate, needs_dbias)
+    return dx, dbias if needs_dbias else None, None
 
 
 _bias_gelu_op.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_setup)
@@ -324,10 +327,13 @@ def _linear_bias_gelu_setup(ctx, inputs, output):
 
 def _linear_bias_gelu_backward(ctx, dy, dpre):
     # y = gelu(h), h = x W^T + b:  dh = dy * gelu'(h);  dx = dh W;  dW = dh^T x;  db = sum_rows dh.
-    # h is internal (the public function returns y only), so dpre is None.
+    # h is internal (the public function returns y only), so dpre is None. A gradient no input needs (a
+    # frozen weight or bias: LoRA, BitFit) is not computed, as in PyTorch's own linear backward.
     x, weight, pre = ctx.saved_tensors
-    dh, dbias = _bias_gelu_bwd_op(dy, pre, None, ctx.approximate)
-    return dh @ weight, dh.t() @ x, dbias, None
+    needs_dx, needs_dweight, needs_dbias = ctx.needs_input_grad[:3]
+    dh, dbias = _bias_gelu_bwd_op(dy, pre, None, ctx.approximate, needs_dbias)
+    return (dh @ weight if needs_dx else None, dh.t() @ x if needs_dweight else None,
+            dbias if needs_dbias else None, None)
 
 
 _linear_bias_gelu_op.register_autograd(_linear_bias_gelu_backward, setup_context=_linear_bias_gelu_setup)

@@ -17,6 +17,9 @@
 #           dh   = dg * gelu'(h), db1 = sum_rows dh    (kernels/bias_gelu.py's backward kernel, dh over dg)
 #           dx   = dh w1;  dw1 = dh^T x
 # Saved for the backward: x, w1, w2 and h ([M, 4H]); with recompute_pre x, w1, w2 and b1.
+# A gradient autograd does not ask for (needs_input_grad: a weight frozen under LoRA or BitFit, a frozen
+# input, a missing bias) is not computed: no matmul for dx, dw1 or dw2, no column sums for db1 or db2,
+# and g is not recomputed without dw2, as PyTorch's own linear backward skips them.
 #
 # The recomputed g is gelu(h) of the rounded h, where the forward's epilogue applied the GELU to the
 # fp32 accumulator: dw2 differs from the gradient of an unfused layer by that rounding (within the
@@ -55,7 +58,7 @@ import torch
 
 from fastbert.kernels.bias_gelu import (APPROXIMATIONS, LINEAR_BIAS_GELU_FORMS, bias_gelu_bwd, bias_gelu_fwd,
                                         geglu_bwd, geglu_fwd, linear_bias_gelu_fwd)
-from fastbert.kernels.fused_op import fused_op
+from fastbert.kernels.fused_op import fused_op, or_empty
 from fastbert.kernels.launch import as_rows
 from fastbert.kernels.matmul import DTYPES
 
@@ -107,27 +110,38 @@ def feed_forward_fwd(x, w1, b1, w2, b2, approximate, keep_pre=True, gated=False,
     return out, x.new_empty((0, w1.shape[0])) if pre is None else pre
 
 
-def feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate, gated=False, has_b1=True, has_b2=True,
-                     form="epilogue"):
-    """Gradients (dx, dw1, db1, dw2, db2) of feed_forward_fwd's out; pre None recomputes h from x and b1
-    (b1 is read only then, by `form`: the forward's). dout [..., K2] and x [..., K] in the forward's shapes;
-    dx takes x's. db1, db2 are None where has_b1, has_b2 say there is no bias."""
+def feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate, gated=False, needs=(True,) * 5, form="epilogue"):
+    """Gradients (dx, dw1, db1, dw2, db2) of feed_forward_fwd's out, each None where `needs` (one bool per
+    input x, w1, b1, w2, b2: autograd's needs_input_grad, False for a missing bias) says no: a frozen
+    weight's gradient (LoRA, BitFit) costs no matmul, as in PyTorch's own linear backward. pre None
+    recomputes h from x and b1 (b1 is read only then, by `form`: the forward's). dout [..., K2] and x [..., K]
+    in the forward's shapes; dx takes x's."""
+    needs_dx, needs_dw1, needs_db1, needs_dw2, needs_db2 = needs
     shape = x.shape
     x, dout = as_rows(x), as_rows(dout)
-    if pre is None:
+    through_h = needs_dx or needs_dw1 or needs_db1
+    if pre is None and (needs_dw2 or through_h):
         _, pre = _up_projection(x, w1, b1, approximate, True, gated, form)
-    g = geglu_fwd(pre, approximate) if gated else bias_gelu_fwd(pre, None, approximate)  # [M, N]
-    dw2 = dout.t() @ g
-    del g
-    db2 = dout.sum(dim=0) if has_b2 else None
-    dg = dout @ w2  # [M, N]
-    if gated:  # dh is twice dg's size: a new buffer
-        dpre, db1 = geglu_bwd(dg, pre, approximate, sum_columns=has_b1)  # [M, 2N], [2N]
-    else:
-        dpre, db1 = bias_gelu_bwd(dg, pre, None, approximate, in_place=True, sum_columns=has_b1)  # over dg
-    del dg
-    dx = dpre @ w1
-    return dx if len(shape) == 2 else dx.view(shape), dpre.t() @ x, db1, dw2, db2
+    dw2 = db2 = dx = dw1 = db1 = None
+    if needs_dw2:
+        g = geglu_fwd(pre, approximate) if gated else bias_gelu_fwd(pre, None, approximate)  # [M, N]
+        dw2 = dout.t() @ g
+        del g
+    if needs_db2:
+        db2 = dout.sum(dim=0)
+    if through_h:
+        dg = dout @ w2  # [M, N]
+        if gated:  # dh is twice dg's size: a new buffer
+            dpre, db1 = geglu_bwd(dg, pre, approximate, sum_columns=needs_db1)  # [M, 2N], [2N]
+        else:
+            dpre, db1 = bias_gelu_bwd(dg, pre, None, approximate, in_place=True, sum_columns=needs_db1)  # over dg
+        del dg
+        if needs_dx:
+            dx = dpre @ w1
+            dx = dx if len(shape) == 2 else dx.view(shape)
+        if needs_dw1:
+            dw1 = dpre.t() @ x
+    return dx, dw1, db1, dw2, db2
 
 
 # ---- custom ops: autograd and fake registrations so torch.compile traces through them ----
@@ -149,22 +163,17 @@ def _(x, w1, b1, w2, b2, approximate, keep_pre, gated=False, form="epilogue"):
 
 @fused_op("fastbert::feed_forward_bwd")
 def _feed_forward_bwd_op(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
-                         w2: torch.Tensor, pre: torch.Tensor | None, approximate: str, gated: bool = False,
-                         has_b1: bool = True, has_b2: bool = True, form: str = "epilogue"
+                         w2: torch.Tensor, pre: torch.Tensor | None, approximate: str, gated: bool,
+                         needs: list[bool], form: str
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """feed_forward_bwd with an empty [0] for each bias gradient that has no bias (a custom op returns tensors)."""
-    dx, dw1, db1, dw2, db2 = feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate, gated, has_b1, has_b2, form)
-    return dx, dw1, _or_empty(db1, dout), dw2, _or_empty(db2, dout)
-
-
-def _or_empty(t, like):
-    return like.new_empty(0) if t is None else t
+    """feed_forward_bwd with an empty [0] for each gradient not needed (a custom op returns tensors)."""
+    return or_empty(dout, *feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate, gated, needs, form))
 
 
 @_feed_forward_bwd_op.register_fake
-def _(dout, x, w1, b1, w2, pre, approximate, gated=False, has_b1=True, has_b2=True, form="epilogue"):
-    return (torch.empty_like(x), torch.empty_like(w1), w1.new_empty(w1.shape[:1] if has_b1 else (0,)),
-            torch.empty_like(w2), w2.new_empty(w2.shape[:1] if has_b2 else (0,)))
+def _(dout, x, w1, b1, w2, pre, approximate, gated, needs, form):
+    shapes = (x.shape, w1.shape, w1.shape[:1], w2.shape, w2.shape[:1])
+    return tuple(dout.new_empty(shape if needed else (0,)) for shape, needed in zip(shapes, needs))
 
 
 def _feed_forward_setup(ctx, inputs, output):
@@ -173,16 +182,16 @@ def _feed_forward_setup(ctx, inputs, output):
     ctx.save_for_backward(x, w1, w2, *((None, output[1]) if keep_pre else (b1, None)))
     ctx.approximate = approximate
     ctx.gated, ctx.form = gated, form
-    ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
     ctx.set_materialize_grads(False)  # h is internal: its gradient stays None, not zeros of [M, N]
 
 
 def _feed_forward_backward(ctx, dout, dpre):
     # h is internal (feed_forward returns out only), so dpre is None.
     x, w1, w2, b1, pre = ctx.saved_tensors
-    dx, dw1, db1, dw2, db2 = _feed_forward_bwd_op(dout, x, w1, b1, w2, pre, ctx.approximate, ctx.gated,
-                                                  ctx.has_b1, ctx.has_b2, ctx.form)
-    return (dx, dw1, db1 if ctx.has_b1 else None, dw2, db2 if ctx.has_b2 else None, None, None, None, None)
+    needs = ctx.needs_input_grad[:5]  # x, w1, b1, w2, b2 (a missing bias needs none)
+    grads = _feed_forward_bwd_op(dout, x, w1, b1, w2, pre, ctx.approximate, ctx.gated, needs, ctx.form)
+    dx, dw1, db1, dw2, db2 = (grad if needed else None for grad, needed in zip(grads, needs))
+    return dx, dw1, db1, dw2, db2, None, None, None, None
 
 
 _feed_forward_op.register_autograd(_feed_forward_backward, setup_context=_feed_forward_setup)

@@ -116,3 +116,10 @@ def always_custom_op():
 def fused_op(name: str) -> Callable[[Callable], FusedOp]:
     """Decorator: `@fused_op("fastbert::layer_norm_fwd")` over a host function (annotated as a custom op's)."""
     return lambda function: FusedOp(name, function)
+
+
+def or_empty(like: torch.Tensor, *tensors: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """tensors with a new empty [0] (like's dtype and device) for each None: a fused op's backward returns a
+    gradient nobody needs (autograd's needs_input_grad) that way, since a custom op returns tensors, and
+    never one tensor twice."""
+    return tuple(like.new_empty(0) if t is None else t for t in tensors)

@@ -451,7 +451,7 @@ def _(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_output, s
 def layer_norm_bwd(dy: torch.Tensor, x: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                    y: Optional[torch.Tensor], stats: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    seed: Optional[torch.Tensor], dropout_p: float, x_dtype: torch.dtype, has_residual: bool,
-                   dsum: Optional[torch.Tensor] = None, x_is_sum: bool = False,
+                   dsum: Optional[torch.Tensor] = None, x_is_sum: bool = False, reduce_parameters: bool = True,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `layer_norm_fwd` from its output y (contiguous [..., H]) when y is given, else from its
     inputs x and residual (x_is_sum: x is the forward's summed and residual None); with its stats (the side
@@ -459,7 +459,9 @@ def layer_norm_bwd(dy: torch.Tensor, x: Optional[torch.Tensor], residual: Option
     [..., H] (any strides), the gradient of the forward's summed, or None.
 
     dy, x, residual [..., H] (any strides), the forward's shape. Returns dx [..., H] in x_dtype, dresidual
-    [..., H] in x_dtype (empty [0] without a residual), and fp32 [1 + has bias, H]: dweight, then dbias.
+    [..., H] in x_dtype (empty [0] without a residual), and fp32 [1 + has bias, H]: dweight, then dbias
+    (without reduce_parameters, when neither is needed, an empty [0]: the kernel still writes its partial sums,
+    but they are not reduced).
     From y, more than SIDE_COLUMNS weight elements with |w| < MIN_WEIGHT make dweight of the further ones
     and every dx NaN (the kernel header says why).
     """
@@ -471,7 +473,8 @@ def layer_norm_bwd(dy: torch.Tensor, x: Optional[torch.Tensor], residual: Option
     dres = torch.empty_like(dx) if has_residual else dx.new_empty(0)
     parameters = 1 if bias is None else 2  # the gradients reduced over rows: dweight, dbias
     if rows == 0:
-        return dx, dres, torch.zeros((parameters, hidden), dtype=torch.float32, device=like.device)
+        return dx, dres, (torch.zeros((parameters, hidden), dtype=torch.float32, device=like.device)
+                          if reduce_parameters else dx.new_empty(0, dtype=torch.float32))
     block_rows, block_h, num_warps = _tile(hidden)
     # the strides of a tensor not read (None) repeat another's
     dy, stride_dy_row, stride_dy_col = _with_int32_columns(dy)
@@ -500,14 +503,15 @@ def layer_norm_bwd(dy: torch.Tensor, x: Optional[torch.Tensor], residual: Option
         HAS_DSUM=dsum is not None, X_IS_SUM=x_is_sum, FROM_OUTPUT=from_output,
         SIDE_COLUMNS=SIDE_COLUMNS, BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=num_warps,
     )
-    return dx, dres, partial.sum(dim=0)
+    return dx, dres, partial.sum(dim=0) if reduce_parameters else partial.new_empty(0)
 
 
 @layer_norm_bwd.register_fake
-def _(dy, x, residual, y, stats, weight, bias, seed, dropout_p, x_dtype, has_residual, dsum=None, x_is_sum=False):
+def _(dy, x, residual, y, stats, weight, bias, seed, dropout_p, x_dtype, has_residual, dsum=None, x_is_sum=False,
+      reduce_parameters=True):
     dres = dy.new_empty(dy.shape if has_residual else (0,), dtype=x_dtype)
     return (dy.new_empty(dy.shape, dtype=x_dtype), dres,
-            dy.new_empty((1 if bias is None else 2, dy.shape[-1]), dtype=torch.float32))
+            dy.new_empty((1 if bias is None else 2, dy.shape[-1]) if reduce_parameters else (0,), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
@@ -532,17 +536,17 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, dstats, dsum):
     x, residual, y, stats, weight, bias, seed = ctx.saved_tensors
+    needs_dweight, needs_dbias = ctx.needs_input_grad[1:3]  # both False for a frozen LayerNorm (LoRA)
     # without store_sum, dsum (None) belongs to the unused empty output
     dx, dres, dparameters = layer_norm_bwd(dy, x, residual, y, stats, weight, bias, seed, ctx.dropout_p,
                                            ctx.x_dtype, ctx.has_residual, dsum if ctx.store_sum else None,
-                                           ctx.store_sum and y is None)
-    if bias is None:
-        dw, db = dparameters[0], None
-    else:
-        dw, db = dparameters.unbind()
-        db = _as_dtype(db, bias.dtype)
-    return (dx, _as_dtype(dw, weight.dtype), db, dres if ctx.has_residual else None, None, None, None, None, None,
-            None)
+                                           ctx.store_sum and y is None, needs_dweight or needs_dbias)
+    dw = db = None
+    if needs_dweight:
+        dw = _as_dtype(dparameters[0], weight.dtype)
+    if needs_dbias:
+        db = _as_dtype(dparameters[1], bias.dtype)
+    return dx, dw, db, dres if ctx.has_residual else None, None, None, None, None, None, None
 
 
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 
 from fastbert.kernels.arguments import check_cross_entropy_options
-from fastbert.kernels.fused_op import fused_op
+from fastbert.kernels.fused_op import fused_op, or_empty
 from fastbert.kernels.launch import cdiv, launch, next_power_of_2
 from fastbert.kernels.matmul import sm_count
 from fastbert.kernels.numerics import INTERPRETER, cast, dot_accumulate, dot_precision
@@ -466,25 +466,26 @@ def _(x, weight, bias, target, ignore_index, reduction, label_smoothing):
 @fused_op("fastbert::mlm_loss_bwd")
 def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  target: torch.Tensor, softmax_stats: torch.Tensor, ignore_index: int, reduction: str,
-                 label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `mlm_loss_fwd` from its inputs and softmax_stats; grad_loss a scalar tensor.
+                 label_smoothing: float, needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `mlm_loss_fwd` from its inputs and softmax_stats; grad_loss a scalar tensor; needs one
+    bool per x, weight, bias (autograd's needs_input_grad, False for a missing bias).
 
-    Returns dx [N, H] in x's dtype, dweight [V, H] in weight's dtype and dbias fp32 [V] (empty [0]
-    when bias is None), all contiguous.
+    Returns dx [N, H] in x's dtype, dweight [V, H] in weight's dtype and dbias fp32 [V], all contiguous; an
+    empty [0] for each gradient not needed (a custom op returns tensors): a frozen decoder weight (the word
+    embeddings it is tied to, frozen under LoRA) costs no [V, H] matmul or buffer.
     """
+    needs_dx, needs_dweight, needs_dbias = needs
     rows, hidden = x.shape
     vocab = weight.shape[0]
     if rows == 0:
-        return (x.new_empty((0, hidden)), torch.zeros((vocab, hidden), dtype=weight.dtype, device=x.device),
-                torch.zeros(vocab if bias is not None else 0, dtype=torch.float32, device=x.device))
+        return or_empty(x, x.new_empty((0, hidden)) if needs_dx else None,
+                        torch.zeros((vocab, hidden), dtype=weight.dtype, device=x.device) if needs_dweight else None,
+                        torch.zeros(vocab, dtype=torch.float32, device=x.device) if needs_dbias else None)
     config, chunk_cols = _backward_plan(x.dtype, rows, vocab)
     # one chunk: dW and db come out of their ops whole; several: each chunk's rows are written into them
     chunks = chunk_cols < vocab
-    dweight = torch.empty((vocab, hidden), dtype=weight.dtype, device=x.device) if chunks else None
-    if bias is None:
-        dbias = x.new_empty(0, dtype=torch.float32)  # a custom op returns a tensor
-    else:
-        dbias = torch.empty(vocab, dtype=torch.float32, device=x.device) if chunks else None
+    dweight = torch.empty((vocab, hidden), dtype=weight.dtype, device=x.device) if chunks and needs_dweight else None
+    dbias = torch.empty(vocab, dtype=torch.float32, device=x.device) if chunks and needs_dbias else None
     dx = None
     for v0 in range(0, vocab, chunk_cols):
         v1 = min(v0 + chunk_cols, vocab)
@@ -504,19 +505,24 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
             HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype), MEAN=reduction == "mean", **config,
         )
         if chunks:
-            torch.mm(dz.t(), x, out=dweight[v0:v1])
-            if bias is not None:
+            if needs_dweight:
+                torch.mm(dz.t(), x, out=dweight[v0:v1])
+            if needs_dbias:
                 torch.sum(dz, dim=0, dtype=torch.float32, out=dbias[v0:v1])
         else:
-            dweight = torch.mm(dz.t(), x)
-            if bias is not None:
+            if needs_dweight:
+                dweight = torch.mm(dz.t(), x)
+            if needs_dbias:
                 dbias = torch.sum(dz, dim=0, dtype=torch.float32)
-        product = _mm_fp32(dz, weight[v0:v1] if chunks else weight)
-        if dx is None:
-            dx = product
-        else:
-            dx += product
-    return dx if x.dtype == torch.float32 else dx.to(x.dtype), dweight, dbias
+        if needs_dx:
+            product = _mm_fp32(dz, weight[v0:v1] if chunks else weight)
+            if dx is None:
+                dx = product
+            else:
+                dx += product
+    if dx is not None and x.dtype != torch.float32:
+        dx = dx.to(x.dtype)
+    return or_empty(x, dx, dweight, dbias)
 
 
 # torch >= 2.8: cuBLAS writes the fp32 accumulator of a 16-bit GEMM as it is (mm's out_dtype, CUDA only)
@@ -538,10 +544,10 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @mlm_loss_bwd.register_fake
-def _(grad_loss, x, weight, bias, target, softmax_stats, ignore_index, reduction, label_smoothing):
-    vocab = weight.shape[0]
-    return (x.new_empty(x.shape), weight.new_empty(weight.shape),
-            x.new_empty(vocab if bias is not None else 0, dtype=torch.float32))
+def _(grad_loss, x, weight, bias, target, softmax_stats, ignore_index, reduction, label_smoothing, needs):
+    needs_dx, needs_dweight, needs_dbias = needs
+    return (x.new_empty(x.shape if needs_dx else (0,)), weight.new_empty(weight.shape if needs_dweight else (0,)),
+            x.new_empty(weight.shape[0], dtype=torch.float32) if needs_dbias else x.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
@@ -555,10 +561,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_loss, grad_num_correct, grad_softmax_stats):
     x, weight, bias, target, softmax_stats = ctx.saved_tensors
-    dx, dweight, dbias = mlm_loss_bwd(grad_loss, x, weight, bias, target, softmax_stats, *ctx.arguments)
-    if bias is not None and dbias.dtype != bias.dtype:
+    needs_dx, needs_dweight, needs_dbias = needs = ctx.needs_input_grad[:3]  # a missing bias needs none
+    dx, dweight, dbias = mlm_loss_bwd(grad_loss, x, weight, bias, target, softmax_stats, *ctx.arguments, needs)
+    if needs_dbias and dbias.dtype != bias.dtype:
         dbias = dbias.to(bias.dtype)
-    return dx, dweight, None if bias is None else dbias, None, None, None, None
+    return (dx if needs_dx else None, dweight if needs_dweight else None, dbias if needs_dbias else None,
+            None, None, None, None)
 
 
 mlm_loss_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.fused_op import fused_op
+from fastbert.kernels.fused_op import fused_op, or_empty
 from fastbert.kernels.launch import cdiv, launch, next_power_of_2, placeholders
 from fastbert.kernels.matmul import DTYPES, matmul_fwd, row_groups
 from fastbert.kernels.numerics import INTERPRETER, cast
@@ -164,31 +164,39 @@ def _one_matrix(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, rows: int,
 
 
 def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor,
-                       weight: torch.Tensor, has_bias: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       weight: torch.Tensor, needs: tuple = (True, True, True)
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """dq, dk, dv shaped like q, k, v (any strides, x's dtype: autograd hands over gradients of its outputs'
-    shapes and dtypes) -> (dx like x, dweight [3H, H], dbias [3H]; an empty [0] dbias without has_bias)."""
+    shapes and dtypes) -> (dx like x, dweight [3H, H], dbias [3H]), each None where `needs` (one bool per input
+    x, weight, bias: autograd's needs_input_grad, False for a missing bias) says no: a frozen weight (BitFit)
+    costs no matmul, as in PyTorch's own linear backward."""
+    needs_dx, needs_dweight, needs_dbias = needs
     hidden = x.shape[-1]
     x2 = x if x.dim() == 2 else x.reshape(-1, hidden)
     rows = x2.shape[0]
     if rows == 0:
-        return torch.zeros_like(x), torch.zeros_like(weight), x.new_zeros(3 * hidden if has_bias else 0)
+        return (torch.zeros_like(x) if needs_dx else None, torch.zeros_like(weight) if needs_dweight else None,
+                x.new_zeros(3 * hidden) if needs_dbias else None)
     dqkv = _one_matrix(dq, dk, dv, rows, hidden)
     if dqkv is not None:
         # accumulated in fp32 for 16-bit dQKV (as PyTorch's own bias gradient), with no copy of dQKV: an fp64
         # sum would first convert all of it
-        dbias = dqkv.sum(dim=0) if has_bias else x.new_empty(0)
+        dbias = dqkv.sum(dim=0) if needs_dbias else None
     else:
         dqkv = x.new_empty((rows, 3 * hidden))
         block_m, block_n, col_blocks, groups, rows_per_group = _backward_tiles(rows, hidden, x.device)
-        partial = (torch.empty((groups, 3 * hidden), dtype=torch.float64, device=x.device) if has_bias
+        partial = (torch.empty((groups, 3 * hidden), dtype=torch.float64, device=x.device) if needs_dbias
                    else placeholders(x.device)[torch.float64])
         dq, dk, dv = _heads_view(dq), _heads_view(dk), _heads_view(dv)
         launch(_qkv_bwd_kernel, (groups, col_blocks, 3),
             dq, dk, dv, dqkv, partial, rows, hidden, dq.shape[2], rows_per_group, *dq.stride(), *dk.stride(),
-            *dv.stride(), HEAD_DIM=dq.shape[3], SUM_COLUMNS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n)
-        dbias = partial.sum(dim=0).to(x.dtype) if has_bias else x.new_empty(0)
-    dx = dqkv @ weight
-    return dx if x.dim() == 2 else dx.view_as(x), dqkv.t() @ x2, dbias
+            *dv.stride(), HEAD_DIM=dq.shape[3], SUM_COLUMNS=needs_dbias, BLOCK_M=block_m, BLOCK_N=block_n)
+        dbias = partial.sum(dim=0).to(x.dtype) if needs_dbias else None
+    dx = None
+    if needs_dx:
+        dx = dqkv @ weight
+        dx = dx if x.dim() == 2 else dx.view_as(x)
+    return dx, dqkv.t() @ x2 if needs_dweight else None, dbias
 
 
 # ---- custom ops: autograd and fake registrations so torch.compile traces through them ----
@@ -210,13 +218,15 @@ def _(x, weight, bias, num_heads):
 @fused_op("fastbert::qkv_projection_bwd")
 def _qkv_projection_bwd_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor,
                            weight: torch.Tensor,
-                           has_bias: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return qkv_projection_bwd(dq, dk, dv, x, weight, has_bias)
+                           needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv_projection_bwd with an empty [0] for each gradient not needed (a custom op returns tensors)."""
+    return or_empty(x, *qkv_projection_bwd(dq, dk, dv, x, weight, needs))
 
 
 @_qkv_projection_bwd_op.register_fake
-def _(dq, dk, dv, x, weight, has_bias=True):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty(weight.shape[:1] if has_bias else (0,))
+def _(dq, dk, dv, x, weight, needs):
+    shapes = (x.shape, weight.shape, weight.shape[:1])
+    return tuple(x.new_empty(shape if needed else (0,)) for shape, needed in zip(shapes, needs))
 
 
 def _project(x, weight, bias, num_heads: int, cublas_forward: bool):
@@ -239,14 +249,14 @@ class _QKVProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, num_heads, cublas_forward):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
         return _project(x, weight, bias, num_heads, cublas_forward)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         x, weight = ctx.saved_tensors
-        dx, dweight, dbias = _qkv_projection_bwd_op(dq, dk, dv, x, weight, ctx.has_bias)
-        return dx, dweight, dbias if ctx.has_bias else None, None, None
+        needs_dx, needs_dweight, needs_dbias = needs = ctx.needs_input_grad[:3]  # a missing bias needs none
+        dx, dweight, dbias = _qkv_projection_bwd_op(dq, dk, dv, x, weight, needs)
+        return dx if needs_dx else None, dweight if needs_dweight else None, dbias if needs_dbias else None, None, None
 
 
 def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,

@@ -276,14 +276,15 @@ def _ffn_cases(b: Batch) -> list[tuple[str, str, Callable]]:
         def epilogue(approximate=approximate):
             _linear_bias_gelu(b.rows, m.intermediate, b.dtype, m, approximate)
 
-        def epilogue_backward(approximate=approximate):
-            bias_gelu.bias_gelu_bwd(tensor(), tensor(), None, approximate)
+        def epilogue_backward(approximate=approximate, sum_columns=True):  # no sums: b1 frozen (LoRA, BitFit)
+            bias_gelu.bias_gelu_bwd(tensor(), tensor(), None, approximate, sum_columns=sum_columns)
 
         def split(approximate=approximate):
             bias_gelu.bias_gelu_fwd(tensor(), _meta(m.intermediate, dtype=b.dtype), approximate)
 
-        def split_backward(approximate=approximate):
-            bias_gelu.bias_gelu_bwd(tensor(), tensor(), _meta(m.intermediate, dtype=b.dtype), approximate)
+        def split_backward(approximate=approximate, sum_columns=True):
+            bias_gelu.bias_gelu_bwd(tensor(), tensor(), _meta(m.intermediate, dtype=b.dtype), approximate,
+                                    sum_columns=sum_columns)
 
         def epilogue_without_pre(approximate=approximate):  # kernels/ffn.py when no backward reads h
             bias_gelu.linear_bias_gelu_fwd(_meta(b.rows, m.hidden, dtype=b.dtype),
@@ -299,7 +300,11 @@ def _ffn_cases(b: Batch) -> list[tuple[str, str, Callable]]:
                   ("bias_gelu.bias_gelu_bwd", f"epilogue's,{variant}", epilogue_backward),
                   ("bias_gelu.bias_gelu_fwd", f"ffn backward's,{variant}", gelu_of_pre),
                   ("bias_gelu.bias_gelu_fwd", variant, split),
-                  ("bias_gelu.bias_gelu_bwd", variant, split_backward)]
+                  ("bias_gelu.bias_gelu_bwd", variant, split_backward),
+                  ("bias_gelu.bias_gelu_bwd", f"epilogue's,frozen bias,{variant}",
+                   functools.partial(epilogue_backward, sum_columns=False)),
+                  ("bias_gelu.bias_gelu_bwd", f"frozen bias,{variant}", functools.partial(split_backward,
+                                                                                          sum_columns=False))]
     return cases
 
 
@@ -316,7 +321,8 @@ def _mlm_cases(model: Model, rows: int, dtype) -> list[tuple[str, str, Callable]
 
     def backward():
         _implementation(mlm_loss.mlm_loss_bwd)(_meta(dtype=torch.float32), *inputs(),
-                                               _meta(2 * rows + 1, dtype=torch.float32), IGNORE_INDEX, "mean", 0.0)
+                                               _meta(2 * rows + 1, dtype=torch.float32), IGNORE_INDEX, "mean", 0.0,
+                                               (True, True, True))
 
     cases = [("bias_gelu.linear_bias_gelu", f"mlm transform,approximate={approximate}",
               lambda approximate=approximate: _linear_bias_gelu(rows, model.hidden, dtype, model, approximate))
@@ -348,7 +354,8 @@ def _modernbert_cases(dtype) -> list[tuple[str, str, Callable]]:
 
     def qkv_backward():
         grads = [_meta(rows, m.heads, m.hidden // m.heads, dtype=dtype) for _ in range(3)]
-        qkv.qkv_projection_bwd(*grads, tokens(m.hidden), _meta(3 * m.hidden, m.hidden, dtype=dtype), has_bias=False)
+        qkv.qkv_projection_bwd(*grads, tokens(m.hidden), _meta(3 * m.hidden, m.hidden, dtype=dtype),
+                               needs=(True, True, False))
 
     cases = [("bias_gelu.linear_bias_gelu", "geglu,no bias", functools.partial(geglu, True)),
              ("bias_gelu.linear_bias_gelu", "geglu without h,no bias", functools.partial(geglu, False)),
