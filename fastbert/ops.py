@@ -160,6 +160,10 @@ def autocast_dtype(op: str, device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type)
 
 
+# whether autocast is on for any device type: torch >= 2.4, else the per-device check always runs
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
 def _cast(tensors, dtype):
     return [t.to(dtype) if t is not None and t.dtype != dtype and t.is_floating_point() else t for t in tensors]
 
@@ -167,7 +171,8 @@ def _cast(tensors, dtype):
 def _matmul_inputs(*tensors):
     """One dtype for every operand of a matmul-type kernel: the autocast dtype, else the first tensor's."""
     first = tensors[0]
-    dtype = autocast_dtype("matmul", first.device.type) or first.dtype
+    # autocast off everywhere (one C call) spares reading the device's type (a torch.device made, then its type)
+    dtype = (_any_autocast() and autocast_dtype("matmul", first.device.type)) or first.dtype
     for t in tensors:  # a loop, not all(generator): this runs on every matmul-type op call
         if t is not None and t.dtype != dtype:
             return _cast(tensors, dtype)
@@ -182,7 +187,7 @@ def _layer_norm_inputs(x, weight, bias, residual):
     if residual is not None and residual.dtype != x.dtype:
         dtype = torch.promote_types(x.dtype, residual.dtype)
         x, residual = x.to(dtype), residual.to(dtype)
-    return x, weight, bias, residual, autocast_dtype("layer_norm", x.device.type) or x.dtype
+    return x, weight, bias, residual, (_any_autocast() and autocast_dtype("layer_norm", x.device.type)) or x.dtype
 
 
 def _check_last_dim(name: str, tensor: torch.Tensor, size: int, what: str) -> None:
@@ -392,9 +397,9 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [N, H] and weight [V, H] must share H, got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+    if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(weight.shape[0],)}")
-    if tuple(target.shape) != (x.shape[0],) or target.is_floating_point():
+    if target.shape != (x.shape[0],) or target.is_floating_point():
         raise ValueError(f"target must be an integer tensor of shape {(x.shape[0],)}, "
                          f"got {target.dtype} {tuple(target.shape)}")
     check_cross_entropy_options(reduction, label_smoothing)

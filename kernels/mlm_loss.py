@@ -440,17 +440,19 @@ def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         def zero(dtype, *shape):
             return torch.zeros(shape, dtype=dtype, device=x.device)
         return zero(torch.float32), zero(torch.int64), zero(torch.float32, 1)
-    config, cols_per_split, splits, merge_config = _forward_plan(x.device, x.dtype, rows, vocab)
+    device = x.device  # read once: each read makes a torch.device
+    config, cols_per_split, splits, merge_config = _forward_plan(device, x.dtype, rows, vocab)
     plane = splits * rows
-    partials = torch.empty((6, splits, rows), dtype=torch.float32, device=x.device)  # _partial_planes
+    # [6, splits, N] (_partial_planes), flat: the kernels index it by plane, and an int size allocates faster
+    partials = torch.empty(6 * plane, dtype=torch.float32, device=device)
     launch(_mlm_loss_fwd_kernel, (cdiv(rows, config["BLOCK_N"]), splits),
         x, weight, bias, target, partials, rows, vocab, x.shape[1], cols_per_split, plane, *x.stride(),
         *weight.stride(), 0 if bias is None else bias.stride(0), target.stride(0), HAS_BIAS=bias is not None,
         DOT_PRECISION=dot_precision(x.dtype), **config,
     )
-    softmax_stats = torch.empty(2 * rows + 1, dtype=torch.float32, device=x.device)
-    loss = torch.empty((), dtype=torch.float32, device=x.device)
-    num_correct = torch.empty((), dtype=torch.int64, device=x.device)
+    softmax_stats = torch.empty(2 * rows + 1, dtype=torch.float32, device=device)
+    loss = torch.empty((), dtype=torch.float32, device=device)
+    num_correct = torch.empty((), dtype=torch.int64, device=device)
     launch(_mlm_loss_merge_kernel, (1,), partials, target, softmax_stats, loss, num_correct, rows, vocab, splits,
            plane, ignore_index, label_smoothing, target.stride(0), MEAN=reduction == "mean", **merge_config)
     return loss, num_correct, softmax_stats

@@ -308,6 +308,7 @@ def test_no_fp32_copy_of_16_bit_activations_under_cuda_autocast(device, monkeypa
     the Triton LayerNorm takes 16-bit x and residual as they are, with fp32 weights, returns bf16 and keeps
     no fp32 tensor of activation size; the embeddings' fp32 sum goes in as it is and comes out bf16."""
     policy = ops.autocast_dtype
+    monkeypatch.setattr(ops, "_any_autocast", lambda: True)
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type: True)
     monkeypatch.setattr(torch, "get_autocast_dtype", lambda device_type: torch.bfloat16)
     monkeypatch.setattr(ops, "autocast_dtype", lambda op, device_type: policy(op, "cuda"))
