@@ -160,8 +160,9 @@ def autocast_dtype(op: str, device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type)
 
 
-# whether autocast is on for any device type: torch >= 2.4, else the per-device check always runs
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+# whether autocast is on for CPU, CUDA or another device type whose autocast a dispatch key carries (not MPS's,
+# whose tensors never take the Triton path): one C call, where autocast_dtype reads the device's type first
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 def _cast(tensors, dtype):

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.fused_op import fused_op
+from fastbert.kernels.fused_op import fused_op, or_empty
 from fastbert.kernels.launch import as_rows, cdiv, launch, next_power_of_2, placeholders
 from fastbert.kernels.matmul import DTYPES, check_operands, gelu, gelu_grad, matmul_fwd, row_groups
 from fastbert.kernels.numerics import INTERPRETER, cast
@@ -195,7 +195,7 @@ def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
     """Gradients of y = gelu(x + bias) (bias None: y = gelu(x)).
 
     dy, x [..., N] (any strides, one shape and dtype), bias [N] or None. Returns (dx [..., N] contiguous in
-    x's dtype, dbias [N] in x's dtype, the column sums of dx; None without sum_columns: no bias to take them).
+    x's dtype, dbias [N] in x's dtype, the column sums of dx; None without sum_columns: no bias, or a frozen one).
     in_place writes dx over dy, which must then be contiguous (the FFN's backward: one [M, N] buffer less at
     its peak); each element is read before it is written. Raises ValueError for a strided dy to overwrite.
     """
@@ -267,8 +267,7 @@ def _(x, bias, approximate):
 def _bias_gelu_bwd_op(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, approximate: str,
                       sum_columns: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """bias_gelu_bwd; without sum_columns (no bias gradient needed) an empty [0] for dbias."""
-    dx, dbias = bias_gelu_bwd(dy, x, bias, approximate, sum_columns=sum_columns)
-    return dx, x.new_empty(0) if dbias is None else dbias
+    return or_empty(x, *bias_gelu_bwd(dy, x, bias, approximate, sum_columns=sum_columns))
 
 
 @_bias_gelu_bwd_op.register_fake

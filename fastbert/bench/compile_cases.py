@@ -276,7 +276,7 @@ def _ffn_cases(b: Batch) -> list[tuple[str, str, Callable]]:
         def epilogue(approximate=approximate):
             _linear_bias_gelu(b.rows, m.intermediate, b.dtype, m, approximate)
 
-        def epilogue_backward(approximate=approximate, sum_columns=True):  # no sums: b1 frozen (LoRA, BitFit)
+        def epilogue_backward(approximate=approximate, sum_columns=True):  # False: b1 frozen (LoRA, BitFit)
             bias_gelu.bias_gelu_bwd(tensor(), tensor(), None, approximate, sum_columns=sum_columns)
 
         def split(approximate=approximate):
