@@ -189,9 +189,11 @@ def _feed_forward_backward(ctx, dout, dpre):
     # h is internal (feed_forward returns out only), so dpre is None.
     x, w1, w2, b1, pre = ctx.saved_tensors
     needs = ctx.needs_input_grad[:5]  # x, w1, b1, w2, b2 (a missing bias needs none)
-    grads = _feed_forward_bwd_op(dout, x, w1, b1, w2, pre, ctx.approximate, ctx.gated, needs, ctx.form)
-    dx, dw1, db1, dw2, db2 = (grad if needed else None for grad, needed in zip(grads, needs))
-    return dx, dw1, db1, dw2, db2, None, None, None, None
+    dx, dw1, db1, dw2, db2 = _feed_forward_bwd_op(dout, x, w1, b1, w2, pre, ctx.approximate, ctx.gated, needs,
+                                                  ctx.form)
+    needs_dx, needs_dw1, needs_db1, needs_dw2, needs_db2 = needs
+    return (dx if needs_dx else None, dw1 if needs_dw1 else None, db1 if needs_db1 else None,
+            dw2 if needs_dw2 else None, db2 if needs_db2 else None, None, None, None, None)
 
 
 _feed_forward_op.register_autograd(_feed_forward_backward, setup_context=_feed_forward_setup)

@@ -118,8 +118,13 @@ def fused_op(name: str) -> Callable[[Callable], FusedOp]:
     return lambda function: FusedOp(name, function)
 
 
+_NONE_TYPE = type(None)
+
+
 def or_empty(like: torch.Tensor, *tensors: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """tensors with a new empty [0] (like's dtype and device) for each None: a fused op's backward returns a
     gradient nobody needs (autograd's needs_input_grad) that way, since a custom op returns tensors, and
     never one tensor twice."""
+    if _NONE_TYPE not in map(type, tensors):  # no generator (a Python call per item): this runs on every backward
+        return tensors
     return tuple(like.new_empty(0) if t is None else t for t in tensors)
