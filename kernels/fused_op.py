@@ -125,6 +125,11 @@ def or_empty(like: torch.Tensor, *tensors: Optional[torch.Tensor]) -> tuple[torc
     """tensors with a new empty [0] (like's dtype and device) for each None: a fused op's backward returns a
     gradient nobody needs (autograd's needs_input_grad) that way, since a custom op returns tensors, and
     never one tensor twice."""
-    if _NONE_TYPE not in map(type, tensors):  # no generator (a Python call per item): this runs on every backward
+    # no generator (each item a Python call): this runs on every backward
+    if _NONE_TYPE not in map(type, tensors):
         return tensors
-    return tuple(like.new_empty(0) if t is None else t for t in tensors)
+    filled = list(tensors)
+    for i, t in enumerate(filled):
+        if t is None:
+            filled[i] = like.new_empty(0)
+    return tuple(filled)
