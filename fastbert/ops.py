@@ -292,9 +292,9 @@ def qkv_projection(x, weight, bias, num_heads, backend=None):
         raise ValueError(f"x must be [B, S, H] or [T, H], got shape {tuple(x.shape)}")
     if num_heads <= 0 or hidden % num_heads:
         raise ValueError(f"num_heads ({num_heads}) must be positive and divide the hidden size {hidden}")
-    if tuple(weight.shape) != (3 * hidden, hidden):
+    if weight.shape != (3 * hidden, hidden):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {(3 * hidden, hidden)}")
-    if bias is not None and tuple(bias.shape) != (3 * hidden,):
+    if bias is not None and bias.shape != (3 * hidden,):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(3 * hidden,)}")
     path = resolve_backend(backend, x, weight, bias, op="qkv_projection")
     if path != "torch":
@@ -310,7 +310,7 @@ def _check_attention_args(q, k, v, attention_mask, dropout_p) -> None:
         raise ValueError(f"q, k, v must share one [B, heads, S, d] shape, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     batch, _, seqlen, _ = q.shape
-    if attention_mask is not None and tuple(attention_mask.shape) != (batch, seqlen):
+    if attention_mask is not None and attention_mask.shape != (batch, seqlen):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(batch, seqlen)}")
     _check_dropout(dropout_p)
 
