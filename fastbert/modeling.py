@@ -163,7 +163,7 @@ class SelfAttention(nn.Module):
             bias = torch.cat([m.bias for m in linears])
             return ops.qkv_projection(hidden, weight, bias, config.num_attention_heads, backend=config.backend)
         heads = (*hidden.shape[:-1], config.num_attention_heads, config.head_dim)
-        projected = [m(hidden).view(heads) for m in linears]
+        projected = [m(hidden).view(*heads) for m in linears]  # sizes one by one (below)
         return projected if hidden.dim() == 2 else [t.transpose(1, 2) for t in projected]
 
     def forward(self, hidden, layout: AttentionLayout, output_attentions: bool = False):
@@ -181,10 +181,11 @@ class SelfAttention(nn.Module):
                                            backend=config.backend, **bias)  # [T, heads, d]
         else:
             context = ops.attention(q, k, v, layout.attention_mask, dropout_p, backend=config.backend, **bias)
+        # sizes one by one: PyTorch's argument parser takes longer over a torch.Size
         if layout.packed:
-            context = context.reshape(hidden.shape)  # [T, H]
+            context = context.reshape(*hidden.shape)  # [T, H]
         else:
-            context = context.transpose(1, 2).reshape(hidden.shape)  # [B, heads, S, d] -> [B, S, H]
+            context = context.transpose(1, 2).reshape(*hidden.shape)  # [B, heads, S, d] -> [B, S, H]
         return context, probs
 
 

@@ -217,7 +217,7 @@ def _check_offsets(position_ids, attention_mask, kwargs) -> None:
         shift = position_ids - torch.arange(position_ids.shape[-1], device=position_ids.device)
         mask = key_padding_mask(attention_mask, validate=False)
         real = torch.ones_like(shift, dtype=torch.bool) if mask is None else mask.bool()
-        shift = shift.expand(real.shape)
+        shift = shift.expand(*real.shape)
         first = shift.gather(-1, real.int().argmax(dim=-1, keepdim=True))  # [B, 1]
     check_on_device(((shift == first) | ~real).all(),
                     "ModernBERT's position_ids must count up by one within each sequence (0, 1, ... or from any "

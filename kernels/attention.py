@@ -790,9 +790,9 @@ def _empty_qkv_grads(q: torch.Tensor, varlen: bool) -> torch.Tensor:
     is (kernels/qkv.py) rather than gathering three tensors into it. One tensor: a custom op's outputs may not
     alias one another, so the op returns it and `qkv_grads` takes the three views."""
     if varlen:
-        return q.new_empty((q.shape[0], 3, q.shape[1], q.shape[2]))
+        return q.new_empty(q.shape[0], 3, q.shape[1], q.shape[2])
     batch, heads, seqlen, head_dim = q.shape
-    return q.new_empty((batch, seqlen, 3, heads, head_dim))
+    return q.new_empty(batch, seqlen, 3, heads, head_dim)
 
 
 def qkv_grads(grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -806,8 +806,9 @@ def qkv_grads(grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def _new_row_stats(q: torch.Tensor, varlen: bool) -> torch.Tensor:
     """fp32 per-row statistics: [B, heads, S], or [heads, T] when packed."""
-    shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[1], q.shape[2])
-    return torch.empty(shape, dtype=torch.float32, device=q.device)
+    if varlen:
+        return q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], dtype=torch.float32)
 
 
 def _row_stats_strides(stats: torch.Tensor, varlen: bool) -> tuple[int, int]:
@@ -981,7 +982,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     num_buckets_padded = next_power_of_2(max(num_buckets, 1))
     unread = placeholders(q.device)
     # [B, heads, slots, buckets]: every entry is written by the kernel (see the header)
-    dbias_slots = (q.new_empty((batch, heads, cdiv(seqlen, BIAS_GRAD_SLOT_ROWS), num_buckets_padded),
+    dbias_slots = (q.new_empty(batch, heads, cdiv(seqlen, BIAS_GRAD_SLOT_ROWS), num_buckets_padded,
                                dtype=torch.float32)
                    if relative_bias is not None else unread[torch.float32])
     slot_strides = dbias_slots.stride()[:3] if relative_bias is not None else (0, 0, 0)

@@ -216,7 +216,7 @@ def _gelu_bwd_launch(dy2, x2, bias, dx, rows, cols, approximate, gated, sum_colu
     block_m, block_n = _blocks(cols, _BWD_TILE_ELEMENTS)
     col_blocks = cdiv(cols, block_n)
     groups, rows_per_group = row_groups(rows, col_blocks, block_m, dx.device)
-    partial = (torch.empty((groups, sums), dtype=torch.float64, device=dx.device) if sum_columns
+    partial = (dx.new_empty(groups, sums, dtype=torch.float64) if sum_columns
                else placeholders(dx.device)[torch.float64])
     launch(_bias_gelu_bwd_kernel, (groups, col_blocks),
         dy2, x2, x2 if bias is None else bias.contiguous(), dx, partial, rows, cols, rows_per_group,
@@ -231,7 +231,7 @@ def geglu_fwd(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     in h's dtype."""
     h2 = as_rows(h)
     rows, cols = h2.shape[0], h2.shape[1] // 2
-    y = torch.empty((*h.shape[:-1], cols), dtype=h.dtype, device=h.device)
+    y = h.new_empty(*h.shape[:-1], cols)
     if rows == 0:
         return y
     block_m, block_n = _blocks(cols)
@@ -298,8 +298,8 @@ def linear_bias_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     None (never written) without store_pre. x [M, K], weight [N, K], bias [N] or None, one dtype.
     gated (GeGLU): weight [2N, K], bias [2N], returns (gelu(a) * b [M, N], h = [a, b] [M, 2N]).
     The operands are checked by the callers' entries (matmul.check_operands)."""
-    y = x.new_empty((x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0]))
-    pre = x.new_empty((x.shape[0], weight.shape[0])) if store_pre else None
+    y = x.new_empty(x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0])
+    pre = x.new_empty(x.shape[0], weight.shape[0]) if store_pre else None
     matmul_fwd(x, weight, bias, y, "gelu_tanh" if approximate == "tanh" else "gelu", pre, gated)
     return y, pre
 

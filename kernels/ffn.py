@@ -107,7 +107,7 @@ def feed_forward_fwd(x, w1, b1, w2, b2, approximate, keep_pre=True, gated=False,
     out = g @ w2.t() if b2 is None else torch.addmm(b2, g, w2.t())
     if x.dim() != 2:
         out = out.view(*x.shape[:-1], w2.shape[0])
-    return out, x.new_empty((0, w1.shape[0])) if pre is None else pre
+    return out, x.new_empty(0, w1.shape[0]) if pre is None else pre
 
 
 def feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate, gated=False, needs=(True,) * 5, form="epilogue"):
@@ -138,7 +138,7 @@ def feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate, gated=False, needs=(
         del dg
         if needs_dx:
             dx = dpre @ w1
-            dx = dx if len(shape) == 2 else dx.view(shape)
+            dx = dx if len(shape) == 2 else dx.view(*shape)
         if needs_dw1:
             dw1 = dpre.t() @ x
     return dx, dw1, db1, dw2, db2

@@ -384,7 +384,7 @@ def _forward(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_ou
         residual, stride_r_row, stride_r_col = _with_int32_columns(residual)
     # one buffer for what the backward reads per row; not filled: the kernel writes every slot, zeros past the
     # small-weight columns
-    stats = x.new_empty((rows, stats_width(save_output)), dtype=torch.float32) if store_stats else None
+    stats = x.new_empty(rows, stats_width(save_output), dtype=torch.float32) if store_stats else None
     if rows == 0:
         return y, stats, summed
     block_rows, block_h, num_warps = _tile(hidden)
@@ -493,7 +493,7 @@ def layer_norm_bwd(dy: torch.Tensor, x: Optional[torch.Tensor], residual: Option
     programs, rows_per_program = _backward_split(like.device, rows, block_rows)
     # every program writes its whole rows of partial sums, so no zero-fill is needed; dweight's and dbias's in one
     # buffer, so that one reduction (a launch of its own on a GPU) finishes both
-    partial = torch.empty((programs, parameters, hidden), dtype=torch.float32, device=like.device)
+    partial = like.new_empty(programs, parameters, hidden, dtype=torch.float32)
     launch(_layer_norm_bwd_kernel, (programs,),
         dy, dsum, x, residual, y, weight.contiguous(), None if bias is None else bias.contiguous(), stats, seed, dx,
         dres if has_residual else None, partial,

@@ -206,11 +206,12 @@ def _mlm_loss_merge_kernel(
     partials_ptr,  # [6, splits, N]: the forward kernel's (_partial_planes), planes `plane` = splits x N apart
     target_ptr,  # [N] integer targets, stride stride_t
     stats_ptr,  # [2 N + 1] fp32 out, mlm_loss_fwd's softmax_stats: each row's max logit m, then
-    # s = log sum_v exp(z_v - m), then the labelled rows, for the backward's "mean"
+    # s = log sum_v exp(z_v - m), then the labelled rows, for the backward's "mean"; written only when STORE_STATS
     loss_ptr,  # [] fp32 out: the loss
     correct_ptr,  # [] int64 out: num_correct
     N, V, splits, plane, ignore_index, label_smoothing, stride_t,
     MEAN: tl.constexpr,  # divide the loss by the labelled rows (at least 1)
+    STORE_STATS: tl.constexpr,  # write softmax_stats: a backward will read them (not at inference)
     BLOCK_S: tl.constexpr,  # splits, rounded up to a power of 2
     BLOCK_N: tl.constexpr,
 ):
@@ -243,8 +244,9 @@ def _mlm_loss_merge_kernel(
             logit_sum = tl.sum(tl.load(logit_sum_ptr + offsets, mask=mask, other=0.0), axis=0)
             row_loss = (1.0 - label_smoothing) * row_loss + label_smoothing * (row_max - logit_sum / V)
         row_loss += log_sumexp
-        tl.store(stats_ptr + rows, row_max, mask=row_mask)
-        tl.store(stats_ptr + N + rows, log_sumexp, mask=row_mask)
+        if STORE_STATS:
+            tl.store(stats_ptr + rows, row_max, mask=row_mask)
+            tl.store(stats_ptr + N + rows, log_sumexp, mask=row_mask)
         target = tl.load(target_ptr + rows * stride_t, mask=row_mask, other=0).to(tl.int64)
         labelled = row_mask & (target != ignore_index)
         row_loss = tl.where(labelled, row_loss, 0.0)
@@ -260,8 +262,10 @@ def _mlm_loss_merge_kernel(
         total = total / cast(tl.maximum(count, 1), tl.float64)
     tl.store(loss_ptr, cast(total, tl.float32))
     tl.store(correct_ptr, tl.sum(correct, axis=0))
-    # in fp32, as the backward divides by it: the same rounding (above 2**24 rows) as its cast from int64 would make
-    tl.store(stats_ptr + 2 * N, cast(count, tl.float32))
+    if STORE_STATS:
+        # in fp32, as the backward divides by it: the same rounding (above 2**24 rows) as its cast from int64
+        # would make
+        tl.store(stats_ptr + 2 * N, cast(count, tl.float32))
 
 
 @triton.jit
@@ -402,16 +406,17 @@ def _merge_config(splits: int, rows: int) -> dict:
 
 
 @functools.lru_cache(maxsize=4096)
-def _forward_plan(device: torch.device, dtype: torch.dtype, rows: int, vocab: int) -> tuple[dict, int, int, dict]:
-    """(tile config, columns per split, splits, merge config) of a forward over rows >= 1: a function of the
-    shape and the device only, so cached (working it out cost the host more than the launch); the configs
+def _forward_plan(device: torch.device, dtype: torch.dtype, rows: int, vocab: int) -> tuple[dict, tuple, int, int, dict]:
+    """(tile config, grid, columns per split, splits, merge config) of a forward over rows >= 1: a function of
+    the shape and the device only, so cached (working it out cost the host more than the launch); the configs
     read-only, as every call shares them."""
     from types import MappingProxyType  # here, not above the kernels: Triton's hashes hold their first lines
 
     config = _config(dtype, rows, forward=True)
     cols_per_split = _forward_cols_per_split(device, rows, vocab, config["BLOCK_N"], config["BLOCK_V"])
     splits = cdiv(vocab, cols_per_split)
-    return MappingProxyType(config), cols_per_split, splits, MappingProxyType(_merge_config(splits, rows))
+    grid = (cdiv(rows, config["BLOCK_N"]), splits)
+    return MappingProxyType(config), grid, cols_per_split, splits, MappingProxyType(_merge_config(splits, rows))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -421,6 +426,34 @@ def _backward_plan(dtype: torch.dtype, rows: int, vocab: int) -> tuple[dict, int
 
     config = _config(dtype, rows, forward=False)
     return MappingProxyType(config), _backward_chunk_cols(rows, vocab, config["BLOCK_V"])
+
+
+def _forward(x, weight, bias, target, ignore_index, reduction, label_smoothing, keep_stats):
+    """`mlm_loss_fwd`'s loss, num_correct and softmax_stats, or None for softmax_stats unless keep_stats."""
+    rows = x.shape[0]
+    vocab = weight.shape[0]
+    if rows == 0:
+        def zero(dtype, *shape):
+            return torch.zeros(shape, dtype=dtype, device=x.device)
+        return zero(torch.float32), zero(torch.int64), zero(torch.float32, 1) if keep_stats else None
+    device = x.device  # read once: each read makes a torch.device
+    config, grid, cols_per_split, splits, merge_config = _forward_plan(device, x.dtype, rows, vocab)
+    plane = splits * rows
+    # [6, splits, N] (_partial_planes), flat: the kernels index it by plane, and an int size allocates faster
+    partials = torch.empty(6 * plane, dtype=torch.float32, device=device)
+    launch(_mlm_loss_fwd_kernel, grid,
+        x, weight, bias, target, partials, rows, vocab, x.shape[1], cols_per_split, plane, *x.stride(),
+        *weight.stride(), 0 if bias is None else bias.stride(0), target.stride(0), HAS_BIAS=bias is not None,
+        DOT_PRECISION=dot_precision(x.dtype), **config,
+    )
+    softmax_stats = torch.empty(2 * rows + 1, dtype=torch.float32, device=device) if keep_stats else None
+    # empty_strided: PyTorch parses a size tuple, () included, slower than sizes given one by one
+    loss = torch.empty_strided((), (), dtype=torch.float32, device=device)
+    num_correct = torch.empty_strided((), (), dtype=torch.int64, device=device)
+    launch(_mlm_loss_merge_kernel, (1,), partials, target, softmax_stats, loss, num_correct, rows, vocab, splits,
+           plane, ignore_index, label_smoothing, target.stride(0), MEAN=reduction == "mean", STORE_STATS=keep_stats,
+           **merge_config)
+    return loss, num_correct, softmax_stats
 
 
 @fused_op("fastbert::mlm_loss_fwd")
@@ -434,28 +467,7 @@ def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     [2 N + 1]: each row's max logit m, then each row's log sum exp(z - m), then the labelled rows' count: one
     buffer, so one allocation and one saved tensor).
     """
-    rows = x.shape[0]
-    vocab = weight.shape[0]
-    if rows == 0:
-        def zero(dtype, *shape):
-            return torch.zeros(shape, dtype=dtype, device=x.device)
-        return zero(torch.float32), zero(torch.int64), zero(torch.float32, 1)
-    device = x.device  # read once: each read makes a torch.device
-    config, cols_per_split, splits, merge_config = _forward_plan(device, x.dtype, rows, vocab)
-    plane = splits * rows
-    # [6, splits, N] (_partial_planes), flat: the kernels index it by plane, and an int size allocates faster
-    partials = torch.empty(6 * plane, dtype=torch.float32, device=device)
-    launch(_mlm_loss_fwd_kernel, (cdiv(rows, config["BLOCK_N"]), splits),
-        x, weight, bias, target, partials, rows, vocab, x.shape[1], cols_per_split, plane, *x.stride(),
-        *weight.stride(), 0 if bias is None else bias.stride(0), target.stride(0), HAS_BIAS=bias is not None,
-        DOT_PRECISION=dot_precision(x.dtype), **config,
-    )
-    softmax_stats = torch.empty(2 * rows + 1, dtype=torch.float32, device=device)
-    loss = torch.empty((), dtype=torch.float32, device=device)
-    num_correct = torch.empty((), dtype=torch.int64, device=device)
-    launch(_mlm_loss_merge_kernel, (1,), partials, target, softmax_stats, loss, num_correct, rows, vocab, splits,
-           plane, ignore_index, label_smoothing, target.stride(0), MEAN=reduction == "mean", **merge_config)
-    return loss, num_correct, softmax_stats
+    return _forward(x, weight, bias, target, ignore_index, reduction, label_smoothing, True)
 
 
 @mlm_loss_fwd.register_fake
@@ -463,6 +475,22 @@ def _(x, weight, bias, target, ignore_index, reduction, label_smoothing):
     _check_inputs(x, weight, bias, target, reduction, label_smoothing)
     return (x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.int64),
             x.new_empty(2 * x.shape[0] + 1, dtype=torch.float32))
+
+
+@fused_op("fastbert::mlm_loss_inference")
+def mlm_loss_inference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
+                       ignore_index: int, reduction: str, label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mlm_loss_fwd` where no backward follows (no input needs a gradient, or grad mode is off): loss and
+    num_correct alone. Its merge kernel writes no softmax_stats, so the buffer is never allocated. Its own
+    op, not a flag, since a custom op's outputs are fixed and an empty stand-in would be an allocation too."""
+    loss, num_correct, _ = _forward(x, weight, bias, target, ignore_index, reduction, label_smoothing, False)
+    return loss, num_correct
+
+
+@mlm_loss_inference.register_fake
+def _(x, weight, bias, target, ignore_index, reduction, label_smoothing):
+    _check_inputs(x, weight, bias, target, reduction, label_smoothing)
+    return x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.int64)
 
 
 @fused_op("fastbert::mlm_loss_bwd")
@@ -486,7 +514,7 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     config, chunk_cols = _backward_plan(x.dtype, rows, vocab)
     # one chunk: dW and db come out of their ops whole; several: each chunk's rows are written into them
     chunks = chunk_cols < vocab
-    dweight = torch.empty((vocab, hidden), dtype=weight.dtype, device=x.device) if chunks and needs_dweight else None
+    dweight = weight.new_empty(vocab, hidden) if chunks and needs_dweight else None
     dbias = torch.empty(vocab, dtype=torch.float32, device=x.device) if chunks and needs_dbias else None
     dx = None
     for v0 in range(0, vocab, chunk_cols):
@@ -497,7 +525,7 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         # leading dimension
         width = v1 - v0
         aligned = cdiv(width, DZ_ROW_ALIGNMENT) * DZ_ROW_ALIGNMENT
-        dz = torch.empty((rows, aligned), dtype=x.dtype, device=x.device)
+        dz = x.new_empty(rows, aligned)
         if aligned != width:
             dz = dz[:, :width]
         launch(_mlm_loss_bwd_kernel, (cdiv(rows, config["BLOCK_N"]), cdiv(width, config["BLOCK_V"])),
@@ -591,6 +619,9 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
 def linear_cross_entropy_unchecked(x, weight, bias, target, ignore_index, reduction, label_smoothing):
     """`linear_cross_entropy` after its checks, which the caller has made (fastbert.ops: the shapes and
     options, then `check_limits`)."""
-    loss, num_correct, _ = mlm_loss_fwd(x, weight, bias, target, int(ignore_index), reduction,
-                                        float(label_smoothing))
-    return loss, num_correct
+    ignore_index, label_smoothing = int(ignore_index), float(label_smoothing)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        loss, num_correct, _ = mlm_loss_fwd(x, weight, bias, target, ignore_index, reduction, label_smoothing)
+        return loss, num_correct
+    return mlm_loss_inference(x, weight, bias, target, ignore_index, reduction, label_smoothing)

@@ -126,11 +126,11 @@ def qkv_projection_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     hidden = x.shape[-1]
     head_dim = hidden // num_heads
     if x.dim() == 3:
-        qkv = x.new_empty((3, x.shape[0], num_heads, x.shape[1], head_dim))
+        qkv = x.new_empty(3, x.shape[0], num_heads, x.shape[1], head_dim)
         out = qkv
         x = x.reshape(-1, hidden)
     else:
-        qkv = x.new_empty((3, x.shape[0], num_heads, head_dim))
+        qkv = x.new_empty(3, x.shape[0], num_heads, head_dim)
         out = qkv.unsqueeze(1).transpose(2, 3)  # [3, 1, heads, T, d]
     matmul_fwd(x, weight, bias, out)
     return qkv
@@ -183,9 +183,9 @@ def qkv_projection_bwd(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: 
         # sum would first convert all of it
         dbias = dqkv.sum(dim=0) if needs_dbias else None
     else:
-        dqkv = x.new_empty((rows, 3 * hidden))
+        dqkv = x.new_empty(rows, 3 * hidden)
         block_m, block_n, col_blocks, groups, rows_per_group = _backward_tiles(rows, hidden, x.device)
-        partial = (torch.empty((groups, 3 * hidden), dtype=torch.float64, device=x.device) if needs_dbias
+        partial = (x.new_empty(groups, 3 * hidden, dtype=torch.float64) if needs_dbias
                    else placeholders(x.device)[torch.float64])
         dq, dk, dv = _heads_view(dq), _heads_view(dk), _heads_view(dv)
         launch(_qkv_bwd_kernel, (groups, col_blocks, 3),

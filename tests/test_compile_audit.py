@@ -66,7 +66,8 @@ def test_cases_cover_every_launcher_in_every_dtype():
                          "layer_norm.layer_norm_bwd",
                          "bias_gelu.linear_bias_gelu", "bias_gelu.bias_gelu_fwd", "bias_gelu.bias_gelu_bwd",
                          "bias_gelu.geglu_fwd", "bias_gelu.geglu_bwd",
-                         "mlm_loss.mlm_loss_fwd", "mlm_loss.mlm_loss_bwd", "dropout.dropout_fwd"}
+                         "mlm_loss.mlm_loss_fwd", "mlm_loss.mlm_loss_inference", "mlm_loss.mlm_loss_bwd",
+                         "dropout.dropout_fwd"}
     assert {c.dtype for c in cases} == set(compile_cases.DTYPES)
     assert len({c.name for c in cases}) == len(cases)
     shapes = {(c.shape["model"], c.shape.get("layout"), c.shape.get("seqlen")) for c in cases}

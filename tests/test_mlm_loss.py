@@ -5,6 +5,7 @@
 num_correct, first argmax on ties; large fp16 logits; no labelled row; bitwise determinism;
 torch.compile; bad input. Runs under Triton's interpreter on CPU (conftest sets TRITON_INTERPRET=1);
 a vocabulary of 30522 at hidden 768 is slow there, so those cases use few rows."""
+import contextlib
 import functools
 
 import pytest
@@ -13,9 +14,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from strided import past_int32
+from torch.profiler import ProfilerActivity, profile
 
 from fastbert import ops, reference
 from fastbert.kernels import mlm_loss
+from fastbert.kernels.fused_op import always_custom_op
 from tolerance import GRADIENT_FACTOR, assert_within_rule
 
 IMPLEMENTATIONS = {"triton": mlm_loss.linear_cross_entropy, "torch": reference.linear_cross_entropy}
@@ -262,6 +265,49 @@ def test_target_outside_vocabulary_gives_nan(device):
     assert loss.isnan() and grads[0][1].isnan().all()
 
 
+def _host_work(fn, monkeypatch) -> tuple[int, dict]:
+    """(the tensors fn allocates: aten::empty and aten::empty_strided calls, which the profiler records in the
+    eager call as in the custom op; the merge kernel's launch keywords and its softmax_stats argument) with the
+    launches recorded, not run: Triton's interpreter allocates tensors of its own."""
+    launches = []
+    with monkeypatch.context() as patch:
+        patch.setattr(mlm_loss, "launch", lambda kernel, grid, *args, **constexprs: launches.append(
+            (kernel, args, constexprs)))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+    allocations = sum(event.count for event in prof.key_averages()
+                      if event.key in ("aten::empty", "aten::empty_strided"))
+    (merge,) = [(args, constexprs) for kernel, args, constexprs in launches
+                if kernel is mlm_loss._mlm_loss_merge_kernel]
+    return allocations, dict(merge[1], stats=merge[0][2])
+
+
+@pytest.mark.parametrize("entrance", ["eager", "custom op"])
+@pytest.mark.parametrize("no_grad", [True, False], ids=["no_grad", "frozen inputs"])
+def test_inference_keeps_no_softmax_stats(entrance, no_grad, device, monkeypatch):
+    """Where no backward can follow (grad mode off, or no input needing a gradient) the forward allocates the
+    partials, the loss and num_correct, and not the [2 N + 1] softmax_stats a backward reads (its merge kernel
+    stores none); its loss and num_correct are bitwise the training forward's, through the eager call and the
+    custom op."""
+    _gpu_tiles(monkeypatch)  # several vocabulary splits, so the merge kernel merges
+    x, weight, bias, target = _make_inputs(50, 37, 1000, 384, torch.float32, device)
+    call = contextlib.nullcontext if entrance == "eager" else always_custom_op
+    context = torch.no_grad if no_grad else contextlib.nullcontext
+
+    def loss(trainable):
+        with call(), (contextlib.nullcontext() if trainable else context()):
+            return mlm_loss.linear_cross_entropy(x, weight.requires_grad_(trainable), bias, target,
+                                                 label_smoothing=0.1)
+
+    training_allocations, training_merge = _host_work(lambda: loss(True), monkeypatch)
+    allocations, merge = _host_work(lambda: loss(False), monkeypatch)
+    assert (training_allocations, training_merge["STORE_STATS"], training_merge["stats"].shape) == (4, True, (101,))
+    assert (allocations, merge["STORE_STATS"], merge["stats"]) == (3, False, None)
+    trained, inferred = loss(True), loss(False)
+    assert trained[0].requires_grad and not inferred[0].requires_grad
+    assert torch.equal(inferred[0], trained[0].detach()) and torch.equal(inferred[1], trained[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_bitwise_deterministic(dtype, device, monkeypatch):
     _gpu_tiles(monkeypatch)
@@ -288,6 +334,9 @@ def test_torch_compile_fullgraph(impl, device):
     assert torch.equal(eager[0], traced[0]) and torch.equal(eager[1], traced[1])
     for grad_eager, grad_traced in zip(eager[2], traced[2]):
         assert torch.equal(grad_eager, grad_traced)
+    with torch.no_grad():  # the inference op (no softmax_stats) traces too
+        assert all(torch.equal(a, b) for a, b in zip(loss_fn(x, weight, bias, target),
+                                                     compiled(x, weight, bias, target)))
 
 
 def test_autocast_runs_in_the_autocast_dtype(device):

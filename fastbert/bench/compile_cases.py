@@ -319,6 +319,9 @@ def _mlm_cases(model: Model, rows: int, dtype) -> list[tuple[str, str, Callable]
     def forward():
         _implementation(mlm_loss.mlm_loss_fwd)(*inputs(), IGNORE_INDEX, "mean", 0.0)
 
+    def inference():  # the merge kernel without softmax_stats
+        _implementation(mlm_loss.mlm_loss_inference)(*inputs(), IGNORE_INDEX, "mean", 0.0)
+
     def backward():
         _implementation(mlm_loss.mlm_loss_bwd)(_meta(dtype=torch.float32), *inputs(),
                                                _meta(2 * rows + 1, dtype=torch.float32), IGNORE_INDEX, "mean", 0.0,
@@ -327,7 +330,8 @@ def _mlm_cases(model: Model, rows: int, dtype) -> list[tuple[str, str, Callable]
     cases = [("bias_gelu.linear_bias_gelu", f"mlm transform,approximate={approximate}",
               lambda approximate=approximate: _linear_bias_gelu(rows, model.hidden, dtype, model, approximate))
              for approximate in GELU_APPROXIMATIONS]
-    return cases + [("mlm_loss.mlm_loss_fwd", "-", forward), ("mlm_loss.mlm_loss_bwd", "-", backward)]
+    return cases + [("mlm_loss.mlm_loss_fwd", "-", forward), ("mlm_loss.mlm_loss_inference", "-", inference),
+                    ("mlm_loss.mlm_loss_bwd", "-", backward)]
 
 
 def _modernbert_cases(dtype) -> list[tuple[str, str, Callable]]:
