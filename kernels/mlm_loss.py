@@ -316,6 +316,9 @@ def _check_inputs(x, weight, bias, target, reduction, label_smoothing) -> None:
     """Raise ValueError for what the kernels do not support, before anything is launched."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [N, H] and weight [V, H] must share H, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if target.shape != (x.shape[0],):
+        raise ValueError(f"target must be an integer tensor of shape ({x.shape[0]},), "
+                         f"got {target.dtype} {tuple(target.shape)}")
     check_limits(x, weight, bias, target)
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},) (weight's vocabulary "
@@ -324,7 +327,7 @@ def _check_inputs(x, weight, bias, target, reduction, label_smoothing) -> None:
 
 
 def check_limits(x, weight, bias, target) -> None:
-    """Raise ValueError for what the kernels do not support among x [N, H], weight [V, H], bias and target
+    """Raise ValueError for what the kernels do not support among x [N, H], weight [V, H], bias and target [N]
     of checked shapes (`_check_inputs`; fastbert.ops checks the shapes and options itself): the vocabulary
     and hidden sizes, dtypes, an integer target, one device."""
     vocab, hidden = weight.shape
@@ -332,7 +335,7 @@ def check_limits(x, weight, bias, target) -> None:
     # one condition for the inputs that pass (every call), the messages for those that do not
     if (1 <= vocab <= MAX_VOCAB and hidden >= 1 and dtype in _SUPPORTED and weight.dtype == dtype
             and (bias is None or (bias.dtype in _SUPPORTED and bias.device == device)) and weight.device == device
-            and target.device == device and target.shape == (x.shape[0],) and target.dtype in _INTEGER_DTYPES):
+            and target.device == device and target.dtype in _INTEGER_DTYPES):
         return
     if not 1 <= vocab <= MAX_VOCAB:
         raise ValueError(f"weight has vocabulary size {vocab}; the Triton cross entropy supports 1 to {MAX_VOCAB}")
@@ -343,8 +346,7 @@ def check_limits(x, weight, bias, target) -> None:
             raise ValueError(f"{name} has dtype {tensor.dtype}; the Triton cross entropy supports {SUPPORTED_DTYPES}")
     if weight.dtype != dtype:
         raise ValueError(f"weight has dtype {weight.dtype}, expected x's dtype {dtype}")
-    if target.shape != (x.shape[0],) or target.is_floating_point() or target.is_complex() \
-            or target.dtype == torch.bool:
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
         raise ValueError(f"target must be an integer tensor of shape ({x.shape[0]},), "
                          f"got {target.dtype} {tuple(target.shape)}")
     for name, tensor in (("weight", weight), ("bias", bias), ("target", target)):
@@ -406,26 +408,26 @@ def _merge_config(splits: int, rows: int) -> dict:
 
 
 @functools.lru_cache(maxsize=4096)
-def _forward_plan(device: torch.device, dtype: torch.dtype, rows: int, vocab: int) -> tuple[dict, tuple, int, int, dict]:
-    """(tile config, grid, columns per split, splits, merge config) of a forward over rows >= 1: a function of
-    the shape and the device only, so cached (working it out cost the host more than the launch); the configs
-    read-only, as every call shares them."""
-    from types import MappingProxyType  # here, not above the kernels: Triton's hashes hold their first lines
-
+def _forward_plan(device: torch.device, dtype: torch.dtype, rows: int, vocab: int, has_bias: bool, mean: bool,
+                  keep_stats: bool) -> tuple[dict, tuple, int, int, dict]:
+    """(the forward kernel's constexprs but DOT_PRECISION, its grid, columns per split, splits, the merge kernel's
+    constexprs) of a forward over rows >= 1: a function of the shape, the options and the device only, so cached
+    (working it out cost the host more than the launch). Every call shares the dicts, which nothing changes:
+    plain dicts, as a ** of a read-only proxy costs each launch a third of a microsecond more."""
     config = _config(dtype, rows, forward=True)
     cols_per_split = _forward_cols_per_split(device, rows, vocab, config["BLOCK_N"], config["BLOCK_V"])
     splits = cdiv(vocab, cols_per_split)
     grid = (cdiv(rows, config["BLOCK_N"]), splits)
-    return MappingProxyType(config), grid, cols_per_split, splits, MappingProxyType(_merge_config(splits, rows))
+    merge = dict(MEAN=mean, STORE_STATS=keep_stats, **_merge_config(splits, rows))
+    return dict(HAS_BIAS=has_bias, **config), grid, cols_per_split, splits, merge
 
 
 @functools.lru_cache(maxsize=4096)
-def _backward_plan(dtype: torch.dtype, rows: int, vocab: int) -> tuple[dict, int]:
-    """(tile config, vocabulary columns per chunk) of a backward over rows >= 1, cached as `_forward_plan`."""
-    from types import MappingProxyType
-
+def _backward_plan(dtype: torch.dtype, rows: int, vocab: int, has_bias: bool, mean: bool) -> tuple[dict, int]:
+    """(the backward kernel's constexprs but DOT_PRECISION, vocabulary columns per chunk) of a backward over
+    rows >= 1, cached and shared as `_forward_plan`'s."""
     config = _config(dtype, rows, forward=False)
-    return MappingProxyType(config), _backward_chunk_cols(rows, vocab, config["BLOCK_V"])
+    return dict(HAS_BIAS=has_bias, MEAN=mean, **config), _backward_chunk_cols(rows, vocab, config["BLOCK_V"])
 
 
 def _forward(x, weight, bias, target, ignore_index, reduction, label_smoothing, keep_stats):
@@ -437,22 +439,23 @@ def _forward(x, weight, bias, target, ignore_index, reduction, label_smoothing, 
             return torch.zeros(shape, dtype=dtype, device=x.device)
         return zero(torch.float32), zero(torch.int64), zero(torch.float32, 1) if keep_stats else None
     device = x.device  # read once: each read makes a torch.device
-    config, grid, cols_per_split, splits, merge_config = _forward_plan(device, x.dtype, rows, vocab)
+    constexprs, grid, cols_per_split, splits, merge_constexprs = _forward_plan(
+        device, x.dtype, rows, vocab, bias is not None, reduction == "mean", keep_stats)
     plane = splits * rows
     # [6, splits, N] (_partial_planes), flat: the kernels index it by plane, and an int size allocates faster
     partials = torch.empty(6 * plane, dtype=torch.float32, device=device)
+    stride_t = target.stride(0)
     launch(_mlm_loss_fwd_kernel, grid,
         x, weight, bias, target, partials, rows, vocab, x.shape[1], cols_per_split, plane, *x.stride(),
-        *weight.stride(), 0 if bias is None else bias.stride(0), target.stride(0), HAS_BIAS=bias is not None,
-        DOT_PRECISION=dot_precision(x.dtype), **config,
+        *weight.stride(), 0 if bias is None else bias.stride(0), stride_t,
+        DOT_PRECISION=dot_precision(x.dtype), **constexprs,
     )
     softmax_stats = torch.empty(2 * rows + 1, dtype=torch.float32, device=device) if keep_stats else None
     # empty_strided: PyTorch parses a size tuple, () included, slower than sizes given one by one
     loss = torch.empty_strided((), (), dtype=torch.float32, device=device)
     num_correct = torch.empty_strided((), (), dtype=torch.int64, device=device)
     launch(_mlm_loss_merge_kernel, (1,), partials, target, softmax_stats, loss, num_correct, rows, vocab, splits,
-           plane, ignore_index, label_smoothing, target.stride(0), MEAN=reduction == "mean", STORE_STATS=keep_stats,
-           **merge_config)
+           plane, ignore_index, label_smoothing, stride_t, **merge_constexprs)
     return loss, num_correct, softmax_stats
 
 
@@ -511,7 +514,7 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         return or_empty(x, x.new_empty((0, hidden)) if needs_dx else None,
                         torch.zeros((vocab, hidden), dtype=weight.dtype, device=x.device) if needs_dweight else None,
                         torch.zeros(vocab, dtype=torch.float32, device=x.device) if needs_dbias else None)
-    config, chunk_cols = _backward_plan(x.dtype, rows, vocab)
+    constexprs, chunk_cols = _backward_plan(x.dtype, rows, vocab, bias is not None, reduction == "mean")
     # one chunk: dW and db come out of their ops whole; several: each chunk's rows are written into them
     chunks = chunk_cols < vocab
     dweight = weight.new_empty(vocab, hidden) if chunks and needs_dweight else None
@@ -528,11 +531,11 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         dz = x.new_empty(rows, aligned)
         if aligned != width:
             dz = dz[:, :width]
-        launch(_mlm_loss_bwd_kernel, (cdiv(rows, config["BLOCK_N"]), cdiv(width, config["BLOCK_V"])),
+        launch(_mlm_loss_bwd_kernel, (cdiv(rows, constexprs["BLOCK_N"]), cdiv(width, constexprs["BLOCK_V"])),
             x, weight, bias, target, softmax_stats, grad_loss, dz,
             rows, vocab, hidden, v0, v1, ignore_index, label_smoothing, *x.stride(), *weight.stride(),
             0 if bias is None else bias.stride(0), target.stride(0), dz.stride(0),
-            HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype), MEAN=reduction == "mean", **config,
+            DOT_PRECISION=dot_precision(x.dtype), **constexprs,
         )
         if chunks:
             if needs_dweight:

@@ -46,15 +46,12 @@ _CANONICAL_BF16_NAN = tl.constexpr(0x7FC0)
 
 
 # torch >= 2.9 has fp32_precision; once a program sets it, the older getters raise instead of answering. Read
-# through the getter that torch.backends.cuda.matmul.fp32_precision calls: the attribute's own lookup costs a
-# microsecond per launch.
+# through the getter that torch.backends.cuda.matmul.fp32_precision calls (the attribute's own lookup costs a
+# microsecond per launch), then through the older getter's C function (torch.get_float32_matmul_precision is
+# a Python wrapper around it). Both are called in dot_precision itself, not in helpers: it runs on every fp32
+# launch of a matmul-type kernel, where every Python call adds to the host's time.
 _FP32_PRECISION_GETTER = getattr(torch._C, "_get_fp32_precision_getter", None)
-
-
-def _fp32_matmul_precision() -> str:
-    if _FP32_PRECISION_GETTER is not None:
-        return _FP32_PRECISION_GETTER("cuda", "matmul")
-    return getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
+_MATMUL_PRECISION_GETTER = getattr(torch._C, "_get_float32_matmul_precision", torch.get_float32_matmul_precision)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -63,10 +60,13 @@ def dot_precision(dtype: torch.dtype) -> str:
     operands get "tf32", Triton's default, which does not affect them."""
     if dtype != torch.float32:
         return "tf32"
-    precision = _fp32_matmul_precision()
+    if _FP32_PRECISION_GETTER is not None:
+        precision = _FP32_PRECISION_GETTER("cuda", "matmul")
+    else:
+        precision = getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
     if precision in ("tf32", "ieee"):
         return precision
-    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return "ieee" if _MATMUL_PRECISION_GETTER() == "highest" else "tf32"
 
 
 @triton.jit
