@@ -413,7 +413,7 @@ def _forward_plan(device: torch.device, dtype: torch.dtype, rows: int, vocab: in
     """(the forward kernel's constexprs but DOT_PRECISION, its grid, columns per split, splits, the merge kernel's
     constexprs) of a forward over rows >= 1: a function of the shape, the options and the device only, so cached
     (working it out cost the host more than the launch). Every call shares the dicts, which nothing changes:
-    plain dicts, as a ** of a read-only proxy costs each launch a third of a microsecond more."""
+    plain dicts, since a ** of a read-only proxy (a mapping, not a dict) costs each launch more host time."""
     config = _config(dtype, rows, forward=True)
     cols_per_split = _forward_cols_per_split(device, rows, vocab, config["BLOCK_N"], config["BLOCK_V"])
     splits = cdiv(vocab, cols_per_split)
