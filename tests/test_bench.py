@@ -76,6 +76,23 @@ def test_smoke_measures_peaks_ops_and_models_side_by_side(smoke):
         assert row["peak_mem_extra_bytes"] > 0
 
 
+@pytest.mark.parametrize("provider", [model_cases.EAGER, model_cases.HF_SDPA])
+def test_bitfit_case_trains_the_biases_alone(provider):
+    """The BitFit rows' step updates every bias term and nothing else, on fastbert's model and transformers'."""
+    (case,) = [c for c in model_cases.smoke_model_cases() if c.trainable == "bitfit"]
+    assert case.name.endswith(",bitfit") and case.shape["trainable"] == "bitfit"
+    run = model_cases.ProviderRun(case, provider, torch.device("cpu"))
+    before = {name: p.detach().clone() for name, p in run.model.named_parameters()}
+    step, _ = run.step_for(case.batch, case.padded)
+    step()
+    changed = {name for name, p in run.model.named_parameters() if not torch.equal(p, before[name])}
+    biases = {name for name in before if name.endswith("bias")}
+    assert biases and changed == biases
+    assert len(run.optimizer.param_groups[0]["params"]) == len(biases)
+    with pytest.raises(ValueError, match="trainable must be one of"):
+        model_cases.freeze(run.model, "lora")
+
+
 def test_smoke_mlm_head_memory_favours_masked_only(smoke):
     """HF's head holds the logits of every position; fastbert's holds a chunk of the labelled rows."""
     _, rows = smoke
@@ -234,9 +251,10 @@ def test_gpu_suite_measures_the_whole_model_comparisons_first():
     assert len(headline) == first_op  # nothing but models before the first op
     providers = {(item.case.name, item.provider) for item in headline}
     for case in model_cases.gpu_model_cases():
-        if case.size == "base" and case.mode in ("train", "inference"):
+        if case.size == "base" and case.mode in ("train", "inference") and case.trainable == "all":
             for provider in {model_cases.FASTBERT, model_cases.HF_SDPA, model_cases.HF_COMPILE} & set(case.providers):
                 assert (case.name, provider) in providers, (case.name, provider)
+    assert "train/base,batch=256,seqlen=128,bitfit" in {item.case.name for item in items[first_op:]}  # after them
     assert ("train/base,batch=256,seqlen=128", model_cases.HF_COMPILE) in providers
     compiled = [i for i, item in enumerate(headline) if item.provider == model_cases.HF_COMPILE]
     assert min(compiled) == len(headline) - len(compiled)  # the compiles (a minute each) after the rest

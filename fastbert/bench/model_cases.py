@@ -51,6 +51,7 @@ FASTBERT_MODELS = frozenset({FASTBERT, UNPAD, EAGER, GRAPH})  # fastbert's own c
 HF_SDPA, HF_EAGER, HF_COMPILE, HF_FA2 = "hf-sdpa", "hf-eager", "hf-sdpa+compile", "hf-flash-attention-2"
 HF_ATTENTION = {HF_SDPA: "sdpa", HF_EAGER: "eager", HF_COMPILE: "sdpa", HF_FA2: "flash_attention_2"}
 GPU_PROVIDERS = frozenset({FASTBERT, UNPAD, HF_COMPILE, APPLY, GRAPH})
+TRAINABLE = ("all", "bitfit")  # ModelCase.trainable: every parameter, or the bias terms alone (freeze)
 SIZES = {"base": fastbert.BertConfig.base, "large": fastbert.BertConfig.large, "tiny": fastbert.BertConfig.tiny,
          # all-mpnet-base-v2's shape (514 positions: 512 tokens after the padding index's offset)
          "mpnet-base": lambda: MPNetConfig(max_position_embeddings=514), "mpnet-tiny": MPNetConfig.tiny,
@@ -70,6 +71,7 @@ class ModelCase:
     seqlen: int
     padded: bool  # lengths uniform in [S/4, S] instead of full sequences
     providers: tuple[str, ...]
+    trainable: str = "all"  # TRAINABLE: which parameters train
 
     @property
     def op(self) -> str:
@@ -81,14 +83,26 @@ class ModelCase:
 
     @property
     def shape(self) -> dict:
-        return {"size": self.size, "batch": self.batch, "seqlen": self.seqlen, "padded": self.padded}
+        frozen = {} if self.trainable == "all" else {"trainable": self.trainable}  # the rows of every-parameter runs
+        return {"size": self.size, "batch": self.batch, "seqlen": self.seqlen, "padded": self.padded, **frozen}
 
     @property
     def name(self) -> str:
-        return f"{self.mode}/{self.size},batch={self.batch},seqlen={self.seqlen}" + (",padded" if self.padded else "")
+        return (f"{self.mode}/{self.size},batch={self.batch},seqlen={self.seqlen}" + (",padded" if self.padded else "")
+                + ("" if self.trainable == "all" else f",{self.trainable}"))
 
     def provider_names(self) -> list[str]:
         return list(self.providers)
+
+
+def freeze(model: torch.nn.Module, trainable: str) -> None:
+    """Leave only `trainable` (TRAINABLE) requiring grad: "bitfit" (Ben Zaken et al., 2021) trains the bias terms
+    alone, so every weight matrix is frozen and each op's backward skips its weight-gradient matmul."""
+    if trainable not in TRAINABLE:
+        raise ValueError(f"trainable must be one of {TRAINABLE}, got {trainable!r}")
+    if trainable == "bitfit":
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(name.endswith("bias"))
 
 
 def make_batch(config: fastbert.BertConfig, batch: int, seqlen: int, padded: bool, device: torch.device) -> dict:
@@ -189,7 +203,9 @@ class ProviderRun:
         self.model = build_model(provider, case.config, case.mode, device)
         self.optimizer = None
         if case.mode != "inference":
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
+            freeze(self.model, case.trainable)
+            trained = [p for p in self.model.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=device.type == "cuda")
 
     def step_for(self, batch: int, padded: bool) -> tuple[Callable[[], None], dict]:
         data = make_batch(self.case.config, batch, self.case.seqlen, padded, self.device)
@@ -296,6 +312,8 @@ def gpu_model_cases() -> list[ModelCase]:
         if case.size == "base":  # issue 25: the applied model trains as fast as fastbert's; a graph's inference
             case.providers += (APPLY,) if case.mode == "train" else (GRAPH,)
     cases.append(ModelCase("capacity", "base", 32, 512, False, (FASTBERT, HF_SDPA)))
+    # what a frozen weight saves (issue 25's fused backwards skip its gradient's matmul, as PyTorch's linear does)
+    cases.append(ModelCase("train", "base", 256, 128, False, (FASTBERT, HF_SDPA, APPLY), trainable="bitfit"))
     # MPNet (all-mpnet-base-v2's shape) against transformers' MPNet, which has eager attention only
     mpnet = (FASTBERT, UNPAD, HF_EAGER)
     cases += [ModelCase("train", "mpnet-base", 32, 512, True, mpnet),
@@ -313,5 +331,6 @@ def gpu_model_cases() -> list[ModelCase]:
 def smoke_model_cases() -> list[ModelCase]:
     providers = (EAGER, HF_SDPA)  # hf-eager differs from hf-sdpa by one string: the GPU suite runs it
     return [ModelCase("train", "tiny", 2, 16, True, providers), ModelCase("inference", "tiny", 2, 16, True, providers),
+            ModelCase("train", "tiny", 2, 16, True, providers, trainable="bitfit"),
             ModelCase("train", "mpnet-tiny", 2, 16, True, (EAGER, HF_EAGER)),
             ModelCase("train", "modernbert-tiny", 2, 16, True, (EAGER, HF_SDPA))]

@@ -105,7 +105,8 @@ HEADLINE_PROVIDERS = frozenset({model_cases.FASTBERT, model_cases.UNPAD, model_c
 
 def model_item_kind(case: model_cases.ModelCase, provider: str) -> str:
     """The GPU_ORDER kind of a whole-model item."""
-    headline = case.size == HEADLINE_SIZE and case.mode in ("train", "inference")
+    # a case that freezes parameters (BitFit) answers a narrower question than the headline's
+    headline = case.size == HEADLINE_SIZE and case.mode in ("train", "inference") and case.trainable == "all"
     if provider == model_cases.HF_COMPILE:
         return "headline compiled model" if headline else "other compiled model"
     return "headline model" if headline and provider in HEADLINE_PROVIDERS else "other model"
