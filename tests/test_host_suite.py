@@ -126,3 +126,18 @@ def test_the_host_census_counts_exactly(tmp_path):
     done = _compiled_path("", "benchmarks/host_census.py", "--size", "base", "--out", str(tmp_path / "a file" / "x"),
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 2 and "a file" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_size_argument_forms_make_the_same_tensors():
+    # benchmarks/size_arguments.py times each allocation and reshape with its sizes as one argument and one by
+    # one, the second being what kernels/*.py and the layers use: both must make the same tensor
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "size_arguments.py")
+    spec = importlib.util.spec_from_file_location("size_arguments", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for what, calls in module.pairs().items():
+        one, many = calls["as one argument"](), calls["one by one"]()
+        assert (one.shape, one.stride(), one.dtype) == (many.shape, many.stride(), many.dtype), what
+        assert calls.keys() == {"as one argument", "one by one"}
