@@ -496,6 +496,16 @@ def _(x, weight, bias, target, ignore_index, reduction, label_smoothing):
     return x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.int64)
 
 
+def _no_backward(ctx, grad_loss, grad_num_correct):
+    # linear_cross_entropy never calls the inference op on inputs that need gradients; a direct call that did gets
+    # this error at backward, through the eager call and the custom op alike, rather than zero or no gradients
+    raise RuntimeError("fastbert::mlm_loss_inference keeps no softmax statistics, so it has no backward: call "
+                       "mlm_loss_fwd, or linear_cross_entropy, which picks it when an input requires grad")
+
+
+mlm_loss_inference.register_autograd(_no_backward, setup_context=lambda ctx, inputs, output: None)
+
+
 @fused_op("fastbert::mlm_loss_bwd")
 def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  target: torch.Tensor, softmax_stats: torch.Tensor, ignore_index: int, reduction: str,

@@ -398,3 +398,14 @@ def test_rows_times_vocab_past_int32(device):
     assert_within_rule("loss", loss, loss_torch, loss_exact)
     for name, grad, grad_torch, grad_exact in zip(("dx", "dweight", "dbias"), grads, grads_torch, grads_exact):
         assert_within_rule(name, grad, grad_torch, grad_exact, GRADIENT_FACTOR)
+
+
+@pytest.mark.parametrize("entrance", ["eager", "custom op"])
+def test_inference_op_refuses_a_backward(entrance, device):
+    """Called directly on an input that requires grad (linear_cross_entropy never does), the inference op's loss
+    raises at backward, naming the op to use, through either entrance."""
+    x, weight, bias, target = _make_inputs(4, 4, 1000, 384, torch.float32, device)
+    with contextlib.nullcontext() if entrance == "eager" else always_custom_op():
+        loss, _ = mlm_loss.mlm_loss_inference(x, weight.requires_grad_(), bias, target, -100, "mean", 0.0)
+    with pytest.raises(RuntimeError, match="call mlm_loss_fwd, or linear_cross_entropy"):
+        loss.backward()

@@ -251,15 +251,18 @@ def measure_step(case: ModelCase, step: Callable[[], None], data: dict, device: 
     lengths = data["lengths"]
     batch = lengths.numel()
     labelled = int((data["tensors"]["labels"] != -100).sum())
-    flops = model_flops(case.config, lengths, labelled, case.mode)
     seconds = times["median_ms"] * 1e-3
     row = {"direction": "train_step" if case.mode == "train" else "inference", "batch": batch,
            "backend": data["backend"],
            "tokens": int(lengths.sum()), "padding": round(1 - float(lengths.sum()) / (batch * case.seqlen), 4),
-           **times, **memory, "flops": flops, "tflops": flops / seconds / 1e12,
-           "tokens_per_s": float(lengths.sum()) / seconds, "sequences_per_s": batch / seconds}
-    if peaks.get("tflops"):
-        row["mfu"] = row["tflops"] / peaks["tflops"]
+           **times, **memory, "tokens_per_s": float(lengths.sum()) / seconds, "sequences_per_s": batch / seconds}
+    # model FLOPs count every parameter's gradient: a frozen one's matmul is skipped, so a BitFit step has no
+    # FLOPs or MFU to compare with the full steps' (tokens/s compares them)
+    if case.trainable == "all":
+        row["flops"] = model_flops(case.config, lengths, labelled, case.mode)
+        row["tflops"] = row["flops"] / seconds / 1e12
+        if peaks.get("tflops"):
+            row["mfu"] = row["tflops"] / peaks["tflops"]
     return row
 
 
