@@ -8,6 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fastbert.kernels.fused_op import c_apply, tracing
 from fastbert.last_mask import LastMask, may_keep
 
 
@@ -304,16 +305,17 @@ CROSS_ENTROPY_CHUNK_ROWS = 1024
 class _LinearCrossEntropy(torch.autograd.Function):
     """Cross entropy of x @ weight.T + bias, in row chunks, with the gradient computed chunk by chunk
     in the forward (the logits' gradient softmax - target is known there), so neither pass holds
-    the [N, V] logits."""
+    the [N, V] logits. New-style (setup_context apart), as torch.func.grad needs: the forward, which then
+    sees no ctx, is told whether to compute the gradients (needs_grad) and returns them, None where not. No jvp
+    (Dynamo refuses a Function that has one): forward-mode AD gets PyTorch's error for a Function without."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, ignore_index, reduction, label_smoothing):
+    def forward(x, weight, bias, target, ignore_index, reduction, label_smoothing, needs_grad):
         rows, vocab = x.shape[0], weight.shape[0]
         valid = target != ignore_index  # [N]
         count = valid.sum()
         # mean over labelled rows; a batch with no labelled row gives 0, not 0/0
         scale = 1.0 / count.clamp(min=1).to(torch.float32) if reduction == "mean" else torch.ones((), device=x.device)
-        needs_grad = any(ctx.needs_input_grad[:3])
         loss = torch.zeros((), dtype=torch.float64, device=x.device)  # as nll_loss on CPU: fp32 sums drift
         correct = torch.zeros((), dtype=torch.int64, device=x.device)
         grad_x = torch.zeros_like(x) if needs_grad else None
@@ -341,21 +343,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_w += grad_logits.t() @ xs.float()
                 if grad_b is not None:
                     grad_b += grad_logits.sum(dim=0)
-        loss = (loss * scale).float()
-        if needs_grad:
-            ctx.save_for_backward(grad_x, grad_w, grad_b)
-            ctx.param_dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        ctx.mark_non_differentiable(correct)
-        return loss, correct
+        return (loss * scale).float(), correct, grad_x, grad_w, grad_b
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_correct):
+    def setup_context(ctx, inputs, output):
+        weight, bias = inputs[1], inputs[2]
+        _, correct, *grads = output
+        ctx.mark_non_differentiable(correct, *(g for g in grads if g is not None))
+        if grads[0] is not None:
+            ctx.save_for_backward(*grads)
+            ctx.param_dtypes = (weight.dtype, None if bias is None else bias.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_correct, *_):  # the returned gradients are not differentiable
         grad_x, grad_w, grad_b = ctx.saved_tensors
         weight_dtype, bias_dtype = ctx.param_dtypes
         grad_x = grad_x * grad_loss.to(grad_x.dtype)
         grad_w = (grad_w * grad_loss).to(weight_dtype)
         grad_b = None if grad_b is None else (grad_b * grad_loss).to(bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+_LINEAR_CROSS_ENTROPY_APPLY = c_apply(_LinearCrossEntropy)
 
 
 def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="mean", label_smoothing=0.0):
@@ -365,4 +374,8 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     num_correct int64 scalar: labelled rows whose argmax is the target). reduction "mean" divides
     by the number of labelled rows (0 labelled rows give loss 0 and zero gradients), "sum" does not.
     """
-    return _LinearCrossEntropy.apply(x, weight, bias, target, ignore_index, reduction, label_smoothing)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    # Function.apply's Python layer where PyTorch traces or transforms (torch.compile, torch.func), else autograd's own
+    apply = _LinearCrossEntropy.apply if tracing() else _LINEAR_CROSS_ENTROPY_APPLY
+    loss, correct, *_ = apply(x, weight, bias, target, ignore_index, reduction, label_smoothing, needs_grad)
+    return loss, correct

@@ -10,11 +10,18 @@
 # implementation, two entrances, the same results (tests/test_fused_op.py checks both give equal outputs and
 # gradients, and that torch.compile(fullgraph=True) still traces the op). `fastbert bench --suite host`
 # measures what each entrance costs: its "fastbert-custom-op" rows run every op through the custom op.
+#
+# A third entrance, for torch.func.grad and jvp and for forward-mode AD: a new-style autograd.Function around
+# the custom op (`differentiable_function`). torch.func refuses the custom op's own autograd (an old-style
+# Function, pytorch/pytorch#170834), and jvp through the custom op or the host function would leave the
+# tangents out (zero, no error); this Function gives torch.func.grad the registered backward, and refuses a
+# tangent with an error naming the op (tests/test_torch_func.py).
 import contextlib
 import inspect
 from typing import Callable, Optional
 
 import torch
+import torch.autograd.forward_ad as _FORWARD_AD
 
 # Tensor types the eager path takes; any other subclass (FakeTensor, FunctionalTensor, DTensor, ...) belongs to
 # a tracer or a wrapper that only the custom op's registrations know how to handle.
@@ -26,6 +33,9 @@ _AUTOGRAD_APPLY = torch._C._FunctionBase.__dict__["apply"]  # autograd.Function'
 _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _functorch_transforms = torch._C._are_functorch_transforms_active
+_innermost_transform = torch._C._functorch.peek_interpreter_stack
+# the torch.func transforms that differentiate: an op under them runs as a new-style autograd.Function
+_DIFFERENTIATING = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
 
 
 def tracing() -> bool:
@@ -52,6 +62,8 @@ class FusedOp:
         self._tensor_positions = tuple(i for i, argument in enumerate(self.custom_op._opoverload._schema.arguments)
                                        if argument.type.isSubtypeOf(any_tensor))
         self._eager_apply: Optional[Callable] = None  # the eager autograd.Function's apply, once registered
+        self.name = name
+        self._differentiable_apply = differentiable_function(self.custom_op, name).apply
 
     def register_fake(self, fake: Callable) -> Callable:
         self.custom_op.register_fake(fake)
@@ -59,6 +71,7 @@ class FusedOp:
 
     def register_autograd(self, backward: Callable, setup_context: Callable) -> None:
         self.custom_op.register_autograd(backward, setup_context=setup_context)
+        self._differentiable_apply = differentiable_function(self.custom_op, self.name, setup_context, backward).apply
         forward_function, setup_function, backward_function = self.function, setup_context, backward
 
         class EagerFunction(torch.autograd.Function):
@@ -73,15 +86,15 @@ class FusedOp:
             backward = staticmethod(backward_function)
 
         EagerFunction.__name__ = EagerFunction.__qualname__ = f"{forward_function.__name__}_eager"
-        # autograd's own apply, without Function.apply's Python layer (functorch's unwrapping, ~2 us a call):
-        # the eager path never runs under a functorch transform (tracing)
-        self._eager_apply = _AUTOGRAD_APPLY.__get__(None, EagerFunction)
+        self._eager_apply = c_apply(EagerFunction)
 
     def __call__(self, *args):
         if len(args) < self._arity:
             args += self._defaults[len(args):]
         if _ALWAYS_CUSTOM_OP[0] or tracing():
-            return self.custom_op(*args)
+            return self._traced(args)
+        if _FORWARD_AD._current_level >= 0:  # inside forward-mode AD's dual_level: tangents need the jvp rule
+            return self._differentiable_apply(*args)
         # one pass: a tensor that is not a plain one on a real device takes the custom op (meta tensors its
         # shape-only fake registration); any that requires grad takes autograd
         differentiable = self._eager_apply is not None and torch.is_grad_enabled()
@@ -97,6 +110,15 @@ class FusedOp:
             return self._eager_apply(*args)
         return self.function(*args)
 
+    def _traced(self, args: tuple):
+        """The custom op, but under torch.func.grad or jvp (not compiled, no dispatch mode) the new-style
+        autograd.Function those need: the custom op's own autograd is an old-style one, which they refuse
+        (pytorch/pytorch#170834), and under jvp it would give zero tangents rather than an error."""
+        if not (_is_compiling() or _dispatch_modes()) and _functorch_transforms():
+            if _innermost_transform().key() in _DIFFERENTIATING:
+                return self._differentiable_apply(*args)
+        return self.custom_op(*args)
+
 
 # True inside always_custom_op(): eager calls take the custom op too, as before this module (the host suite's
 # "fastbert-custom-op" rows, the measurement behind the choice)
@@ -111,6 +133,54 @@ def always_custom_op():
         yield
     finally:
         _ALWAYS_CUSTOM_OP[0] = previous
+
+
+def c_apply(function_class: type) -> Callable:
+    """function_class's apply: autograd's own, without Function.apply's Python layer (functorch's unwrapping, ~2 us
+    a call; for a new-style Function, binding the arguments to forward's signature, ~15 us). For the eager path
+    only, which never runs under a torch.func transform or torch.compile (`tracing`): those need that layer."""
+    return _AUTOGRAD_APPLY.__get__(None, function_class)
+
+
+def differentiable_function(custom_op, name: str, setup_context: Optional[Callable] = None,
+                            backward: Optional[Callable] = None) -> type:
+    """custom_op as a new-style torch.autograd.Function (forward without ctx, setup_context apart), which
+    torch.func's transforms accept: the registered setup_context and backward, none for an op without them
+    (an inference op or a backward op, which the ops never differentiate). It has no forward-mode derivative:
+    its jvp raises, rather than leaving the tangents out (a jvp Dynamo would refuse, but torch.compile traces the
+    custom op instead). Called through Function.apply's Python layer (which hands it to torch.func), so only where
+    that is needed; the eager path keeps its old-style Function."""
+
+    class DifferentiableFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(*args):
+            return custom_op(*args)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            if setup_context is not None:
+                setup_context(ctx, inputs, output)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            if backward is None:
+                raise RuntimeError(f"{name} has no backward: fastbert differentiates its training op instead")
+            return backward(ctx, *grads)
+
+        @staticmethod
+        def jvp(ctx, *tangents):
+            raise NotImplementedError(
+                f"{name} has no forward-mode derivative (torch.func.jvp, torch.autograd.forward_ad): fastbert's "
+                "kernels have backward rules only; backend='torch' runs PyTorch's own ops, which have forward-mode "
+                "rules (the MLM cross entropy excepted)")
+
+        @staticmethod
+        def vmap(info, in_dims, *args):  # under torch.func.vmap, below a grad or jvp
+            raise NotImplementedError(f"{name} has no batching rule for torch.func.vmap: run with backend='torch' "
+                                      "for PyTorch's own ops")
+
+    DifferentiableFunction.__name__ = DifferentiableFunction.__qualname__ = f"{name.split('::')[-1]}_function"
+    return DifferentiableFunction
 
 
 def fused_op(name: str) -> Callable[[Callable], FusedOp]:

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.fused_op import fused_op, or_empty
+from fastbert.kernels.fused_op import c_apply, fused_op, or_empty, tracing
 from fastbert.kernels.launch import cdiv, launch, next_power_of_2, placeholders
 from fastbert.kernels.matmul import DTYPES, matmul_fwd, row_groups
 from fastbert.kernels.numerics import INTERPRETER, cast
@@ -244,12 +244,16 @@ def _project(x, weight, bias, num_heads: int, cublas_forward: bool):
 class _QKVProjection(torch.autograd.Function):
     """Returns q, k, v as views of one forward buffer and takes their gradients separately, so that the
     backward reads them where they are (attention's one buffer) or gathers them once (autograd's unbind
-    backward would first stack them)."""
+    backward would first stack them). New-style (setup_context apart), as torch.func.grad needs. No jvp: Dynamo
+    refuses a Function that has one; forward-mode AD gets PyTorch's own error for a Function without."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, num_heads, cublas_forward):
-        ctx.save_for_backward(x, weight)
+    def forward(x, weight, bias, num_heads, cublas_forward):
         return _project(x, weight, bias, num_heads, cublas_forward)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], inputs[1])
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
@@ -257,6 +261,9 @@ class _QKVProjection(torch.autograd.Function):
         needs_dx, needs_dweight, needs_dbias = needs = ctx.needs_input_grad[:3]  # a missing bias needs none
         dx, dweight, dbias = _qkv_projection_bwd_op(dq, dk, dv, x, weight, needs)
         return dx if needs_dx else None, dweight if needs_dweight else None, dbias if needs_dbias else None, None, None
+
+
+_QKV_EAGER_APPLY = c_apply(_QKVProjection)
 
 
 def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
@@ -276,5 +283,7 @@ def qkv_projection_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     """`qkv_projection` after its checks, which the caller has made (fastbert.ops: the shapes, then
     `check_limits`)."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
-        return _QKVProjection.apply(x, weight, bias, num_heads, cublas_forward)
+        # Function.apply's Python layer where PyTorch traces or transforms (torch.compile, torch.func)
+        apply = _QKVProjection.apply if tracing() else _QKV_EAGER_APPLY
+        return apply(x, weight, bias, num_heads, cublas_forward)
     return _project(x, weight, bias, num_heads, cublas_forward)
