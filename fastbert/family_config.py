@@ -115,7 +115,7 @@ class ModernBertConfig(BertConfig):
     global attention every global_attn_every_n_layers-th layer and a sliding window of local_attention tokens
     (|i - j| <= local_attention / 2) on the others. transformers' names and defaults; its config.json's
     global_rope_theta / local_rope_theta (older checkpoints) or rope_parameters (transformers 5) both read.
-    Always unpadded (unpad=True)."""
+    unpad is always True: unpadded on the kernels (the PyTorch path stays padded, ModernBertModel.unpads)."""
 
     model_type = "modernbert"
     architecture = "ModernBERT"
@@ -209,7 +209,7 @@ class ModernBertConfig(BertConfig):
             raise ValueError(f"ModernBertConfig.classifier_activation must be a GELU, got "
                              f"{self.classifier_activation!r}")
         if not self.unpad:
-            raise ValueError("ModernBertConfig.unpad must be True: fastbert always runs ModernBERT unpadded")
+            raise ValueError("ModernBertConfig.unpad must be True: fastbert runs ModernBERT unpadded on its kernels")
 
 
 FAMILY_CONFIGS = (BertConfig, RobertaConfig, XLMRobertaConfig, CamembertConfig, ElectraConfig, MPNetConfig,

@@ -547,6 +547,11 @@ class BertModel(BertPreTrainedModel):
         pooler = getattr(self, "pooler", None)
         return None if pooler is None else pooler(sequence_output)
 
+    def unpads(self, hidden) -> bool:
+        """Whether config.unpad unpads this batch (hidden: the embeddings): always, as the user asked
+        (ModernBERT, which always asks, only on the kernels)."""
+        return True
+
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, *, output_hidden_states=None, output_attentions=None, return_dict=None,
                 validate=True, **kwargs):
@@ -562,7 +567,7 @@ class BertModel(BertPreTrainedModel):
         batch, seqlen = check_model_inputs(config, input_ids, attention_mask, token_type_ids, position_ids,
                                            inputs_embeds, validate)
         hidden = self.embed(input_ids, token_type_ids, position_ids, inputs_embeds)  # [B, S, H]
-        unpadded = config.unpad and attention_mask is not None and not output_attentions
+        unpadded = config.unpad and attention_mask is not None and not output_attentions and self.unpads(hidden)
         if unpadded:
             hidden, indices, cu_seqlens, max_seqlen = ops.unpad(hidden, attention_mask)  # [T, H]
             layout = AttentionLayout(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)

@@ -6,9 +6,11 @@ The attention rotates q and k inside the flash kernel (rotary_base per layer typ
 local_attention = 128) and skips the blocks outside it. The attention's residual add and mlp_norm are one
 fused LayerNorm that also returns the residual stream; the FFN is GeGLU with the gated product in the
 up-projection's epilogue; LayerNorms and Linears have no bias by default (norm_bias, attention_bias,
-mlp_bias). The encoder always runs on the real tokens only (config.unpad is always True): a padded batch is
-unpadded once after the embeddings. Rotary positions are each token's offset in its sequence, so left padding
-and packing give what transformers' padded computation gives (rotary scores depend on i - j only).
+mlp_bias). On the kernels the encoder runs on packed rows (config.unpad is always True): a padded batch is
+unpadded once after the embeddings; on the PyTorch path (what "auto" runs on CPU) it stays padded, as
+transformers' SDPA ModernBERT (ModernBertModel.unpads says why). Rotary positions are each token's offset in its
+sequence, so left padding and packing give what transformers' padded computation gives (rotary scores depend on
+i - j only).
 """
 from __future__ import annotations
 
@@ -191,6 +193,12 @@ class ModernBertModel(ModernBertPreTrainedModel, BertModel):
 
     def pool(self, sequence_output):
         return None
+
+    def unpads(self, hidden) -> bool:
+        """On the kernels only: the PyTorch path's varlen attention would pad each layer back, to twice the batch
+        (each sequence's padding a sequence of its own), costing two copies a layer and double the attention for
+        the same rows; padded, it runs as transformers' SDPA ModernBERT does."""
+        return ops.resolve_backend(self.config.backend, hidden) != "torch"
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
         """transformers' ModernBertModel arguments; the rest as BertModel.forward."""

@@ -574,6 +574,25 @@ def test_unpad_false_is_an_error_naming_unpad(tmp_path):
         fastbert.ModernBertModel.from_pretrained(tmp_path, unpad=False)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_encoder_unpads_where_the_kernels_run(backend, monkeypatch, device):
+    """A padded batch is unpadded once on the kernels; on the PyTorch path it stays padded (as transformers'
+    SDPA ModernBERT), where the reference's varlen attention would pad each layer back, to twice the batch (each
+    sequence's padding a sequence of its own). Both give transformers' outputs on the real tokens."""
+    unpads, varlen = [], []
+    for name, calls in (("unpad", unpads), ("attention_varlen", varlen)):
+        monkeypatch.setattr(fastbert.ops, name, lambda *args, real=getattr(fastbert.ops, name), calls=calls, **kwargs:
+                            calls.append(name) or real(*args, **kwargs))
+    theirs = hf_model(**TRITON_SIZES).to(device)
+    ours = fastbert.apply(copy.deepcopy(theirs), backend=backend)
+    inputs = to_device(head_inputs(theirs.config, "Model"), device)
+    real = inputs["attention_mask"].bool()
+    got = ours(**inputs).last_hidden_state
+    on_kernels = backend == "triton"
+    assert (len(unpads), len(varlen)) == ((1, theirs.config.num_hidden_layers) if on_kernels else (0, 0))
+    torch.testing.assert_close(got[real], theirs(**inputs).last_hidden_state[real], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native", "applied"])
 def test_position_ids_other_than_offsets_are_an_error_naming_them(native):
     """fastbert rotates by each token's offset in its sequence, which rotates as any positions counting up by

@@ -2,7 +2,7 @@
 largest batch that fits, fastbert against transformers' BERT on the same config and batch; MPNet
 (MPNetForMaskedLM training, MPNetModel inference: the relative-position bias in the attention kernel)
 against transformers' MPNet, which has eager attention only; and ModernBERT-base at S = 512 and 8,192
-(masked-LM training, inference; fastbert always unpadded with its windowed rotary attention) against
+(masked-LM training, inference; fastbert unpadded on its kernels, with its windowed rotary attention) against
 transformers' SDPA and eager paths, and its flash-attention-2 path where the flash_attn package imports.
 
 Providers:
@@ -143,7 +143,7 @@ def build_model(provider: str, config: fastbert.BertConfig, mode: str, device: t
     head = "Model" if mode == "inference" else training_head(config)
     if provider in FASTBERT_MODELS:
         config = config.replace(backend="torch" if provider == EAGER else config.backend,
-                                unpad=config.unpad or provider == UNPAD)  # ModernBERT always unpads
+                                unpad=config.unpad or provider == UNPAD)  # ModernBERT's is always True
         with torch.device(device):
             model = architectures.model_class(config, head)(config)
     else:
@@ -322,7 +322,7 @@ def gpu_model_cases() -> list[ModelCase]:
     cases += [ModelCase("train", "mpnet-base", 32, 512, True, mpnet),
               ModelCase("inference", "mpnet-base", 32, 128, True, mpnet),
               ModelCase("inference", "mpnet-base", 8, 512, True, mpnet)]
-    # ModernBERT-base (always unpadded in fastbert, so no separate unpad provider) at its two lengths
+    # ModernBERT-base (unpadded on fastbert's kernels, so no separate unpad provider) at its two lengths
     modernbert = (FASTBERT, HF_SDPA, HF_EAGER) + ((HF_FA2,) if importlib.util.find_spec("flash_attn") else ())
     cases += [ModelCase("train", "modernbert-base", 32, 512, True, modernbert),
               ModelCase("train", "modernbert-base", 2, 8192, True, modernbert),
