@@ -129,13 +129,13 @@ def _relative_position_bias(relative_bias, relative_buckets, seqlen, dtype):
 def rotate(x, base: float):
     """x [B, heads, S, d] rotated by RoPE at positions 0..S-1 (rotate_half layout: dimension i pairs with
     i + d/2, as transformers' apply_rotary_pos_emb), at angles position * base ** (-2i / d); computed in fp32
-    (float64 for float64 x) and returned in x's dtype."""
+    (float64 for float64 x) and returned in x's dtype. rotate_half(x) * sin is x's halves swapped (a roll by d/2)
+    times the sine with its first half negated: the same products, in 2 autograd nodes rather than 5."""
     d = x.shape[-1]
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    cos, sin = _rotary_tables(x.device, x.shape[-2], d, base, work)
+    cos, signed_sin = _rotary_tables(x.device, x.shape[-2], d, base, work)
     xw = x.to(work)
-    half = torch.cat([-xw[..., d // 2:], xw[..., : d // 2]], dim=-1)
-    return (xw * cos + half * sin).to(x.dtype)
+    return (xw * cos + xw.roll(d // 2, dims=-1) * signed_sin).to(x.dtype)
 
 
 # (device, positions, head dim, base, dtype) -> rotate's (cos, sin), made once: every layer of a rotary model rotates
@@ -146,14 +146,16 @@ ROTARY_TABLES_KEPT = 8
 
 
 def _rotary_tables(device, seqlen: int, d: int, base: float, work: torch.dtype):
-    """(cos, sin) [seqlen, d] in `work` at angles position * base ** (-2i / d), i < d/2, repeated over both halves."""
+    """(cos, signed sin) [seqlen, d] in `work` at angles position * base ** (-2i / d), i < d/2, over both halves
+    (the sine negated over the first)."""
     key = (device, seqlen, d, base, work)
     keep = may_keep(device)
     found = _ROTARY_TABLES.get(key) if keep else None
     if found is None:
         inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, device=device, dtype=torch.int64).to(work) / d))
         angles = torch.arange(seqlen, device=device, dtype=work)[:, None] * inv_freq[None]  # [S, d/2]
-        found = torch.cat([angles, angles], dim=-1).cos(), torch.cat([angles, angles], dim=-1).sin()
+        sin = angles.sin()
+        found = torch.cat([angles, angles], dim=-1).cos(), torch.cat([-sin, sin], dim=-1)
         if keep:
             if len(_ROTARY_TABLES) >= ROTARY_TABLES_KEPT:
                 _ROTARY_TABLES.clear()

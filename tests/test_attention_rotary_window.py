@@ -133,6 +133,25 @@ def test_inverse_frequencies_are_transformers_and_made_once(device):
     assert attn._inv_freq(q, None, unread) is unread[torch.float32]  # no rotary positions: the placeholder
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_reference_rotate_is_rotate_half_bitwise(dtype, device):
+    """rotate's roll and signed sine give transformers' x * cos + rotate_half(x) * sin exactly, forward and
+    backward, at the same angles (computed here as transformers' rotary embedding lays them out)."""
+    from transformers.models.modernbert.modeling_modernbert import rotate_half
+
+    x = torch.randn(2, 3, 7, 64, device=device).to(dtype).requires_grad_()
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    inv_freq = 1.0 / (LOCAL_THETA ** (torch.arange(0, 64, 2, device=device, dtype=torch.int64).to(work) / 64))
+    angles = torch.arange(7, device=device, dtype=work)[:, None] * inv_freq[None]
+    both = torch.cat([angles, angles], dim=-1)
+    widened = x.to(work)
+    expected = (widened * both.cos() + rotate_half(widened) * both.sin()).to(dtype)
+    got = reference.rotate(x, LOCAL_THETA)
+    cotangent = torch.randn_like(got)
+    assert torch.equal(got, expected)
+    assert torch.equal(*(torch.autograd.grad(y, x, cotangent)[0] for y in (got, expected)))
+
+
 def test_reference_rotary_tables_are_made_once(device):
     """The PyTorch path's cos and sin tables are made once per device, length, head dim, base and dtype (every
     layer rotates q and k at the same positions), not while torch.compile traces, and rotate's result is the
