@@ -4,8 +4,9 @@ Shape and dtype checks read metadata and always run. Value checks (ids in range,
 label budget, ...) run on the device without a host sync (`check_on_device`): on CPU a failed one raises
 ValueError at once, naming the bad value; on CUDA it is an asynchronous device-side assert that fails the
 next sync. `validate=False` skips the value checks (it is never needed for speed: they cost a few small
-kernels), and they are skipped while torch.compile traces. Also here: the transformers keyword arguments a
-forward accepts, and the conversion of transformers' 4-D attention masks to fastbert's key padding mask.
+kernels), and they are skipped while torch.compile traces and under torch.func.vmap. Also here: the
+transformers keyword arguments a forward accepts, and the conversion of transformers' 4-D attention masks to
+fastbert's key padding mask.
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ _REPORTED_UNKNOWN: set[str] = set()
 
 # the CUDA kernel of torch._assert_async(cond, msg) holds messages of fewer characters than this
 _DEVICE_MESSAGE_LIMIT = 255
+_functorch_transforms = torch._C._are_functorch_transforms_active
+_transforms = torch._C._functorch.get_interpreter_stack  # the torch.func transforms around the call, outermost first
+_VMAP = torch._C._functorch.TransformType.Vmap
 
 
 def check_on_device(ok: torch.Tensor, message: str, explain: Callable[[], str] | None = None) -> None:
@@ -43,8 +47,11 @@ def check_on_device(ok: torch.Tensor, message: str, explain: Callable[[], str] |
     offending value, read only on this error path) or `message`. CUDA tensors: nothing waits; a False `ok`
     is a device-side assert that fails the next host sync (RuntimeError "device-side assert triggered", with
     `message` printed by the kernel), after which the CUDA context is unusable, as after an out-of-range
-    index in PyTorch's own kernels. Meta tensors (memory plans) have no values: nothing is checked.
+    index in PyTorch's own kernels. Meta tensors (memory plans) have no values: nothing is checked. Nor under
+    torch.func.vmap (per-sample gradients), whose batched values allow no assert, as while torch.compile traces.
     """
+    if _functorch_transforms() and _VMAP in [level.key() for level in _transforms()]:
+        return
     try:
         torch._assert_async(ok, message[:_DEVICE_MESSAGE_LIMIT - 1])
     except RuntimeError:
