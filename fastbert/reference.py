@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fastbert.kernels.fused_op import c_apply, tracing
+from fastbert.kernels.fused_op import c_apply, once_differentiable, tracing
 from fastbert.last_mask import LastMask, may_keep
 
 
@@ -349,21 +349,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        weight, bias = inputs[1], inputs[2]
+        x, weight, bias = inputs[:3]
         _, correct, *grads = output
         ctx.mark_non_differentiable(correct, *(g for g in grads if g is not None))
         if grads[0] is not None:
-            ctx.save_for_backward(*grads)
+            # x, weight and bias too, unread: what the gradients depend on, for once_differentiable
+            ctx.save_for_backward(*grads, x, weight, bias)
             ctx.param_dtypes = (weight.dtype, None if bias is None else bias.dtype)
 
     @staticmethod
     def backward(ctx, grad_loss, grad_correct, *_):  # the returned gradients are not differentiable
-        grad_x, grad_w, grad_b = ctx.saved_tensors
+        grad_x, grad_w, grad_b = ctx.saved_tensors[:3]
         weight_dtype, bias_dtype = ctx.param_dtypes
         grad_x = grad_x * grad_loss.to(grad_x.dtype)
         grad_w = (grad_w * grad_loss).to(weight_dtype)
         grad_b = None if grad_b is None else (grad_b * grad_loss).to(bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        # the gradients were computed in the forward, outside any graph: a second derivative would miss x's part
+        return once_differentiable("the reference linear_cross_entropy",
+                                   (grad_x, grad_w, grad_b, None, None, None, None, None), ctx, (grad_loss,))
 
 
 _LINEAR_CROSS_ENTROPY_APPLY = c_apply(_LinearCrossEntropy)

@@ -74,6 +74,8 @@ class FusedOp:
         self._differentiable_apply = differentiable_function(self.custom_op, self.name, setup_context, backward).apply
         forward_function, setup_function, backward_function = self.function, setup_context, backward
 
+        name = self.name
+
         class EagerFunction(torch.autograd.Function):
             # forward with ctx, not a separate setup_context: autograd.Function binds the arguments of a
             # ctx-less forward to its signature on every call (inspect.signature: ~50 us)
@@ -83,7 +85,9 @@ class FusedOp:
                 setup_function(ctx, args, output)
                 return output
 
-            backward = staticmethod(backward_function)
+            @staticmethod
+            def backward(ctx, *grads):
+                return once_differentiable(name, backward_function(ctx, *grads), ctx, grads)
 
         EagerFunction.__name__ = EagerFunction.__qualname__ = f"{forward_function.__name__}_eager"
         self._eager_apply = c_apply(EagerFunction)
@@ -165,7 +169,7 @@ def differentiable_function(custom_op, name: str, setup_context: Optional[Callab
         def backward(ctx, *grads):
             if backward is None:
                 raise RuntimeError(f"{name} has no backward: fastbert differentiates its training op instead")
-            return backward(ctx, *grads)
+            return once_differentiable(name, backward(ctx, *grads), ctx, grads)
 
         @staticmethod
         def jvp(ctx, *tangents):
@@ -181,6 +185,31 @@ def differentiable_function(custom_op, name: str, setup_context: Optional[Callab
 
     DifferentiableFunction.__name__ = DifferentiableFunction.__qualname__ = f"{name.split('::')[-1]}_function"
     return DifferentiableFunction
+
+
+def once_differentiable(name: str, gradients: tuple, ctx, grads: tuple) -> tuple:
+    """A backward's gradients (None where none), returned as they are, except where the backward runs to be
+    differentiated again (create_graph=True: a gradient penalty, a Hessian-vector product, nested
+    torch.func.grad) and they depend on the graph: the kernels' backward is not differentiable, so a second
+    derivative through it would take them for constants and come out wrong. There their graph ends in a node that
+    raises naming the op, linked to what they depend on (the saved tensors and incoming gradients that require
+    grad), so that differentiating towards any of those reaches it (torch.autograd.function.once_differentiable
+    links it to the incoming gradients alone, which torch.autograd.grad towards an input passes by)."""
+    if not torch.is_grad_enabled():
+        return gradients
+    refusal = (f"{name} has no double backward (create_graph=True, nested torch.func.grad): fastbert's backward "
+               "kernels are not differentiable; backend='torch' runs PyTorch's own ops, which have one (the MLM cross "
+               "entropy excepted)")
+    if _functorch_transforms():  # torch.func's grad always keeps the graph: refused where an outer level would use it
+        if sum(level.key() in _DIFFERENTIATING for level in torch._C._functorch.get_interpreter_stack()) > 1:
+            raise RuntimeError(refusal)
+        return gradients
+    depends = [t for t in (*ctx.saved_tensors, *grads) if t is not None and t.requires_grad]
+    if not depends:  # constants of the graph: their second derivative is zero, as it comes out
+        return gradients
+    refuse = torch._C._functions.DelayedError(refusal.encode(), len(gradients) + len(depends))
+    refused = refuse(*(None if g is None else g.detach().requires_grad_() for g in gradients), *depends)
+    return refused[:len(gradients)]
 
 
 def fused_op(name: str) -> Callable[[Callable], FusedOp]:

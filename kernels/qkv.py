@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.fused_op import c_apply, fused_op, or_empty, tracing
+from fastbert.kernels.fused_op import c_apply, fused_op, once_differentiable, or_empty, tracing
 from fastbert.kernels.launch import cdiv, launch, next_power_of_2, placeholders
 from fastbert.kernels.matmul import DTYPES, matmul_fwd, row_groups
 from fastbert.kernels.numerics import INTERPRETER, cast
@@ -260,7 +260,8 @@ class _QKVProjection(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         needs_dx, needs_dweight, needs_dbias = needs = ctx.needs_input_grad[:3]  # a missing bias needs none
         dx, dweight, dbias = _qkv_projection_bwd_op(dq, dk, dv, x, weight, needs)
-        return dx if needs_dx else None, dweight if needs_dweight else None, dbias if needs_dbias else None, None, None
+        gradients = dx if needs_dx else None, dweight if needs_dweight else None, dbias if needs_dbias else None
+        return once_differentiable("qkv_projection", (*gradients, None, None), ctx, (dq, dk, dv))
 
 
 _QKV_EAGER_APPLY = c_apply(_QKVProjection)

@@ -106,6 +106,41 @@ def test_forward_mode_ad_without_a_tangent_runs_as_before(device):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_a_second_derivative_through_a_fused_op_raises(name, device):
+    """create_graph=True (a gradient penalty, a Hessian-vector product): the first derivatives are the usual
+    ones, and differentiating them again towards an input, which would take the fused op's backward for a
+    constant (a wrong result, given silently before), raises naming the op."""
+    shapes, op = OPS[name]
+    inputs = _leaves(device, *shapes)
+
+    def first_derivatives(create_graph):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        loss = _weighted_sum(op(device, *leaves, backend="triton"))
+        return leaves, torch.autograd.grad(loss, leaves, create_graph=create_graph)
+
+    _, plain = first_derivatives(False)
+    leaves, kept = first_derivatives(True)
+    for a, b in zip(plain, kept):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="has no double backward"):
+        torch.autograd.grad(sum((g * g).sum() for g in kept), leaves[0])
+
+
+@pytest.mark.parametrize("backend, name", [("triton", "layer_norm"), ("torch", "linear_cross_entropy")])
+def test_nested_torch_func_grad_through_a_fused_op_raises(backend, name, device):
+    """grad of grad: the fused ops' backward kernels (and the reference cross entropy's gradient, computed in its
+    forward) are not differentiable: an error naming the op, not a second derivative missing their part."""
+    shapes, op = OPS[name]
+    x, *rest = _leaves(device, *shapes)
+
+    def gradient_norm(x):
+        return (torch.func.grad(lambda x: _weighted_sum(op(device, x, *rest, backend=backend)))(x) ** 2).sum()
+
+    with pytest.raises(RuntimeError, match="has no double backward"):
+        torch.func.grad(gradient_norm)(x)
+
+
 @pytest.mark.parametrize("nesting", ["vmap", "vmap(grad)", "grad(vmap)"])
 def test_torch_func_vmap_over_a_fused_op_raises(nesting, device):
     """The fused ops have no batching rule: vmap, alone or around or inside grad, is an error, not a result."""
