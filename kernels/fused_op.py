@@ -15,7 +15,9 @@
 # the custom op (`differentiable_function`). torch.func refuses the custom op's own autograd (an old-style
 # Function, pytorch/pytorch#170834), and jvp through the custom op or the host function would leave the
 # tangents out (zero, no error); this Function gives torch.func.grad the registered backward, and refuses a
-# tangent with an error naming the op (tests/test_torch_func.py).
+# tangent with an error naming the op (tests/test_torch_func.py). No entrance's backward is differentiable (the
+# backward kernels are not): `once_differentiable` makes a second derivative through one an error naming the op,
+# where it came out wrong.
 import contextlib
 import inspect
 from typing import Callable, Optional

@@ -1,7 +1,9 @@
-"""torch.func through fastbert's ops and models: torch.func.grad gives autograd's own gradients, on the Triton
-path and the PyTorch path; forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) raises an error naming
-the op where fastbert has no forward-mode rule, never a tangent left out (through a fused op, it used to come out
-zero). The Triton path runs in Triton's interpreter on CPU, at small sizes."""
+"""torch.func and higher derivatives through fastbert's ops and models: torch.func.grad gives autograd's own
+gradients, on the Triton path and the PyTorch path, through models too, and vmap of grad gives per-sample
+gradients on the PyTorch path; forward-mode AD (torch.func.jvp, torch.autograd.forward_ad), vmap and a second
+derivative (create_graph=True, nested grad) through a fused op raise an error naming the op, never a tangent left
+out or a second derivative missing the op's part (both came out wrong before, without an error). The Triton path
+runs in Triton's interpreter on CPU, at small sizes."""
 import pytest
 import torch
 import torch.autograd.forward_ad as forward_ad
@@ -62,6 +64,8 @@ def _weighted_sum(outputs):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_torch_func_grad_gives_autograds_gradients(name, backend, device):
+    """torch.func.grad w.r.t. every input: bitwise the gradients torch.autograd.grad gives, each nonzero (through
+    a fused op it used to raise: PyTorch's custom-op autograd is an old-style Function, which torch.func refuses)."""
     shapes, op = OPS[name]
     inputs = _leaves(device, *shapes)
 
