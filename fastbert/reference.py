@@ -62,8 +62,12 @@ def qkv_projection(x, weight, bias, num_heads):
     if x.dim() == 2:
         return qkv.view(x.shape[0], 3, num_heads, head_dim).unbind(1)
     batch, seqlen = x.shape[:2]
-    qkv = qkv.view(batch, seqlen, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)  # [3, B, heads, S, d]
-    return qkv.unbind(0)
+    # unbound along the 3 of [B, S, 3, heads, d], each then [B, heads, S, d]: the backward stacks the three
+    # gradients into that layout, which is qkv's [B, S, 3H] as it is. Unbound after a permute to [3, B, heads,
+    # S, d] (the same views), it stacked them in the permuted layout and copied that back: a second copy of
+    # [B, S, 3H] a layer, on the GPU path too (fastbert.paths chooses this form for the QKV projection on an H100)
+    q, k, v = qkv.view(batch, seqlen, 3, num_heads, head_dim).unbind(2)  # each [B, S, heads, d]
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
 # what the last key mask gives, kept (fastbert.last_mask: every layer takes its forward's one mask): the additive

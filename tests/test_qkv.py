@@ -3,6 +3,7 @@ against a float64 reference with the tolerance rule; padded [B, S, H] and packed
 non-contiguous inputs and gradients, determinism, torch.compile tracing, bad inputs."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from strided import past_int32
 from tolerance import GRADIENT_FACTOR, assert_within_rule
 
@@ -160,6 +161,39 @@ def test_projection_then_attention_gathers_nothing(layout, device, monkeypatch):
     assert_within_rule("out", out, torch_out, exact_out)
     for name, g, tg, eg in zip(("dx", "dweight", "dbias"), grads, torch_grads, exact_grads):
         assert_within_rule(name, g, tg, eg, GRADIENT_FACTOR)
+
+
+class _CopiedBytes(TorchDispatchMode):
+    """The bytes that the ops which only move data (stack, cat, clone, copy_, ...) write while entered."""
+    MOVERS = ("aten.stack", "aten.cat", "aten.clone", "aten.copy_", "aten._to_copy", "aten.contiguous")
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if str(func).startswith(self.MOVERS):
+            self.bytes += sum(t.numel() * t.element_size() for t in (out if isinstance(out, (tuple, list)) else [out]))
+        return out
+
+
+@pytest.mark.parametrize("attention_layout", [True, False], ids=["one-buffer", "three-tensors"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_reference_backward_copies_the_gradients_once(layout, attention_layout, device):
+    """The reference projection's backward (PyTorch's autograd of its views; the path fastbert.paths chooses for
+    the QKV projection on an H100) writes one copy of dQKV, the stack of the three gradients that its matmuls
+    read: unbound after a permute, it also copied that stack back to [tokens, 3H] (a pass over dQKV a layer)."""
+    shape = (2, 9, 96) if layout == "padded" else (13, 96)
+    x, weight, bias = (t.requires_grad_() for t in _inputs(shape, torch.float32, device, seed=9))
+    like = torch.empty(2, 3, 9, 32) if layout == "padded" else torch.empty(13, 3, 32)
+    grads = (_attention_layout_grads(like, torch.float32, device) if attention_layout
+             else _strided_grads(like, torch.float32, device))
+    outs = reference.qkv_projection(x, weight, bias, 3)
+    copied = _CopiedBytes()
+    with copied:
+        torch.autograd.backward(outs, grads)
+    assert copied.bytes == x.numel() * 3 * x.element_size()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
