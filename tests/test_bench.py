@@ -11,6 +11,7 @@ import torch
 import fastbert
 from fastbert.bench import model_cases, op_cases, report, runner
 from fastbert.bench.timing import cpu_peak_extra_bytes, time_ms
+from fastbert.kernels import qkv
 
 PROVENANCE = ("device", "device_type", "torch", "triton", "transformers", "python", "commit", "date", "command")
 ROW_FIELDS = PROVENANCE + ("suite", "case", "op", "shape", "provider", "direction", "status", "median_ms",
@@ -135,6 +136,17 @@ def test_flop_formulas():
     assert case.flops("fwd") == 4 * 2 * 16 * (2 * 8 * 8) and case.flops("bwd") == 2.5 * case.flops("fwd")
     qkv = op_cases.qkv_case(2, 8, 32, 2, torch.float32)
     assert qkv.flops("fwd+bwd") == 3 * 2 * (2 * 8) * 32 * 96
+
+
+def test_qkv_case_hands_its_backward_the_attention_layout():
+    """The QKV projection's case gives its backward dq, dk and dv as a model's attention backward does, the
+    column blocks of one buffer, which the kernel's backward reads in place: with a random tensor of each's
+    own, its rows timed the gather (and PyTorch's autograd a copy) that the model does not run."""
+    case = op_cases.qkv_case(2, 8, 32, 2, torch.float32)
+    outputs = case.provider(op_cases.EAGER)(**case.make_inputs(torch.device("cpu")))
+    grads = case.grad_outputs(outputs)
+    assert [g.shape for g in grads] == [o.shape for o in outputs]
+    assert qkv._one_matrix(*grads, 2 * 8, 32) is not None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")

@@ -45,6 +45,9 @@ class OpCase:
     flops: Callable[[str], float] | None = None  # direction -> FLOPs
     bytes: Callable[[str], float] | None = None  # direction -> least bytes moved
     notes: dict[str, str] = field(default_factory=dict)  # provider -> what it runs, for the report
+    # outputs -> the gradients the backward is handed, laid out as a model's next op hands them; None: a random
+    # tensor of each output's shape
+    grad_outputs: Callable[[tuple[torch.Tensor, ...]], list[torch.Tensor]] | None = None
 
     @property
     def name(self) -> str:
@@ -176,10 +179,18 @@ def qkv_case(batch: int, seqlen: int, hidden: int, heads: int, dtype: torch.dtyp
         return tuple(t.view(batch, seqlen, heads, head_dim).transpose(1, 2).contiguous()
                      for t in F.linear(x, weight, bias).chunk(3, dim=-1))
 
+    def attention_layout_grads(outputs):
+        # dq, dk, dv as fastbert's attention backward writes them in a model: the column blocks of one
+        # [B, S, 3H] buffer, which the kernel's backward reads in place and PyTorch's autograd stacks
+        q = outputs[0]
+        buffer = torch.randn((batch, seqlen, 3, heads, head_dim), generator=_generator(2)).to(q.device, q.dtype)
+        return [g.transpose(1, 2) for g in buffer.unbind(2)]  # kernels/attention.py's qkv_grads
+
     matmul = 2 * batch * seqlen * hidden * 3 * hidden
     return OpCase("qkv_projection", {"batch": batch, "seqlen": seqlen, "hidden": hidden, "heads": heads}, dtype,
                   make_inputs, {FASTBERT: fused("triton"), SPLIT: split, EAGER: fused("torch"), TORCH: native},
-                  flops=_by_direction(matmul, 2 * matmul), notes={SPLIT: "PyTorch's forward, the kernel's backward"})
+                  flops=_by_direction(matmul, 2 * matmul), notes={SPLIT: "PyTorch's forward, the kernel's backward"},
+                  grad_outputs=attention_layout_grads)
 
 
 def attention_case(batch: int, seqlen: int, heads: int, head_dim: int, dtype: torch.dtype, padded: bool,

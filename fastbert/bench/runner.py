@@ -136,7 +136,10 @@ def op_runs(case: op_cases.OpCase, provider: str, device: torch.device):
     def forward():
         return fn(**inputs)
 
-    grad_outputs = [torch.randn_like(o) if o.dim() else torch.ones_like(o) for o in forward()]
+    outputs = forward()
+    grad_outputs = (case.grad_outputs(outputs) if case.grad_outputs is not None
+                    else [torch.randn_like(o) if o.dim() else torch.ones_like(o) for o in outputs])
+    del outputs
 
     def make_run(direction: str):
         if direction == "fwd":
