@@ -9,7 +9,7 @@ committed table `fastbert/paths.json`. The implementations:
 - "cublas_then_bias_gelu" (linear_bias_gelu, feed_forward, feed_forward_geglu): cuBLAS's GEMM, then the Triton
   bias + GELU (GeGLU) kernel; the FFNs keep their Triton backward and its saves (kernels/ffn.py's `form`).
 - "cublas_forward" (qkv_projection): PyTorch's forward (cuBLAS's GEMM with its bias, then views), the kernel's
-  backward, which reads attention's gradients where they are instead of autograd's stack and copy of them
+  backward, which reads attention's gradients where they are instead of autograd's stack of them
   (kernels/qkv.py).
 Attention's PyTorch path is SDPA, a candidate only without a mask, a relative bias, rotary positions or a
 window (ops.attention passes no op otherwise, and the kernel runs).
