@@ -11,7 +11,7 @@ import torch
 import fastbert
 from fastbert.bench import model_cases, op_cases, report, runner
 from fastbert.bench.timing import cpu_peak_extra_bytes, time_ms
-from fastbert.kernels import qkv
+from fastbert.kernels import qkv as qkv_kernel
 
 PROVENANCE = ("device", "device_type", "torch", "triton", "transformers", "python", "commit", "date", "command")
 ROW_FIELDS = PROVENANCE + ("suite", "case", "op", "shape", "provider", "direction", "status", "median_ms",
@@ -146,7 +146,7 @@ def test_qkv_case_hands_its_backward_the_attention_layout():
     outputs = case.provider(op_cases.EAGER)(**case.make_inputs(torch.device("cpu")))
     grads = case.grad_outputs(outputs)
     assert [g.shape for g in grads] == [o.shape for o in outputs]
-    assert qkv._one_matrix(*grads, 2 * 8, 32) is not None
+    assert qkv_kernel._one_matrix(*grads, 2 * 8, 32) is not None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
