@@ -201,7 +201,7 @@ def test_reference_backward_copies_the_gradients_once(layout, attention_layout, 
 def test_cublas_form_through_ops(layout, has_bias, dtype, device, monkeypatch):
     """Where fastbert.paths chooses "cublas_forward", ops.qkv_projection runs PyTorch's forward (q, k, v bitwise
     the reference's, no Triton projection launched) and this module's backward: attention's one-buffer gradients
-    read in place (no gather; autograd's unbind backward would stack and copy them), gradients laid out otherwise
+    read in place (no gather; autograd's unbind backward would stack them), gradients laid out otherwise
     gathered; both within the tolerance rule against float64; with a bias and without (ModernBERT's)."""
     monkeypatch.setattr(ops, "resolve_backend", lambda backend, *tensors, op=None: "cublas_forward")
 
