@@ -158,8 +158,8 @@ def _rotary_tables(device, seqlen: int, d: int, base: float, work: torch.dtype):
     if found is None:
         inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, device=device, dtype=torch.int64).to(work) / d))
         angles = torch.arange(seqlen, device=device, dtype=work)[:, None] * inv_freq[None]  # [S, d/2]
-        sin = angles.sin()
-        found = torch.cat([angles, angles], dim=-1).cos(), torch.cat([-sin, sin], dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+        found = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
         if keep:
             if len(_ROTARY_TABLES) >= ROTARY_TABLES_KEPT:
                 _ROTARY_TABLES.clear()
