@@ -116,6 +116,9 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor | None, op: str 
                 return "torch"
             if op is None:
                 return "triton"
+            only = paths.ONLY_CANDIDATE.get(op)
+            if only is not None:
+                return only
             first = tensors[0]
             # planned meta tensors read CUDA's autocast state too (autocast_dtype)
             dtype = (autocast_dtype("matmul", "cuda") if op in MATMUL_OPS else None) or first.dtype

@@ -40,7 +40,8 @@ Missing measurements: a class without rows takes the nearest measured class of t
 summed over its sizes; a tie goes to the class larger in its first differing size, in the order above); a dtype without rows, its 16-bit sibling's (bf16 <->
 fp16), else the kernel; an op without rows, the kernel; an architecture without rows (compute capability, e.g.
 sm_89), the nearest measured one (a tie goes to the older). The choice is cached per (device capability, op,
-dtype, direction, shapes): a call costs the host a tuple and a dict lookup.
+dtype, direction, shapes): a call costs the host a tuple and a dict lookup; an op with one candidate (the
+LayerNorm, the MLM loss) is not looked up at all.
 
 Inside a memory plan meta tensors stand for the planned GPU's tensors (`planned_architecture`), so a plan of
 "auto" plans the paths that GPU would run. The table is written by `python benchmarks/choose_paths.py` from
@@ -64,6 +65,9 @@ CANDIDATES = {
     "attention": ("triton", "torch"),
     "linear_cross_entropy": ("triton",),
 }
+# op -> its implementation where "auto" has nothing to choose (one candidate; `load` refuses a table that names
+# another): resolve_backend returns it without reading shapes or the table, on every call of those ops
+ONLY_CANDIDATE = {op: candidates[0] for op, candidates in CANDIDATES.items() if len(candidates) == 1}
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paths.json")
 DIRECTIONS = ("fwd", "fwd+bwd")  # the suite's row directions the choice reads: inference, training
 

@@ -82,6 +82,20 @@ def test_a_shape_class_maps_to_its_committed_implementation(op, sizes, dtype, di
         assert _resolve("feed_forward", sizes, dtype, direction) == chosen
 
 
+def test_an_op_with_one_candidate_is_not_looked_up(monkeypatch):
+    """The LayerNorm and the MLM loss have one candidate: "auto" returns it on every call without reading the
+    shapes or the table (paths.choose), and it is what the table chooses for each of their committed classes."""
+    assert paths.ONLY_CANDIDATE == {"layer_norm": "triton", "linear_cross_entropy": "triton"}
+    looked_up = []
+    monkeypatch.setattr(paths, "choose", lambda *args: looked_up.append(args[0]))
+    committed = [choice for choice in _committed_choices() if choice[0] in paths.ONLY_CANDIDATE]
+    assert {op for op, *_ in committed} == set(paths.ONLY_CANDIDATE)
+    for op, sizes, dtype, direction, chosen in committed:
+        assert _resolve(op, sizes, dtype, direction) == chosen == paths.ONLY_CANDIDATE[op]
+    assert _resolve("qkv_projection", (16384, 768), torch.bfloat16, "fwd") is None  # the patch is what "auto" calls
+    assert looked_up == ["qkv_projection"]
+
+
 def test_the_committed_table_chooses_both_paths():
     """The first H100 run's rows: cuBLAS's QKV projection for training at hidden 768 and the kernel at 1024, the
     Triton bias + GELU for inference and PyTorch's for training, the Triton LayerNorm and MLM loss either way
