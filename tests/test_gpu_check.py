@@ -8,12 +8,14 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import tarfile
 import textwrap
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+SESSION_SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 
 FAKE_TESTS = textwrap.dedent('''
     import time
@@ -43,14 +45,14 @@ FAKE_BENCH = textwrap.dedent('''
 ''')
 
 
-def _run_check(tmp_path, **limits):
-    (tmp_path / "test_planted.py").write_text(FAKE_TESTS)
+def _run_check(tmp_path, script=SCRIPT, tests=FAKE_TESTS, **limits):
+    (tmp_path / "test_planted.py").write_text(tests)
     (tmp_path / "fake_bench.py").write_text(FAKE_BENCH)
     env = {**os.environ, "FASTBERT_CHECK_DEVICE": "cpu", "FASTBERT_CHECK_TESTS": str(tmp_path / "test_planted.py"),
            "FASTBERT_CHECK_WORKERS": "2", "FASTBERT_CHECK_BENCH": f"{sys.executable} {tmp_path / 'fake_bench.py'}",
            **limits}
     out = tmp_path / "out"
-    result = subprocess.run(["bash", str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=300,
+    result = subprocess.run(["bash", str(script), str(out)], env=env, capture_output=True, text=True, timeout=300,
                             cwd=tmp_path)
     return result, out
 
@@ -78,6 +80,25 @@ def test_a_stopped_run_reports_what_it_found(tmp_path):
     assert "bench-ops: 2 rows: 1 error, 1 ok" in summary
     assert any("first error: layer_norm/rows [triton]: RuntimeError: planted" in line for line in summary)
     assert json.loads(next((out / "bench-models").glob("*.json")).read_text())[0]["status"] == "ok"
+
+
+@pytest.mark.slow(reason="runs the GPU session's whole script: the check's stages, then a profile of model steps")
+def test_a_session_leaves_one_archive_with_everything_in_it(tmp_path):
+    """benchmarks/gpu_session.sh packs what the GPU check, the profile and the environment wrote into OUTDIR/run.tgz
+    and leaves nothing else there (a device session's tool brings back a few files a call)."""
+    result, out = _run_check(tmp_path, SESSION_SCRIPT, "def test_passes():\n    pass\n", FASTBERT_CHECK_TESTS_S="60",
+                             FASTBERT_CHECK_MODELS_S="30", FASTBERT_CHECK_OPS_S="30", FASTBERT_PROFILE_S="120",
+                             FASTBERT_CHECK_MODELS="^inference/")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [p.name for p in out.iterdir()] == ["run.tgz"]
+    with tarfile.open(out / "run.tgz") as archive:
+        names = set(archive.getnames())
+        env = archive.extractfile("./env.txt").read().decode()
+        stages = archive.extractfile("./check/stages.tsv").read().decode()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    assert head in env.splitlines() and "C launch:" in env
+    assert [line.split()[:2] for line in stages.splitlines()] == [["tests", "0"], ["models", "0"], ["ops", "0"]]
+    assert {"./check/summary.txt", "./check/tests.xml", "./rows/gpu-stand-in.json", "./profile.txt"} <= names
 
 
 def test_the_checkout_imports_its_kernels_without_an_install(tmp_path):

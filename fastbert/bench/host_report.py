@@ -1,5 +1,6 @@
-"""PERF.md's section on host time: the newest `fastbert bench --suite host` run, op by op and model by model, and
-the newest `benchmarks/host_census.py` run, what those model calls do, counted."""
+"""PERF.md's section on host time: the newest `fastbert bench --suite host` run, op by op and model by model, the
+newest `benchmarks/host_census.py` run, what those model calls do, counted, and the newest
+`benchmarks/host_instructions.py` run, the instructions each call executes."""
 from __future__ import annotations
 
 HOST_COMMAND = "fastbert bench --suite host --out benchmarks/results"
@@ -41,13 +42,44 @@ def census_lines(rows: list[dict], provenance_line) -> list[str]:
     return out + ["", provenance_line(run), ""]
 
 
+INSTRUCTIONS_COMMAND = "python benchmarks/host_instructions.py"
+
+
+def instruction_lines(rows: list[dict], provenance_line) -> list[str]:
+    """The newest `benchmarks/host_instructions.py` run as a table: each fastbert call's instructions beside its
+    comparison's, and their ratio."""
+    run = _newest(rows, "host-instructions")
+    out = ["### Host instructions per call, counted", ""]
+    if not run:
+        return out + [f"Not yet counted: `{INSTRUCTIONS_COMMAND}`.", ""]
+    out += ["The timed calls above, each run under valgrind's callgrind (`benchmarks/host_instructions.py`): the "
+            "instructions one call executes, an empty call's subtracted. They move by at most 1.5% between runs of "
+            "the same code, where the times above move by 10-50%, so a change of a few percent shows; they are not "
+            "time (a cache miss costs more than an add), and the limits above are judged on time.", "",
+            "| case | direction | fastbert | through the custom op | PyTorch / transformers | ratio |",
+            "|---|---|---|---|---|---|"]
+    by_key = {(r["case"], r["direction"], r["provider"]): r["instructions"] for r in run}
+    for (case, direction, provider), count in by_key.items():
+        if provider not in FASTBERT_PROVIDERS:
+            continue
+        other = next(((p, by_key[(case, direction, p)]) for p in COMPARISONS if (case, direction, p) in by_key), None)
+        if other is None:
+            continue
+        custom = by_key.get((case, direction, "fastbert-custom-op"))
+        label = case if provider == "fastbert" else f"{case} [{provider}]"
+        out.append(f"| {label} | {direction} | {count:,} | {'-' if custom is None else f'{custom:,}'} "
+                   f"| {other[1]:,} ({other[0]}) | {count / other[1]:.2f} |")
+    return out + ["", provenance_line(run), ""]
+
+
 def host_section(rows: list[dict], provenance_line) -> list[str]:
     """The section's lines: every op's and model's host microseconds per call, fastbert beside the comparison
     (PyTorch's same job for an op, transformers with SDPA for a model), their ratio and host syncs per call."""
     out = ["## Host time per call (no GPU)", ""]
     run = _newest(rows)
     if not run:
-        return out + [f"Not yet measured: `{HOST_COMMAND}`.", ""] + census_lines(rows, provenance_line)
+        return (out + [f"Not yet measured: `{HOST_COMMAND}`.", ""] + census_lines(rows, provenance_line)
+                + instruction_lines(rows, provenance_line))
     out += ["What the host spends per call, measured without a GPU: fastbert's launchers run on CPU tensors with "
             "every Triton launch stubbed (the steady path of a GPU launch up to the driver's launch call, which "
             "is not counted), PyTorch's ops and transformers' models run on the same CPU tensors at sizes where "
@@ -81,4 +113,5 @@ def host_section(rows: list[dict], provenance_line) -> list[str]:
         out.append(f"| {label} | {direction} | {row['host_us']:.1f} | {custom_us} | {other['host_us']:.1f} "
                    f"({other['provider']}) | {ratio:.2f} | {'yes' if ratio <= limit else '**no**'} "
                    f"| {row['host_syncs']} / {other['host_syncs']} |")
-    return out + ["", provenance_line(run), ""] + census_lines(rows, provenance_line)
+    return (out + ["", provenance_line(run), ""] + census_lines(rows, provenance_line)
+            + instruction_lines(rows, provenance_line))
