@@ -12,9 +12,9 @@
 #   profile.txt      benchmarks/profile_models.py: torch.profiler tables of the same model cases
 #   rows/            every rows file the run wrote, for benchmarks/results/ (then `python benchmarks/choose_paths.py`
 #                    and `python benchmarks/make_perf.py`)
-# About 8 minutes with the defaults (start-up of the machine not included): the stages' limits are gpu_check's
-# variables, set here unless the environment sets them (FASTBERT_CHECK_TESTS_S 215, FASTBERT_CHECK_MODELS_S 170,
-# FASTBERT_CHECK_OPS_S 100), and FASTBERT_PROFILE_S (90) for the profile.
+# About 9 minutes with the defaults, inside a device call's 10 (the machine's start-up not included): the stages'
+# limits are gpu_check's variables, set here unless the environment sets them (FASTBERT_CHECK_TESTS_S 215,
+# FASTBERT_CHECK_MODELS_S 170, FASTBERT_CHECK_OPS_S 70), and FASTBERT_PROFILE_S (80) for the profile.
 set -uo pipefail
 if [ $# -ne 1 ]; then
     echo "usage: $0 OUTDIR" >&2
@@ -27,7 +27,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FASTBERT_CHECK_TESTS_S=${FASTBERT_CHECK_TESTS_S:-215} FASTBERT_CHECK_MODELS_S=${FASTBERT_CHECK_MODELS_S:-170}
-export FASTBERT_CHECK_OPS_S=${FASTBERT_CHECK_OPS_S:-100}
+export FASTBERT_CHECK_OPS_S=${FASTBERT_CHECK_OPS_S:-70}
 export FASTBERT_CHECK_MODELS=${FASTBERT_CHECK_MODELS:-'^(train/base,batch=256,seqlen=128(,bitfit)? (fastbert|fastbert-apply|hf-sdpa)|inference/base,batch=(32,seqlen=128,padded|1,seqlen=128) (fastbert|fastbert-graph|hf-sdpa))$'}
 
 {
@@ -42,7 +42,7 @@ export FASTBERT_CHECK_MODELS=${FASTBERT_CHECK_MODELS:-'^(train/base,batch=256,se
 
 bash benchmarks/gpu_check.sh "$work/check"
 check_rc=$?
-timeout -s INT -k 10 "${FASTBERT_PROFILE_S:-90}" python benchmarks/profile_models.py "$work/profile.txt" --steps 3 \
+timeout -s INT -k 10 "${FASTBERT_PROFILE_S:-80}" python benchmarks/profile_models.py "$work/profile.txt" --steps 3 \
     > "$work/profile.log" 2>&1
 mkdir -p "$work/rows"
 find "$work/check" -name '*.json' -exec cp {} "$work/rows/" \;
