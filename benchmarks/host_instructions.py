@@ -43,11 +43,11 @@ MARKER = "math_fsum"
 EMPTY = "empty call"  # the item whose count is subtracted from every other
 WARMUP = 3  # the first call of a signature compiles or stubs its kernels; later calls take the steady path
 CALLS = {"op": 50, "model": 5}  # by kind: a model call is a hundred op calls
+COMPARISONS = (host_suite.TORCH, host_suite.HF_SDPA)
 
 
 def kind(case: host_suite.HostCase) -> str:
     return "model" if case.op == "model" else "op"
-COMPARISONS = (host_suite.TORCH, host_suite.HF_SDPA)
 
 
 def items(only: str | None) -> list[tuple[str, str, str]]:
@@ -135,10 +135,12 @@ def counted_rows(selected: list[tuple[str, str, str]], calls: dict, progress: bo
                 raise RuntimeError(f"the counted run failed (exit {child.returncode}):\n{stderr.read()[-3000:]}")
         empty, *counts = parse_counts(out_file, len(selected) + 1)
     empty_per_call = empty / calls["op"]
-    return [{"case": name, "op": cases[name].op, "provider": provider, "direction": direction,
-             "instructions": round(count / calls[kind(cases[name])] - empty_per_call),
-             "calls": calls[kind(cases[name])]}
-            for (name, provider, direction), count in zip(selected, counts)]
+    rows = []
+    for (name, provider, direction), count in zip(selected, counts):
+        number = calls[kind(cases[name])]
+        rows.append({"case": name, "op": cases[name].op, "provider": provider, "direction": direction,
+                     "instructions": round(count / number - empty_per_call), "calls": number})
+    return rows
 
 
 def table(rows: list[dict]) -> str:
