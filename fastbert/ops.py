@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fastbert import paths, reference
 from fastbert.kernels.arguments import (CROSS_ENTROPY_REDUCTIONS, check_cross_entropy_options,
-                                       check_relative_bias, check_rotary_window)
+                                       check_cross_entropy_shapes, check_relative_bias, check_rotary_window)
 
 BACKENDS = ("auto", "triton", "torch")
 GELU_APPROXIMATIONS = ("none", "tanh")
@@ -399,20 +399,14 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     Returns (loss fp32 scalar, num_correct int64 scalar). "mean" divides by the labelled rows;
     no labelled row gives loss 0 and zero gradients.
     """
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x [N, H] and weight [V, H] must share H, got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected {(weight.shape[0],)}")
-    if target.shape != (x.shape[0],) or target.is_floating_point():
-        raise ValueError(f"target must be an integer tensor of shape {(x.shape[0],)}, "
-                         f"got {target.dtype} {tuple(target.shape)}")
-    check_cross_entropy_options(reduction, label_smoothing)
     if resolve_backend(backend, x, weight, bias, target, op="linear_cross_entropy") == "triton":
         x, weight, bias = _matmul_inputs(x, weight, bias)
         kernel = KERNELS["mlm_loss"]
-        kernel.check_limits(x, weight, bias, target)  # the shapes and options are checked above
+        kernel.check_inputs(x, weight, bias, target, reduction, label_smoothing)  # every check, in one condition
         return kernel.linear_cross_entropy_unchecked(x, weight, bias, target, ignore_index, reduction,
                                                      label_smoothing)
+    check_cross_entropy_shapes(x, weight, bias, target)
+    check_cross_entropy_options(reduction, label_smoothing)
     return reference.linear_cross_entropy(x, weight, bias, target, ignore_index, reduction, label_smoothing)
 
 

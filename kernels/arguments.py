@@ -1,6 +1,6 @@
 # Argument checks shared by the kernel launchers and fastbert.ops, which checks them before choosing the kernel
-# or the reference: the attention's optional features (kernels/attention.py) and the cross entropy's options
-# (kernels/mlm_loss.py). Imports only torch, so
+# or the reference: the attention's optional features (kernels/attention.py) and the cross entropy's shapes and
+# options (kernels/mlm_loss.py). Imports only torch, so
 # fastbert.ops imports it where Triton is not installed.
 import math
 
@@ -42,6 +42,19 @@ def check_rotary_window(rotary_base, window, head_dim: int) -> None:
 
 
 CROSS_ENTROPY_REDUCTIONS = ("mean", "sum")
+
+
+def check_cross_entropy_shapes(x, weight, bias, target) -> None:
+    """x [N, H], weight [V, H], bias [V] or None, an integer target [N]."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x [N, H] and weight [V, H] must share H, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},) (weight's vocabulary "
+                         f"size)")
+    if (target.shape != (x.shape[0],) or target.is_floating_point() or target.is_complex()
+            or target.dtype == torch.bool):
+        raise ValueError(f"target must be an integer tensor of shape ({x.shape[0]},), "
+                         f"got {target.dtype} {tuple(target.shape)}")
 
 
 def check_cross_entropy_options(reduction, label_smoothing) -> None:

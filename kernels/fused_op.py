@@ -97,7 +97,8 @@ class FusedOp:
     def __call__(self, *args):
         if len(args) < self._arity:
             args += self._defaults[len(args):]
-        if _ALWAYS_CUSTOM_OP[0] or tracing():
+        # tracing(), inline: this runs on every fused op call, and a Python call is a microsecond's part
+        if _ALWAYS_CUSTOM_OP[0] or _is_compiling() or _dispatch_modes() or _functorch_transforms():
             return self._traced(args)
         if _FORWARD_AD._current_level >= 0:  # inside forward-mode AD's dual_level: tangents need the jvp rule
             return self._differentiable_apply(*args)

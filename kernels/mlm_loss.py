@@ -68,7 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.arguments import check_cross_entropy_options
+from fastbert.kernels.arguments import CROSS_ENTROPY_REDUCTIONS, check_cross_entropy_options, check_cross_entropy_shapes
 from fastbert.kernels.fused_op import fused_op, or_empty
 from fastbert.kernels.launch import cdiv, launch, next_power_of_2
 from fastbert.kernels.matmul import sm_count
@@ -312,31 +312,27 @@ def _mlm_loss_bwd_kernel(
              mask=row_mask[:, None] & col_mask[None, :])
 
 
-def _check_inputs(x, weight, bias, target, reduction, label_smoothing) -> None:
-    """Raise ValueError for what the kernels do not support, before anything is launched."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x [N, H] and weight [V, H] must share H, got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if target.shape != (x.shape[0],):
-        raise ValueError(f"target must be an integer tensor of shape ({x.shape[0]},), "
-                         f"got {target.dtype} {tuple(target.shape)}")
-    check_limits(x, weight, bias, target)
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},) (weight's vocabulary "
-                         f"size)")
-    check_cross_entropy_options(reduction, label_smoothing)
-
-
-def check_limits(x, weight, bias, target) -> None:
-    """Raise ValueError for what the kernels do not support among x [N, H], weight [V, H], bias and target [N]
-    of checked shapes (`_check_inputs`; fastbert.ops checks the shapes and options itself): the vocabulary
-    and hidden sizes, dtypes, an integer target, one device."""
-    vocab, hidden = weight.shape
-    dtype, device = x.dtype, x.device
-    # one condition for the inputs that pass (every call), the messages for those that do not
-    if (1 <= vocab <= MAX_VOCAB and hidden >= 1 and dtype in _SUPPORTED and weight.dtype == dtype
-            and (bias is None or (bias.dtype in _SUPPORTED and bias.device == device)) and weight.device == device
-            and target.device == device and target.dtype in _INTEGER_DTYPES):
+def check_inputs(x, weight, bias, target, reduction, label_smoothing) -> None:
+    """Raise ValueError for what the kernels do not support, before anything is launched: x [N, H] and weight [V, H]
+    of one supported dtype, bias [V] or None, an integer target [N], all on one device, the vocabulary size, the
+    options. The inputs that pass (every call) cost one condition that reads each attribute once: this runs on every
+    call of the loss, whose host cost is two launches beside PyTorch's two ops (`fastbert bench --suite host`)."""
+    x_shape, weight_shape, dtype, device = x.shape, weight.shape, x.dtype, x.device
+    if (len(x_shape) == 2 and len(weight_shape) == 2 and x_shape[1] == weight_shape[1] >= 1
+            and 1 <= weight_shape[0] <= MAX_VOCAB and dtype in _SUPPORTED and weight.dtype == dtype
+            and weight.device == device and target.shape == (x_shape[0],) and target.dtype in _INTEGER_DTYPES
+            and target.device == device and reduction in CROSS_ENTROPY_REDUCTIONS and 0.0 <= label_smoothing <= 1.0
+            and (bias is None
+                 or (bias.shape == (weight_shape[0],) and bias.dtype in _SUPPORTED and bias.device == device))):
         return
+    _explain(x, weight, bias, target, reduction, label_smoothing)
+
+
+def _explain(x, weight, bias, target, reduction, label_smoothing) -> None:
+    """Raise the ValueError that names what `check_inputs` refused; return for an integer target of a dtype outside
+    _INTEGER_DTYPES (uint16 to uint64), which the kernels take too."""
+    check_cross_entropy_shapes(x, weight, bias, target)
+    vocab, hidden = weight.shape
     if not 1 <= vocab <= MAX_VOCAB:
         raise ValueError(f"weight has vocabulary size {vocab}; the Triton cross entropy supports 1 to {MAX_VOCAB}")
     if hidden < 1:
@@ -344,14 +340,12 @@ def check_limits(x, weight, bias, target) -> None:
     for name, tensor in (("x", x), ("weight", weight), ("bias", bias)):
         if tensor is not None and tensor.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{name} has dtype {tensor.dtype}; the Triton cross entropy supports {SUPPORTED_DTYPES}")
-    if weight.dtype != dtype:
-        raise ValueError(f"weight has dtype {weight.dtype}, expected x's dtype {dtype}")
-    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
-        raise ValueError(f"target must be an integer tensor of shape ({x.shape[0]},), "
-                         f"got {target.dtype} {tuple(target.shape)}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight has dtype {weight.dtype}, expected x's dtype {x.dtype}")
     for name, tensor in (("weight", weight), ("bias", bias), ("target", target)):
-        if tensor is not None and tensor.device != device:
-            raise ValueError(f"{name} is on {tensor.device}, x on {device}; all must share one device")
+        if tensor is not None and tensor.device != x.device:
+            raise ValueError(f"{name} is on {tensor.device}, x on {x.device}; all must share one device")
+    check_cross_entropy_options(reduction, label_smoothing)
 
 
 def _config(dtype: torch.dtype, rows: int, forward: bool) -> dict:
@@ -432,7 +426,7 @@ def _backward_plan(dtype: torch.dtype, rows: int, vocab: int, has_bias: bool, me
 
 def _forward(x, weight, bias, target, ignore_index, reduction, label_smoothing, keep_stats):
     """`mlm_loss_fwd`'s loss, num_correct and softmax_stats, or None for softmax_stats unless keep_stats."""
-    rows = x.shape[0]
+    rows, hidden = x.shape  # each shape read makes a torch.Size
     vocab = weight.shape[0]
     if rows == 0:
         def zero(dtype, *shape):
@@ -446,7 +440,7 @@ def _forward(x, weight, bias, target, ignore_index, reduction, label_smoothing, 
     partials = torch.empty(6 * plane, dtype=torch.float32, device=device)
     stride_t = target.stride(0)
     launch(_mlm_loss_fwd_kernel, grid,
-        x, weight, bias, target, partials, rows, vocab, x.shape[1], cols_per_split, plane, *x.stride(),
+        x, weight, bias, target, partials, rows, vocab, hidden, cols_per_split, plane, *x.stride(),
         *weight.stride(), 0 if bias is None else bias.stride(0), stride_t,
         DOT_PRECISION=dot_precision(x.dtype), **constexprs,
     )
@@ -475,7 +469,7 @@ def mlm_loss_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 @mlm_loss_fwd.register_fake
 def _(x, weight, bias, target, ignore_index, reduction, label_smoothing):
-    _check_inputs(x, weight, bias, target, reduction, label_smoothing)
+    check_inputs(x, weight, bias, target, reduction, label_smoothing)
     return (x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.int64),
             x.new_empty(2 * x.shape[0] + 1, dtype=torch.float32))
 
@@ -492,7 +486,7 @@ def mlm_loss_inference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 
 @mlm_loss_inference.register_fake
 def _(x, weight, bias, target, ignore_index, reduction, label_smoothing):
-    _check_inputs(x, weight, bias, target, reduction, label_smoothing)
+    check_inputs(x, weight, bias, target, reduction, label_smoothing)
     return x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.int64)
 
 
@@ -625,13 +619,12 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     No labelled row gives loss 0 and zero gradients. Raises ValueError for unsupported inputs.
     Autocast does not see custom ops: fastbert.ops.linear_cross_entropy casts the inputs first.
     """
-    _check_inputs(x, weight, bias, target, reduction, label_smoothing)
+    check_inputs(x, weight, bias, target, reduction, label_smoothing)
     return linear_cross_entropy_unchecked(x, weight, bias, target, ignore_index, reduction, label_smoothing)
 
 
 def linear_cross_entropy_unchecked(x, weight, bias, target, ignore_index, reduction, label_smoothing):
-    """`linear_cross_entropy` after its checks, which the caller has made (fastbert.ops: the shapes and
-    options, then `check_limits`)."""
+    """`linear_cross_entropy` after its checks (`check_inputs`), which the caller has made (fastbert.ops)."""
     ignore_index, label_smoothing = int(ignore_index), float(label_smoothing)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):

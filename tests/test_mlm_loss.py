@@ -355,24 +355,44 @@ def test_autocast_runs_in_the_autocast_dtype(device):
         assert grad.dtype == torch.float32 and torch.equal(grad, grad_half.float())
 
 
-def test_bad_inputs_raise(device):
+ENTRANCES = {"kernel": mlm_loss.linear_cross_entropy,
+             "ops, triton": functools.partial(ops.linear_cross_entropy, backend="triton"),
+             "ops, torch": functools.partial(ops.linear_cross_entropy, backend="torch")}
+
+
+@pytest.mark.parametrize("entrance", ENTRANCES)
+def test_bad_inputs_raise(entrance, device):
+    """Each bad input gets its own error through every entrance (the kernel's checks are one condition for inputs
+    that pass, then the messages), the Triton path's limits only there; good inputs pass after them."""
     x, weight, bias, target = _make_inputs(4, 4, 1000, 384, torch.float32, device)
-    fn = mlm_loss.linear_cross_entropy
+    fn = ENTRANCES[entrance]
     cases = [
-        ((x.half(), weight, bias, target), {}, "weight has dtype"),
-        ((x.double(), weight.double(), bias, target), {}, "x has dtype"),
         ((x[None], weight, bias, target), {}, "must share H"),
         ((x, weight[:, :100], bias, target), {}, "must share H"),
         ((x, weight, bias[:10], target), {}, "bias has shape"),
         ((x, weight, bias, target.float()), {}, "target must be an integer"),
+        ((x, weight, bias, target.bool()), {}, "target must be an integer"),
         ((x, weight, bias, target[:2]), {}, "target must be an integer"),
         ((x, weight, bias, target), {"reduction": "none"}, "reduction must be one of"),
         ((x, weight, bias, target), {"label_smoothing": 1.5}, "label_smoothing must be in"),
-        ((x, weight[:0], bias[:0], target), {}, "vocabulary size 0"),
+        ((x, weight, bias, target), {"label_smoothing": float("nan")}, "label_smoothing must be in"),
     ]
+    if entrance != "ops, torch":
+        cases += [
+            ((x.half(), weight.half(), bias.double(), target), {}, "bias has dtype" if entrance == "kernel" else None),
+            ((x.half(), weight, bias, target), {}, "weight has dtype" if entrance == "kernel" else None),
+            ((x.double(), weight.double(), bias, target), {}, "x has dtype"),
+            ((x, weight[:0], bias[:0], target), {}, "vocabulary size 0"),
+        ]
     for args, kwargs, message in cases:
+        if message is None:  # fastbert.ops casts the operands of a matmul to one dtype first, as autocast would
+            loss, _ = fn(*args, **kwargs)
+            assert loss.isfinite()
+            continue
         with pytest.raises(ValueError, match=message):
             fn(*args, **kwargs)
+    loss, _ = fn(x, weight, bias, target.int())
+    assert torch.equal(loss, fn(x, weight, bias, target)[0])
 
 
 @pytest.mark.gpu
