@@ -400,9 +400,11 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     no labelled row gives loss 0 and zero gradients.
     """
     if resolve_backend(backend, x, weight, bias, target, op="linear_cross_entropy") == "triton":
-        x, weight, bias = _matmul_inputs(x, weight, bias)
         kernel = KERNELS["mlm_loss"]
-        kernel.check_inputs(x, weight, bias, target, reduction, label_smoothing)  # every check, in one condition
+        # autocast off and inputs the kernels take as they are (every call of a model's loss): one condition
+        if _any_autocast() or not kernel.inputs_pass(x, weight, bias, target, reduction, label_smoothing):
+            x, weight, bias = _matmul_inputs(x, weight, bias)
+            kernel.check_inputs(x, weight, bias, target, reduction, label_smoothing)
         return kernel.linear_cross_entropy_unchecked(x, weight, bias, target, ignore_index, reduction,
                                                      label_smoothing)
     check_cross_entropy_shapes(x, weight, bias, target)

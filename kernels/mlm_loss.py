@@ -312,25 +312,29 @@ def _mlm_loss_bwd_kernel(
              mask=row_mask[:, None] & col_mask[None, :])
 
 
-def check_inputs(x, weight, bias, target, reduction, label_smoothing) -> None:
-    """Raise ValueError for what the kernels do not support, before anything is launched: x [N, H] and weight [V, H]
-    of one supported dtype, bias [V] or None, an integer target [N], all on one device, the vocabulary size, the
-    options. The inputs that pass (every call) cost one condition that reads each attribute once: this runs on every
-    call of the loss, whose host cost is two launches beside PyTorch's two ops (`fastbert bench --suite host`)."""
+def inputs_pass(x, weight, bias, target, reduction, label_smoothing) -> bool:
+    """Whether the kernels take these inputs as they are: x [N, H], weight [V, H] and bias [V] or None of one
+    supported dtype, an integer target [N], all on one device, the vocabulary size and the options in range. One
+    condition that reads each attribute once: it runs on every call of the loss, whose host cost is two launches
+    beside PyTorch's two ops (`fastbert bench --suite host`)."""
     x_shape, weight_shape, dtype, device = x.shape, weight.shape, x.dtype, x.device
-    if (len(x_shape) == 2 and len(weight_shape) == 2 and x_shape[1] == weight_shape[1] >= 1
+    return (len(x_shape) == 2 and len(weight_shape) == 2 and x_shape[1] == weight_shape[1] >= 1
             and 1 <= weight_shape[0] <= MAX_VOCAB and dtype in _SUPPORTED and weight.dtype == dtype
             and weight.device == device and target.shape == (x_shape[0],) and target.dtype in _INTEGER_DTYPES
             and target.device == device and reduction in CROSS_ENTROPY_REDUCTIONS and 0.0 <= label_smoothing <= 1.0
-            and (bias is None
-                 or (bias.shape == (weight_shape[0],) and bias.dtype in _SUPPORTED and bias.device == device))):
-        return
-    _explain(x, weight, bias, target, reduction, label_smoothing)
+            and (bias is None or (bias.shape == (weight_shape[0],) and bias.dtype == dtype and bias.device == device)))
+
+
+def check_inputs(x, weight, bias, target, reduction, label_smoothing) -> None:
+    """Raise ValueError for what the kernels do not support, before anything is launched (`inputs_pass`, and for
+    the inputs it refuses the checks that name what is wrong)."""
+    if not inputs_pass(x, weight, bias, target, reduction, label_smoothing):
+        _explain(x, weight, bias, target, reduction, label_smoothing)
 
 
 def _explain(x, weight, bias, target, reduction, label_smoothing) -> None:
-    """Raise the ValueError that names what `check_inputs` refused; return for an integer target of a dtype outside
-    _INTEGER_DTYPES (uint16 to uint64), which the kernels take too."""
+    """Raise the ValueError that names what `inputs_pass` refused; return for what the kernels take too: an integer
+    target of a dtype outside _INTEGER_DTYPES (uint16 to uint64), a bias of another supported dtype than x's."""
     check_cross_entropy_shapes(x, weight, bias, target)
     vocab, hidden = weight.shape
     if not 1 <= vocab <= MAX_VOCAB:
@@ -624,7 +628,8 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
 
 
 def linear_cross_entropy_unchecked(x, weight, bias, target, ignore_index, reduction, label_smoothing):
-    """`linear_cross_entropy` after its checks (`check_inputs`), which the caller has made (fastbert.ops)."""
+    """`linear_cross_entropy` after its checks (`inputs_pass` or `check_inputs`), which the caller has made
+    (fastbert.ops)."""
     ignore_index, label_smoothing = int(ignore_index), float(label_smoothing)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
