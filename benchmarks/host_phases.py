@@ -70,11 +70,11 @@ def measure(size: str, repeats: int) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'case':28s} {'phase':17s} " + " ".join(f"{p:>10s}" for p in PROVIDERS) + "      ratio"]
+    lines = [f"{'case':36s} {'phase':17s} " + " ".join(f"{p:>10s}" for p in PROVIDERS) + "      ratio"]
     by_key = {(r["case"], r["phase"], r["provider"]): r["host_us"] for r in rows}
     for case, phase in dict.fromkeys((r["case"], r["phase"]) for r in rows):
         values = [by_key[(case, phase, p)] for p in PROVIDERS]
-        lines.append(f"{case:28s} {phase:17s} " + " ".join(f"{v:10.0f}" for v in values)
+        lines.append(f"{case:36s} {phase:17s} " + " ".join(f"{v:10.0f}" for v in values)
                      + f" {values[0] / values[1]:10.2f}")
     return "\n".join(lines)
 
