@@ -25,9 +25,8 @@ import sys
 import torch
 
 from fastbert.bench import host_suite
-from fastbert.bench.provenance import provenance
-from fastbert.bench.runner import result_path, write_rows
-from fastbert.command import LOG, run_command
+from fastbert.bench.runner import save_cpu_rows
+from fastbert.command import run_command
 from fastbert.host_syncs import HostSyncCounter
 from fastbert.simulated.host_time import one_thread, stubbed_launches
 from fastbert.simulated.stand_in_gpu import _StubKernel
@@ -144,14 +143,8 @@ def _census_rows(args) -> None:
         for size in args.size or SIZES:
             for provider in PROVIDERS:
                 rows += census(size, provider)
-    common = {"suite": "host-census", **provenance(torch.device("cpu")),
-              "timer": "none: counted (sys.setprofile's calls, the stand-in GPU's launches, the autograd graph)"}
-    rows = [{**common, **row} for row in rows]
-    print(table(rows))
-    os.makedirs(args.out, exist_ok=True)
-    path = result_path(args.out, "host-census", common)
-    write_rows(path, rows)
-    LOG.info("%d rows written to %s", len(rows), path)
+    save_cpu_rows(args.out, "host-census",
+                  "none: counted (sys.setprofile's calls, the stand-in GPU's launches, the autograd graph)", rows, table)
 
 
 if __name__ == "__main__":

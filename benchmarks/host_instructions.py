@@ -29,11 +29,9 @@ import subprocess
 import sys
 import tempfile
 
-import torch
 
 from fastbert.bench import host_suite
-from fastbert.bench.provenance import provenance
-from fastbert.bench.runner import result_path, write_rows
+from fastbert.bench.runner import save_cpu_rows
 from fastbert.command import LOG, run_command
 from fastbert.simulated.host_time import one_thread, stubbed_launches
 
@@ -181,14 +179,9 @@ def _write(args) -> None:
     calls = dict.fromkeys(CALLS, args.calls) if args.calls else CALLS
     LOG.info("counting %d items under callgrind (minutes to start PyTorch under valgrind, then seconds an item)",
              len(selected))
-    common = {"suite": "host-instructions", **provenance(torch.device("cpu")),
-              "timer": f"none: instructions executed per call (valgrind's callgrind, {EMPTY} subtracted)"}
-    rows = [{**common, **row} for row in counted_rows(selected, calls, not args.no_progress)]
-    print(table(rows))
-    os.makedirs(args.out, exist_ok=True)
-    path = result_path(args.out, "host-instructions", common)
-    write_rows(path, rows)
-    LOG.info("%d rows written to %s", len(rows), path)
+    save_cpu_rows(args.out, "host-instructions",
+                  f"none: instructions executed per call (valgrind's callgrind, {EMPTY} subtracted)",
+                  counted_rows(selected, calls, not args.no_progress), table)
 
 
 if __name__ == "__main__":

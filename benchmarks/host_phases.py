@@ -23,9 +23,8 @@ import sys
 import torch
 
 from fastbert.bench import host_suite
-from fastbert.bench.provenance import provenance
-from fastbert.bench.runner import result_path, write_rows
-from fastbert.command import LOG, run_command
+from fastbert.bench.runner import save_cpu_rows
+from fastbert.command import run_command
 from fastbert.simulated.host_time import interleaved_host_microseconds, one_thread, stubbed_launches
 
 PROVIDERS = (host_suite.FASTBERT, host_suite.HF_SDPA)
@@ -97,13 +96,7 @@ def _phase_rows(args) -> None:
     with one_thread(), stubbed_launches():
         for size in args.size or SIZES:
             rows += measure(size, args.repeats)
-    common = {"suite": "host-phases", **provenance(torch.device("cpu")), "timer": host_suite.CPU_CLOCK}
-    rows = [{**common, **row} for row in rows]
-    print(table(rows))
-    os.makedirs(args.out, exist_ok=True)
-    path = result_path(args.out, "host-phases", common)
-    write_rows(path, rows)
-    LOG.info("%d rows written to %s", len(rows), path)
+    save_cpu_rows(args.out, "host-phases", host_suite.CPU_CLOCK, rows, table)
 
 
 if __name__ == "__main__":

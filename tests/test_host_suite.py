@@ -128,6 +128,29 @@ def test_the_host_census_counts_exactly(tmp_path):
     assert done.returncode == 2 and "a file" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+def test_host_phases_split_a_step(tmp_path):
+    # benchmarks/host_phases.py: each phase of each provider timed, the backward and the optimizer as the
+    # differences of the phases that contain them; a bad --repeats is one message naming it before anything runs
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = _compiled_path("", "benchmarks/host_phases.py", "--size", "base", "--repeats", "1", "--out", str(tmp_path),
+                          cwd=root)
+    assert done.returncode == 0, done.stderr
+    (path,) = tmp_path.glob("host-phases-*.json")
+    rows = json.loads(path.read_text())
+    us = {(r["provider"], r["phase"]): r["host_us"] for r in rows}
+    phases = ("infer", "forward", "forward+backward", "step", "backward", "optimizer")
+    assert set(us) == {(p, phase) for p in ("fastbert", "hf-sdpa") for phase in phases}
+    for provider in ("fastbert", "hf-sdpa"):
+        assert all(0 < us[(provider, phase)] < float("inf") for phase in phases[:4])
+        assert us[(provider, "backward")] == us[(provider, "forward+backward")] - us[(provider, "forward")]
+        assert us[(provider, "optimizer")] == us[(provider, "step")] - us[(provider, "forward+backward")]
+    assert {r["derived"] for r in rows if r["phase"] in phases[4:]} == {True}
+    assert all(r["commit"] and r["timer"] == host_suite.CPU_CLOCK for r in rows)
+    done = _compiled_path("", "benchmarks/host_phases.py", "--repeats", "0", "--out", str(tmp_path / "none"), cwd=root)
+    assert done.returncode == 2 and "--repeats must be at least 1, got 0" in done.stderr
+    assert not (tmp_path / "none").exists()
+
+
 def test_size_argument_forms_make_the_same_tensors():
     # benchmarks/size_arguments.py times each allocation and reshape with its sizes as one argument and one by
     # one, the second being what kernels/*.py and the layers use: both must make the same tensor

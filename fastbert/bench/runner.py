@@ -261,6 +261,19 @@ def write_rows(path: str, rows: list[dict]) -> None:
     write_text(path, json.dumps(rows, indent=1, default=str) + "\n")
 
 
+def save_cpu_rows(out_dir: str, suite: str, timer: str, rows: list[dict], table) -> str:
+    """A CPU-side benchmark script's run (benchmarks/host_*.py): the rows under this machine's provenance and
+    the timer's name, their table printed, written to out_dir/<suite>-<machine>-<time>.json. Returns the path."""
+    common = {"suite": suite, **provenance(torch.device("cpu")), "timer": timer}
+    rows = [{**common, **row} for row in rows]
+    print(table(rows))
+    os.makedirs(out_dir, exist_ok=True)
+    path = result_path(out_dir, suite, common)
+    write_rows(path, rows)
+    logging.getLogger("fastbert").info("%d rows written to %s", len(rows), path)
+    return path
+
+
 # what the smoke suite's figures are: one warm-up call and three timed, at shapes of a few kilobytes, on a
 # CPU that other work shares: a time there is overhead and noise, not an op's cost
 SMOKE_CAVEAT = ("smoke run: tiny shapes, 3 timed calls on the CPU; it checks that every provider runs and reports, "
