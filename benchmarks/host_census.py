@@ -17,15 +17,13 @@ Prints a table and writes the rows (with provenance) to DIR/host-census-<machine
 """
 from __future__ import annotations
 
-import argparse
 import collections
-import os
 import sys
 
 import torch
 
 from fastbert.bench import host_suite
-from fastbert.bench.runner import save_cpu_rows
+from fastbert.bench.runner import cpu_script_parser, save_cpu_rows
 from fastbert.command import run_command
 from fastbert.host_syncs import HostSyncCounter
 from fastbert.simulated.host_time import one_thread, stubbed_launches
@@ -128,10 +126,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join("benchmarks", "results"),
-                        help="directory of the JSON rows (default benchmarks/results)")
-    parser.add_argument("--size", choices=SIZES, action="append", help="a model (repeatable; default both)")
+    parser = cpu_script_parser(__doc__, SIZES)
     args = parser.parse_args()
     # an output that cannot be written is one message and exit code 2, as for the fastbert commands
     return run_command("host-census", lambda: _census_rows(args))

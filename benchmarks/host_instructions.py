@@ -31,7 +31,7 @@ import tempfile
 
 
 from fastbert.bench import host_suite
-from fastbert.bench.runner import save_cpu_rows
+from fastbert.bench.runner import cpu_script_parser, save_cpu_rows
 from fastbert.command import LOG, run_command
 from fastbert.simulated.host_time import one_thread, stubbed_launches
 
@@ -155,9 +155,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join("benchmarks", "results"),
-                        help="directory of the JSON rows (default benchmarks/results)")
+    parser = cpu_script_parser(__doc__)
     parser.add_argument("--only", help="count only the items whose 'case provider direction' matches this regex")
     parser.add_argument("--calls", type=int, help="calls counted per item (default 50 an op, 5 a model)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -16,14 +16,12 @@ Prints a table and writes the rows (with provenance) to DIR/host-phases-<machine
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
 import torch
 
 from fastbert.bench import host_suite
-from fastbert.bench.runner import save_cpu_rows
+from fastbert.bench.runner import cpu_script_parser, save_cpu_rows
 from fastbert.command import run_command
 from fastbert.simulated.host_time import interleaved_host_microseconds, one_thread, stubbed_launches
 
@@ -79,10 +77,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join("benchmarks", "results"),
-                        help="directory of the JSON rows (default benchmarks/results)")
-    parser.add_argument("--size", choices=SIZES, action="append", help="a model (repeatable; default both)")
+    parser = cpu_script_parser(__doc__, SIZES)
     parser.add_argument("--repeats", type=int, default=host_suite.MODEL_TIMING["repeats"],
                         help="timed groups per call (default the host suite's)")
     args = parser.parse_args()

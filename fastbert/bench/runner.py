@@ -16,6 +16,7 @@ their ratios to the measured peaks, peak memory; tokens/s, sequences/s and MFU f
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -259,6 +260,17 @@ def result_path(out_dir: str, suite: str, common: dict) -> str:
 def write_rows(path: str, rows: list[dict]) -> None:
     """The results JSON, replaced whole (fastbert.files.write_text: a full disk leaves the previous rows)."""
     write_text(path, json.dumps(rows, indent=1, default=str) + "\n")
+
+
+def cpu_script_parser(doc: str, sizes: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """The arguments every CPU-side benchmark script (benchmarks/host_*.py) takes: --out, and with `sizes`
+    --size (repeatable; default all of them). `doc` is the script's docstring, whose first line describes it."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join("benchmarks", "results"),
+                        help="directory of the JSON rows (default benchmarks/results)")
+    if sizes:
+        parser.add_argument("--size", choices=sizes, action="append", help="a model (repeatable; default all)")
+    return parser
 
 
 def save_cpu_rows(out_dir: str, suite: str, timer: str, rows: list[dict], table) -> str:
