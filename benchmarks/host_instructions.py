@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 
-
 from fastbert.bench import host_suite
 from fastbert.bench.runner import cpu_script_parser, save_cpu_rows
 from fastbert.command import LOG, run_command

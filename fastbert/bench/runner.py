@@ -24,6 +24,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -273,7 +274,8 @@ def cpu_script_parser(doc: str, sizes: tuple[str, ...] = ()) -> argparse.Argumen
     return parser
 
 
-def save_cpu_rows(out_dir: str, suite: str, timer: str, rows: list[dict], table) -> str:
+def save_cpu_rows(out_dir: str, suite: str, timer: str, rows: list[dict],
+                  table: Callable[[list[dict]], str]) -> str:
     """A CPU-side benchmark script's run (benchmarks/host_*.py): the rows under this machine's provenance and
     the timer's name, their table printed, written to out_dir/<suite>-<machine>-<time>.json. Returns the path."""
     common = {"suite": suite, **provenance(torch.device("cpu")), "timer": timer}
@@ -282,7 +284,7 @@ def save_cpu_rows(out_dir: str, suite: str, timer: str, rows: list[dict], table)
     os.makedirs(out_dir, exist_ok=True)
     path = result_path(out_dir, suite, common)
     write_rows(path, rows)
-    logging.getLogger("fastbert").info("%d rows written to %s", len(rows), path)
+    logger.info("%d rows written to %s", len(rows), path)
     return path
 
 
