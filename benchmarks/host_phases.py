@@ -4,7 +4,7 @@ transformers, timed apart.
 Run from the repository root: `python benchmarks/host_phases.py [--out DIR] [--size base|modernbert-base]
 [--repeats N]`. The model rows of `fastbert bench --suite host` (the same models, inputs, stubbed Triton launches,
 one intra-op thread and clock: this thread's CPU time, least mean of interleaved groups) time a whole step; this
-script times three calls of each provider's model in turns:
+script times four calls of each provider's model in turns:
 - "infer": an inference forward (eval, no_grad), the host suite's "fwd" row;
 - "forward": the training forward that builds the autograd graph, up to the loss;
 - "forward+backward": that forward, then loss.backward();
@@ -47,7 +47,7 @@ def phase_calls(size: str, provider: str) -> dict:
         model(**inputs).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    step()  # AdamW's state exists before any group is timed
+    # no call here: interleaved_host_microseconds warms every call up (AdamW's state included) before timing
     return {"infer": infer, "forward": forward, "forward+backward": forward_backward, "step": step}
 
 
