@@ -18,9 +18,11 @@ from torch import nn
 from fastbert import ops, outputs
 from fastbert.family_config import (MPNET_BUCKETS, MPNET_MAX_DISTANCE, CamembertConfig, DistilBertConfig,
                                     ElectraConfig, MPNetConfig, RobertaConfig, XLMRobertaConfig)
+from fastbert.kernels.fused_op import eager_autograd
 from fastbert.modeling import (AttentionLayout, BertEncoder, BertForMaskedLM, BertLayer, BertModel,
                                BertPreTrainedModel, EncoderLayer, SelfAttention, VocabularyHead, _recompute,
-                               add_and_norm, fused_feed_forward, gelu_dense_norm, is_unhooked, run_dropout)
+                               add_and_norm, fused_feed_forward, fused_feed_forward_sublayer, gelu_dense_norm,
+                               is_unhooked, run_dropout)
 
 
 # RoBERTa, XLM-RoBERTa, CamemBERT: BERT's modules and names; positions from the padding index (config) -----
@@ -229,12 +231,22 @@ class TransformerBlock(EncoderLayer):
         self.output_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def attention_block(self, hidden, layout: AttentionLayout, output_attentions: bool):
-        context, probs = self.attention(hidden, layout, output_attentions)
-        return add_and_norm(self.config, self.sa_layer_norm, self.attention.out_lin(context), hidden, None), probs
+        attention = self.attention
+        if not output_attentions and eager_autograd() and is_unhooked(attention, DistilBertSelfAttention):
+            normed = attention.sublayer(hidden, layout, attention.out_lin, self.sa_layer_norm, None)
+            if normed is not None:
+                return normed, None
+        context, probs = attention(hidden, layout, output_attentions)
+        return add_and_norm(self.config, self.sa_layer_norm, attention.out_lin(context), hidden, None), probs
 
     def feed_forward(self, attended, recompute: bool = False):
         c = self.config
         if is_unhooked(self.ffn, FFN):
+            if eager_autograd():
+                normed = fused_feed_forward_sublayer(c, self.ffn.lin1, self.ffn.lin2, self.output_layer_norm,
+                                                     self.ffn.dropout, attended, recompute)
+                if normed is not None:
+                    return normed
             projected = fused_feed_forward(c, self.ffn.lin1, self.ffn.lin2, attended, recompute)
             if projected is not None:
                 return add_and_norm(c, self.output_layer_norm, projected, attended, self.ffn.dropout)

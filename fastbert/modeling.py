@@ -23,6 +23,8 @@ from torch.utils.checkpoint import checkpoint
 from fastbert import hf, ops, outputs
 from fastbert.bases import ModelBase
 from fastbert.config import BertConfig
+from fastbert.kernels.fused_op import eager_autograd
+from fastbert.sublayer import attention_sublayer, feed_forward_sublayer
 from fastbert.validation import (IGNORE_INDEX, PACKED_ARGUMENTS, HF_PACKED_ALIASES, check_label_budget, check_labels,
                                  check_model_inputs, check_on_device, check_packed_inputs, key_padding_mask,
                                  packed_arguments)
@@ -166,6 +168,38 @@ class SelfAttention(nn.Module):
         projected = [m(hidden).view(*heads) for m in linears]  # sizes one by one (below)
         return projected if hidden.dim() == 2 else [t.transpose(1, 2) for t in projected]
 
+    def sublayer(self, hidden, layout: AttentionLayout, dense: nn.Module, norm: nn.LayerNorm,
+                 dropout: nn.Module | None):
+        """norm(dropout(dense(self(hidden))) + hidden), the whole post-LN sublayer, as one autograd node
+        (fastbert/sublayer.py), or None where that would not run the ops that calling them one by one runs: an op
+        whose resolved path is not its Triton one, a module it would bypass that is not plain, a relative bias or an
+        option of the architecture, or no gradient wanted. dropout: the sublayer's Dropout module, or None for none.
+        The caller checks eager_autograd(), that neither module is hooked and that no attention probabilities are
+        wanted."""
+        config = self.config
+        linears = self.linears()
+        query = linears[0]
+        projection = ops.resolve_backend(config.backend, hidden, query.weight, query.bias, op="qkv_projection")
+        if projection not in ("triton", "cublas_forward") or layout.relative_bias is not None or self.attention_options():
+            return None
+        hidden_p = 0.0 if dropout is None else dropout_rate(dropout)
+        requires_grad = hidden.requires_grad or norm.weight.requires_grad
+        for m in (*linears, dense):  # a loop, not all(generator): this runs on every layer's forward
+            if not (is_plain_linear(m) and m.bias is not None):
+                return None
+            requires_grad = requires_grad or m.weight.requires_grad or m.bias.requires_grad
+        if hidden_p is None or not (requires_grad or (norm.bias is not None and norm.bias.requires_grad)):
+            return None  # a dropout module to call, or no backward (the ops' inference calls)
+        heads = config.num_attention_heads
+        plain = layout.attention_mask is None and not layout.packed  # "auto" reads fastbert.paths for plain attention
+        q_like = hidden.view(*hidden.shape[:2], heads, config.head_dim).transpose(1, 2) if plain else hidden
+        if (ops.resolve_backend(config.backend, q_like, op="attention" if plain else None) != "triton"
+                or ops.resolve_backend(config.backend, hidden, norm.weight, op="layer_norm") != "triton"):
+            return None
+        return attention_sublayer(hidden, linears, dense, norm, layout.attention_mask, layout.cu_seqlens,
+                                  layout.max_seqlen, heads, self.probs_dropout(), hidden_p, norm.eps,
+                                  config.layer_norm_backward == "output", projection == "cublas_forward")
+
     def forward(self, hidden, layout: AttentionLayout, output_attentions: bool = False):
         config = self.config
         dropout_p = self.probs_dropout()
@@ -237,8 +271,14 @@ class BertAttention(nn.Module):
         self.output = BertSelfOutput(config)
 
     def forward(self, hidden, layout: AttentionLayout, output_attentions: bool = False):
-        context, probs = self.self(hidden, layout, output_attentions)
-        return self.output(context, hidden), probs
+        attention, output = self.self, self.output
+        if (not output_attentions and eager_autograd() and is_unhooked(attention, BertSelfAttention)
+                and is_unhooked(output, BertSelfOutput)):
+            normed = attention.sublayer(hidden, layout, output.dense, output.LayerNorm, output.dropout)
+            if normed is not None:
+                return normed, None
+        context, probs = attention(hidden, layout, output_attentions)
+        return output(context, hidden), probs
 
 
 class BertIntermediate(nn.Module):
@@ -272,6 +312,30 @@ def fused_feed_forward(config: BertConfig, up: nn.Module, down: nn.Module, atten
         return None
     return ops.feed_forward(attended, up.weight, up.bias, down.weight, down.bias, config.gelu_approximate,
                             recompute_pre=recompute, backend=config.backend)
+
+
+def fused_feed_forward_sublayer(config: BertConfig, up: nn.Module, down: nn.Module, norm: nn.LayerNorm,
+                                dropout: nn.Module, attended, recompute: bool):
+    """norm(dropout(down(gelu(up(attended)))) + attended), the whole FFN sublayer, as one autograd node
+    (fastbert/sublayer.py), or None where that would not run what fused_feed_forward and add_and_norm run: Linears
+    that are not plain with biases, a dropout module to call, an op whose resolved path is not a Triton one, or no
+    gradient wanted. The caller checks eager_autograd() and that the modules it bypasses are not hooked."""
+    if not (is_plain_linear(up) and up.bias is not None and is_plain_linear(down) and down.bias is not None):
+        return None
+    path = ops.resolve_backend(config.backend, attended, up.weight, up.bias, down.weight, down.bias, op="feed_forward")
+    hidden_p = dropout_rate(dropout)
+    if path == "torch" or hidden_p is None:
+        return None
+    # what the FFN's backward reads h for (kernels/ffn.py's feed_forward): a gradient through it
+    through_pre = attended.requires_grad or up.weight.requires_grad or up.bias.requires_grad or down.weight.requires_grad
+    if not (through_pre or down.bias.requires_grad or norm.weight.requires_grad
+            or (norm.bias is not None and norm.bias.requires_grad)):
+        return None  # no backward: the ops' inference calls
+    if ops.resolve_backend(config.backend, attended, norm.weight, op="layer_norm") != "triton":
+        return None
+    return feed_forward_sublayer(attended, up, down, norm, config.gelu_approximate, through_pre and not recompute,
+                                 "epilogue" if path == "triton" else path, hidden_p, norm.eps,
+                                 config.layer_norm_backward == "output")
 
 
 class EncoderLayer(nn.Module):
@@ -311,6 +375,11 @@ class BertLayer(EncoderLayer):
         fused where neither module has hooks (fused_feed_forward), otherwise the modules are called."""
         intermediate, output = self.intermediate, self.output
         if is_unhooked(intermediate, BertIntermediate) and is_unhooked(output, BertOutput):
+            if eager_autograd():
+                normed = fused_feed_forward_sublayer(self.config, intermediate.dense, output.dense, output.LayerNorm,
+                                                     output.dropout, attended, recompute)
+                if normed is not None:
+                    return normed
             projected = fused_feed_forward(self.config, intermediate.dense, output.dense, attended, recompute)
             if projected is not None:
                 return output.add_and_norm(projected, attended)

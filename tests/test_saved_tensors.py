@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import modeling, ops
+from fastbert import modeling
+from fastbert.kernels import qkv
 
 VOCAB = 4099  # a prime that is no other size of the model, so a [rows, vocab] tensor cannot hide
 CONFIG = fastbert.BertConfig.tiny(vocab_size=VOCAB, hidden_size=128, num_attention_heads=2, intermediate_size=256,
@@ -39,13 +40,13 @@ def test_layer_keeps_q_k_v_once_in_the_projection_buffer(device, monkeypatch):
     layer = modeling.BertLayer(CONFIG).to(device).train()
     hidden = torch.randn(len(LENGTHS), SEQ, CONFIG.hidden_size, device=device, requires_grad=True)  # [B, S, H]
     projected = []
-    qkv_projection = ops.qkv_projection
+    project = qkv._project  # what the per-op QKV projection and the one-node sublayer (fastbert/sublayer.py) call
 
     def recording(*args, **kwargs):
-        projected.extend(qkv_projection(*args, **kwargs))
+        projected.extend(project(*args, **kwargs))
         return projected
 
-    monkeypatch.setattr(ops, "qkv_projection", recording)
+    monkeypatch.setattr(qkv, "_project", recording)
     out, saved = _saved_tensors(lambda: layer(hidden, modeling.AttentionLayout(attention_mask=_mask(device))))
     assert len(projected) == 3 and len({_storage(t) for t in projected}) == 1, "q, k, v are not one buffer"
     buffer = _storage(projected[0])

@@ -1,0 +1,224 @@
+# A post-LayerNorm sublayer as one autograd node in eager training: the attention sublayer
+# LayerNorm(dropout(dense(attention(qkv(x)))) + x) and the feed-forward one LayerNorm(dropout(ffn(x)) + x).
+#
+# Why. On the fused path the attention sublayer is three fused ops (QKV projection, attention, residual + dropout +
+# LayerNorm) around PyTorch's output projection, whose autograd graph adds two CatBackward (the QKV weight and
+# bias), a transpose, four views, a T and an addmm node a layer; the feed-forward one is two fused ops. Each node
+# costs the backward engine's dispatch, and each fused op's node a Python call chain besides
+# (`benchmarks/host_phases.py`: the backward was where the training step's host time lost to transformers'). Here
+# one autograd.Function runs the same host functions in the same order (so the same dropout seeds are drawn and the
+# results are bitwise those of the per-op path, tests/test_sublayer.py), and its backward calls each op's own
+# registered backward on a stand-in context: one node, the same kernels, the same saved tensors (their memory,
+# activation checkpointing's hooks and the in-place checks included).
+#
+# Where it runs: eager autograd (not traced: torch.compile and torch.export see the per-op custom ops), plain
+# modules (no hooks, plain Linears with biases, readable dropouts), no attention probabilities, no relative bias,
+# and every op of the sublayer on the path fastbert.ops resolves for it when called alone, a Triton one. Elsewhere
+# the caller runs the ops one by one, as before (fastbert/modeling.py decides).
+from __future__ import annotations
+
+import torch
+
+from fastbert import ops
+from fastbert.kernels.fused_op import c_apply, once_differentiable
+
+
+class _OpContext:
+    """Stands for autograd's ctx of one op inside the sublayer: what the op's setup_context saves goes to the
+    sublayer's ctx (one save_for_backward, so that saved-tensor hooks and the in-place checks see it), and the
+    op's backward reads it back from there."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors):  # none of the op's outputs leaves the sublayer but the last
+        pass
+
+    def set_materialize_grads(self, value):  # each op's backward is handed exactly the gradients it reads
+        pass
+
+
+def _as_dtype(t, dtype):
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def _save(ctx, contexts: tuple, *tensors) -> None:
+    """Every op's saved tensors, then `tensors`, in the sublayer's one save_for_backward."""
+    saved = [t for context in contexts for t in context.saved_tensors]
+    ctx.save_for_backward(*saved, *tensors)
+    ctx.contexts = contexts
+
+
+def _restore(ctx) -> tuple:
+    """Hands each op's context its saved tensors back (ctx.saved_tensors unpacks them: the in-place checks and the
+    saved-tensor hooks run there); returns the sublayer's own, the ones after."""
+    saved, start = ctx.saved_tensors, 0
+    for context in ctx.contexts:
+        end = start + len(context.saved_tensors)
+        context.saved_tensors, start = saved[start:end], end
+    return saved[start:]
+
+
+def _norm_forward(projected, norm_weight, norm_bias, hidden, hidden_p: float, eps: float, save_output: bool):
+    """LayerNorm(dropout(projected) + hidden) as fastbert.ops.layer_norm runs it: (the output, the op's context)."""
+    kernels = ops.KERNELS
+    norm_kernel = kernels["layer_norm"]
+    normed, norm_weight, norm_bias, residual, out_dtype = ops._layer_norm_inputs(projected, norm_weight, norm_bias,
+                                                                                 hidden)
+    norm_kernel.check_limits(normed, norm_weight, norm_bias, residual, out_dtype)
+    hidden_p, seed = kernels["attention"]._dropout_seed(hidden_p, True, normed.device)  # layer_norm_unchecked's draw
+    arguments = (normed, norm_weight, norm_bias, residual, seed, float(eps), hidden_p, out_dtype, save_output, False)
+    output = norm_kernel.layer_norm_fwd.function(*arguments)
+    context = _OpContext()
+    norm_kernel._setup_context(context, arguments, output)
+    return output[0], context
+
+
+def _norm_backward(context, dy, needs: tuple, projected_dtype):
+    """(d projected in its dtype, d weight, d bias, d residual) of `_norm_forward`; needs: those four's."""
+    context.needs_input_grad = needs
+    dprojected, dweight, dbias, dresidual = ops.KERNELS["layer_norm"]._backward(context, dy, None, None)[:4]
+    return _as_dtype(dprojected, projected_dtype), dweight, dbias, dresidual
+
+
+def _gradients(name: str, ctx, dy, dhidden, dresidual, hidden_dtype, parameter_gradients: list, parameter_dtypes):
+    """The sublayer backward's return: d hidden (the residual's gradient added), then each parameter's in its dtype
+    (None where autograd needs none), then None for each argument past them."""
+    needs = ctx.needs_input_grad
+    if needs[0]:
+        dresidual = _as_dtype(dresidual, hidden_dtype)
+        dhidden = dresidual if dhidden is None else _as_dtype(dhidden, hidden_dtype) + dresidual
+    else:
+        dhidden = None
+    gradients = [dhidden, *parameter_gradients] + [None] * (len(needs) - 1 - len(parameter_gradients))
+    for i, dtype in enumerate(parameter_dtypes, start=1):  # a loop, no call per gradient: every layer runs it
+        gradient = gradients[i]
+        if gradient is not None and (not needs[i] or gradient.dtype != dtype):
+            gradients[i] = gradient.to(dtype) if needs[i] else None
+    return once_differentiable(name, tuple(gradients), ctx, (dy,))
+
+
+class _AttentionSublayer(torch.autograd.Function):
+    # forward with ctx (old-style), called through autograd's C apply, as kernels/fused_op.py's EagerFunction
+    @staticmethod
+    def forward(ctx, hidden, wq, bq, wk, bk, wv, bv, wo, bo, norm_weight, norm_bias, key_mask, cu_seqlens,
+                max_seqlen, num_heads, attention_p, hidden_p, eps, save_output, cublas_forward):
+        qkv_kernel, attention_kernel = ops.KERNELS["qkv"], ops.KERNELS["attention"]
+        # the QKV projection, as fastbert.ops.qkv_projection runs it: one dtype, the autocast one under autocast
+        x, weight, bias = ops._matmul_inputs(hidden, torch.cat((wq, wk, wv)), torch.cat((bq, bk, bv)))
+        qkv_kernel.check_limits(x, weight, bias)
+        q, k, v = qkv_kernel._project(x, weight, bias, num_heads, cublas_forward)
+        qkv = _OpContext()
+        qkv.save_for_backward(x, weight)  # _QKVProjection.setup_context's
+        # attention, as kernels/attention.py's attention_unchecked (padded) and attention_varlen_unchecked
+        packed = cu_seqlens is not None
+        seqlen = max_seqlen if packed else q.shape[2]
+        key_mask = None if packed else key_mask
+        attention_kernel.check_limits(q, k, v, key_mask, cu_seqlens, seqlen, None, None, None)
+        dropout_p, seed = attention_kernel._dropout_seed(attention_p, True, q.device)
+        arguments = (q, k, v, key_mask, cu_seqlens, seqlen, seed, dropout_p, q.shape[-1] ** -0.5, None, None, None,
+                     None)
+        out, lse = attention_kernel.attention_fwd.function(*arguments)
+        attention = _OpContext()
+        attention_kernel._setup_context(attention, arguments, (out, lse))
+        # the output projection, as nn.Linear runs it (under autocast in the autocast dtype): the heads merged by
+        # a view (attention writes [B, S, heads, d]), then one addmm
+        merged = (out if packed else out.transpose(1, 2)).reshape(-1, out.shape[-1] * num_heads)  # [tokens, H]
+        dense_weight, dense_bias = wo, bo
+        if ops._any_autocast():
+            dense_weight, dense_bias = ops._cast((wo, bo), ops.autocast_dtype("matmul", hidden.device.type) or wo.dtype)
+        projected = torch.addmm(dense_bias, merged, dense_weight.t()).view(hidden.shape)
+        output, norm = _norm_forward(projected, norm_weight, norm_bias, hidden, hidden_p, eps, save_output)
+        _save(ctx, (qkv, attention, norm), merged, dense_weight)
+        # the dtypes the gradients go back to (autocast's and the promotions' casts, undone as their nodes would)
+        ctx.dtypes = (hidden.dtype, projected.dtype,
+                      (wq.dtype, bq.dtype, wk.dtype, bk.dtype, wv.dtype, bv.dtype, wo.dtype, bo.dtype))
+        return output
+
+    @staticmethod
+    def backward(ctx, dy):
+        merged, dense_weight = _restore(ctx)
+        qkv, attention, norm = ctx.contexts
+        hidden_dtype, projected_dtype, parameter_dtypes = ctx.dtypes
+        needs = ctx.needs_input_grad
+        needs_hidden, needs_qkv = needs[0], needs[1:7]
+        upstream = needs_hidden or any(needs_qkv)  # a gradient before the output projection
+        dprojected, dnorm_weight, dnorm_bias, dresidual = _norm_backward(
+            norm, dy, (upstream or needs[7] or needs[8], needs[9], needs[10], needs_hidden), projected_dtype)
+        dprojected = dprojected.view(merged.shape)  # [tokens, H]
+        # the output projection, as PyTorch's addmm backward computes it
+        dwo = dprojected.t() @ merged if needs[7] else None
+        dbo = dprojected.sum(dim=0) if needs[8] else None
+        dhidden, dqkv = None, (None,) * 6
+        if upstream:
+            dmerged = dprojected @ dense_weight  # [tokens, H]
+            q = attention.saved_tensors[0]
+            # in attention's output shape: [T, heads, d], or [B, heads, S, d] as a view of [B, S, heads, d]
+            dout = (dmerged.view(q.shape) if q.dim() == 3
+                    else dmerged.view(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2))
+            dq, dk, dv = ops.KERNELS["attention"]._backward(attention, dout, None)[:3]
+            qkv.needs_input_grad = (needs_hidden, any(needs_qkv[0::2]), any(needs_qkv[1::2]))
+            dhidden, dweight, dbias = ops.KERNELS["qkv"]._QKVProjection.backward(qkv, dq, dk, dv)[:3]
+            # the rows of each parameter, as CatBackward hands them
+            dwq, dwk, dwv = (None,) * 3 if dweight is None else dweight.chunk(3)
+            dbq, dbk, dbv = (None,) * 3 if dbias is None else dbias.chunk(3)
+            dqkv = dwq, dbq, dwk, dbk, dwv, dbv
+        return _gradients("attention sublayer", ctx, dy, dhidden, dresidual, hidden_dtype,
+                          [*dqkv, dwo, dbo, dnorm_weight, dnorm_bias], parameter_dtypes)
+
+
+class _FeedForwardSublayer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, w1, b1, w2, b2, norm_weight, norm_bias, approximate, keep_pre, form, hidden_p, eps,
+                save_output):
+        ffn_kernel = ops.KERNELS["ffn"]
+        # the FFN, as fastbert.ops.feed_forward and kernels/ffn.py's feed_forward run it
+        arguments = (*ops._matmul_inputs(hidden, w1, b1, w2, b2), approximate, keep_pre, False, form)
+        ffn_kernel._check(*arguments[:6], False, form)
+        output = ffn_kernel.feed_forward_fwd(*arguments)
+        feed_forward = _OpContext()
+        ffn_kernel._feed_forward_setup(feed_forward, arguments, output)
+        projected = output[0]
+        normed, norm = _norm_forward(projected, norm_weight, norm_bias, hidden, hidden_p, eps, save_output)
+        _save(ctx, (feed_forward, norm))
+        ctx.dtypes = hidden.dtype, projected.dtype, (w1.dtype, b1.dtype, w2.dtype, b2.dtype)
+        return normed
+
+    @staticmethod
+    def backward(ctx, dy):
+        _restore(ctx)
+        feed_forward, norm = ctx.contexts
+        hidden_dtype, projected_dtype, parameter_dtypes = ctx.dtypes
+        needs = ctx.needs_input_grad
+        dprojected, dnorm_weight, dnorm_bias, dresidual = _norm_backward(norm, dy, (any(needs[:5]), *needs[5:7],
+                                                                                     needs[0]), projected_dtype)
+        dx = dw1 = db1 = dw2 = db2 = None
+        if any(needs[:5]):
+            feed_forward.needs_input_grad = needs[:5]
+            dx, dw1, db1, dw2, db2 = ops.KERNELS["ffn"]._feed_forward_backward(feed_forward, dprojected, None)[:5]
+        return _gradients("feed-forward sublayer", ctx, dy, dx, dresidual, hidden_dtype,
+                          [dw1, db1, dw2, db2, dnorm_weight, dnorm_bias], parameter_dtypes)
+
+
+_APPLY = c_apply(_AttentionSublayer)
+_FEED_FORWARD_APPLY = c_apply(_FeedForwardSublayer)
+
+
+def attention_sublayer(hidden, linears, dense, norm, key_mask, cu_seqlens, max_seqlen, num_heads, attention_p,
+                       hidden_p, eps, save_output, cublas_forward):
+    """norm(dropout(dense(attention(q, k, v))) + hidden) with (q, k, v) = the three Linears `linears` of hidden:
+    one autograd node (header). hidden [B, S, H] (key_mask [B, S] or None) or packed [T, H] (cu_seqlens int32
+    [B + 1], max_seqlen). The caller has checked that it may run (fastbert.modeling's SelfAttention.sublayer)."""
+    (query, key, value) = linears
+    return _APPLY(hidden, query.weight, query.bias, key.weight, key.bias, value.weight, value.bias, dense.weight,
+                  dense.bias, norm.weight, norm.bias, key_mask, cu_seqlens, max_seqlen, num_heads, attention_p,
+                  hidden_p, eps, save_output, cublas_forward)
+
+
+def feed_forward_sublayer(hidden, up, down, norm, approximate: str, keep_pre: bool, form: str, hidden_p: float,
+                          eps: float, save_output: bool):
+    """norm(dropout(down(gelu(up(hidden)))) + hidden), BERT's FFN sublayer, as one autograd node (header). keep_pre
+    and form as kernels/ffn.py's forward takes them. The caller has checked that it may run
+    (fastbert.modeling.feed_forward_sublayer)."""
+    return _FEED_FORWARD_APPLY(hidden, up.weight, up.bias, down.weight, down.bias, norm.weight, norm.bias, approximate,
+                               keep_pre, form, hidden_p, eps, save_output)

@@ -1,0 +1,145 @@
+"""The attention and feed-forward sublayers as one autograd node each (fastbert/sublayer.py) against the same ops
+run one by one: the same loss and gradients to the bit, padded and unpadded, with dropout, under autocast, with
+frozen weights and recomputed; one node a sublayer where it runs, the per-op graph where it must not (traced calls,
+hooks, attention probabilities, the torch path)."""
+import contextlib
+
+import pytest
+import torch
+
+import fastbert
+from fastbert import family, modeling
+from fastbert.kernels.fused_op import always_custom_op
+
+CONFIG = fastbert.BertConfig.tiny(vocab_size=97, hidden_size=64, num_attention_heads=2, intermediate_size=128,
+                                  max_position_embeddings=32, backend="triton")  # dropout 0.1 on both
+LENGTHS, SEQ = (9, 5), 9
+
+
+def _inputs(device):
+    mask = (torch.arange(SEQ)[None, :] < torch.tensor(LENGTHS)[:, None]).long()
+    ids = torch.randint(1, CONFIG.vocab_size, mask.shape, generator=torch.Generator().manual_seed(0)) * mask
+    labels = torch.full_like(ids, -100)
+    labels[0, 1], labels[1, 3] = ids[0, 1], ids[1, 3]
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels, next_sentence_label=torch.tensor([0, 1]))
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def _hook_outputs(model):
+    """A no-op hook on each attention's output module: the model then calls that sublayer's ops one by one."""
+    return [m.register_forward_pre_hook(lambda *args: None) for m in model.modules()
+            if type(m) is modeling.BertSelfOutput]
+
+
+@contextlib.contextmanager
+def _per_op():
+    """Every sublayer's ops one by one, as before fastbert/sublayer.py: its two entrances answer None."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(modeling.SelfAttention, "sublayer", lambda *args: None)
+        for module in (modeling, family):
+            patch.setattr(module, "fused_feed_forward_sublayer", lambda *args: None)
+        yield
+
+
+def _step(device, per_op, unpad=False, autocast=False, frozen=False, **config):
+    torch.manual_seed(0)
+    model = fastbert.BertForPreTraining(CONFIG.replace(unpad=unpad, **config)).to(device).train()
+    if frozen:  # BitFit: the biases alone train
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_("bias" in name)
+    torch.manual_seed(1)  # the dropout seeds
+    with _per_op() if per_op else contextlib.nullcontext():
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**_inputs(device)).loss
+        loss.backward()
+    return model, loss, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _node_types(loss) -> list[str]:
+    seen, stack, names = set(), [loss.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("unpad", [False, True], ids=["padded", "unpadded"])
+@pytest.mark.parametrize("autocast, frozen", [(False, False), (True, False), (False, True)],
+                         ids=["fp32", "autocast-bf16", "bitfit"])
+def test_one_node_gives_the_per_op_results_bitwise(unpad, autocast, frozen, device):
+    model, loss, grads = _step(device, per_op=False, unpad=unpad, autocast=autocast, frozen=frozen)
+    _, per_op_loss, per_op_grads = _step(device, per_op=True, unpad=unpad, autocast=autocast, frozen=frozen)
+    nodes = _node_types(loss)
+    assert nodes.count("_AttentionSublayerBackward") == nodes.count("_FeedForwardSublayerBackward") == 2
+    assert "CatBackward0" not in nodes and "TransposeBackward0" not in nodes
+    assert "_AttentionSublayerBackward" not in _node_types(per_op_loss)
+    assert torch.equal(loss, per_op_loss)
+    assert grads.keys() == per_op_grads.keys()
+    if frozen:
+        assert all("bias" in name for name in grads)
+    for name, grad in grads.items():
+        assert grad.dtype == dict(model.named_parameters())[name].dtype
+        assert torch.equal(grad, per_op_grads[name]), name
+
+
+@pytest.mark.parametrize("option", ["attention", "full"])
+def test_recomputed_sublayer_gives_the_stored_gradients_bitwise(option, device):
+    """Activation checkpointing reruns the node's forward in the backward: the same dropout masks and results."""
+    _, loss, grads = _step(device, per_op=False)
+    _, recomputed_loss, recomputed = _step(device, per_op=False, activation_checkpointing=option)
+    assert torch.equal(loss, recomputed_loss)
+    for name, grad in grads.items():
+        assert torch.equal(grad, recomputed[name]), name
+
+
+def test_distilbert_attention_is_one_node_with_the_per_op_results(device):
+    """DistilBERT's sublayers (no dropout on the attention's sum, their own module names) take the nodes too."""
+    def step(per_op):
+        torch.manual_seed(0)
+        model = fastbert.DistilBertForMaskedLM(fastbert.DistilBertConfig.tiny(
+            vocab_size=97, dim=64, n_heads=2, hidden_dim=128, n_layers=2, max_position_embeddings=32,
+            backend="triton")).to(device).train()
+        inputs = _inputs(device)
+        del inputs["next_sentence_label"]
+        torch.manual_seed(1)
+        with _per_op() if per_op else contextlib.nullcontext():
+            loss = model(**inputs).loss
+            loss.backward()
+        return loss, {name: p.grad for name, p in model.named_parameters()}
+
+    loss, grads = step(per_op=False)
+    per_op_loss, per_op_grads = step(per_op=True)
+    nodes = _node_types(loss)
+    assert nodes.count("_AttentionSublayerBackward") == nodes.count("_FeedForwardSublayerBackward") == 2
+    assert torch.equal(loss, per_op_loss)
+    for name, grad in grads.items():
+        assert torch.equal(grad, per_op_grads[name]), name
+
+
+def test_the_ops_run_one_by_one_where_the_node_must_not(device):
+    torch.manual_seed(0)
+    model = fastbert.BertForPreTraining(CONFIG).to(device).train()
+    inputs = _inputs(device)
+
+    def sublayer_nodes(**kwargs):
+        nodes = _node_types(model(**inputs, **kwargs).loss)
+        return nodes.count("_AttentionSublayerBackward"), nodes.count("_FeedForwardSublayerBackward")
+
+    assert sublayer_nodes() == (2, 2)
+    assert sublayer_nodes(output_attentions=True) == (0, 2)  # the probabilities come from the per-op attention
+    with always_custom_op():  # as under torch.compile, torch.export and dispatch modes: the custom ops
+        assert sublayer_nodes() == (0, 0)
+    handles = _hook_outputs(model)
+    assert sublayer_nodes() == (0, 2)
+    for handle in handles:
+        handle.remove()
+    layer = model.bert.encoder.layer[0]
+    layer.attention.self.register_forward_hook(lambda *args: None)
+    layer.intermediate.register_forward_hook(lambda *args: None)
+    assert sublayer_nodes() == (1, 1)  # the hooked layer alone runs its ops
+    model.config.backend = "torch"
+    assert sublayer_nodes() == (0, 0)
