@@ -18,11 +18,10 @@ from torch import nn
 from fastbert import ops, outputs
 from fastbert.family_config import (MPNET_BUCKETS, MPNET_MAX_DISTANCE, CamembertConfig, DistilBertConfig,
                                     ElectraConfig, MPNetConfig, RobertaConfig, XLMRobertaConfig)
-from fastbert.kernels.fused_op import eager_autograd
 from fastbert.modeling import (AttentionLayout, BertEncoder, BertForMaskedLM, BertLayer, BertModel,
                                BertPreTrainedModel, EncoderLayer, SelfAttention, VocabularyHead, _recompute,
                                add_and_norm, fused_feed_forward, fused_feed_forward_sublayer, gelu_dense_norm,
-                               is_unhooked, run_dropout)
+                               is_unhooked, one_node_sublayers, run_dropout)
 
 
 # RoBERTa, XLM-RoBERTa, CamemBERT: BERT's modules and names; positions from the padding index (config) -----
@@ -232,7 +231,8 @@ class TransformerBlock(EncoderLayer):
 
     def attention_block(self, hidden, layout: AttentionLayout, output_attentions: bool):
         attention = self.attention
-        if not output_attentions and eager_autograd() and is_unhooked(attention, DistilBertSelfAttention):
+        if (not output_attentions and torch.is_grad_enabled() and one_node_sublayers(self.config, hidden)
+                and is_unhooked(attention, DistilBertSelfAttention)):
             normed = attention.sublayer(hidden, layout, attention.out_lin, self.sa_layer_norm, None)
             if normed is not None:
                 return normed, None
@@ -242,7 +242,7 @@ class TransformerBlock(EncoderLayer):
     def feed_forward(self, attended, recompute: bool = False):
         c = self.config
         if is_unhooked(self.ffn, FFN):
-            if eager_autograd():
+            if torch.is_grad_enabled() and one_node_sublayers(c, attended):
                 normed = fused_feed_forward_sublayer(c, self.ffn.lin1, self.ffn.lin2, self.output_layer_norm,
                                                      self.ffn.dropout, attended, recompute)
                 if normed is not None:

@@ -174,7 +174,7 @@ class SelfAttention(nn.Module):
         (fastbert/sublayer.py), or None where that would not run the ops that calling them one by one runs: an op
         whose resolved path is not its Triton one, a module it would bypass that is not plain, a relative bias or an
         option of the architecture, or no gradient wanted. dropout: the sublayer's Dropout module, or None for none.
-        The caller checks eager_autograd(), that neither module is hooked and that no attention probabilities are
+        The caller checks one_node_sublayers(), that neither module is hooked and that no attention probabilities are
         wanted."""
         config = self.config
         linears = self.linears()
@@ -272,8 +272,8 @@ class BertAttention(nn.Module):
 
     def forward(self, hidden, layout: AttentionLayout, output_attentions: bool = False):
         attention, output = self.self, self.output
-        if (not output_attentions and eager_autograd() and is_unhooked(attention, BertSelfAttention)
-                and is_unhooked(output, BertSelfOutput)):
+        if (not output_attentions and torch.is_grad_enabled() and one_node_sublayers(attention.config, hidden)
+                and is_unhooked(attention, BertSelfAttention) and is_unhooked(output, BertSelfOutput)):
             normed = attention.sublayer(hidden, layout, output.dense, output.LayerNorm, output.dropout)
             if normed is not None:
                 return normed, None
@@ -314,12 +314,21 @@ def fused_feed_forward(config: BertConfig, up: nn.Module, down: nn.Module, atten
                             recompute_pre=recompute, backend=config.backend)
 
 
+def one_node_sublayers(config: BertConfig, hidden) -> bool:
+    """Whether a sublayer may now run as one autograd node (fastbert/sublayer.py), before its modules and paths are
+    read: eager autograd (eager_autograd) with a backend that can resolve to the Triton path ("triton", or "auto" on
+    a CUDA tensor). "auto" on CPU tensors runs PyTorch's ops: learning that from resolve_backend would cost each
+    layer of a CPU user's step some 30 Python calls. The callers ask torch.is_grad_enabled() first, inline: an
+    inference forward then makes no Python call for it."""
+    return (hidden.is_cuda or config.backend == "triton") and eager_autograd()
+
+
 def fused_feed_forward_sublayer(config: BertConfig, up: nn.Module, down: nn.Module, norm: nn.LayerNorm,
                                 dropout: nn.Module, attended, recompute: bool):
     """norm(dropout(down(gelu(up(attended)))) + attended), the whole FFN sublayer, as one autograd node
     (fastbert/sublayer.py), or None where that would not run what fused_feed_forward and add_and_norm run: Linears
     that are not plain with biases, a dropout module to call, an op whose resolved path is not a Triton one, or no
-    gradient wanted. The caller checks eager_autograd() and that the modules it bypasses are not hooked."""
+    gradient wanted. The caller checks one_node_sublayers() and that the modules it bypasses are not hooked."""
     if not (is_plain_linear(up) and up.bias is not None and is_plain_linear(down) and down.bias is not None):
         return None
     path = ops.resolve_backend(config.backend, attended, up.weight, up.bias, down.weight, down.bias, op="feed_forward")
@@ -375,7 +384,7 @@ class BertLayer(EncoderLayer):
         fused where neither module has hooks (fused_feed_forward), otherwise the modules are called."""
         intermediate, output = self.intermediate, self.output
         if is_unhooked(intermediate, BertIntermediate) and is_unhooked(output, BertOutput):
-            if eager_autograd():
+            if torch.is_grad_enabled() and one_node_sublayers(self.config, attended):
                 normed = fused_feed_forward_sublayer(self.config, intermediate.dense, output.dense, output.LayerNorm,
                                                      output.dropout, attended, recompute)
                 if normed is not None:

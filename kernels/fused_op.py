@@ -130,8 +130,8 @@ class FusedOp:
 def eager_autograd() -> bool:
     """Whether a differentiable fused op call now takes the eager path (its EagerFunction, as FusedOp.__call__
     decides): grad mode on, nothing traced or transformed, no forward-mode AD, no always_custom_op."""
-    return not (_is_compiling() or _ALWAYS_CUSTOM_OP[0] or _dispatch_modes() or _functorch_transforms()) \
-        and torch.is_grad_enabled() and _FORWARD_AD._current_level < 0
+    return torch.is_grad_enabled() and not (_ALWAYS_CUSTOM_OP[0] or _is_compiling() or _dispatch_modes()
+                                            or _functorch_transforms()) and _FORWARD_AD._current_level < 0
 
 
 # True inside always_custom_op(): eager calls take the custom op too, as before this module (the host suite's
