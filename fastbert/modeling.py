@@ -192,7 +192,7 @@ class SelfAttention(nn.Module):
             return None  # a dropout module to call, or no backward (the ops' inference calls)
         heads = config.num_attention_heads
         plain = layout.attention_mask is None and not layout.packed  # "auto" reads fastbert.paths for plain attention
-        q_like = hidden.view(*hidden.shape[:2], heads, config.head_dim).transpose(1, 2) if plain else hidden
+        q_like = hidden.reshape(*hidden.shape[:2], heads, config.head_dim).transpose(1, 2) if plain else hidden
         if (ops.resolve_backend(config.backend, q_like, op="attention" if plain else None) != "triton"
                 or ops.resolve_backend(config.backend, hidden, norm.weight, op="layer_norm") != "triton"):
             return None

@@ -43,20 +43,32 @@ def _as_dtype(t, dtype):
 
 
 def _save(ctx, contexts: tuple, *tensors) -> None:
-    """Every op's saved tensors, then `tensors`, in the sublayer's one save_for_backward."""
-    saved = [t for context in contexts for t in context.saved_tensors]
+    """Every op's saved tensors, then `tensors`, in the sublayer's one save_for_backward. No context holds a tensor
+    outside the backward (`_restore`, `_release`): it would escape the saved-tensor hooks (activation checkpointing
+    would free nothing), and the sublayer's output, which LayerNorm saves, would make a reference cycle with the
+    node (the graph would live until Python's garbage collector ran)."""
+    saved, counts = [], []
+    for context in contexts:
+        saved += context.saved_tensors
+        counts.append(len(context.saved_tensors))
+        context.saved_tensors = None
     ctx.save_for_backward(*saved, *tensors)
-    ctx.contexts = contexts
+    ctx.contexts, ctx.counts = contexts, counts
 
 
 def _restore(ctx) -> tuple:
-    """Hands each op's context its saved tensors back (ctx.saved_tensors unpacks them: the in-place checks and the
-    saved-tensor hooks run there); returns the sublayer's own, the ones after."""
+    """Hands each op's context its saved tensors (ctx.saved_tensors unpacks them: the in-place checks and the
+    saved-tensor hooks run there), until `_release`; returns the sublayer's own, the ones after."""
     saved, start = ctx.saved_tensors, 0
-    for context in ctx.contexts:
-        end = start + len(context.saved_tensors)
-        context.saved_tensors, start = saved[start:end], end
+    for context, count in zip(ctx.contexts, ctx.counts):
+        context.saved_tensors, start = saved[start:start + count], start + count
     return saved[start:]
+
+
+def _release(contexts) -> None:
+    """The end of a backward: the contexts let their tensors go (see `_save`)."""
+    for context in contexts:
+        context.saved_tensors = None
 
 
 def _norm_forward(projected, norm_weight, norm_bias, hidden, hidden_p: float, eps: float, save_output: bool):
@@ -152,17 +164,20 @@ class _AttentionSublayer(torch.autograd.Function):
         dhidden, dqkv = None, (None,) * 6
         if upstream:
             dmerged = dprojected @ dense_weight  # [tokens, H]
+            del dprojected  # each gradient freed once used, as between the per-op nodes
             q = attention.saved_tensors[0]
             # in attention's output shape: [T, heads, d], or [B, heads, S, d] as a view of [B, S, heads, d]
             dout = (dmerged.view(q.shape) if q.dim() == 3
                     else dmerged.view(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2))
             dq, dk, dv = ops.KERNELS["attention"]._backward(attention, dout, None)[:3]
+            del dmerged, dout
             qkv.needs_input_grad = (needs_hidden, any(needs_qkv[0::2]), any(needs_qkv[1::2]))
             dhidden, dweight, dbias = ops.KERNELS["qkv"]._QKVProjection.backward(qkv, dq, dk, dv)[:3]
             # the rows of each parameter, as CatBackward hands them
             dwq, dwk, dwv = (None,) * 3 if dweight is None else dweight.chunk(3)
             dbq, dbk, dbv = (None,) * 3 if dbias is None else dbias.chunk(3)
             dqkv = dwq, dbq, dwk, dbk, dwv, dbv
+        _release(ctx.contexts)
         return _gradients("attention sublayer", ctx, dy, dhidden, dresidual, hidden_dtype,
                           [*dqkv, dwo, dbo, dnorm_weight, dnorm_bias], parameter_dtypes)
 
@@ -196,6 +211,7 @@ class _FeedForwardSublayer(torch.autograd.Function):
         if any(needs[:5]):
             feed_forward.needs_input_grad = needs[:5]
             dx, dw1, db1, dw2, db2 = ops.KERNELS["ffn"]._feed_forward_backward(feed_forward, dprojected, None)[:5]
+        _release(ctx.contexts)
         return _gradients("feed-forward sublayer", ctx, dy, dx, dresidual, hidden_dtype,
                           [dw1, db1, dw2, db2, dnorm_weight, dnorm_bias], parameter_dtypes)
 
