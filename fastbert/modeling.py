@@ -191,7 +191,8 @@ class SelfAttention(nn.Module):
         if hidden_p is None or not (requires_grad or (norm.bias is not None and norm.bias.requires_grad)):
             return None  # a dropout module to call, or no backward (the ops' inference calls)
         heads = config.num_attention_heads
-        plain = layout.attention_mask is None and not layout.packed  # "auto" reads fastbert.paths for plain attention
+        # "auto" reads fastbert.paths' table for plain attention, by q's shape: a stand-in of it ("triton" reads none)
+        plain = config.backend != "triton" and layout.attention_mask is None and not layout.packed
         q_like = hidden.reshape(*hidden.shape[:2], heads, config.head_dim).transpose(1, 2) if plain else hidden
         if (ops.resolve_backend(config.backend, q_like, op="attention" if plain else None) != "triton"
                 or ops.resolve_backend(config.backend, hidden, norm.weight, op="layer_norm") != "triton"):

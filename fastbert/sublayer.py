@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from fastbert import ops
-from fastbert.kernels.fused_op import c_apply, once_differentiable
+from fastbert.kernels.fused_op import as_dtype, c_apply, once_differentiable
 
 
 class _OpContext:
@@ -36,10 +36,6 @@ class _OpContext:
 
     def set_materialize_grads(self, value):  # each op's backward is handed exactly the gradients it reads
         pass
-
-
-def _as_dtype(t, dtype):
-    return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
 def _save(ctx, contexts: tuple, *tensors) -> None:
@@ -78,7 +74,7 @@ def _norm_forward(projected, norm_weight, norm_bias, hidden, hidden_p: float, ep
     normed, norm_weight, norm_bias, residual, out_dtype = ops._layer_norm_inputs(projected, norm_weight, norm_bias,
                                                                                  hidden)
     norm_kernel.check_limits(normed, norm_weight, norm_bias, residual, out_dtype)
-    hidden_p, seed = kernels["attention"]._dropout_seed(hidden_p, True, normed.device)  # layer_norm_unchecked's draw
+    hidden_p, seed = norm_kernel.dropout_seed(hidden_p, True, normed.device)  # layer_norm_unchecked's draw
     arguments = (normed, norm_weight, norm_bias, residual, seed, float(eps), hidden_p, out_dtype, save_output, False)
     output = norm_kernel.layer_norm_fwd.function(*arguments)
     context = _OpContext()
@@ -90,7 +86,7 @@ def _norm_backward(context, dy, needs: tuple, projected_dtype):
     """(d projected in its dtype, d weight, d bias, d residual) of `_norm_forward`; needs: those four's."""
     context.needs_input_grad = needs
     dprojected, dweight, dbias, dresidual = ops.KERNELS["layer_norm"]._backward(context, dy, None, None)[:4]
-    return _as_dtype(dprojected, projected_dtype), dweight, dbias, dresidual
+    return as_dtype(dprojected, projected_dtype), dweight, dbias, dresidual
 
 
 def _gradients(name: str, ctx, dy, dhidden, dresidual, hidden_dtype, parameter_gradients: list, parameter_dtypes):
@@ -98,8 +94,8 @@ def _gradients(name: str, ctx, dy, dhidden, dresidual, hidden_dtype, parameter_g
     (None where autograd needs none), then None for each argument past them."""
     needs = ctx.needs_input_grad
     if needs[0]:
-        dresidual = _as_dtype(dresidual, hidden_dtype)
-        dhidden = dresidual if dhidden is None else _as_dtype(dhidden, hidden_dtype) + dresidual
+        dresidual = as_dtype(dresidual, hidden_dtype)
+        dhidden = dresidual if dhidden is None else as_dtype(dhidden, hidden_dtype) + dresidual
     else:
         dhidden = None
     gradients = [dhidden, *parameter_gradients] + [None] * (len(needs) - 1 - len(parameter_gradients))
@@ -127,7 +123,7 @@ class _AttentionSublayer(torch.autograd.Function):
         seqlen = max_seqlen if packed else q.shape[2]
         key_mask = None if packed else key_mask
         attention_kernel.check_limits(q, k, v, key_mask, cu_seqlens, seqlen, None, None, None)
-        dropout_p, seed = attention_kernel._dropout_seed(attention_p, True, q.device)
+        dropout_p, seed = attention_kernel.dropout_seed(attention_p, True, q.device)
         arguments = (q, k, v, key_mask, cu_seqlens, seqlen, seed, dropout_p, q.shape[-1] ** -0.5, None, None, None,
                      None)
         out, lse = attention_kernel.attention_fwd.function(*arguments)

@@ -104,7 +104,7 @@ import triton.language as tl
 from fastbert.kernels.arguments import check_relative_bias, check_rotary_window
 from fastbert.kernels.fused_op import fused_op
 from fastbert.kernels.launch import cdiv, launch, next_power_of_2, placeholders
-from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_accumulate, dot_precision, philox_seed
+from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_accumulate, dot_precision, dropout_seed
 from fastbert.last_mask import LastMask
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -1053,13 +1053,6 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 # Public entry points (the signatures `fastbert.ops` calls)
 # ----------------------------------------------------------------------------------------------------
 
-def _dropout_seed(dropout_p: float, training: bool, device: torch.device) -> tuple[float, Optional[torch.Tensor]]:
-    """(effective dropout probability, int64 [1] seed (numerics.philox_seed) or None) for a checked dropout_p."""
-    if not training or dropout_p == 0.0:
-        return 0.0, None
-    return float(dropout_p), philox_seed(device)
-
-
 def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, relative_bias=None,
               relative_buckets=None, rotary_base=None, window=None):
     """softmax(q k^T * scale + key padding mask + relative-position bias) v with dropout on the
@@ -1086,7 +1079,7 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
 def attention_unchecked(q, k, v, attention_mask, dropout_p, scale, training, relative_bias, relative_buckets,
                         rotary_base, window):
     """`attention` after its checks, which the caller has made (fastbert.ops: its own, then `check_limits`)."""
-    dropout_p, seed = _dropout_seed(dropout_p, training, q.device)
+    dropout_p, seed = dropout_seed(dropout_p, training, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     out, _ = attention_fwd(q, k, v, attention_mask, None, q.shape[2], seed, dropout_p, scale, relative_bias,
                            relative_buckets, _float_or_none(rotary_base), window)
@@ -1114,7 +1107,7 @@ def attention_varlen_unchecked(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale
                                relative_buckets, rotary_base, window):
     """`attention_varlen` after its checks, which the caller has made (fastbert.ops: its own, then
     `check_limits`)."""
-    dropout_p, seed = _dropout_seed(dropout_p, training, q.device)
+    dropout_p, seed = dropout_seed(dropout_p, training, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     out, _ = attention_fwd(q, k, v, None, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias,
                            relative_buckets, _float_or_none(rotary_base), window)

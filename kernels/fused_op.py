@@ -197,6 +197,11 @@ def differentiable_function(custom_op, name: str, setup_context: Optional[Callab
     return DifferentiableFunction
 
 
+def as_dtype(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """t in dtype: a backward's gradient going back to its input's or parameter's dtype; None stays None."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
 def once_differentiable(name: str, gradients: tuple, ctx, grads: tuple) -> tuple:
     """A backward's gradients (None where none), returned as they are, except where the backward runs to be
     differentiated again (create_graph=True: a gradient penalty, a Hessian-vector product, nested

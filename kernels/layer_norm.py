@@ -75,10 +75,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.fused_op import fused_op
+from fastbert.kernels.fused_op import as_dtype, fused_op
 from fastbert.kernels.launch import as_rows, cdiv, launch, next_power_of_2
 from fastbert.kernels.matmul import sm_count
-from fastbert.kernels.numerics import INTERPRETER, cast, keep_mask_rows, philox_seed
+from fastbert.kernels.numerics import INTERPRETER, cast, dropout_seed, keep_mask_rows
 
 MAX_HIDDEN = 8192
 SAVE_CHOICES = ("output", "input")  # what the backward works from (see the header)
@@ -543,14 +543,10 @@ def _backward(ctx, dy, dstats, dsum):
                                            ctx.store_sum and y is None, needs_dweight or needs_dbias)
     dw = db = None
     if needs_dweight:
-        dw = _as_dtype(dparameters[0], weight.dtype)
+        dw = as_dtype(dparameters[0], weight.dtype)
     if needs_dbias:
-        db = _as_dtype(dparameters[1], bias.dtype)
+        db = as_dtype(dparameters[1], bias.dtype)
     return dx, dw, db, dres if ctx.has_residual else None, None, None, None, None, None, None
-
-
-def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -595,9 +591,7 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
 def layer_norm_unchecked(x, weight, bias, eps, residual, dropout_p, training, out_dtype, save, return_residual):
     """`layer_norm` after its checks (`check_inputs`, `check_options`), which the caller has made; out_dtype
     given."""
-    use_dropout = training and dropout_p > 0.0
-    seed = philox_seed(x.device) if use_dropout else None
-    dropout_p = float(dropout_p) if use_dropout else 0.0
+    dropout_p, seed = dropout_seed(dropout_p, training, x.device)
     # x and the residual go in with their own shapes ([..., H]), the ops flattening them: a reshape here would
     # be a node of autograd's graph, forward and backward, for each of x, the residual and y
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)

@@ -171,3 +171,11 @@ def keep_mask_rows(seed, rows, first_col, row_length, dropout_p, BLOCK_ROWS: tl.
     # [BLOCK_ROWS, BLOCK_COLS // 4, 2, 2] in the order (u0, u1, u2, u3) per group, then one column each
     u = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), (BLOCK_ROWS, BLOCK_COLS))
     return u >= dropout_p
+
+
+def dropout_seed(dropout_p: float, training: bool, device: torch.device) -> tuple[float, torch.Tensor | None]:
+    """(the dropout probability a kernel applies, its int64 [1] seed (philox_seed) or None) for a checked dropout_p:
+    (0.0, None) when not training or p is 0, so that no seed is drawn (nor the generator advanced) for no dropout."""
+    if not training or dropout_p == 0.0:
+        return 0.0, None
+    return float(dropout_p), philox_seed(device)
