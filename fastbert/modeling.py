@@ -169,37 +169,51 @@ class SelfAttention(nn.Module):
         return projected if hidden.dim() == 2 else [t.transpose(1, 2) for t in projected]
 
     def sublayer(self, hidden, layout: AttentionLayout, dense: nn.Module, norm: nn.LayerNorm,
-                 dropout: nn.Module | None):
-        """norm(dropout(dense(self(hidden))) + hidden), the whole post-LN sublayer, as one autograd node
-        (fastbert/sublayer.py), or None where that would not run the ops that calling them one by one runs: an op
-        whose resolved path is not its Triton one, a module it would bypass that is not plain, a relative bias or an
-        option of the architecture, or no gradient wanted. dropout: the sublayer's Dropout module, or None for none.
-        The caller checks one_node_sublayers(), that neither module is hooked and that no attention probabilities are
-        wanted."""
+                 dropout: nn.Module | None, pre_norm: nn.LayerNorm | None = None, return_residual: bool = False):
+        """norm(dropout(dense(self(x))) + hidden), the whole attention sublayer, as one autograd node
+        (fastbert/sublayer.py), with x = hidden (post-LN) or pre_norm(hidden) (pre-LN; return_residual: the output
+        is (normed, summed stream), as ops.layer_norm's); or None where that would not run the ops that calling them
+        one by one runs: an op whose resolved path is not its Triton one, a module it would bypass that is not plain,
+        a relative bias, or no gradient wanted. dropout: the sublayer's Dropout module, or None for none. The caller
+        checks one_node_sublayers(), that the modules it calls one by one are not hooked and that no attention
+        probabilities are wanted."""
         config = self.config
         linears = self.linears()
         query = linears[0]
         projection = ops.resolve_backend(config.backend, hidden, query.weight, query.bias, op="qkv_projection")
-        if projection not in ("triton", "cublas_forward") or layout.relative_bias is not None or self.attention_options():
+        if projection not in ("triton", "cublas_forward") or layout.relative_bias is not None:
             return None
         hidden_p = 0.0 if dropout is None else dropout_rate(dropout)
-        requires_grad = hidden.requires_grad or norm.weight.requires_grad
+        requires_grad = (hidden.requires_grad or norm.weight.requires_grad
+                         or (norm.bias is not None and norm.bias.requires_grad))
         for m in (*linears, dense):  # a loop, not all(generator): this runs on every layer's forward
-            if not (is_plain_linear(m) and m.bias is not None):
+            # three Linears fuse with their biases concatenated (project); one (ModernBERT's Wqkv) and dense need none
+            if not (is_plain_linear(m) and (m.bias is not None or m is dense or len(linears) == 1)):
                 return None
-            requires_grad = requires_grad or m.weight.requires_grad or m.bias.requires_grad
-        if hidden_p is None or not (requires_grad or (norm.bias is not None and norm.bias.requires_grad)):
+            requires_grad = requires_grad or m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad)
+        if pre_norm is not None:
+            requires_grad = (requires_grad or pre_norm.weight.requires_grad
+                             or (pre_norm.bias is not None and pre_norm.bias.requires_grad))
+        if hidden_p is None or not requires_grad:
             return None  # a dropout module to call, or no backward (the ops' inference calls)
         heads = config.num_attention_heads
+        rotary_base = window = None
+        options = self.attention_options()  # ModernBERT's rotary positions and window
+        if options:
+            rotary_base, window = options["rotary_base"], options["window"]
+            ops.check_rotary_window(rotary_base, window, config.head_dim)  # as ops.attention checks them
+            rotary_base = None if rotary_base is None else float(rotary_base)
         # "auto" reads fastbert.paths' table for plain attention, by q's shape: a stand-in of it ("triton" reads none)
-        plain = config.backend != "triton" and layout.attention_mask is None and not layout.packed
+        plain = config.backend != "triton" and layout.attention_mask is None and not layout.packed and not options
         q_like = hidden.reshape(*hidden.shape[:2], heads, config.head_dim).transpose(1, 2) if plain else hidden
+        norm_weights = (norm.weight,) if pre_norm is None else (norm.weight, pre_norm.weight)
         if (ops.resolve_backend(config.backend, q_like, op="attention" if plain else None) != "triton"
-                or ops.resolve_backend(config.backend, hidden, norm.weight, op="layer_norm") != "triton"):
+                or ops.resolve_backend(config.backend, hidden, *norm_weights, op="layer_norm") != "triton"):
             return None
-        return attention_sublayer(hidden, linears, dense, norm, layout.attention_mask, layout.cu_seqlens,
-                                  layout.max_seqlen, heads, self.probs_dropout(), hidden_p, norm.eps,
-                                  config.layer_norm_backward == "output", projection == "cublas_forward")
+        return attention_sublayer(hidden, linears, dense, norm, pre_norm, (
+            layout.attention_mask, layout.cu_seqlens, layout.max_seqlen, heads, self.probs_dropout(), rotary_base,
+            window, hidden_p, config.layer_norm_eps, config.layer_norm_backward == "output", return_residual,
+            projection == "cublas_forward"))
 
     def forward(self, hidden, layout: AttentionLayout, output_attentions: bool = False):
         config = self.config
@@ -344,7 +358,7 @@ def fused_feed_forward_sublayer(config: BertConfig, up: nn.Module, down: nn.Modu
     if ops.resolve_backend(config.backend, attended, norm.weight, op="layer_norm") != "triton":
         return None
     return feed_forward_sublayer(attended, up, down, norm, config.gelu_approximate, through_pre and not recompute,
-                                 "epilogue" if path == "triton" else path, hidden_p, norm.eps,
+                                 "epilogue" if path == "triton" else path, hidden_p, config.layer_norm_eps,
                                  config.layer_norm_backward == "output")
 
 

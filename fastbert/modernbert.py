@@ -23,8 +23,8 @@ from fastbert.config import GELU_APPROXIMATION
 from fastbert.family_config import ModernBertConfig
 from fastbert.modeling import (AttentionLayout, BertForMaskedLM, BertModel, BertPreTrainedModel, EncoderLayer,
                                HeadDropout, SelfAttention, VocabularyHead, _recompute, add_and_norm, dropout_rate,
-                               gelu_dense_norm, is_plain_linear, run_dropout, run_layers,
-                               sequence_classification_loss, token_classification_loss)
+                               gelu_dense_norm, is_plain_linear, is_unhooked, one_node_sublayers, run_dropout,
+                               run_layers, sequence_classification_loss, token_classification_loss)
 from fastbert.validation import check_on_device, key_padding_mask
 
 
@@ -66,6 +66,9 @@ class ModernBertAttention(SelfAttention):
 
     def probs_dropout(self) -> float:
         return self.attention_dropout if self.training else 0.0
+
+    def linears(self):
+        return (self.Wqkv,)  # one Linear: its weight is all three's
 
     def project(self, hidden):
         """q, k, v each [B, heads, S, d] (padded hidden [B, S, H]) or [T, heads, d] (packed [T, H])."""
@@ -119,10 +122,18 @@ class ModernBertEncoderLayer(EncoderLayer):
         self.mlp = ModernBertMLP(config)
 
     def attention_block(self, hidden, layout: AttentionLayout, output_attentions: bool):
-        c = self.config
-        normed = hidden if isinstance(self.attn_norm, nn.Identity) else layer_norm(c, self.attn_norm, hidden)
-        context, probs = self.attn(normed, layout, output_attentions)
-        mlp_input, stream = add_and_norm(c, self.mlp_norm, self.attn.Wo(context), hidden, self.attn.out_drop,
+        c, attention, pre_norm = self.config, self.attn, self.attn_norm
+        pre_norm = None if isinstance(pre_norm, nn.Identity) else pre_norm
+        if (not output_attentions and torch.is_grad_enabled() and one_node_sublayers(c, hidden)
+                and is_unhooked(attention, ModernBertAttention)):
+            attended = attention.sublayer(hidden, layout, attention.Wo, self.mlp_norm, attention.out_drop, pre_norm,
+                                          return_residual=True)
+            if attended is not None:  # one autograd node (fastbert/sublayer.py)
+                mlp_input, stream = attended
+                return (stream, mlp_input), None
+        normed = hidden if pre_norm is None else layer_norm(c, pre_norm, hidden)
+        context, probs = attention(normed, layout, output_attentions)
+        mlp_input, stream = add_and_norm(c, self.mlp_norm, attention.Wo(context), hidden, attention.out_drop,
                                          return_residual=True)
         return (stream, mlp_input), probs
 

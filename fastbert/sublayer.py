@@ -1,5 +1,7 @@
-# A post-LayerNorm sublayer as one autograd node in eager training: the attention sublayer
-# LayerNorm(dropout(dense(attention(qkv(x)))) + x) and the feed-forward one LayerNorm(dropout(ffn(x)) + x).
+# A sublayer as one autograd node in eager training: the attention sublayer LayerNorm(dropout(dense(attention(
+# qkv(x)))) + x) and the feed-forward one LayerNorm(dropout(ffn(x)) + x) of the post-LayerNorm family, and
+# ModernBERT's pre-LayerNorm attention sublayer, whose qkv reads attn_norm(x) and whose LayerNorm (mlp_norm) also
+# returns the residual stream dropout(dense(...)) + x.
 #
 # Why. On the fused path the attention sublayer is three fused ops (QKV projection, attention, residual + dropout +
 # LayerNorm) around PyTorch's output projection, whose autograd graph adds two CatBackward (the QKV weight and
@@ -12,9 +14,9 @@
 # activation checkpointing's hooks and the in-place checks included).
 #
 # Where it runs: eager autograd (not traced: torch.compile and torch.export see the per-op custom ops), plain
-# modules (no hooks, plain Linears with biases, readable dropouts), no attention probabilities, no relative bias,
-# and every op of the sublayer on the path fastbert.ops resolves for it when called alone, a Triton one. Elsewhere
-# the caller runs the ops one by one, as before (fastbert/modeling.py decides).
+# modules (no hooks, plain Linears (BERT's three QKV Linears with biases), readable dropouts), no attention
+# probabilities, no relative bias, and every op of the sublayer on the path fastbert.ops resolves for it when called
+# alone, a Triton one. Elsewhere the caller runs the ops one by one, as before (fastbert/modeling.py decides).
 from __future__ import annotations
 
 import torch
@@ -67,31 +69,35 @@ def _release(contexts) -> None:
         context.saved_tensors = None
 
 
-def _norm_forward(projected, norm_weight, norm_bias, hidden, hidden_p: float, eps: float, save_output: bool):
-    """LayerNorm(dropout(projected) + hidden) as fastbert.ops.layer_norm runs it: (the output, the op's context)."""
-    kernels = ops.KERNELS
-    norm_kernel = kernels["layer_norm"]
-    normed, norm_weight, norm_bias, residual, out_dtype = ops._layer_norm_inputs(projected, norm_weight, norm_bias,
-                                                                                 hidden)
-    norm_kernel.check_limits(normed, norm_weight, norm_bias, residual, out_dtype)
-    hidden_p, seed = norm_kernel.dropout_seed(hidden_p, True, normed.device)  # layer_norm_unchecked's draw
-    arguments = (normed, norm_weight, norm_bias, residual, seed, float(eps), hidden_p, out_dtype, save_output, False)
+def _norm_forward(x, norm_weight, norm_bias, residual, dropout_p: float, eps: float, save_output: bool,
+                  return_residual: bool):
+    """LayerNorm(dropout(x) + residual) as fastbert.ops.layer_norm runs it: (the output, the summed residual stream
+    (an empty tensor without return_residual), the op's context)."""
+    norm_kernel = ops.KERNELS["layer_norm"]
+    x, norm_weight, norm_bias, residual, out_dtype = ops._layer_norm_inputs(x, norm_weight, norm_bias, residual)
+    norm_kernel.check_limits(x, norm_weight, norm_bias, residual, out_dtype)
+    dropout_p, seed = norm_kernel.dropout_seed(dropout_p, True, x.device)  # layer_norm_unchecked's draw
+    arguments = (x, norm_weight, norm_bias, residual, seed, float(eps), dropout_p, out_dtype, save_output,
+                 return_residual)
     output = norm_kernel.layer_norm_fwd.function(*arguments)
     context = _OpContext()
     norm_kernel._setup_context(context, arguments, output)
-    return output[0], context
+    return output[0], output[2], context
 
 
-def _norm_backward(context, dy, needs: tuple, projected_dtype):
-    """(d projected in its dtype, d weight, d bias, d residual) of `_norm_forward`; needs: those four's."""
+def _norm_backward(context, dy, dsum, needs: tuple, x_dtype):
+    """(d x in its dtype, d weight, d bias, d residual) of `_norm_forward`; dsum: the summed stream's gradient, or
+    None; needs: those four's."""
     context.needs_input_grad = needs
-    dprojected, dweight, dbias, dresidual = ops.KERNELS["layer_norm"]._backward(context, dy, None, None)[:4]
-    return as_dtype(dprojected, projected_dtype), dweight, dbias, dresidual
+    dx, dweight, dbias, dresidual = ops.KERNELS["layer_norm"]._backward(context, dy, None, dsum)[:4]
+    return as_dtype(dx, x_dtype), dweight, dbias, dresidual
 
 
-def _gradients(name: str, ctx, dy, dhidden, dresidual, hidden_dtype, parameter_gradients: list, parameter_dtypes):
+def _gradients(name: str, ctx, incoming: tuple, dhidden, dresidual, hidden_dtype, parameter_gradients: list,
+               parameter_dtypes):
     """The sublayer backward's return: d hidden (the residual's gradient added), then each parameter's in its dtype
-    (None where autograd needs none), then None for each argument past them."""
+    (None where autograd needs none), then None for each argument past them. incoming: the gradients the backward
+    was handed."""
     needs = ctx.needs_input_grad
     if needs[0]:
         dresidual = as_dtype(dresidual, hidden_dtype)
@@ -103,17 +109,31 @@ def _gradients(name: str, ctx, dy, dhidden, dresidual, hidden_dtype, parameter_g
         gradient = gradients[i]
         if gradient is not None and (not needs[i] or gradient.dtype != dtype):
             gradients[i] = gradient.to(dtype) if needs[i] else None
-    return once_differentiable(name, tuple(gradients), ctx, (dy,))
+    return once_differentiable(name, tuple(gradients), ctx, incoming)
 
 
 class _AttentionSublayer(torch.autograd.Function):
+    """norm(dropout(dense(attention(qkv(x)))) + hidden) with x = hidden (post-LN, BERT) or x = pre_norm(hidden)
+    (pre-LN, ModernBERT, whose norm also returns the summed stream). qkv's weight is torch.cat((wq, wk, wv)) (BERT's
+    three Linears: the gradients go back to each, as CatBackward hands them), or wq itself where wk is None
+    (ModernBERT's Wqkv, [3H, H])."""
+
     # forward with ctx (old-style), called through autograd's C apply, as kernels/fused_op.py's EagerFunction
     @staticmethod
-    def forward(ctx, hidden, wq, bq, wk, bk, wv, bv, wo, bo, norm_weight, norm_bias, key_mask, cu_seqlens,
-                max_seqlen, num_heads, attention_p, hidden_p, eps, save_output, cublas_forward):
+    def forward(ctx, hidden, wq, bq, wk, bk, wv, bv, wo, bo, norm_weight, norm_bias, pre_weight, pre_bias, options):
+        (key_mask, cu_seqlens, max_seqlen, num_heads, attention_p, rotary_base, window, hidden_p, eps, save_output,
+         return_residual, cublas_forward) = options
         qkv_kernel, attention_kernel = ops.KERNELS["qkv"], ops.KERNELS["attention"]
+        x, contexts = hidden, ()
+        if pre_weight is not None:  # the pre-LayerNorm, as fastbert.ops.layer_norm runs it (no residual, no dropout)
+            x, _, pre = _norm_forward(hidden, pre_weight, pre_bias, None, 0.0, eps, save_output, False)
+            contexts = (pre,)
         # the QKV projection, as fastbert.ops.qkv_projection runs it: one dtype, the autocast one under autocast
-        x, weight, bias = ops._matmul_inputs(hidden, torch.cat((wq, wk, wv)), torch.cat((bq, bk, bv)))
+        x_dtype = x.dtype
+        if wk is None:
+            x, weight, bias = ops._matmul_inputs(x, wq, bq)
+        else:
+            x, weight, bias = ops._matmul_inputs(x, torch.cat((wq, wk, wv)), torch.cat((bq, bk, bv)))
         qkv_kernel.check_limits(x, weight, bias)
         q, k, v = qkv_kernel._project(x, weight, bias, num_heads, cublas_forward)
         qkv = _OpContext()
@@ -122,42 +142,47 @@ class _AttentionSublayer(torch.autograd.Function):
         packed = cu_seqlens is not None
         seqlen = max_seqlen if packed else q.shape[2]
         key_mask = None if packed else key_mask
-        attention_kernel.check_limits(q, k, v, key_mask, cu_seqlens, seqlen, None, None, None)
+        attention_kernel.check_limits(q, k, v, key_mask, cu_seqlens, seqlen, None, None, None, rotary_base, window)
         dropout_p, seed = attention_kernel.dropout_seed(attention_p, True, q.device)
-        arguments = (q, k, v, key_mask, cu_seqlens, seqlen, seed, dropout_p, q.shape[-1] ** -0.5, None, None, None,
-                     None)
+        arguments = (q, k, v, key_mask, cu_seqlens, seqlen, seed, dropout_p, q.shape[-1] ** -0.5, None, None,
+                     rotary_base, window)
         out, lse = attention_kernel.attention_fwd.function(*arguments)
         attention = _OpContext()
         attention_kernel._setup_context(attention, arguments, (out, lse))
         # the output projection, as nn.Linear runs it (under autocast in the autocast dtype): the heads merged by
-        # a view (attention writes [B, S, heads, d]), then one addmm
+        # a view (attention writes [B, S, heads, d]), then one addmm (one mm without a bias)
         merged = (out if packed else out.transpose(1, 2)).reshape(-1, out.shape[-1] * num_heads)  # [tokens, H]
         dense_weight, dense_bias = wo, bo
         if ops._any_autocast():
             dense_weight, dense_bias = ops._cast((wo, bo), ops.autocast_dtype("matmul", hidden.device.type) or wo.dtype)
-        projected = torch.addmm(dense_bias, merged, dense_weight.t()).view(hidden.shape)
-        output, norm = _norm_forward(projected, norm_weight, norm_bias, hidden, hidden_p, eps, save_output)
-        _save(ctx, (qkv, attention, norm), merged, dense_weight)
+        projected = (torch.mm(merged, dense_weight.t()) if dense_bias is None
+                     else torch.addmm(dense_bias, merged, dense_weight.t())).view(hidden.shape)
+        output, summed, norm = _norm_forward(projected, norm_weight, norm_bias, hidden, hidden_p, eps, save_output,
+                                             return_residual)
+        _save(ctx, (*contexts, qkv, attention, norm), merged, dense_weight)
         # the dtypes the gradients go back to (autocast's and the promotions' casts, undone as their nodes would)
-        ctx.dtypes = (hidden.dtype, projected.dtype,
-                      (wq.dtype, bq.dtype, wk.dtype, bk.dtype, wv.dtype, bv.dtype, wo.dtype, bo.dtype))
-        return output
+        ctx.dtypes = (hidden.dtype, x_dtype, projected.dtype,
+                      tuple(None if t is None else t.dtype for t in (wq, bq, wk, bk, wv, bv, wo, bo, norm_weight,
+                                                                     norm_bias, pre_weight, pre_bias)))
+        ctx.single = wk is None
+        return (output, summed) if return_residual else output
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, dsum=None):
         merged, dense_weight = _restore(ctx)
-        qkv, attention, norm = ctx.contexts
-        hidden_dtype, projected_dtype, parameter_dtypes = ctx.dtypes
+        *pre, qkv, attention, norm = ctx.contexts
+        hidden_dtype, x_dtype, projected_dtype, parameter_dtypes = ctx.dtypes
         needs = ctx.needs_input_grad
-        needs_hidden, needs_qkv = needs[0], needs[1:7]
-        upstream = needs_hidden or any(needs_qkv)  # a gradient before the output projection
+        needs_qkv = needs[1:7]
+        needs_x = needs[0] or (bool(pre) and (needs[11] or needs[12]))  # the projection's input's: hidden's, pre_norm's
+        upstream = needs_x or any(needs_qkv)  # a gradient before the output projection
         dprojected, dnorm_weight, dnorm_bias, dresidual = _norm_backward(
-            norm, dy, (upstream or needs[7] or needs[8], needs[9], needs[10], needs_hidden), projected_dtype)
+            norm, dy, dsum, (upstream or needs[7] or needs[8], needs[9], needs[10], needs[0]), projected_dtype)
         dprojected = dprojected.view(merged.shape)  # [tokens, H]
         # the output projection, as PyTorch's addmm backward computes it
         dwo = dprojected.t() @ merged if needs[7] else None
         dbo = dprojected.sum(dim=0) if needs[8] else None
-        dhidden, dqkv = None, (None,) * 6
+        dhidden, dqkv, dpre_weight, dpre_bias = None, (None,) * 6, None, None
         if upstream:
             dmerged = dprojected @ dense_weight  # [tokens, H]
             del dprojected  # each gradient freed once used, as between the per-op nodes
@@ -167,15 +192,24 @@ class _AttentionSublayer(torch.autograd.Function):
                     else dmerged.view(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2))
             dq, dk, dv = ops.KERNELS["attention"]._backward(attention, dout, None)[:3]
             del dmerged, dout
-            qkv.needs_input_grad = (needs_hidden, any(needs_qkv[0::2]), any(needs_qkv[1::2]))
-            dhidden, dweight, dbias = ops.KERNELS["qkv"]._QKVProjection.backward(qkv, dq, dk, dv)[:3]
-            # the rows of each parameter, as CatBackward hands them
-            dwq, dwk, dwv = (None,) * 3 if dweight is None else dweight.chunk(3)
-            dbq, dbk, dbv = (None,) * 3 if dbias is None else dbias.chunk(3)
-            dqkv = dwq, dbq, dwk, dbk, dwv, dbv
+            qkv.needs_input_grad = (needs_x, any(needs_qkv[0::2]), any(needs_qkv[1::2]))
+            dx, dweight, dbias = ops.KERNELS["qkv"]._QKVProjection.backward(qkv, dq, dk, dv)[:3]
+            del dq, dk, dv
+            if ctx.single:
+                dqkv = dweight, dbias, None, None, None, None
+            else:  # the rows of each parameter, as CatBackward hands them
+                dwq, dwk, dwv = (None,) * 3 if dweight is None else dweight.chunk(3)
+                dbq, dbk, dbv = (None,) * 3 if dbias is None else dbias.chunk(3)
+                dqkv = dwq, dbq, dwk, dbk, dwv, dbv
+            if pre and needs_x:
+                dhidden, dpre_weight, dpre_bias, _ = _norm_backward(pre[0], as_dtype(dx, x_dtype), None,
+                                                                    (needs[0], needs[11], needs[12], False),
+                                                                    hidden_dtype)
+            else:
+                dhidden = dx
         _release(ctx.contexts)
-        return _gradients("attention sublayer", ctx, dy, dhidden, dresidual, hidden_dtype,
-                          [*dqkv, dwo, dbo, dnorm_weight, dnorm_bias], parameter_dtypes)
+        return _gradients("attention sublayer", ctx, (dy, dsum), dhidden, dresidual, hidden_dtype,
+                          [*dqkv, dwo, dbo, dnorm_weight, dnorm_bias, dpre_weight, dpre_bias], parameter_dtypes)
 
 
 class _FeedForwardSublayer(torch.autograd.Function):
@@ -190,7 +224,7 @@ class _FeedForwardSublayer(torch.autograd.Function):
         feed_forward = _OpContext()
         ffn_kernel._feed_forward_setup(feed_forward, arguments, output)
         projected = output[0]
-        normed, norm = _norm_forward(projected, norm_weight, norm_bias, hidden, hidden_p, eps, save_output)
+        normed, _, norm = _norm_forward(projected, norm_weight, norm_bias, hidden, hidden_p, eps, save_output, False)
         _save(ctx, (feed_forward, norm))
         ctx.dtypes = hidden.dtype, projected.dtype, (w1.dtype, b1.dtype, w2.dtype, b2.dtype)
         return normed
@@ -201,14 +235,14 @@ class _FeedForwardSublayer(torch.autograd.Function):
         feed_forward, norm = ctx.contexts
         hidden_dtype, projected_dtype, parameter_dtypes = ctx.dtypes
         needs = ctx.needs_input_grad
-        dprojected, dnorm_weight, dnorm_bias, dresidual = _norm_backward(norm, dy, (any(needs[:5]), *needs[5:7],
-                                                                                     needs[0]), projected_dtype)
+        dprojected, dnorm_weight, dnorm_bias, dresidual = _norm_backward(norm, dy, None, (any(needs[:5]), *needs[5:7],
+                                                                                           needs[0]), projected_dtype)
         dx = dw1 = db1 = dw2 = db2 = None
         if any(needs[:5]):
             feed_forward.needs_input_grad = needs[:5]
             dx, dw1, db1, dw2, db2 = ops.KERNELS["ffn"]._feed_forward_backward(feed_forward, dprojected, None)[:5]
         _release(ctx.contexts)
-        return _gradients("feed-forward sublayer", ctx, dy, dx, dresidual, hidden_dtype,
+        return _gradients("feed-forward sublayer", ctx, (dy,), dx, dresidual, hidden_dtype,
                           [dw1, db1, dw2, db2, dnorm_weight, dnorm_bias], parameter_dtypes)
 
 
@@ -216,15 +250,22 @@ _APPLY = c_apply(_AttentionSublayer)
 _FEED_FORWARD_APPLY = c_apply(_FeedForwardSublayer)
 
 
-def attention_sublayer(hidden, linears, dense, norm, key_mask, cu_seqlens, max_seqlen, num_heads, attention_p,
-                       hidden_p, eps, save_output, cublas_forward):
-    """norm(dropout(dense(attention(q, k, v))) + hidden) with (q, k, v) = the three Linears `linears` of hidden:
-    one autograd node (header). hidden [B, S, H] (key_mask [B, S] or None) or packed [T, H] (cu_seqlens int32
-    [B + 1], max_seqlen). The caller has checked that it may run (fastbert.modeling's SelfAttention.sublayer)."""
-    (query, key, value) = linears
-    return _APPLY(hidden, query.weight, query.bias, key.weight, key.bias, value.weight, value.bias, dense.weight,
-                  dense.bias, norm.weight, norm.bias, key_mask, cu_seqlens, max_seqlen, num_heads, attention_p,
-                  hidden_p, eps, save_output, cublas_forward)
+def attention_sublayer(hidden, linears, dense, norm, pre_norm, options: tuple):
+    """norm(dropout(dense(attention(q, k, v))) + hidden), one autograd node (header): (q, k, v) by the Linears
+    `linears` of x = hidden, or of x = pre_norm(hidden) (a LayerNorm, or None): BERT's three (query, key, value), or
+    one whose weight is all three's (ModernBERT's Wqkv). hidden [B, S, H] (a key mask [B, S] or None) or packed
+    [T, H] (cu_seqlens int32 [B + 1], max_seqlen). options: (key_mask, cu_seqlens, max_seqlen, num_heads,
+    attention_p, rotary_base (a float) or None, window or None, hidden_p, eps, save_output, return_residual,
+    cublas_forward); with return_residual the output is (normed, the summed stream). The caller has checked that it
+    may run (fastbert.modeling's SelfAttention.sublayer)."""
+    if len(linears) == 1:
+        wq, bq, wk, bk, wv, bv = linears[0].weight, linears[0].bias, None, None, None, None
+    else:
+        (query, key, value) = linears
+        wq, bq, wk, bk, wv, bv = query.weight, query.bias, key.weight, key.bias, value.weight, value.bias
+    pre_weight, pre_bias = (None, None) if pre_norm is None else (pre_norm.weight, pre_norm.bias)
+    return _APPLY(hidden, wq, bq, wk, bk, wv, bv, dense.weight, dense.bias, norm.weight, norm.bias, pre_weight,
+                  pre_bias, options)
 
 
 def feed_forward_sublayer(hidden, up, down, norm, approximate: str, keep_pre: bool, form: str, hidden_p: float,

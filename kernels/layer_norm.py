@@ -591,7 +591,8 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
 def layer_norm_unchecked(x, weight, bias, eps, residual, dropout_p, training, out_dtype, save, return_residual):
     """`layer_norm` after its checks (`check_inputs`, `check_options`), which the caller has made; out_dtype
     given."""
-    dropout_p, seed = dropout_seed(dropout_p, training, x.device)
+    # no call where no dropout applies (every LayerNorm of an inference forward)
+    dropout_p, seed = dropout_seed(dropout_p, training, x.device) if training and dropout_p else (0.0, None)
     # x and the residual go in with their own shapes ([..., H]), the ops flattening them: a reshape here would
     # be a node of autograd's graph, forward and backward, for each of x, the residual and y
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)

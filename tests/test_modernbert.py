@@ -580,9 +580,17 @@ def test_the_encoder_unpads_where_the_kernels_run(backend, monkeypatch, device):
     SDPA ModernBERT), where the reference's varlen attention would pad each layer back, to twice the batch (each
     sequence's padding a sequence of its own). Both give transformers' outputs on the real tokens."""
     unpads, varlen = [], []
-    for name, calls in (("unpad", unpads), ("attention_varlen", varlen)):
-        monkeypatch.setattr(fastbert.ops, name, lambda *args, real=getattr(fastbert.ops, name), calls=calls, **kwargs:
-                            calls.append(name) or real(*args, **kwargs))
+    monkeypatch.setattr(fastbert.ops, "unpad", lambda *args, real=fastbert.ops.unpad, **kwargs:
+                        unpads.append(1) or real(*args, **kwargs))
+    # the packed attention, recognised where the kernels run by their limit check, which the per-op call and the
+    # one-node sublayer (fastbert/sublayer.py, in training) both make; on the PyTorch path by the op
+    if backend == "triton":
+        kernel = fastbert.ops.KERNELS["attention"]
+        monkeypatch.setattr(kernel, "check_limits", lambda q, k, v, mask, cu_seqlens, *args, real=kernel.check_limits:
+                            (cu_seqlens is not None and varlen.append(1)) or real(q, k, v, mask, cu_seqlens, *args))
+    else:
+        monkeypatch.setattr(fastbert.ops, "attention_varlen", lambda *args, real=fastbert.ops.attention_varlen, **kw:
+                            varlen.append(1) or real(*args, **kw))
     theirs = hf_model(**TRITON_SIZES).to(device)
     ours = fastbert.apply(copy.deepcopy(theirs), backend=backend)
     inputs = to_device(head_inputs(theirs.config, "Model"), device)

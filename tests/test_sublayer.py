@@ -35,7 +35,7 @@ def _hook_outputs(model):
 def _per_op():
     """Every sublayer's ops one by one, as before fastbert/sublayer.py: its two entrances answer None."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(modeling.SelfAttention, "sublayer", lambda *args: None)
+        patch.setattr(modeling.SelfAttention, "sublayer", lambda *args, **kwargs: None)
         for module in (modeling, family):
             patch.setattr(module, "fused_feed_forward_sublayer", lambda *args: None)
         yield
@@ -169,3 +169,70 @@ def test_the_ops_run_one_by_one_where_the_node_must_not(device):
     assert sublayer_nodes() == (1, 1)  # the hooked layer alone runs its ops
     model.config.backend = "torch"
     assert sublayer_nodes() == (0, 0)
+
+
+MODERNBERT = fastbert.ModernBertConfig.tiny(vocab_size=97, hidden_size=64, num_attention_heads=2, intermediate_size=96,
+                                            local_attention=4, attention_dropout=0.1, backend="triton")
+
+
+def _modernbert_step(device, per_op, autocast=False, frozen=False, **config):
+    torch.manual_seed(0)
+    model = fastbert.ModernBertForMaskedLM(MODERNBERT.replace(**config)).to(device).train()
+    if frozen:  # the biases and LayerNorms alone train
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_("bias" in name or "norm" in name)
+    inputs = _inputs(device)
+    del inputs["next_sentence_label"]
+    torch.manual_seed(1)
+    with _per_op() if per_op else contextlib.nullcontext():
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**inputs).loss
+        loss.backward()
+    return model, loss, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("autocast, frozen, biases", [(False, False, False), (True, False, True), (False, True, True)],
+                         ids=["fp32", "autocast-bf16-biases", "frozen-biases"])
+def test_modernbert_pre_norm_attention_is_one_node_with_the_per_op_results(autocast, frozen, biases, device):
+    """ModernBERT's pre-LN attention sublayer (attn_norm, Wqkv, rotary attention with a window on local layers and
+    probability dropout, Wo, then mlp_norm returning the residual stream; the first layer without attn_norm) is one
+    node a layer, bitwise the ops run one by one."""
+    config = dict(norm_bias=True, attention_bias=True, mlp_bias=True) if biases else {}
+    model, loss, grads = _modernbert_step(device, per_op=False, autocast=autocast, frozen=frozen, **config)
+    _, per_op_loss, per_op_grads = _modernbert_step(device, per_op=True, autocast=autocast, frozen=frozen, **config)
+    nodes, per_op_nodes = _node_types(loss), _node_types(per_op_loss)
+    layers = MODERNBERT.num_hidden_layers
+    assert nodes.count("_AttentionSublayerBackward") == layers and "_QKVProjectionBackward" not in nodes
+    def matmuls(types):
+        return types.count("MmBackward0") + types.count("AddmmBackward0")
+    assert matmuls(nodes) == matmuls(per_op_nodes) - layers  # Wo's, in the node
+    assert "_AttentionSublayerBackward" not in per_op_nodes
+    assert torch.equal(loss, per_op_loss)
+    assert grads.keys() == per_op_grads.keys()
+    assert any("attn_norm" in name for name in grads) and any("Wqkv" in name for name in grads)
+    for name, grad in grads.items():
+        assert grad.dtype == dict(model.named_parameters())[name].dtype
+        assert torch.equal(grad, per_op_grads[name]), name
+
+
+def test_modernbert_runs_its_ops_one_by_one_where_the_node_must_not(device):
+    torch.manual_seed(0)
+    model = fastbert.ModernBertForMaskedLM(MODERNBERT).to(device).train()
+    inputs = _inputs(device)
+    del inputs["next_sentence_label"]
+
+    def attention_nodes(**kwargs):
+        return _node_types(model(**inputs, **kwargs).loss).count("_AttentionSublayerBackward")
+
+    layers = MODERNBERT.num_hidden_layers
+    assert attention_nodes() == layers
+    assert attention_nodes(output_attentions=True) == 0
+    with always_custom_op():
+        assert attention_nodes() == 0
+    handle = model.model.layers[1].attn.register_forward_hook(lambda *args: None)
+    assert attention_nodes() == layers - 1  # the hooked attention's layer alone runs its ops
+    handle.remove()
+    model.model.layers[0].attn.Wo.register_forward_pre_hook(lambda *args: None)
+    assert attention_nodes() == layers - 1
+    model.config.backend = "torch"
+    assert attention_nodes() == 0
