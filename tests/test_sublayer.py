@@ -236,3 +236,13 @@ def test_modernbert_runs_its_ops_one_by_one_where_the_node_must_not(device):
     assert attention_nodes() == layers - 1
     model.config.backend = "torch"
     assert attention_nodes() == 0
+
+
+@pytest.mark.parametrize("option", ["attention", "full"])
+def test_recomputed_modernbert_sublayer_gives_the_stored_gradients_bitwise(option, device):
+    """The pre-LN node returns two tensors (the LayerNorm's output and the stream): recomputed, the same."""
+    _, loss, grads = _modernbert_step(device, per_op=False)
+    _, recomputed_loss, recomputed = _modernbert_step(device, per_op=False, activation_checkpointing=option)
+    assert torch.equal(loss, recomputed_loss)
+    for name, grad in grads.items():
+        assert torch.equal(grad, recomputed[name]), name
