@@ -3,6 +3,10 @@ run one by one: the same loss and gradients to the bit, padded and unpadded, wit
 frozen weights and recomputed; one node a sublayer where it runs, the per-op graph where it must not (traced calls,
 hooks, attention probabilities, the torch path)."""
 import contextlib
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -246,3 +250,64 @@ def test_recomputed_modernbert_sublayer_gives_the_stored_gradients_bitwise(optio
     assert torch.equal(loss, recomputed_loss)
     for name, grad in grads.items():
         assert torch.equal(grad, recomputed[name]), name
+
+
+# Plans one training step on meta tensors through the real launchers (fastbert.simulated.memory_plan) twice, with
+# the nodes and with the ops one by one. The planner's MemoryTracker is a dispatch mode, under which the fused ops
+# take their custom ops and no node runs (kernels/fused_op.eager_autograd); here the ops are told that no mode is
+# on, so both plans run the eager path a user's step runs, with the tracker seeing every aten op below it.
+_PLAN_BOTH_PATHS = """
+import json, sys
+import pytest, torch
+import fastbert
+from fastbert import family, modeling, sublayer
+from fastbert.kernels import fused_op
+from fastbert.simulated.memory_plan import plan_step
+
+name, options = sys.argv[1], json.loads(sys.argv[2])
+rows, seqlen = 2, 32
+
+def plan(per_op):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused_op, "_dispatch_modes", lambda: 0)
+        nodes = []
+        patch.setattr(sublayer, "_APPLY", lambda *args, real=sublayer._APPLY: nodes.append(1) or real(*args))
+        if per_op:
+            patch.setattr(modeling.SelfAttention, "sublayer", lambda *args, **kwargs: None)
+            for module in (modeling, family):
+                patch.setattr(module, "fused_feed_forward_sublayer", lambda *args: None)
+        with torch.device("meta"):
+            if name == "bert":
+                model = fastbert.BertForPreTraining(fastbert.BertConfig.tiny(**options))
+            else:
+                model = fastbert.ModernBertForMaskedLM(fastbert.ModernBertConfig.tiny(**options))
+            ids = torch.zeros(rows, seqlen, dtype=torch.long)
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros_like(ids)}
+            if name == "bert":
+                batch["next_sentence_label"] = torch.zeros(rows, dtype=torch.long)
+        result = plan_step(model, batch, optimizer="adamw", precision="bf16")
+    return {"nodes": len(nodes), "peak": result.peak_bytes, "saved": result.saved_for_backward_bytes,
+            "forward_end": result.forward_end_bytes, "phase_of_peak": result.phase_of_peak}
+
+plan(per_op=True)  # the process's caches (launch placeholders, rotary frequencies) filled: neither plan counts them
+print(json.dumps([plan(per_op=False), plan(per_op=True)]))
+"""
+
+
+@pytest.mark.parametrize("name, options", [
+    ("bert", {"backend": "triton", "num_hidden_layers": 2, "hidden_dropout_prob": 0.1,
+              "attention_probs_dropout_prob": 0.1}),
+    ("modernbert", {"backend": "triton", "num_hidden_layers": 2, "attention_dropout": 0.1})])
+def test_a_step_with_the_nodes_holds_the_memory_of_the_ops_one_by_one(name, options):
+    """A node keeps its saved tensors and the incoming gradient until its whole backward ends, where the per-op
+    graph freed the LayerNorm's between its nodes: exact accounting on meta tensors (bf16 autocast, AdamW) finds the
+    same saved bytes and the same peak to the byte."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the launchers compile nothing on meta
+    result = subprocess.run([sys.executable, "-c", _PLAN_BOTH_PATHS, name, json.dumps(options)], capture_output=True,
+                            text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    nodes, per_op = json.loads(result.stdout.splitlines()[-1])
+    assert nodes["nodes"] == options["num_hidden_layers"] and per_op["nodes"] == 0
+    assert nodes["phase_of_peak"] == per_op["phase_of_peak"] == "backward"
+    for key in ("saved", "forward_end", "peak"):
+        assert nodes[key] == per_op[key], key
