@@ -178,9 +178,10 @@ class SelfAttention(nn.Module):
         checks one_node_sublayers(), that the modules it calls one by one are not hooked and that no attention
         probabilities are wanted."""
         config = self.config
+        backend = config.backend  # once: a config read is three Python calls (BertConfig.__getattribute__)
         linears = self.linears()
         query = linears[0]
-        projection = ops.resolve_backend(config.backend, hidden, query.weight, query.bias, op="qkv_projection")
+        projection = ops.resolve_backend(backend, hidden, query.weight, query.bias, op="qkv_projection")
         if projection not in ("triton", "cublas_forward") or layout.relative_bias is not None:
             return None
         hidden_p = 0.0 if dropout is None else dropout_rate(dropout)
@@ -204,11 +205,11 @@ class SelfAttention(nn.Module):
             ops.check_rotary_window(rotary_base, window, config.head_dim)  # as ops.attention checks them
             rotary_base = None if rotary_base is None else float(rotary_base)
         # "auto" reads fastbert.paths' table for plain attention, by q's shape: a stand-in of it ("triton" reads none)
-        plain = config.backend != "triton" and layout.attention_mask is None and not layout.packed and not options
+        plain = backend != "triton" and layout.attention_mask is None and not layout.packed and not options
         q_like = hidden.reshape(*hidden.shape[:2], heads, config.head_dim).transpose(1, 2) if plain else hidden
         norm_weights = (norm.weight,) if pre_norm is None else (norm.weight, pre_norm.weight)
-        if (ops.resolve_backend(config.backend, q_like, op="attention" if plain else None) != "triton"
-                or ops.resolve_backend(config.backend, hidden, *norm_weights, op="layer_norm") != "triton"):
+        if (ops.resolve_backend(backend, q_like, op="attention" if plain else None) != "triton"
+                or ops.resolve_backend(backend, hidden, *norm_weights, op="layer_norm") != "triton"):
             return None
         return attention_sublayer(hidden, linears, dense, norm, pre_norm, (
             layout.attention_mask, layout.cu_seqlens, layout.max_seqlen, heads, self.probs_dropout(), rotary_base,
@@ -346,7 +347,8 @@ def fused_feed_forward_sublayer(config: BertConfig, up: nn.Module, down: nn.Modu
     gradient wanted. The caller checks one_node_sublayers() and that the modules it bypasses are not hooked."""
     if not (is_plain_linear(up) and up.bias is not None and is_plain_linear(down) and down.bias is not None):
         return None
-    path = ops.resolve_backend(config.backend, attended, up.weight, up.bias, down.weight, down.bias, op="feed_forward")
+    backend = config.backend  # once: a config read is three Python calls (BertConfig.__getattribute__)
+    path = ops.resolve_backend(backend, attended, up.weight, up.bias, down.weight, down.bias, op="feed_forward")
     hidden_p = dropout_rate(dropout)
     if path == "torch" or hidden_p is None:
         return None
@@ -355,7 +357,7 @@ def fused_feed_forward_sublayer(config: BertConfig, up: nn.Module, down: nn.Modu
     if not (through_pre or down.bias.requires_grad or norm.weight.requires_grad
             or (norm.bias is not None and norm.bias.requires_grad)):
         return None  # no backward: the ops' inference calls
-    if ops.resolve_backend(config.backend, attended, norm.weight, op="layer_norm") != "triton":
+    if ops.resolve_backend(backend, attended, norm.weight, op="layer_norm") != "triton":
         return None
     return feed_forward_sublayer(attended, up, down, norm, config.gelu_approximate, through_pre and not recompute,
                                  "epilogue" if path == "triton" else path, hidden_p, config.layer_norm_eps,

@@ -93,6 +93,14 @@ def _norm_backward(context, dy, dsum, needs: tuple, x_dtype):
     return as_dtype(dx, x_dtype), dweight, dbias, dresidual
 
 
+def _dtypes(*tensors) -> list:
+    """Each tensor's dtype, None for None: one call (a generator would be a call per tensor, every layer)."""
+    dtypes = []
+    for t in tensors:
+        dtypes.append(None if t is None else t.dtype)
+    return dtypes
+
+
 def _gradients(name: str, ctx, incoming: tuple, dhidden, dresidual, hidden_dtype, parameter_gradients: list,
                parameter_dtypes):
     """The sublayer backward's return: d hidden (the residual's gradient added), then each parameter's in its dtype
@@ -162,8 +170,7 @@ class _AttentionSublayer(torch.autograd.Function):
         _save(ctx, (*contexts, qkv, attention, norm), merged, dense_weight)
         # the dtypes the gradients go back to (autocast's and the promotions' casts, undone as their nodes would)
         ctx.dtypes = (hidden.dtype, x_dtype, projected.dtype,
-                      tuple(None if t is None else t.dtype for t in (wq, bq, wk, bk, wv, bv, wo, bo, norm_weight,
-                                                                     norm_bias, pre_weight, pre_bias)))
+                      _dtypes(wq, bq, wk, bk, wv, bv, wo, bo, norm_weight, norm_bias, pre_weight, pre_bias))
         ctx.single = wk is None
         return (output, summed) if return_residual else output
 
