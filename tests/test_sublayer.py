@@ -94,16 +94,6 @@ def test_one_node_gives_the_per_op_results_bitwise(unpad, autocast, frozen, devi
         assert torch.equal(grad, per_op_grads[name]), name
 
 
-@pytest.mark.parametrize("option", ["attention", "full"])
-def test_recomputed_sublayer_gives_the_stored_gradients_bitwise(option, device):
-    """Activation checkpointing reruns the node's forward in the backward: the same dropout masks and results."""
-    _, loss, grads = _step(device, per_op=False)
-    _, recomputed_loss, recomputed = _step(device, per_op=False, activation_checkpointing=option)
-    assert torch.equal(loss, recomputed_loss)
-    for name, grad in grads.items():
-        assert torch.equal(grad, recomputed[name]), name
-
-
 def test_nodes_hold_their_tensors_through_autograd_alone(device):
     """Outside a backward no op context of a node holds a tensor (they would escape the saved-tensor hooks, and the
     LayerNorm's saved output would make a reference cycle with its node), and a retained graph gives the same
@@ -243,10 +233,13 @@ def test_modernbert_runs_its_ops_one_by_one_where_the_node_must_not(device):
 
 
 @pytest.mark.parametrize("option", ["attention", "full"])
-def test_recomputed_modernbert_sublayer_gives_the_stored_gradients_bitwise(option, device):
-    """The pre-LN node returns two tensors (the LayerNorm's output and the stream): recomputed, the same."""
-    _, loss, grads = _modernbert_step(device, per_op=False)
-    _, recomputed_loss, recomputed = _modernbert_step(device, per_op=False, activation_checkpointing=option)
+@pytest.mark.parametrize("architecture", ["bert", "modernbert"])
+def test_recomputed_sublayer_gives_the_stored_gradients_bitwise(architecture, option, device):
+    """Activation checkpointing reruns the node's forward in the backward: the same dropout masks and results
+    (ModernBERT's pre-LN node returns two tensors, the LayerNorm's output and the stream)."""
+    step = _step if architecture == "bert" else _modernbert_step
+    _, loss, grads = step(device, per_op=False)
+    _, recomputed_loss, recomputed = step(device, per_op=False, activation_checkpointing=option)
     assert torch.equal(loss, recomputed_loss)
     for name, grad in grads.items():
         assert torch.equal(grad, recomputed[name]), name
