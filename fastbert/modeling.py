@@ -203,7 +203,6 @@ class SelfAttention(nn.Module):
         if options:
             rotary_base, window = options["rotary_base"], options["window"]
             ops.check_rotary_window(rotary_base, window, config.head_dim)  # as ops.attention checks them
-            rotary_base = None if rotary_base is None else float(rotary_base)
         # "auto" reads fastbert.paths' table for plain attention, by q's shape: a stand-in of it ("triton" reads none)
         plain = backend != "triton" and layout.attention_mask is None and not layout.packed and not options
         q_like = hidden.reshape(*hidden.shape[:2], heads, config.head_dim).transpose(1, 2) if plain else hidden

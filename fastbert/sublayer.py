@@ -153,7 +153,7 @@ class _AttentionSublayer(torch.autograd.Function):
         attention_kernel.check_limits(q, k, v, key_mask, cu_seqlens, seqlen, None, None, None, rotary_base, window)
         dropout_p, seed = attention_kernel.dropout_seed(attention_p, True, q.device)
         arguments = (q, k, v, key_mask, cu_seqlens, seqlen, seed, dropout_p, q.shape[-1] ** -0.5, None, None,
-                     rotary_base, window)
+                     attention_kernel._float_or_none(rotary_base), window)  # converted as the unchecked entries do
         out, lse = attention_kernel.attention_fwd.function(*arguments)
         attention = _OpContext()
         attention_kernel._setup_context(attention, arguments, (out, lse))
@@ -262,7 +262,7 @@ def attention_sublayer(hidden, linears, dense, norm, pre_norm, options: tuple):
     `linears` of x = hidden, or of x = pre_norm(hidden) (a LayerNorm, or None): BERT's three (query, key, value), or
     one whose weight is all three's (ModernBERT's Wqkv). hidden [B, S, H] (a key mask [B, S] or None) or packed
     [T, H] (cu_seqlens int32 [B + 1], max_seqlen). options: (key_mask, cu_seqlens, max_seqlen, num_heads,
-    attention_p, rotary_base (a float) or None, window or None, hidden_p, eps, save_output, return_residual,
+    attention_p, rotary_base or None, window or None, hidden_p, eps, save_output, return_residual,
     cublas_forward); with return_residual the output is (normed, the summed stream). The caller has checked that it
     may run (fastbert.modeling's SelfAttention.sublayer)."""
     if len(linears) == 1:
