@@ -20,9 +20,6 @@ import torch
 from fastbert.bases import COMMON_CONFIG_DEFAULTS, ConfigBase
 from fastbert.ops import LAYER_NORM_SAVES
 
-# looked up once: every config read asks (torch.compile still recognises the function by identity)
-_is_compiling = torch.compiler.is_compiling
-
 # hidden_act -> the `approximate` argument of GELU ("none" = exact erf form)
 GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
 BACKENDS = ("auto", "triton", "torch")
@@ -119,6 +116,8 @@ class BertConfig(ConfigBase):
         # architecture's config (fastbert.family_config) keeps BertConfig's, which read its `defaults`
         for name in ("__init__", "__eq__"):
             setattr(cls, name, own.get(name, getattr(BertConfig, name)))
+        if getattr(cls, "attribute_map", None) and "__getattribute__" not in cls.__dict__:
+            cls.__getattribute__ = ConfigBase.__getattribute__  # aliases: read transformers' way
 
     def validate(self) -> None:
         """Raise ValueError naming the field, the value and the limit for any invalid setting (a model built
@@ -282,21 +281,12 @@ class BertConfig(ConfigBase):
         ours = {v: k for k, v in self.hf_names.items()}
         return {ours.get(k, k): v for k, v in values.items()}
 
-    def __getattribute__(self, name: str):
-        # The models read their config on every forward, hundreds of times. transformers' PreTrainedConfig
-        # resolves each read through two Python-level __getattribute__ overrides (its attribute_map, and
-        # heterogeneous per-layer configs, which fastbert's are not): 3-6 us a read. A field the instance holds
-        # (never one of attribute_map's aliases: setting an alias sets its target) comes from its __dict__ at once.
-        # Other names (properties, methods) skip those overrides too, but for attribute_map's aliases. torch.compile
-        # traces transformers' way (it cannot trace object.__getattribute__) and pays nothing at run time.
-        if _is_compiling():
-            return super().__getattribute__(name)
-        values = object.__getattribute__(self, "__dict__")
-        if name in values:
-            return values[name]
-        if name in getattr(type(self), "attribute_map", ()):
-            return super().__getattribute__(name)
-        return object.__getattribute__(self, name)
+    # The models read their config on every forward, hundreds of times. transformers' PreTrainedConfig resolves each
+    # read through two Python-level __getattribute__ overrides: its attribute_map (aliases; BertConfig has none) and
+    # heterogeneous per-layer configs (which fastbert's are not), 3-6 us a read. object's own lookup is a C call with
+    # no Python frame, and torch.compile reads such an object's fields as plain attributes. An architecture's config
+    # that declares aliases gets transformers' lookup back (__init_subclass__).
+    __getattribute__ = object.__getattribute__
 
     def __getattr__(self, name: str):
         """Only reached for names the instance lacks: the architecture's own spelling of a field (hf_names)."""

@@ -64,6 +64,31 @@ def is_plain_linear(module: nn.Module) -> bool:
     return is_unhooked(module, nn.Linear)
 
 
+def weight_and_bias(module: nn.Module) -> tuple:
+    """module's weight and bias (either may be None), read from its parameter dict. `module.weight` first fails
+    the instance lookup, then runs nn.Module.__getattr__ (on Python 3.11 after building an AttributeError):
+    about 0.8 us a read, which the fused paths pay for every parameter of every layer. A module that no longer
+    holds them there (a reparametrisation that deleted them) is read as an attribute."""
+    held = module._parameters
+    if "weight" in held and "bias" in held:
+        return held["weight"], held["bias"]
+    return module.weight, module.bias
+
+
+def biased_linear_parameters(modules) -> list | None:
+    """[(weight, bias)] of `modules` where each is a plain Linear (is_plain_linear) with a bias, the case a fused
+    op reads in place of calling them; None otherwise (the caller then calls the modules)."""
+    parameters = []
+    for module in modules:  # a loop, not a generator: it runs several times a layer
+        if not is_plain_linear(module):
+            return None
+        weight, bias = weight_and_bias(module)
+        if bias is None:
+            return None
+        parameters.append((weight, bias))
+    return parameters
+
+
 def dropout_rate(dropout: nn.Module) -> float | None:
     """The rate a fused op applies in place of the module `dropout`, read at each forward as transformers'
     modules read theirs: an nn.Dropout's p in training mode, 0 in eval mode; 0 for nn.Identity (transformers'
@@ -85,8 +110,9 @@ def _gelu_linear(dense: nn.Module, hidden: torch.Tensor, config: BertConfig, app
     """gelu(dense(hidden)): fused with the matmul for a plain Linear, else after calling the module.
     approximate: GELU's form, config.gelu_approximate unless given."""
     approximate = config.gelu_approximate if approximate is None else approximate
-    if is_plain_linear(dense) and dense.bias is not None:
-        return ops.linear_bias_gelu(hidden, dense.weight, dense.bias, approximate, backend=config.backend)
+    parameters = biased_linear_parameters((dense,))
+    if parameters is not None:
+        return ops.linear_bias_gelu(hidden, *parameters[0], approximate, backend=config.backend)
     return F.gelu(dense(hidden), approximate=approximate)
 
 
@@ -128,7 +154,7 @@ class BertEmbeddings(nn.Module):
             if token_type_ids is None:  # segment 0 everywhere, broadcast over the batch
                 token_type_ids = torch.zeros_like(position_ids[:1])
             embeds = embeds + self.token_type_embeddings(token_type_ids)
-        hidden = ops.layer_norm(embeds, self.LayerNorm.weight, self.LayerNorm.bias, self.config.layer_norm_eps,
+        hidden = ops.layer_norm(embeds, *weight_and_bias(self.LayerNorm), self.config.layer_norm_eps,
                                 backend=self.config.backend, save=self.config.layer_norm_backward)
         return run_dropout(self.dropout, hidden, self.config)
 
@@ -160,9 +186,10 @@ class SelfAttention(nn.Module):
         """q, k, v each [B, heads, S, d] (padded hidden [B, S, H]) or [T, heads, d] (packed [T, H])."""
         config = self.config
         linears = self.linears()
-        if all(is_plain_linear(m) and m.bias is not None for m in linears):
-            weight = torch.cat([m.weight for m in linears])  # [3H, H]
-            bias = torch.cat([m.bias for m in linears])
+        parameters = biased_linear_parameters(linears)
+        if parameters is not None:
+            weight = torch.cat([weight for weight, _ in parameters])  # [3H, H]
+            bias = torch.cat([bias for _, bias in parameters])
             return ops.qkv_projection(hidden, weight, bias, config.num_attention_heads, backend=config.backend)
         heads = (*hidden.shape[:-1], config.num_attention_heads, config.head_dim)
         projected = [m(hidden).view(*heads) for m in linears]  # sizes one by one (below)
@@ -178,23 +205,31 @@ class SelfAttention(nn.Module):
         checks one_node_sublayers(), that the modules it calls one by one are not hooked and that no attention
         probabilities are wanted."""
         config = self.config
-        backend = config.backend  # once: a config read is three Python calls (BertConfig.__getattribute__)
+        backend = config.backend
         linears = self.linears()
-        query = linears[0]
-        projection = ops.resolve_backend(backend, hidden, query.weight, query.bias, op="qkv_projection")
+        projection = ops.resolve_backend(backend, hidden, *weight_and_bias(linears[0]), op="qkv_projection")
         if projection not in ("triton", "cublas_forward") or layout.relative_bias is not None:
             return None
         hidden_p = 0.0 if dropout is None else dropout_rate(dropout)
-        requires_grad = (hidden.requires_grad or norm.weight.requires_grad
-                         or (norm.bias is not None and norm.bias.requires_grad))
+        norm_weight, norm_bias = weight_and_bias(norm)
+        requires_grad = hidden.requires_grad or norm_weight.requires_grad or (norm_bias is not None and
+                                                                              norm_bias.requires_grad)
+        parameters = []  # (weight, bias) of the QKV Linears, dense, norm and pre_norm: the node's inputs
         for m in (*linears, dense):  # a loop, not all(generator): this runs on every layer's forward
-            # three Linears fuse with their biases concatenated (project); one (ModernBERT's Wqkv) and dense need none
-            if not (is_plain_linear(m) and (m.bias is not None or m is dense or len(linears) == 1)):
+            if not is_plain_linear(m):
                 return None
-            requires_grad = requires_grad or m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad)
-        if pre_norm is not None:
-            requires_grad = (requires_grad or pre_norm.weight.requires_grad
-                             or (pre_norm.bias is not None and pre_norm.bias.requires_grad))
+            weight, bias = weight_and_bias(m)
+            # three Linears fuse with their biases concatenated (project); one (ModernBERT's Wqkv) and dense need none
+            if bias is None and m is not dense and len(linears) != 1:
+                return None
+            requires_grad = requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+            parameters.append((weight, bias))
+        parameters.append((norm_weight, norm_bias))
+        pre_weight, pre_bias = (None, None) if pre_norm is None else weight_and_bias(pre_norm)
+        parameters.append((pre_weight, pre_bias))
+        if pre_weight is not None:
+            requires_grad = requires_grad or pre_weight.requires_grad or (pre_bias is not None and
+                                                                          pre_bias.requires_grad)
         if hidden_p is None or not requires_grad:
             return None  # a dropout module to call, or no backward (the ops' inference calls)
         heads = config.num_attention_heads
@@ -206,11 +241,11 @@ class SelfAttention(nn.Module):
         # "auto" reads fastbert.paths' table for plain attention, by q's shape: a stand-in of it ("triton" reads none)
         plain = backend != "triton" and layout.attention_mask is None and not layout.packed and not options
         q_like = hidden.reshape(*hidden.shape[:2], heads, config.head_dim).transpose(1, 2) if plain else hidden
-        norm_weights = (norm.weight,) if pre_norm is None else (norm.weight, pre_norm.weight)
+        norm_weights = (norm_weight,) if pre_norm is None else (norm_weight, pre_weight)
         if (ops.resolve_backend(backend, q_like, op="attention" if plain else None) != "triton"
                 or ops.resolve_backend(backend, hidden, *norm_weights, op="layer_norm") != "triton"):
             return None
-        return attention_sublayer(hidden, linears, dense, norm, pre_norm, (
+        return attention_sublayer(hidden, parameters, (
             layout.attention_mask, layout.cu_seqlens, layout.max_seqlen, heads, self.probs_dropout(), rotary_base,
             window, hidden_p, config.layer_norm_eps, config.layer_norm_backward == "output", return_residual,
             projection == "cublas_forward"))
@@ -259,7 +294,7 @@ def add_and_norm(config: BertConfig, norm: nn.LayerNorm, projected, residual, dr
     rate = 0.0 if dropout is None else dropout_rate(dropout)
     if rate is None:  # a module fastbert cannot read: called, then no dropout in the fused op
         projected, rate = dropout(projected), 0.0
-    return ops.layer_norm(projected, norm.weight, norm.bias, config.layer_norm_eps, residual=residual,
+    return ops.layer_norm(projected, *weight_and_bias(norm), config.layer_norm_eps, residual=residual,
                           dropout_p=rate, backend=config.backend, save=config.layer_norm_backward, **kwargs)
 
 
@@ -323,9 +358,11 @@ def fused_feed_forward(config: BertConfig, up: nn.Module, down: nn.Module, atten
     """down(gelu(up(attended))) as one fused op that keeps the pre-activation but not the GELU output for the
     backward (with recompute, only `attended`: it reruns the up-projection); None where `up` and `down` are
     not plain Linears with biases (the caller then calls its modules)."""
-    if not all(is_plain_linear(m) and m.bias is not None for m in (up, down)):
+    parameters = biased_linear_parameters((up, down))
+    if parameters is None:
         return None
-    return ops.feed_forward(attended, up.weight, up.bias, down.weight, down.bias, config.gelu_approximate,
+    (up_weight, up_bias), (down_weight, down_bias) = parameters
+    return ops.feed_forward(attended, up_weight, up_bias, down_weight, down_bias, config.gelu_approximate,
                             recompute_pre=recompute, backend=config.backend)
 
 
@@ -344,21 +381,25 @@ def fused_feed_forward_sublayer(config: BertConfig, up: nn.Module, down: nn.Modu
     (fastbert/sublayer.py), or None where that would not run what fused_feed_forward and add_and_norm run: Linears
     that are not plain with biases, a dropout module to call, an op whose resolved path is not a Triton one, or no
     gradient wanted. The caller checks one_node_sublayers() and that the modules it bypasses are not hooked."""
-    if not (is_plain_linear(up) and up.bias is not None and is_plain_linear(down) and down.bias is not None):
+    parameters = biased_linear_parameters((up, down))
+    if parameters is None:
         return None
-    backend = config.backend  # once: a config read is three Python calls (BertConfig.__getattribute__)
-    path = ops.resolve_backend(backend, attended, up.weight, up.bias, down.weight, down.bias, op="feed_forward")
+    (up_weight, up_bias), (down_weight, down_bias) = parameters
+    backend = config.backend
+    path = ops.resolve_backend(backend, attended, up_weight, up_bias, down_weight, down_bias, op="feed_forward")
     hidden_p = dropout_rate(dropout)
     if path == "torch" or hidden_p is None:
         return None
     # what the FFN's backward reads h for (kernels/ffn.py's feed_forward): a gradient through it
-    through_pre = attended.requires_grad or up.weight.requires_grad or up.bias.requires_grad or down.weight.requires_grad
-    if not (through_pre or down.bias.requires_grad or norm.weight.requires_grad
-            or (norm.bias is not None and norm.bias.requires_grad)):
+    through_pre = attended.requires_grad or up_weight.requires_grad or up_bias.requires_grad or down_weight.requires_grad
+    norm_weight, norm_bias = weight_and_bias(norm)
+    if not (through_pre or down_bias.requires_grad or norm_weight.requires_grad
+            or (norm_bias is not None and norm_bias.requires_grad)):
         return None  # no backward: the ops' inference calls
-    if ops.resolve_backend(backend, attended, norm.weight, op="layer_norm") != "triton":
+    if ops.resolve_backend(backend, attended, norm_weight, op="layer_norm") != "triton":
         return None
-    return feed_forward_sublayer(attended, up, down, norm, config.gelu_approximate, through_pre and not recompute,
+    return feed_forward_sublayer(attended, (*parameters, (norm_weight, norm_bias)), config.gelu_approximate,
+                                 through_pre and not recompute,
                                  "epilogue" if path == "triton" else path, hidden_p, config.layer_norm_eps,
                                  config.layer_norm_backward == "output")
 

@@ -24,13 +24,13 @@ from fastbert.family_config import ModernBertConfig
 from fastbert.modeling import (AttentionLayout, BertForMaskedLM, BertModel, BertPreTrainedModel, EncoderLayer,
                                HeadDropout, SelfAttention, VocabularyHead, _recompute, add_and_norm, dropout_rate,
                                gelu_dense_norm, is_plain_linear, is_unhooked, one_node_sublayers, run_dropout,
-                               run_layers, sequence_classification_loss, token_classification_loss)
+                               run_layers, sequence_classification_loss, token_classification_loss, weight_and_bias)
 from fastbert.validation import check_on_device, key_padding_mask
 
 
 def layer_norm(config: ModernBertConfig, norm: nn.LayerNorm, hidden, **kwargs):
     """norm(hidden) through fastbert's fused op (no bias where norm_bias is False)."""
-    return ops.layer_norm(hidden, norm.weight, norm.bias, config.layer_norm_eps, backend=config.backend,
+    return ops.layer_norm(hidden, *weight_and_bias(norm), config.layer_norm_eps, backend=config.backend,
                           save=config.layer_norm_backward, **kwargs)
 
 
@@ -72,11 +72,10 @@ class ModernBertAttention(SelfAttention):
 
     def project(self, hidden):
         """q, k, v each [B, heads, S, d] (padded hidden [B, S, H]) or [T, heads, d] (packed [T, H])."""
-        config = self.config
-        if is_plain_linear(self.Wqkv):
-            return ops.qkv_projection(hidden, self.Wqkv.weight, self.Wqkv.bias, config.num_attention_heads,
-                                      backend=config.backend)
-        qkv = self.Wqkv(hidden).view(*hidden.shape[:-1], 3, config.num_attention_heads, config.head_dim)
+        config, Wqkv = self.config, self.Wqkv
+        if is_plain_linear(Wqkv):
+            return ops.qkv_projection(hidden, *weight_and_bias(Wqkv), config.num_attention_heads, backend=config.backend)
+        qkv = Wqkv(hidden).view(*hidden.shape[:-1], 3, config.num_attention_heads, config.head_dim)
         projected = qkv.unbind(dim=-3)
         return projected if hidden.dim() == 2 else [t.transpose(1, 2) for t in projected]
 
@@ -96,15 +95,15 @@ class ModernBertMLP(nn.Module):
         self.Wo = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, hidden, recompute: bool = False):
-        c = self.config
-        if is_plain_linear(self.Wi) and is_plain_linear(self.Wo) and dropout_rate(self.drop) == 0.0:
-            return ops.feed_forward_geglu(hidden, self.Wi.weight, self.Wi.bias, self.Wo.weight, self.Wo.bias,
-                                          c.gelu_approximate, recompute_pre=recompute, backend=c.backend)
+        c, Wi, Wo = self.config, self.Wi, self.Wo
+        if is_plain_linear(Wi) and is_plain_linear(Wo) and dropout_rate(self.drop) == 0.0:
+            return ops.feed_forward_geglu(hidden, *weight_and_bias(Wi), *weight_and_bias(Wo), c.gelu_approximate,
+                                          recompute_pre=recompute, backend=c.backend)
 
         def unfused(x):
-            value, gate = self.Wi(x).chunk(2, dim=-1)
+            value, gate = Wi(x).chunk(2, dim=-1)
             gated = F.gelu(value, approximate=c.gelu_approximate) * gate
-            return self.Wo(run_dropout(self.drop, gated, c))
+            return Wo(run_dropout(self.drop, gated, c))
         return _recompute(unfused, hidden) if recompute else unfused(hidden)
 
 

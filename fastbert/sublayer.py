@@ -257,28 +257,27 @@ _APPLY = c_apply(_AttentionSublayer)
 _FEED_FORWARD_APPLY = c_apply(_FeedForwardSublayer)
 
 
-def attention_sublayer(hidden, linears, dense, norm, pre_norm, options: tuple):
-    """norm(dropout(dense(attention(q, k, v))) + hidden), one autograd node (header): (q, k, v) by the Linears
-    `linears` of x = hidden, or of x = pre_norm(hidden) (a LayerNorm, or None): BERT's three (query, key, value), or
-    one whose weight is all three's (ModernBERT's Wqkv). hidden [B, S, H] (a key mask [B, S] or None) or packed
+def attention_sublayer(hidden, parameters: list, options: tuple):
+    """norm(dropout(dense(attention(q, k, v))) + hidden), one autograd node (header): (q, k, v) by the QKV Linears
+    of x = hidden, or of x = pre_norm(hidden) (a LayerNorm, or None). parameters: (weight, bias) of the QKV Linears
+    (BERT's three: query, key, value; or one whose weight is all three's: ModernBERT's Wqkv), of dense, of norm and
+    of pre_norm ((None, None) for none); a bias may be None. hidden [B, S, H] (a key mask [B, S] or None) or packed
     [T, H] (cu_seqlens int32 [B + 1], max_seqlen). options: (key_mask, cu_seqlens, max_seqlen, num_heads,
     attention_p, rotary_base or None, window or None, hidden_p, eps, save_output, return_residual,
     cublas_forward); with return_residual the output is (normed, the summed stream). The caller has checked that it
     may run (fastbert.modeling's SelfAttention.sublayer)."""
-    if len(linears) == 1:
-        wq, bq, wk, bk, wv, bv = linears[0].weight, linears[0].bias, None, None, None, None
-    else:
-        (query, key, value) = linears
-        wq, bq, wk, bk, wv, bv = query.weight, query.bias, key.weight, key.bias, value.weight, value.bias
-    pre_weight, pre_bias = (None, None) if pre_norm is None else (pre_norm.weight, pre_norm.bias)
-    return _APPLY(hidden, wq, bq, wk, bk, wv, bv, dense.weight, dense.bias, norm.weight, norm.bias, pre_weight,
-                  pre_bias, options)
+    *projections, dense, norm, pre_norm = parameters
+    if len(projections) == 1:  # one Linear whose weight is all three's
+        projections = (projections[0], (None, None), (None, None))
+    (wq, bq), (wk, bk), (wv, bv) = projections
+    return _APPLY(hidden, wq, bq, wk, bk, wv, bv, *dense, *norm, *pre_norm, options)
 
 
-def feed_forward_sublayer(hidden, up, down, norm, approximate: str, keep_pre: bool, form: str, hidden_p: float,
+def feed_forward_sublayer(hidden, parameters: tuple, approximate: str, keep_pre: bool, form: str, hidden_p: float,
                           eps: float, save_output: bool):
-    """norm(dropout(down(gelu(up(hidden)))) + hidden), BERT's FFN sublayer, as one autograd node (header). keep_pre
-    and form as kernels/ffn.py's forward takes them. The caller has checked that it may run
-    (fastbert.modeling.feed_forward_sublayer)."""
-    return _FEED_FORWARD_APPLY(hidden, up.weight, up.bias, down.weight, down.bias, norm.weight, norm.bias, approximate,
+    """norm(dropout(down(gelu(up(hidden)))) + hidden), BERT's FFN sublayer, as one autograd node (header).
+    parameters: (weight, bias) of up, down and norm. keep_pre and form as kernels/ffn.py's forward takes them. The
+    caller has checked that it may run (fastbert.modeling.fused_feed_forward_sublayer)."""
+    (up_weight, up_bias), (down_weight, down_bias), (norm_weight, norm_bias) = parameters
+    return _FEED_FORWARD_APPLY(hidden, up_weight, up_bias, down_weight, down_bias, norm_weight, norm_bias, approximate,
                                keep_pre, form, hidden_p, eps, save_output)
