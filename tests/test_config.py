@@ -131,6 +131,20 @@ def test_transformers_reads_it_as_its_own_config():
     assert config.replace(unpad=True).unpad and not config.unpad
 
 
+def test_a_subclass_with_aliases_reads_and_writes_them_as_transformers_does():
+    # BertConfig reads its fields with object's own lookup (no attribute_map); a subclass that declares aliases
+    # gets transformers' lookup back, and an alias then reads and writes its target
+    class Aliased(BertConfig):
+        attribute_map = {"d_model": "hidden_size"}
+
+    config = Aliased(hidden_size=64, num_attention_heads=4)
+    assert config.d_model == 64 and config.hidden_size == 64 and config.backend == "auto"
+    config.d_model = 128
+    assert config.hidden_size == 128 and config.d_model == 128
+    with pytest.raises(AttributeError, match="no_such_field"):
+        BertConfig.tiny().no_such_field
+
+
 @pytest.mark.parametrize("model_type", ["gpt2", "roberta", "distilbert"])
 def test_other_model_types_are_refused(model_type):
     with pytest.raises(ValueError, match=f"model_type '{model_type}' is not BERT"):
