@@ -286,3 +286,26 @@ def test_from_pretrained_under_a_meta_device_is_refused_as_transformers(tmp_path
         with pytest.raises(RuntimeError, match="meta"), torch.device("meta"):
             cls.from_pretrained(tmp_path)
     assert fastbert.BertModel.from_pretrained(tmp_path).embeddings.word_embeddings.weight.device.type == "cpu"
+
+
+def test_fused_paths_read_a_weight_held_outside_the_parameter_dict():
+    # what a reparametrisation may do: the parameter deleted, a tensor attribute in its place. The fused paths read
+    # parameters from the modules' parameter dicts (fastbert.modeling.weight_and_bias); they must read this one
+    # where calling the module would
+    torch.manual_seed(0)
+    model = fastbert.BertModel(fastbert.BertConfig.tiny(backend="torch")).eval()
+    doubled = copy.deepcopy(model)
+    ids = torch.randint(5, 100, (2, 8))
+    for m in (model, doubled):
+        layer = m.encoder.layer[0]
+        modules = (layer.attention.self.query, layer.intermediate.dense, layer.output.LayerNorm)
+        for module in modules:
+            if m is doubled:
+                module.weight.data *= 2
+            else:
+                weight = module.weight.detach() * 2
+                del module.weight
+                module.weight = weight
+                assert "weight" not in module._parameters
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).last_hidden_state, doubled(ids).last_hidden_state, rtol=0, atol=0)
