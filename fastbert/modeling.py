@@ -184,15 +184,23 @@ class SelfAttention(nn.Module):
 
     def project(self, hidden):
         """q, k, v each [B, heads, S, d] (padded hidden [B, S, H]) or [T, heads, d] (packed [T, H])."""
-        config = self.config
+        config, backend = self.config, self.config.backend
         linears = self.linears()
         parameters = biased_linear_parameters(linears)
-        if parameters is not None:
+        # PyTorch's path without a backward runs one GEMM a Linear (below): concatenating the weights for its one
+        # GEMM would copy them on every forward for nothing
+        split = parameters is not None and not torch.is_grad_enabled() and backend != "triton" and ops.resolve_backend(
+            backend, hidden, *parameters[0], op="qkv_projection") == "torch"
+        if parameters is not None and not split:
             weight = torch.cat([weight for weight, _ in parameters])  # [3H, H]
             bias = torch.cat([bias for _, bias in parameters])
-            return ops.qkv_projection(hidden, weight, bias, config.num_attention_heads, backend=config.backend)
+            return ops.qkv_projection(hidden, weight, bias, config.num_attention_heads, backend=backend)
+        # one GEMM a Linear, as transformers' BERT runs them
         heads = (*hidden.shape[:-1], config.num_attention_heads, config.head_dim)
-        projected = [m(hidden).view(*heads) for m in linears]  # sizes one by one (below)
+        if parameters is None:
+            projected = [m(hidden).view(*heads) for m in linears]  # sizes one by one (below)
+        else:
+            projected = [F.linear(hidden, weight, bias).view(*heads) for weight, bias in parameters]
         return projected if hidden.dim() == 2 else [t.transpose(1, 2) for t in projected]
 
     def sublayer(self, hidden, layout: AttentionLayout, dense: nn.Module, norm: nn.LayerNorm,

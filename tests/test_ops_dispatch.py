@@ -159,3 +159,30 @@ def test_layer_norm_under_cuda_autocast_returns_the_autocast_dtype(monkeypatch):
     assert ops.autocast_dtype("layer_norm", "cpu") is None
     for device_type in ("cuda", "cpu"):
         assert ops.autocast_dtype("matmul", device_type) == torch.bfloat16
+
+
+class _CountCats(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.cats = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.cats += func is torch.ops.aten.cat.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_pytorch_path_without_a_backward_projects_qkv_without_concatenating_weights(grad):
+    # inference on PyTorch's path runs query, key and value as three GEMMs on the Linears' weights, as transformers
+    # does; a backward (or a kernel path) takes the concatenated weight, two cats a layer
+    torch.manual_seed(0)
+    config = fastbert.BertConfig.tiny(backend="torch")
+    model = fastbert.BertModel(config).eval()
+    ids = torch.randint(5, 100, (2, 8))
+    with torch.no_grad():
+        expected = model(ids).last_hidden_state
+    counter = _CountCats()
+    with torch.set_grad_enabled(grad), counter:
+        got = model(ids).last_hidden_state
+    assert counter.cats == (2 * config.num_hidden_layers if grad else 0)
+    torch.testing.assert_close(got, expected)
