@@ -189,8 +189,8 @@ class SelfAttention(nn.Module):
         parameters = biased_linear_parameters(linears)
         # PyTorch's path without a backward runs one GEMM a Linear (below): concatenating the weights for its one
         # GEMM would copy them on every forward for nothing
-        split = parameters is not None and not torch.is_grad_enabled() and backend != "triton" and ops.resolve_backend(
-            backend, hidden, *parameters[0], op="qkv_projection") == "torch"
+        split = (parameters is not None and not torch.is_grad_enabled() and backend != "triton"
+                 and ops.resolve_backend(backend, hidden, *parameters[0], op="qkv_projection") == "torch")
         if parameters is not None and not split:
             weight = torch.cat([weight for weight, _ in parameters])  # [3H, H]
             bias = torch.cat([bias for _, bias in parameters])
@@ -220,8 +220,8 @@ class SelfAttention(nn.Module):
             return None
         hidden_p = 0.0 if dropout is None else dropout_rate(dropout)
         norm_weight, norm_bias = weight_and_bias(norm)
-        requires_grad = hidden.requires_grad or norm_weight.requires_grad or (norm_bias is not None and
-                                                                              norm_bias.requires_grad)
+        requires_grad = (hidden.requires_grad or norm_weight.requires_grad
+                         or (norm_bias is not None and norm_bias.requires_grad))
         parameters = []  # (weight, bias) of the QKV Linears, dense, norm and pre_norm: the node's inputs
         for m in (*linears, dense):  # a loop, not all(generator): this runs on every layer's forward
             if not is_plain_linear(m):
@@ -236,8 +236,8 @@ class SelfAttention(nn.Module):
         pre_weight, pre_bias = (None, None) if pre_norm is None else weight_and_bias(pre_norm)
         parameters.append((pre_weight, pre_bias))
         if pre_weight is not None:
-            requires_grad = requires_grad or pre_weight.requires_grad or (pre_bias is not None and
-                                                                          pre_bias.requires_grad)
+            requires_grad = (requires_grad or pre_weight.requires_grad
+                             or (pre_bias is not None and pre_bias.requires_grad))
         if hidden_p is None or not requires_grad:
             return None  # a dropout module to call, or no backward (the ops' inference calls)
         heads = config.num_attention_heads
@@ -399,7 +399,8 @@ def fused_feed_forward_sublayer(config: BertConfig, up: nn.Module, down: nn.Modu
     if path == "torch" or hidden_p is None:
         return None
     # what the FFN's backward reads h for (kernels/ffn.py's feed_forward): a gradient through it
-    through_pre = attended.requires_grad or up_weight.requires_grad or up_bias.requires_grad or down_weight.requires_grad
+    through_pre = (attended.requires_grad or up_weight.requires_grad or up_bias.requires_grad
+                   or down_weight.requires_grad)
     norm_weight, norm_bias = weight_and_bias(norm)
     if not (through_pre or down_bias.requires_grad or norm_weight.requires_grad
             or (norm_bias is not None and norm_bias.requires_grad)):

@@ -74,7 +74,8 @@ class ModernBertAttention(SelfAttention):
         """q, k, v each [B, heads, S, d] (padded hidden [B, S, H]) or [T, heads, d] (packed [T, H])."""
         config, Wqkv = self.config, self.Wqkv
         if is_plain_linear(Wqkv):
-            return ops.qkv_projection(hidden, *weight_and_bias(Wqkv), config.num_attention_heads, backend=config.backend)
+            return ops.qkv_projection(hidden, *weight_and_bias(Wqkv), config.num_attention_heads,
+                                      backend=config.backend)
         qkv = Wqkv(hidden).view(*hidden.shape[:-1], 3, config.num_attention_heads, config.head_dim)
         projected = qkv.unbind(dim=-3)
         return projected if hidden.dim() == 2 else [t.transpose(1, 2) for t in projected]
