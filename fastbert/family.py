@@ -21,7 +21,7 @@ from fastbert.family_config import (MPNET_BUCKETS, MPNET_MAX_DISTANCE, Camembert
 from fastbert.modeling import (AttentionLayout, BertEncoder, BertForMaskedLM, BertLayer, BertModel,
                                BertPreTrainedModel, EncoderLayer, SelfAttention, VocabularyHead, _recompute,
                                add_and_norm, fused_feed_forward, fused_feed_forward_sublayer, gelu_dense_norm,
-                               is_unhooked, one_node_sublayers, run_dropout)
+                               is_unhooked, linear, one_node_sublayers, run_dropout, Submodule)
 
 
 # RoBERTa, XLM-RoBERTa, CamemBERT: BERT's modules and names; positions from the padding index (config) -----
@@ -190,6 +190,8 @@ def no_token_types(kwargs: dict) -> dict:
 # DistilBERT: its own names (q_lin, sa_layer_norm, ffn.lin1, ...); no token types, no pooler -----------------
 
 class DistilBertSelfAttention(SelfAttention):
+    q_lin, k_lin, v_lin, out_lin, dropout = Submodule(), Submodule(), Submodule(), Submodule(), Submodule()
+
     def __init__(self, config):
         super().__init__(config)
         self.q_lin = nn.Linear(config.hidden_size, config.hidden_size)
@@ -204,6 +206,7 @@ class DistilBertSelfAttention(SelfAttention):
 
 class FFN(nn.Module):
     """lin2(gelu(lin1(x))) then dropout: DistilBERT's feed-forward, called where it cannot be fused."""
+    lin1, lin2, dropout = Submodule(), Submodule(), Submodule()
 
     def __init__(self, config):
         super().__init__()
@@ -220,6 +223,7 @@ class FFN(nn.Module):
 class TransformerBlock(EncoderLayer):
     """DistilBERT's layer: sa_layer_norm(out_lin(attention) + x) (no dropout on that sum, as transformers'),
     then output_layer_norm(dropout(ffn) + that)."""
+    attention, sa_layer_norm, ffn, output_layer_norm = Submodule(), Submodule(), Submodule(), Submodule()
 
     def __init__(self, config):
         super().__init__()
@@ -237,7 +241,7 @@ class TransformerBlock(EncoderLayer):
             if normed is not None:
                 return normed, None
         context, probs = attention(hidden, layout, output_attentions)
-        return add_and_norm(self.config, self.sa_layer_norm, attention.out_lin(context), hidden, None), probs
+        return add_and_norm(self.config, self.sa_layer_norm, linear(attention.out_lin, context), hidden, None), probs
 
     def feed_forward(self, attended, recompute: bool = False):
         c = self.config
@@ -320,6 +324,8 @@ class DistilBertForMaskedLM(DistilBertPreTrainedModel, BertForMaskedLM):
 # MPNet: BERT's FFN names, its own attention names, and the relative-position bias ---------------------------
 
 class MPNetSelfAttention(SelfAttention):
+    q, k, v, o, dropout = Submodule(), Submodule(), Submodule(), Submodule(), Submodule()
+
     def __init__(self, config):
         super().__init__(config)
         self.q = nn.Linear(config.hidden_size, config.hidden_size)
@@ -338,6 +344,7 @@ class MPNetSelfAttention(SelfAttention):
 
 class MPNetAttention(nn.Module):
     """LayerNorm(dropout(o(attention)) + x)."""
+    attn, LayerNorm, dropout = Submodule(), Submodule(), Submodule()
 
     def __init__(self, config):
         super().__init__()
@@ -348,7 +355,7 @@ class MPNetAttention(nn.Module):
 
     def forward(self, hidden, layout: AttentionLayout, output_attentions: bool = False):
         context, probs = self.attn(hidden, layout, output_attentions)
-        return add_and_norm(self.config, self.LayerNorm, self.attn.o(context), hidden, self.dropout), probs
+        return add_and_norm(self.config, self.LayerNorm, linear(self.attn.o, context), hidden, self.dropout), probs
 
 
 class MPNetLayer(BertLayer):

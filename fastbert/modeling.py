@@ -51,6 +51,26 @@ _GLOBAL_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._glo
                  nn.modules.module._global_backward_hooks, nn.modules.module._global_backward_pre_hooks)
 
 
+class Submodule:
+    """A class attribute naming a child module: `self.name` then reads it from the module's `_modules` in one
+    Python call. Without it the instance lookup fails first and nn.Module.__getattr__ runs after it (on Python
+    3.11 once an AttributeError is built): about 11,000 instructions a read, where a BERT layer reads 16 a
+    forward. Assigning and deleting stay nn.Module's, which write `_modules`, so a child replaced by a tool (PEFT,
+    fastbert.apply, add_module) is what the next read returns; a child that is gone reads as nn.Module reads it."""
+    __slots__ = ("name",)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, module: nn.Module | None, owner: type | None = None):
+        if module is None:
+            return self
+        try:
+            return module._modules[self.name]
+        except KeyError:  # not a child now: nn.Module.__getattr__ runs next, as without this attribute
+            raise AttributeError(self.name) from None
+
+
 def is_unhooked(module: nn.Module, cls: type) -> bool:
     """True for an instance of `cls` itself (not a subclass or a wrapper) with no hooks, module or global:
     only then may a fused op bypass its forward. Runs several times a layer: short-circuits, no tuple."""
@@ -104,6 +124,15 @@ def run_dropout(dropout: nn.Module, hidden, config: BertConfig):
     it cannot read is called."""
     rate = dropout_rate(dropout)
     return dropout(hidden) if rate is None else ops.dropout(hidden, rate, backend=config.backend)
+
+
+def linear(dense: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """dense(hidden): F.linear on the parameters of a plain Linear (is_plain_linear), as its forward computes it,
+    without nn.Module.__call__ and the forward's two reads through nn.Module.__getattr__; any other module is
+    called."""
+    if is_plain_linear(dense):
+        return F.linear(hidden, *weight_and_bias(dense))
+    return dense(hidden)
 
 
 def _gelu_linear(dense: nn.Module, hidden: torch.Tensor, config: BertConfig, approximate: str | None = None):
@@ -283,6 +312,7 @@ class SelfAttention(nn.Module):
 
 class BertSelfAttention(SelfAttention):
     """BERT's names: query, key, value (the output projection is BertSelfOutput's)."""
+    query, key, value, dropout = Submodule(), Submodule(), Submodule(), Submodule()
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
@@ -307,6 +337,8 @@ def add_and_norm(config: BertConfig, norm: nn.LayerNorm, projected, residual, dr
 
 
 class BertSelfOutput(nn.Module):
+    dense, LayerNorm, dropout = Submodule(), Submodule(), Submodule()
+
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
@@ -315,7 +347,7 @@ class BertSelfOutput(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, hidden, residual):
-        return self.add_and_norm(self.dense(hidden), residual)
+        return self.add_and_norm(linear(self.dense, hidden), residual)
 
     def add_and_norm(self, projected, residual):
         """LayerNorm(dropout(projected) + residual): the sublayer's output after its projection."""
@@ -323,6 +355,8 @@ class BertSelfOutput(nn.Module):
 
 
 class BertAttention(nn.Module):
+    self, output = Submodule(), Submodule()
+
     def __init__(self, config: BertConfig):
         super().__init__()
         self.self = BertSelfAttention(config)
@@ -340,6 +374,8 @@ class BertAttention(nn.Module):
 
 
 class BertIntermediate(nn.Module):
+    dense = Submodule()
+
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
@@ -435,6 +471,8 @@ class EncoderLayer(nn.Module):
 
 
 class BertLayer(EncoderLayer):
+    attention, intermediate, output = Submodule(), Submodule(), Submodule()
+
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
@@ -526,7 +564,7 @@ class BertPooler(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, sequence_output):
-        return torch.tanh(self.dense(sequence_output[:, 0]))  # [B, H] from the [CLS] token
+        return torch.tanh(linear(self.dense, sequence_output[:, 0]))  # [B, H] from the [CLS] token
 
 
 class BertPreTrainedModel(ModelBase):

@@ -23,8 +23,9 @@ from fastbert.config import GELU_APPROXIMATION
 from fastbert.family_config import ModernBertConfig
 from fastbert.modeling import (AttentionLayout, BertForMaskedLM, BertModel, BertPreTrainedModel, EncoderLayer,
                                HeadDropout, SelfAttention, VocabularyHead, _recompute, add_and_norm, dropout_rate,
-                               gelu_dense_norm, is_plain_linear, is_unhooked, one_node_sublayers, run_dropout,
-                               run_layers, sequence_classification_loss, token_classification_loss, weight_and_bias)
+                               gelu_dense_norm, is_plain_linear, is_unhooked, linear, one_node_sublayers, run_dropout,
+                               run_layers, sequence_classification_loss, Submodule, token_classification_loss,
+                               weight_and_bias)
 from fastbert.validation import check_on_device, key_padding_mask
 
 
@@ -54,6 +55,7 @@ class ModernBertAttention(SelfAttention):
     context; Wo and out_drop are applied by the layer, fused with the residual add and mlp_norm. Dropout
     switches as transformers': the float attention_dropout on the probabilities, the module out_drop after Wo
     (an nn.Identity where the config's attention_dropout is 0), both read at each forward."""
+    Wqkv, Wo, out_drop = Submodule(), Submodule(), Submodule()
 
     def __init__(self, config: ModernBertConfig, layer: int):
         super().__init__(config)
@@ -87,6 +89,7 @@ class ModernBertAttention(SelfAttention):
 class ModernBertMLP(nn.Module):
     """Wo(dropout(gelu(input) * gate)) with input, gate = Wi(x).chunk(2): one fused op (the GeGLU in the
     up-projection's epilogue) for plain Linears without mlp dropout in training; else the modules."""
+    Wi, drop, Wo = Submodule(), Submodule(), Submodule()
 
     def __init__(self, config: ModernBertConfig):
         super().__init__()
@@ -111,6 +114,7 @@ class ModernBertMLP(nn.Module):
 class ModernBertEncoderLayer(EncoderLayer):
     """Pre-LayerNorm: (stream, mlp input) = mlp_norm-and-add(Wo(attention(attn_norm(x))), x) in one fused
     LayerNorm, then stream + mlp(mlp input). The first layer has no attn_norm (the embeddings' norm is it)."""
+    attn_norm, attn, mlp_norm, mlp = Submodule(), Submodule(), Submodule(), Submodule()
 
     def __init__(self, config: ModernBertConfig, layer: int):
         super().__init__()
@@ -133,7 +137,7 @@ class ModernBertEncoderLayer(EncoderLayer):
                 return (stream, mlp_input), None
         normed = hidden if pre_norm is None else layer_norm(c, pre_norm, hidden)
         context, probs = attention(normed, layout, output_attentions)
-        mlp_input, stream = add_and_norm(c, self.mlp_norm, attention.Wo(context), hidden, attention.out_drop,
+        mlp_input, stream = add_and_norm(c, self.mlp_norm, linear(attention.Wo, context), hidden, attention.out_drop,
                                          return_residual=True)
         return (stream, mlp_input), probs
 

@@ -91,7 +91,7 @@ def test_forward_hooks_and_module_swaps_are_honoured():
         calls.append(module)
         return output * 2.0
 
-    for linear in (layer.attention.self.value, layer.intermediate.dense):
+    for linear in (layer.attention.self.value, layer.attention.output.dense, layer.intermediate.dense):
         handle = linear.register_forward_hook(double)
         hooked = model.bert(**inputs).last_hidden_state
         handle.remove()
