@@ -54,7 +54,7 @@ _GLOBAL_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._glo
 class Submodule:
     """A class attribute naming a child module: `self.name` then reads it from the module's `_modules` in one
     Python call. Without it the instance lookup fails first and nn.Module.__getattr__ runs after it (on Python
-    3.11 once an AttributeError is built): a BERT layer reads 16 children a forward, and reading them here took
+    3.11 once an AttributeError is built): a BERT layer reads 15 children a forward, and reading them here took
     a tenth of BERT-base's inference forward's host instructions away (benchmarks/host_instructions.py).
     Assigning and deleting stay nn.Module's, which write `_modules`, so a child replaced by a tool (PEFT,
     fastbert.apply, add_module) is what the next read returns; a child that is gone reads as nn.Module reads it."""

@@ -342,7 +342,7 @@ def test_a_layers_children_read_as_nn_module_reads_them_whatever_a_tool_does_to_
 
 @pytest.mark.parametrize("name", ["Bert", "DistilBert", "MPNet", "ModernBert"])
 def test_a_forward_reads_no_child_of_a_layer_through_nn_module_getattr(name, monkeypatch):
-    # each such read fails a lookup first and, on Python 3.11, builds an AttributeError: 16 reads a BERT layer,
+    # each such read fails a lookup first and, on Python 3.11, builds an AttributeError: 15 reads a BERT layer,
     # a tenth of an inference forward's host instructions. Torch's own modules (Linear, LayerNorm) read their
     # parameters so; fastbert's classes declare their children (fastbert.modeling.Submodule)
     config = getattr(fastbert, name + "Config").tiny()
