@@ -8,7 +8,11 @@
  * driver, the arguments' types, each int's value (bools and int subclasses too), each tensor's dtype, the tensors'
  * 16-byte alignment (one True when all are aligned, else a tuple of each tensor's), the constexprs' names (one
  * tuple: a call site passes the same) and values. A key it has kept launches its entry at once: the Triton
- * launcher, called with the grid, the stream, the launcher's head, the arguments and the entry's tail. Any other
+ * launcher, called with the grid, the stream, the launcher's head, the arguments and the entry's tail; each tensor
+ * of a plain tensor type (torch.Tensor, nn.Parameter) goes to the launcher as the address the key read, which
+ * Triton's launcher takes as it is: given the tensor, it would call its data_ptr again and ask the CUDA driver
+ * about the address (cuPointerGetAttribute), per tensor per launch, to reject a CPU tensor, which fastbert's ops
+ * rejected before any launch (fastbert.ops.resolve_backend). Any other
  * call (the first of a key, one with a launch hook installed, or one its kept entry cannot launch) goes to the
  * Python path, launch.py's `_launch_python(kernel, grid, args, constexprs)`, which returns (what launch returns,
  * the entry to keep for this key or None); its entry is kept. An entry holds its kernel, whose id the key holds:
@@ -19,7 +23,10 @@
 #define MAX_KEPT 65536 /* keys kept, all kernels together; past this the cache starts again */
 #define MAX_ARGS 256
 
-static PyObject *drivers, *runtime_knobs, *tensor_type, *tensor_data_ptr, *slow_path, *kept;
+static PyObject *drivers, *runtime_knobs, *tensor_type, *tensor_data_ptr, *plain_tensor_types, *slow_path, *kept;
+#define MAX_PLAIN 4
+static PyTypeObject *plain_types[MAX_PLAIN]; /* plain_tensor_types' items, compared by identity */
+static Py_ssize_t nplain;
 static PyObject *s_active_attr, *s_active, *s_get_current_device, *s_get_current_stream, *s_dtype, *s_data_ptr,
     *s_enter, *s_exit, *s_calls;
 
@@ -57,9 +64,12 @@ static PyObject *driver_now(void) {
     return driver;
 }
 
-/* The exact key of a call; NULL with an exception set on failure. */
+/* The exact key of a call; NULL with an exception set on failure. pointers[i] (nargs of them, NULL on entry)
+ * gets a new reference to the address of args[i] where it is a tensor of a plain type (the header), for the
+ * launcher; the caller releases them, after a failure too. */
 static PyObject *call_key(PyObject *kernel, PyObject *device, PyObject *driver, PyObject *const *args,
-                          Py_ssize_t nargs, PyObject *kwnames, PyObject *const *kwvalues, Py_ssize_t nkw) {
+                          Py_ssize_t nargs, PyObject *kwnames, PyObject *const *kwvalues, Py_ssize_t nkw,
+                          PyObject **pointers) {
     PyObject *types = PyTuple_New(nargs);
     if (types == NULL) return NULL;
     Py_ssize_t ints = 0, tensors = 0;
@@ -76,7 +86,13 @@ static PyObject *call_key(PyObject *kernel, PyObject *device, PyObject *driver, 
             PyObject *pointer = PyObject_CallOneArg(tensor_data_ptr, args[i]);
             if (pointer == NULL) goto fail;
             size_t address = (size_t)PyLong_AsUnsignedLongLongMask(pointer);
-            Py_DECREF(pointer);
+            int plain = 0;
+            for (Py_ssize_t k = 0; k < nplain; k++) plain |= Py_TYPE(args[i]) == plain_types[k];
+            if (plain) {
+                pointers[i] = pointer;
+            } else {
+                Py_DECREF(pointer);
+            }
             if (PyErr_Occurred()) goto fail;
             tensor_at[tensors] = (int)i;
             low_bits[tensors++] = address & 15;
@@ -180,7 +196,7 @@ done:
  * with an exception set on an error; NULL without one where the entry cannot launch this call (a grid of other
  * than 1 to 3 dimensions, too many arguments): the caller then takes the Python path, which behaves as Triton. */
 static PyObject *launch_kept(PyObject *entry, PyObject *grid, PyObject *device, PyObject *driver,
-                             PyObject *const *args, Py_ssize_t nargs) {
+                             PyObject *const *args, PyObject *const *pointers, Py_ssize_t nargs) {
     PyObject *run = PyTuple_GET_ITEM(entry, 0), *head = PyTuple_GET_ITEM(entry, 1),
              *tail = PyTuple_GET_ITEM(entry, 2), *grid_meta = PyTuple_GET_ITEM(entry, 3);
     PyObject *dims = PyCallable_Check(grid) ? PyObject_CallOneArg(grid, grid_meta) : (Py_INCREF(grid), grid);
@@ -209,7 +225,7 @@ static PyObject *launch_kept(PyObject *entry, PyObject *grid, PyObject *device, 
     for (Py_ssize_t d = 0; d < 3; d++) stack[n++] = d < ndims ? PyTuple_GET_ITEM(sizes, d) : one;
     stack[n++] = stream;
     for (Py_ssize_t i = 0; i < nhead; i++) stack[n++] = PyTuple_GET_ITEM(head, i);
-    for (Py_ssize_t i = 0; i < nargs; i++) stack[n++] = args[i];
+    for (Py_ssize_t i = 0; i < nargs; i++) stack[n++] = pointers[i] != NULL ? pointers[i] : args[i];
     for (Py_ssize_t i = 0; i < ntail; i++) stack[n++] = PyTuple_GET_ITEM(tail, i);
     PyObject *launched = PyObject_Vectorcall(run, stack, n, NULL);
     Py_DECREF(one);
@@ -240,14 +256,16 @@ static PyObject *launch(PyObject *self, PyObject *const *stack, Py_ssize_t nstac
     if (hook || nargs > MAX_ARGS) return launch_slow(kernel, grid, args, nargs, kwnames, kwvalues, nkw, NULL);
     PyObject *driver = driver_now();
     if (driver == NULL) return NULL;
+    PyObject *pointers[MAX_ARGS];
+    for (Py_ssize_t i = 0; i < nargs; i++) pointers[i] = NULL;
     PyObject *device = PyObject_CallMethodNoArgs(driver, s_get_current_device), *key = NULL, *result = NULL;
     if (device == NULL) goto done;
-    key = call_key(kernel, device, driver, args, nargs, kwnames, kwvalues, nkw);
+    key = call_key(kernel, device, driver, args, nargs, kwnames, kwvalues, nkw, pointers);
     if (key == NULL) goto done;
     PyObject *entry = PyDict_GetItemWithError(kept, key);
     if (entry != NULL && PyTuple_GET_ITEM(entry, 5) == kernel) {
         Py_INCREF(entry); /* the grid callable or the launcher may run Python that clears the cache */
-        result = launch_kept(entry, grid, device, driver, args, nargs);
+        result = launch_kept(entry, grid, device, driver, args, pointers, nargs);
         Py_DECREF(entry);
         if (result == NULL && !PyErr_Occurred()) /* not launchable from the entry: as Triton would */
             result = launch_slow(kernel, grid, args, nargs, kwnames, kwvalues, nkw, NULL);
@@ -255,6 +273,7 @@ static PyObject *launch(PyObject *self, PyObject *const *stack, Py_ssize_t nstac
         result = launch_slow(kernel, grid, args, nargs, kwnames, kwvalues, nkw, key);
     }
 done:
+    for (Py_ssize_t i = 0; i < nargs; i++) Py_XDECREF(pointers[i]);
     Py_XDECREF(key);
     Py_XDECREF(device);
     Py_DECREF(driver);
@@ -262,11 +281,18 @@ done:
 }
 
 static PyObject *init(PyObject *self, PyObject *args) {
-    PyObject *d, *r, *t, *s;
-    if (!PyArg_ParseTuple(args, "OOOO", &d, &r, &t, &s)) return NULL;
-    if (!PyType_Check(t) || !PyCallable_Check(s)) {
-        PyErr_SetString(PyExc_TypeError, "init(drivers, runtime knobs, torch.Tensor, slow path)");
+    PyObject *d, *r, *t, *p, *s;
+    if (!PyArg_ParseTuple(args, "OOOOO", &d, &r, &t, &p, &s)) return NULL;
+    if (!PyType_Check(t) || !PyTuple_Check(p) || PyTuple_GET_SIZE(p) > MAX_PLAIN || !PyCallable_Check(s)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "init(drivers, runtime knobs, torch.Tensor, plain tensor types tuple, slow path)");
         return NULL;
+    }
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(p); k++) {
+        if (!PyType_Check(PyTuple_GET_ITEM(p, k))) {
+            PyErr_SetString(PyExc_TypeError, "init: the plain tensor types must be types");
+            return NULL;
+        }
     }
     Py_XSETREF(drivers, Py_NewRef(d));
     Py_XSETREF(runtime_knobs, Py_NewRef(r));
@@ -274,6 +300,9 @@ static PyObject *init(PyObject *self, PyObject *args) {
     if (data_ptr == NULL) return NULL;
     Py_XSETREF(tensor_type, Py_NewRef(t));
     Py_XSETREF(tensor_data_ptr, data_ptr);
+    Py_XSETREF(plain_tensor_types, Py_NewRef(p)); /* keeps the types plain_types points to */
+    nplain = PyTuple_GET_SIZE(p);
+    for (Py_ssize_t k = 0; k < nplain; k++) plain_types[k] = (PyTypeObject *)PyTuple_GET_ITEM(p, k);
     Py_XSETREF(slow_path, Py_NewRef(s));
     PyDict_Clear(kept); /* entries of an earlier init's kernels */
     Py_RETURN_NONE;
@@ -291,7 +320,8 @@ static PyObject *kept_count(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL | METH_KEYWORDS,
      "launch(kernel, grid, *args, **constexprs): a kept entry's launch, else the Python path's"},
-    {"init", init, METH_VARARGS, "init(triton.runtime.driver, triton.knobs.runtime, torch.Tensor, slow_path)"},
+    {"init", init, METH_VARARGS,
+     "init(triton.runtime.driver, triton.knobs.runtime, torch.Tensor, plain tensor types, slow_path)"},
     {"clear", clear, METH_NOARGS, "forget every kept entry"},
     {"kept", kept_count, METH_NOARGS, "the number of keys kept"},
     {NULL, NULL, 0, NULL},

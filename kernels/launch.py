@@ -16,7 +16,8 @@
 # The steady path, a call whose exact key was seen, runs in C (kernels/launch.c: the same key, lookup and launcher
 # call, without the interpreter between them; `fastbert bench --suite host` measures each op with it, or, with
 # FASTBERT_PYTHON_LAUNCH=1 set, without it); every other call takes the Python path below, which also makes the
-# entries the C launch keeps. tests/test_launch.py holds both paths to the same checks.
+# entries the C launch keeps. Both hand the launcher each plain tensor as its address (PLAIN_TENSOR_TYPES).
+# tests/test_launch.py holds both paths to the same checks.
 #
 # cdiv and next_power_of_2 are plain Python here: Triton's are constexpr functions whose host call costs
 # microseconds, and launchers call them several times per launch.
@@ -43,6 +44,12 @@ LOG = logging.getLogger("fastbert")
 _DRIVERS = triton.runtime.driver  # .active: the driver now (a stand-in's while one is installed)
 _DTYPE = operator.attrgetter("dtype")
 _DATA_PTR = torch.Tensor.data_ptr
+# Tensors of these types go to a kept entry's launcher as their addresses (torch.Tensor's data_ptr, which neither
+# overrides): Triton's launcher takes an int as it is, where for a tensor it would call data_ptr again and ask the
+# CUDA driver about the address (cuPointerGetAttribute) on every launch, to reject a CPU tensor, which fastbert's
+# ops rejected before any launch (fastbert.ops.resolve_backend). Another subclass goes as itself: Triton calls
+# its own data_ptr.
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _OR, _REDUCE = operator.or_, functools.reduce
 # Signatures kept per kernel: packed inputs change the token count (an int argument) from batch to batch; past
 # this many the cache starts again rather than grow without bound.
@@ -93,11 +100,13 @@ def _getter(positions: list[int]):
 
 
 class _Layout:
-    """Where the tensors and the ints of one tuple of argument types are."""
-    __slots__ = ("tensors", "ints")
+    """Where the tensors and the ints of one tuple of argument types are, and which tensors go to a launcher as
+    their addresses (PLAIN_TENSOR_TYPES)."""
+    __slots__ = ("tensors", "ints", "plain")
 
     def __init__(self, types: tuple):
         self.tensors = _getter([i for i, t in enumerate(types) if issubclass(t, torch.Tensor)])
+        self.plain = tuple(i for i, t in enumerate(types) if t in PLAIN_TENSOR_TYPES)
         # ints by value, bools and int subclasses (an IntEnum) included: Triton specialises any int by its value
         self.ints = _getter([i for i, t in enumerate(types) if issubclass(t, int)])
 
@@ -172,7 +181,10 @@ class KernelLauncher:
                 return self._first(key, specialisation, grid, args, constexprs, hooked)
             self._keep(self.by_key, key, entry)
         dims = (*(grid(entry.grid_meta) if callable(grid) else grid), 1, 1)  # a grid of 1 to 3 dimensions
-        entry.run(dims[0], dims[1], dims[2], driver.get_current_stream(device), *entry.head, *args, *entry.tail)
+        arguments = list(args)
+        for i in layout.plain:
+            arguments[i] = _DATA_PTR(arguments[i])
+        entry.run(dims[0], dims[1], dims[2], driver.get_current_stream(device), *entry.head, *arguments, *entry.tail)
         return entry.compiled, entry.packed
 
     def _first(self, key, specialisation, grid, args, constexprs, hooked):
@@ -268,7 +280,7 @@ def _c_launch():
         LOG.warning("the C launch (kernels/launch.c) did not build (%s: %s); launches take the Python path",
                     type(exc).__name__, exc)
         return None
-    module.init(_DRIVERS, _RUNTIME, torch.Tensor, _launch_python)
+    module.init(_DRIVERS, _RUNTIME, torch.Tensor, PLAIN_TENSOR_TYPES, _launch_python)
     return module
 
 

@@ -64,6 +64,23 @@ def matmul_call(rows, misaligned):
     grid = lambda meta: (cdiv(rows, meta["BLOCK_M"]) * cdiv(OUT, meta["BLOCK_N"]),)
     return matmul._matmul_fwd_kernel, grid, args, constexprs
 
+# what each launch hands its launcher: (grid x, y, z, stream, 5 head items, the kernel's arguments, its tail)
+from fastbert.simulated import stand_in_gpu
+launcher_calls = []
+stand_in_gpu._StubKernel.run = lambda self, *args: launcher_calls.append(args)
+HEAD = 9
+
+def as_launcher_gets(args):
+    # a kept launch hands a plain tensor (Tensor, Parameter) over as its address, anything else as itself
+    return [a.data_ptr() if type(a) in (torch.Tensor, torch.nn.Parameter) else a for a in args]
+
+def handed_over(args):
+    # what the last launch handed the launcher in the arguments' places, compared by value for ints and None,
+    # by identity for the rest
+    got = launcher_calls[-1][HEAD:HEAD + len(args)]
+    want = as_launcher_gets(args)
+    return all(g is w or (type(g) is int and type(w) is int and g == w) for g, w in zip(got, want))
+
 results = []
 with stubbed_launches():
     for name, call in (("layer_norm", layer_norm_call), ("matmul", matmul_call)):
@@ -81,6 +98,7 @@ with stubbed_launches():
                 through_python.clear()
                 launched = launch(kernel, grid, *args, **constexprs)
                 then_through_python = len(through_python)
+                addresses = handed_over(args)
                 # Triton's own choice, without launching: for the autotuned matmul the autotuner's run, which
                 # calls the JITFunction's run with the config it chose for these arguments
                 triton_own = kernel.run(*args, grid=grid, warmup=True, **constexprs)
@@ -88,7 +106,7 @@ with stubbed_launches():
                                 "same": launched is triton_own and triton_own is not None,
                                 "first_through_triton": first_through_triton,
                                 "then_through_triton": len(through_triton), "then_through_python": then_through_python,
-                                "distinct": id(triton_own)})
+                                "addresses": addresses, "distinct": id(triton_own)})
     # a tensor where the same launch passed None: a kernel of its own (Triton makes None a constant)
     kernel, grid, args, constexprs = layer_norm_call(16, False, residual=torch.zeros(ROWS, HIDDEN))
     for _ in range(3):
@@ -120,6 +138,16 @@ with stubbed_launches():
             launched = launch(kernel, grid, *args, **constexprs)
         triton_own = kernel.run(*args, grid=grid, warmup=True, **constexprs)
         results.append({"case": f"int subclass {value}", "same": launched is triton_own and triton_own is not None})
+    # a Parameter goes over as its address; a tensor subclass (which may have a data_ptr of its own) as itself
+    class Addressed(torch.Tensor):
+        pass
+    kernel, grid, args, constexprs = layer_norm_call(16, False)
+    args = (args[0].as_subclass(Addressed), args[1], torch.nn.Parameter(args[2]), *args[3:])
+    for _ in range(3):
+        launch(kernel, grid, *args, **constexprs)
+    got = launcher_calls[-1][HEAD:HEAD + 3]
+    results.append({"case": "tensor types", "subclass_as_itself": got[0] is args[0],
+                    "parameter_as_address": type(got[2]) is int and got[2] == args[2].data_ptr()})
 print(json.dumps({"c_launch": launch_module._C_LAUNCH is not None, "results": results}))
 """
 
@@ -137,13 +165,17 @@ def test_the_cached_path_launches_the_kernel_triton_would(path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.splitlines()[-1])
     assert report["c_launch"] == (path == "c")
-    *rows, tensor_for_none, hooked, int_subclass_1, int_subclass_17 = report["results"]
+    *rows, tensor_for_none, hooked, int_subclass_1, int_subclass_17, tensor_types = report["results"]
+    # a kept launch hands Triton's launcher each plain tensor's address (no data_ptr call or driver query of its
+    # own per tensor on a GPU), a tensor subclass as itself
+    assert tensor_types["subclass_as_itself"] and tensor_types["parameter_as_address"], tensor_types
     assert int_subclass_1["same"] and int_subclass_17["same"], (int_subclass_1, int_subclass_17)
     assert tensor_for_none["same"] and tensor_for_none["distinct_from_none"], tensor_for_none
     assert (hooked["hooked_through_triton"], hooked["unhooked_through_triton"]) == (1, 0), hooked
     for row in rows:
         assert row["same"], row["case"]
         assert row["then_through_triton"] == 0, row
+        assert row["addresses"], row
         # the C launch serves a call it has seen from its own cache; the Python path is that cache itself
         assert row["then_through_python"] == (path == "python"), row
         # rows=33 reuses rows=17's specialisation: never through Triton
