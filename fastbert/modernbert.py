@@ -3,11 +3,11 @@
 A pre-LayerNorm encoder: x = x + Wo(attention(attn_norm(x))); x = x + mlp(mlp_norm(x)); then final_norm.
 The attention rotates q and k inside the flash kernel (rotary_base per layer type: 160,000 on global layers,
 10,000 on local ones) and, on local layers, keeps the keys within a sliding window (|i - j| <= 64 for
-local_attention = 128) and skips the blocks outside it. The attention's residual add and mlp_norm are one
-fused LayerNorm that also returns the residual stream; the FFN is GeGLU with the gated product in the
-up-projection's epilogue; LayerNorms and Linears have no bias by default (norm_bias, attention_bias,
-mlp_bias). On the kernels the encoder runs on packed rows (config.unpad is always True): a padded batch is
-unpadded once after the embeddings; on the PyTorch path (what "auto" runs on CPU) it stays padded, as
+local_attention = 128) and skips the blocks outside it. The attention's residual add and mlp_norm are one fused
+LayerNorm that also returns the residual stream; the FFN is GeGLU with the gated product in the up-projection's
+epilogue, and the down-projection's GEMM adds the stream; LayerNorms and Linears have no bias by default (norm_bias,
+attention_bias, mlp_bias). On the kernels the encoder runs on packed rows (config.unpad is always True): a padded
+batch is unpadded once after the embeddings; on the PyTorch path (what "auto" runs on CPU) it stays padded, as
 transformers' SDPA ModernBERT (ModernBertModel.unpads says why). Rotary positions are each token's offset in its
 sequence, so left padding and packing give what transformers' padded computation gives (rotary scores depend on
 i - j only).
@@ -88,7 +88,9 @@ class ModernBertAttention(SelfAttention):
 
 class ModernBertMLP(nn.Module):
     """Wo(dropout(gelu(input) * gate)) with input, gate = Wi(x).chunk(2): one fused op (the GeGLU in the
-    up-projection's epilogue) for plain Linears without mlp dropout in training; else the modules."""
+    up-projection's epilogue) for plain Linears without mlp dropout in training; else the modules. forward's
+    residual (the layer's stream, which the layer passes where no hook would see this module's output) is
+    added to the output, by the fused op's down-projection."""
     Wi, drop, Wo = Submodule(), Submodule(), Submodule()
 
     def __init__(self, config: ModernBertConfig):
@@ -98,17 +100,18 @@ class ModernBertMLP(nn.Module):
         self.drop = nn.Dropout(config.mlp_dropout)
         self.Wo = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, hidden, recompute: bool = False):
+    def forward(self, hidden, recompute: bool = False, residual=None):
         c, Wi, Wo = self.config, self.Wi, self.Wo
         if is_plain_linear(Wi) and is_plain_linear(Wo) and dropout_rate(self.drop) == 0.0:
             return ops.feed_forward_geglu(hidden, *weight_and_bias(Wi), *weight_and_bias(Wo), c.gelu_approximate,
-                                          recompute_pre=recompute, backend=c.backend)
+                                          recompute_pre=recompute, backend=c.backend, residual=residual)
 
         def unfused(x):
             value, gate = Wi(x).chunk(2, dim=-1)
             gated = F.gelu(value, approximate=c.gelu_approximate) * gate
             return Wo(run_dropout(self.drop, gated, c))
-        return _recompute(unfused, hidden) if recompute else unfused(hidden)
+        out = _recompute(unfused, hidden) if recompute else unfused(hidden)
+        return out if residual is None else residual + out
 
 
 class ModernBertEncoderLayer(EncoderLayer):
@@ -143,7 +146,10 @@ class ModernBertEncoderLayer(EncoderLayer):
 
     def feed_forward(self, attended, recompute: bool = False):
         stream, mlp_input = attended
-        return stream + self.mlp(mlp_input, recompute)
+        mlp = self.mlp
+        if is_unhooked(mlp, ModernBertMLP):  # no hook to see the MLP's own output: the stream joins its op
+            return mlp.forward(mlp_input, recompute, residual=stream)
+        return stream + mlp(mlp_input, recompute)
 
 
 class ModernBertLayers(nn.ModuleList):

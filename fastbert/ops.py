@@ -412,7 +412,7 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     return reference.linear_cross_entropy(x, weight, bias, target, ignore_index, reduction, label_smoothing)
 
 
-def _check_feed_forward_args(x, w1, b1, w2, b2, approximate, gated) -> None:
+def _check_feed_forward_args(x, w1, b1, w2, b2, approximate, gated, residual) -> None:
     if w1.dim() != 2 or w2.dim() != 2:
         raise ValueError(f"w1 and w2 must be 2-D, got shapes {tuple(w1.shape)} and {tuple(w2.shape)}")
     _check_last_dim("w1", w1, x.shape[-1], "x's last dimension")
@@ -425,48 +425,59 @@ def _check_feed_forward_args(x, w1, b1, w2, b2, approximate, gated) -> None:
     _check_last_dim("w2", w2, inner, "w1's output size halved (I)" if gated else "w1's output size")
     if b2 is not None:
         _check_last_dim("b2", b2, w2.shape[0], "w2's output size")
+    if residual is not None and residual.shape != (*x.shape[:-1], w2.shape[0]):
+        raise ValueError(f"residual has shape {tuple(residual.shape)}, expected the output's "
+                         f"{(*x.shape[:-1], w2.shape[0])} (x's leading dimensions, w2's output size)")
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
 
 
-def feed_forward(x, w1, b1, w2, b2, approximate="none", recompute_pre=False, backend=None):
+def feed_forward(x, w1, b1, w2, b2, approximate="none", recompute_pre=False, backend=None, residual=None):
     """gelu(x @ w1.T + b1) @ w2.T + b2, BERT's FFN, whose backward keeps the pre-activation
     x @ w1.T + b1 but not the GELU output (recomputed from it): kernels/ffn.py.
 
     x [..., K]; w1 [N, K]; b1 [N] or None; w2 [K2, N]; b2 [K2] or None. Returns [..., K2] in the matmul
     dtype (the autocast dtype under autocast). recompute_pre (`--activation-checkpointing ffn`) keeps only
     x: the Triton path reruns the up-projection in the backward, the reference (no fused op to ask) reruns
-    the whole FFN under torch.utils.checkpoint. Raises ValueError naming a mismatched argument or the
-    approximation.
+    the whole FFN under torch.utils.checkpoint. residual [..., K2] or None: returns residual + the FFN, as
+    PyTorch's `+` gives it (its dtype promoted with the output's); the Triton path adds a residual of the
+    output's dtype in the down-projection (no add op of its own). Raises ValueError naming a mismatched
+    argument or the approximation.
     """
-    return _feed_forward("feed_forward", x, w1, b1, w2, b2, approximate, recompute_pre, backend)
+    return _feed_forward("feed_forward", x, w1, b1, w2, b2, approximate, recompute_pre, backend, residual)
 
 
-def feed_forward_geglu(x, w1, b1, w2, b2, approximate="none", recompute_pre=False, backend=None):
+def feed_forward_geglu(x, w1, b1, w2, b2, approximate="none", recompute_pre=False, backend=None, residual=None):
     """(gelu(h[..., :I]) * h[..., I:]) @ w2.T + b2 with h = x @ w1.T + b1: ModernBERT's GeGLU FFN
     (transformers' ModernBertMLP without its dropout), whose backward keeps h (both halves) but not the
     GeGLU output: kernels/ffn.py, gated.
 
     x [..., K]; w1 [2I, K] (the input rows, then the gate rows: transformers' Wi.weight); b1 [2I] or None;
     w2 [K2, I]; b2 [K2] or None. Returns [..., K2] in the matmul dtype (the autocast dtype under autocast).
-    recompute_pre as in `feed_forward`. Raises ValueError naming a mismatched argument or the approximation.
+    recompute_pre and residual (ModernBERT's stream) as in `feed_forward`. Raises ValueError naming a
+    mismatched argument or the approximation.
     """
-    return _feed_forward("feed_forward_geglu", x, w1, b1, w2, b2, approximate, recompute_pre, backend)
+    return _feed_forward("feed_forward_geglu", x, w1, b1, w2, b2, approximate, recompute_pre, backend, residual)
 
 
-def _feed_forward(name, x, w1, b1, w2, b2, approximate, recompute_pre, backend):
+def _feed_forward(name, x, w1, b1, w2, b2, approximate, recompute_pre, backend, residual):
     """feed_forward or feed_forward_geglu (`name`, the function of that name in kernels/ffn.py and in the
     reference), checked, then dispatched."""
-    _check_feed_forward_args(x, w1, b1, w2, b2, approximate, gated=name == "feed_forward_geglu")
-    path = resolve_backend(backend, x, w1, b1, w2, b2, op=name)
+    _check_feed_forward_args(x, w1, b1, w2, b2, approximate, name == "feed_forward_geglu", residual)
+    path = resolve_backend(backend, x, w1, b1, w2, b2, residual, op=name)
     if path != "torch":
         x, w1, b1, w2, b2 = _matmul_inputs(x, w1, b1, w2, b2)
-        return getattr(KERNELS["ffn"], name)(x, w1, b1, w2, b2, approximate, recompute_pre,
-                                             form="epilogue" if path == "triton" else path)
+        # a residual of another dtype is added as `+` adds it, promoting: the unfused layer's result
+        fused = residual if residual is None or residual.dtype == x.dtype else None
+        out = getattr(KERNELS["ffn"], name)(x, w1, b1, w2, b2, approximate, recompute_pre,
+                                            form="epilogue" if path == "triton" else path, residual=fused)
+        return out if fused is residual else residual + out
     function = getattr(reference, name)
     if recompute_pre and torch.is_grad_enabled():
-        return checkpoint(function, x, w1, b1, w2, b2, approximate, use_reentrant=False)
-    return function(x, w1, b1, w2, b2, approximate)
+        out = checkpoint(function, x, w1, b1, w2, b2, approximate, use_reentrant=False)
+    else:
+        out = function(x, w1, b1, w2, b2, approximate)
+    return out if residual is None else residual + out
 
 
 def dropout(x, p, training=True, backend=None):

@@ -224,8 +224,9 @@ class _FeedForwardSublayer(torch.autograd.Function):
     def forward(ctx, hidden, w1, b1, w2, b2, norm_weight, norm_bias, approximate, keep_pre, form, hidden_p, eps,
                 save_output):
         ffn_kernel = ops.KERNELS["ffn"]
-        # the FFN, as fastbert.ops.feed_forward and kernels/ffn.py's feed_forward run it
-        arguments = (*ops._matmul_inputs(hidden, w1, b1, w2, b2), approximate, keep_pre, False, form)
+        # the FFN, as fastbert.ops.feed_forward and kernels/ffn.py's feed_forward run it (no residual: the norm
+        # below adds it)
+        arguments = (*ops._matmul_inputs(hidden, w1, b1, w2, b2), approximate, keep_pre, False, form, None)
         ffn_kernel._check(*arguments[:6], False, form)
         output = ffn_kernel.feed_forward_fwd(*arguments)
         feed_forward = _OpContext()

@@ -43,6 +43,10 @@
 # Biases are optional (b1, b2 None: ModernBERT's mlp_bias=False): the epilogue adds none and the
 # backward sums no columns for them.
 #
+# residual (ModernBERT's pre-LayerNorm stream, optional): out = residual + FFN(x), the residual as the
+# down-projection's addmm input (beta = 1), which PyTorch copies into the output and the GEMM accumulates onto:
+# no add op, no second [M, K2] output and, in training, no autograd node of its own. Its gradient is dout.
+#
 # form (kernels/bias_gelu.py's LINEAR_BIAS_GELU_FORMS) picks how h and g are made, forward and recompute:
 # "epilogue" (above) or "cublas_then_bias_gelu": h by cuBLAS (addmm), then g from h by the elementwise
 # kernel the backward recomputes it with (bias_gelu / geglu forward). Same saves, same backward; g is the
@@ -63,7 +67,7 @@ from fastbert.kernels.launch import as_rows
 from fastbert.kernels.matmul import DTYPES
 
 
-def _check(x, w1, b1, w2, b2, approximate, gated=False, form="epilogue") -> None:
+def _check(x, w1, b1, w2, b2, approximate, gated=False, form="epilogue", residual=None) -> None:
     if approximate not in APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
     if form not in LINEAR_BIAS_GELU_FORMS:
@@ -86,6 +90,13 @@ def _check(x, w1, b1, w2, b2, approximate, gated=False, form="epilogue") -> None
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected}")
         if t.dtype != dtype or t.device != device:
             raise ValueError(f"{name} has dtype {t.dtype} on {t.device}, expected x's {dtype} on {device}")
+    if residual is not None:
+        expected = (*x.shape[:-1], out_features)
+        if residual.shape != expected:
+            raise ValueError(f"residual has shape {tuple(residual.shape)}, expected the output's {expected}")
+        if residual.dtype != dtype or residual.device != device:
+            raise ValueError(f"residual has dtype {residual.dtype} on {residual.device}, expected x's {dtype} on "
+                             f"{device}")
 
 
 def _up_projection(x, w1, b1, approximate, keep_pre, gated, form):
@@ -98,13 +109,16 @@ def _up_projection(x, w1, b1, approximate, keep_pre, gated, form):
     return g, pre if keep_pre else None
 
 
-def feed_forward_fwd(x, w1, b1, w2, b2, approximate, keep_pre=True, gated=False, form="epilogue"):
+def feed_forward_fwd(x, w1, b1, w2, b2, approximate, keep_pre=True, gated=False, form="epilogue", residual=None):
     """(out, h): x [..., K] (M rows); out = gelu(h) @ w2.T + b2 [..., K2] (gated: (gelu(a) * b) @ w2.T + b2),
-    h = x @ w1.T + b1 [M, N] ([M, 2N] gated), both contiguous; without keep_pre h is never written (an empty
-    [0, N] stands for it): nothing will read it. b1, b2 may be None. form: how h and gelu(h) are made
-    (header)."""
+    plus residual [..., K2] where given, h = x @ w1.T + b1 [M, N] ([M, 2N] gated), both contiguous; without
+    keep_pre h is never written (an empty [0, N] stands for it): nothing will read it. b1, b2, residual may be
+    None. form: how h and gelu(h) are made (header)."""
     g, pre = _up_projection(as_rows(x), w1, b1, approximate, keep_pre, gated, form)
-    out = g @ w2.t() if b2 is None else torch.addmm(b2, g, w2.t())
+    added = b2 if residual is None else as_rows(residual)  # addmm's input: the residual, else the bias
+    out = g @ w2.t() if added is None else torch.addmm(added, g, w2.t())
+    if residual is not None and b2 is not None:
+        out += b2
     if x.dim() != 2:
         out = out.view(*x.shape[:-1], w2.shape[0])
     return out, x.new_empty(0, w1.shape[0]) if pre is None else pre
@@ -148,15 +162,15 @@ def feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate, gated=False, needs=(
 
 @fused_op("fastbert::feed_forward")
 def _feed_forward_op(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
-                     b2: torch.Tensor | None, approximate: str, keep_pre: bool,
-                     gated: bool = False, form: str = "epilogue") -> tuple[torch.Tensor, torch.Tensor]:
+                     b2: torch.Tensor | None, approximate: str, keep_pre: bool, gated: bool = False,
+                     form: str = "epilogue", residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, h); h is internal: kept for the backward with keep_pre, else empty and the backward
     (if any) reruns the up-projection."""
-    return feed_forward_fwd(x, w1, b1, w2, b2, approximate, keep_pre, gated, form)
+    return feed_forward_fwd(x, w1, b1, w2, b2, approximate, keep_pre, gated, form, residual)
 
 
 @_feed_forward_op.register_fake
-def _(x, w1, b1, w2, b2, approximate, keep_pre, gated=False, form="epilogue"):
+def _(x, w1, b1, w2, b2, approximate, keep_pre, gated=False, form="epilogue", residual=None):
     rows = math.prod(x.shape[:-1]) if keep_pre else 0
     return x.new_empty((*x.shape[:-1], w2.shape[0])), x.new_empty((rows, w1.shape[0]))
 
@@ -177,11 +191,12 @@ def _(dout, x, w1, b1, w2, pre, approximate, gated, needs, form):
 
 
 def _feed_forward_setup(ctx, inputs, output):
-    x, w1, b1, w2, b2, approximate, keep_pre, gated, form = inputs
+    x, w1, b1, w2, b2, approximate, keep_pre, gated, form, residual = inputs
     # h, or b1 to rerun the up-projection
     ctx.save_for_backward(x, w1, w2, *((None, output[1]) if keep_pre else (b1, None)))
     ctx.approximate = approximate
     ctx.gated, ctx.form = gated, form
+    ctx.has_residual = residual is not None
     ctx.set_materialize_grads(False)  # h is internal: its gradient stays None, not zeros of [M, N]
 
 
@@ -189,11 +204,15 @@ def _feed_forward_backward(ctx, dout, dpre):
     # h is internal (feed_forward returns out only), so dpre is None.
     x, w1, w2, b1, pre = ctx.saved_tensors
     needs = ctx.needs_input_grad[:5]  # x, w1, b1, w2, b2 (a missing bias needs none)
+    # the residual's gradient is dout itself, as PyTorch's add hands its gradient to both inputs
+    dresidual = dout if ctx.has_residual and ctx.needs_input_grad[9] else None
+    if not any(needs):  # only the residual wants a gradient
+        return None, None, None, None, None, None, None, None, None, dresidual
     dx, dw1, db1, dw2, db2 = _feed_forward_bwd_op(dout, x, w1, b1, w2, pre, ctx.approximate, ctx.gated, needs,
                                                   ctx.form)
     needs_dx, needs_dw1, needs_db1, needs_dw2, needs_db2 = needs
     return (dx if needs_dx else None, dw1 if needs_dw1 else None, db1 if needs_db1 else None,
-            dw2 if needs_dw2 else None, db2 if needs_db2 else None, None, None, None, None)
+            dw2 if needs_dw2 else None, db2 if needs_db2 else None, None, None, None, None, dresidual)
 
 
 _feed_forward_op.register_autograd(_feed_forward_backward, setup_context=_feed_forward_setup)
@@ -201,30 +220,31 @@ _feed_forward_op.register_autograd(_feed_forward_backward, setup_context=_feed_f
 
 def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
                  b2: torch.Tensor | None, approximate: str = "none", recompute_pre: bool = False,
-                 gated: bool = False, form: str = "epilogue") -> torch.Tensor:
+                 gated: bool = False, form: str = "epilogue", residual: torch.Tensor | None = None) -> torch.Tensor:
     """gelu(x @ w1.T + b1) @ w2.T + b2, differentiable in all five tensors; gated (GeGLU):
     (gelu(a) * b) @ w2.T + b2 with [a, b] = x @ w1.T + b1 split in halves.
 
     x [..., K] (any strides), w1 [N, K] ([2N, K] gated), b1 [N] ([2N]) or None, w2 [K2, N], b2 [K2] or
-    None, one dtype (fp32, fp16, bf16). Returns [..., K2]. The backward keeps x and the weights, plus h
-    [M, N] ([M, 2N]) unless recompute_pre (then it reruns the up-projection). form: "epilogue" or
-    "cublas_then_bias_gelu" (header). Raises ValueError on mismatched shapes, dtypes, an unknown
-    approximation or form.
+    None, residual [..., K2] (added to the output by the down-projection, header) or None, one dtype (fp32,
+    fp16, bf16). Returns [..., K2]. The backward keeps x and the weights, plus h [M, N] ([M, 2N]) unless
+    recompute_pre (then it reruns the up-projection). form: "epilogue" or "cublas_then_bias_gelu" (header).
+    Raises ValueError on mismatched shapes, dtypes, an unknown approximation or form.
     """
-    _check(x, w1, b1, w2, b2, approximate, gated, form)
+    _check(x, w1, b1, w2, b2, approximate, gated, form, residual)
     # h is written only for a backward that reads it: an inference forward never holds it beside the GELU
     # output while the second matmul runs (one [M, N] less at its peak), recompute_pre reruns it anyway, and a
     # backward that wants db2 alone (the rest frozen) needs only dout
     backward_reads_h = torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad or w2.requires_grad
                                                     or (b1 is not None and b1.requires_grad))
     # x goes in with its own shape, the op flattening it (launch.as_rows)
-    out, _ = _feed_forward_op(x, w1, b1, w2, b2, approximate, backward_reads_h and not recompute_pre, gated, form)
+    out, _ = _feed_forward_op(x, w1, b1, w2, b2, approximate, backward_reads_h and not recompute_pre, gated, form,
+                              residual)
     return out
 
 
 def feed_forward_geglu(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
                        b2: torch.Tensor | None, approximate: str = "none", recompute_pre: bool = False,
-                       form: str = "epilogue") -> torch.Tensor:
-    """ModernBERT's FFN: (gelu(h[..., :I]) * h[..., I:]) @ w2.T + b2 with h = x @ w1.T + b1; w1 [2I, K],
-    b1 [2I] or None, w2 [K2, I], b2 [K2] or None. `feed_forward` with gated=True."""
-    return feed_forward(x, w1, b1, w2, b2, approximate, recompute_pre, gated=True, form=form)
+                       form: str = "epilogue", residual: torch.Tensor | None = None) -> torch.Tensor:
+    """ModernBERT's FFN: (gelu(h[..., :I]) * h[..., I:]) @ w2.T + b2 (+ residual) with h = x @ w1.T + b1;
+    w1 [2I, K], b1 [2I] or None, w2 [K2, I], b2 [K2] or None. `feed_forward` with gated=True."""
+    return feed_forward(x, w1, b1, w2, b2, approximate, recompute_pre, gated=True, form=form, residual=residual)

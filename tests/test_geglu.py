@@ -1,8 +1,9 @@
 """The GeGLU FFN (issue 20, ModernBERT): kernels/ffn.py gated, (gelu(a) * b) @ w2.T + b2 with [a, b] = x @ w1.T
 + b1, against a float64 reference with the tolerance rule in fp32 / fp16 / bf16 (odd sizes, with and without
 biases, both GELUs, recompute_pre, non-contiguous inputs), equal to transformers' ModernBertMLP on the same
-tensors, determinism, torch.compile, the ops dispatch and its argument checks; and the bias-less projections
-(qkv_projection and feed_forward with bias None) on both paths. What the GeGLU saves for the backward is
+tensors, determinism, torch.compile, the ops dispatch and its argument checks; the residual the down-projection
+adds (ModernBERT's stream); and the bias-less projections (qkv_projection and feed_forward with bias None) on both
+paths. What the GeGLU saves for the backward is
 counted in tests/test_saved_tensors.py."""
 import pytest
 import torch
@@ -12,7 +13,7 @@ from fastbert import ops, reference
 from fastbert.kernels import bias_gelu, ffn as kernel, matmul
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-NAMES = ["dx", "dw1", "db1", "dw2", "db2"]
+NAMES = ["dx", "dw1", "db1", "dw2", "db2", "dresidual"]
 
 
 def _inputs(rows, hidden, inner, dtype, device, seed=0, with_bias=True, gated=True):
@@ -214,6 +215,102 @@ def test_ops_dispatch_and_bad_inputs(device):
         matmul.matmul_fwd(x, w1[:191], None, out, "gelu", gated=True)
     with pytest.raises(ValueError, match=r"pre must be a contiguous \(7, 192\) tensor, got \(7, 96\)"):
         matmul.matmul_fwd(x, w1, None, out, "gelu", pre=x.new_empty(7, 96), gated=True)
+
+
+
+# ---- the residual (ModernBERT's stream), added by the down-projection ----
+
+def _with_residual(ref):
+    return lambda x, w1, b1, w2, b2, residual, approximate: residual + ref(x, w1, b1, w2, b2, approximate)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["geglu", "gelu"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_residual_matches_reference(with_bias, dtype, gated, device):
+    """residual + FFN(x) with x and residual [B, S, H] (the residual a transposed view): the output and all six
+    gradients (the residual's is dout) within the rule against residual + the reference, on both paths."""
+    x, w1, b1, w2, b2 = _inputs(3 * 13, 48, 40, dtype, device, seed=18, with_bias=with_bias, gated=gated)
+    residual = torch.randn(13, 3, 48, generator=torch.Generator().manual_seed(19)).to(device, dtype).transpose(0, 1)
+    inputs = [x.view(3, 13, 48), w1, b1, w2, b2, residual]
+    grad_out = torch.randn(3, 13, 48, generator=torch.Generator().manual_seed(20)).to(device, dtype)
+    name = "feed_forward_geglu" if gated else "feed_forward"
+    ref = _with_residual(getattr(reference, name))
+    for backend in ("triton", "torch"):
+        _check_against_reference(lambda x, w1, b1, w2, b2, r: getattr(ops, name)(
+            x, w1, b1, w2, b2, "tanh", backend=backend, residual=r), inputs, grad_out, "tanh", ref=ref)
+
+
+class _OpNames(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops dispatched while entered (a custom op as one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_residual_joins_the_fused_op_where_dtypes_match(device):
+    """On the Triton path a residual of the output's dtype runs no add of its own (only the custom op), so
+    under autocast it must be 16-bit to join; one of another dtype is added after the op and promotes as `+`
+    does, as the unfused layer would."""
+    x, w1, b1, w2, _ = _inputs(9, 32, 24, torch.float32, device, seed=21, with_bias=True)
+    residual = torch.randn(9, 32, generator=torch.Generator().manual_seed(22)).to(device)
+    with _OpNames() as seen:
+        out = ops.feed_forward_geglu(x, w1, b1, w2, None, backend="triton", residual=residual)
+    assert seen.names == ["fastbert.feed_forward"]
+    unfused = residual + kernel.feed_forward_geglu(x, w1, b1, w2, None)
+    exact = residual.double() + reference.feed_forward_geglu(*(t.double() for t in (x, w1, b1, w2)), None)
+    assert_within_rule("residual added by the op", out, unfused, exact)
+    wider = residual.double()
+    with _OpNames() as seen:
+        out = ops.feed_forward_geglu(x, w1, b1, w2, None, backend="triton", residual=wider)
+    assert seen.names == ["fastbert.feed_forward", "aten.add"]
+    assert out.dtype == torch.float64 and torch.equal(out, wider + kernel.feed_forward_geglu(x, w1, b1, w2, None))
+
+
+def test_residual_alone_trained_runs_no_backward_op(device):
+    """Frozen weights and input, a trainable residual: its gradient is dout itself and no FFN backward runs."""
+    x, w1, b1, w2, b2 = _inputs(9, 32, 24, torch.float32, device, seed=23)
+    residual = torch.randn(9, 32, generator=torch.Generator().manual_seed(24)).to(device).requires_grad_()
+    out = ops.feed_forward_geglu(x, w1, b1, w2, b2, backend="triton", residual=residual)
+    grad_out = torch.randn(9, 32, generator=torch.Generator().manual_seed(25)).to(device)
+    with _OpNames() as seen:
+        out.backward(grad_out)
+    assert not any("feed_forward_bwd" in name for name in seen.names), seen.names
+    assert torch.equal(residual.grad, grad_out)
+
+
+def test_residual_under_torch_compile(device):
+    """aot_eager traces the residual through the fake registration and the autograd; same gradients as eager."""
+    inputs = [t.requires_grad_() for t in _inputs(7, 64, 96, torch.float32, device, seed=26, with_bias=False)
+              if t is not None]
+    residual = torch.randn(7, 64, generator=torch.Generator().manual_seed(27)).to(device).requires_grad_()
+
+    def block(x, w1, w2, residual):
+        return kernel.feed_forward_geglu(x, w1, None, w2, None, "tanh", residual=residual).square().sum()
+
+    torch._dynamo.reset()
+    torch.compile(block, backend="aot_eager", fullgraph=True)(*inputs, residual).backward()
+    compiled = [t.grad.clone() for t in (*inputs, residual)]
+    for t in (*inputs, residual):
+        t.grad = None
+    block(*inputs, residual).backward()
+    assert all(torch.equal(c, t.grad) for c, t in zip(compiled, (*inputs, residual)))
+
+
+def test_residual_bad_inputs(device):
+    x, w1, b1, w2, b2 = _inputs(7, 64, 96, torch.float32, device, seed=28)
+    for backend in ("triton", "torch"):
+        with pytest.raises(ValueError, match=r"residual has shape \(7, 63\), expected the output's \(7, 64\)"):
+            ops.feed_forward_geglu(x, w1, b1, w2, b2, backend=backend, residual=x[:, :63])
+    with pytest.raises(ValueError, match="residual has dtype torch.float16"):
+        kernel.feed_forward_geglu(x, w1, b1, w2, b2, residual=x.half())
+    with pytest.raises(ValueError, match=r"residual has shape \(1, 7, 64\)"):
+        kernel.feed_forward_geglu(x, w1, b1, w2, b2, residual=x[None])
 
 
 # ---- the bias-less projections ----

@@ -543,6 +543,47 @@ def test_triton_packed_inputs_equal_the_padded_batch(native, device):
                                    msg=lambda m: f"d {name}: {m}")
 
 
+
+def test_triton_stream_joins_the_unhooked_mlp_op(monkeypatch, device):
+    """Each layer hands its residual stream to an unhooked ModernBertMLP's fused op, whose down-projection adds
+    it; a hooked MLP is called as a module, its hook sees the MLP's own output (no stream) and the layer adds
+    the stream after it: the same hidden states and gradients within 1e-5."""
+    from fastbert import reference
+    from fastbert.kernels import ffn
+
+    model = fastbert.from_hf(hf_model(**TRITON_SIZES).to(device), backend="triton")
+    inputs = to_device(padded_batch(model.config, lengths=FILLED, seq=SEQ), device)
+    residuals = []
+    fused = ffn.feed_forward_fwd
+    monkeypatch.setattr(ffn, "feed_forward_fwd",
+                        lambda *a, **k: residuals.append(a[9] if len(a) > 9 else None) or fused(*a, **k))
+
+    def run():
+        residuals.clear()
+        output = model(**inputs)
+        base_loss(output, inputs["attention_mask"]).backward()
+        grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+        model.zero_grad()
+        return output.last_hidden_state.detach(), grads
+
+    plain, plain_grads = run()
+    assert len(residuals) == 4 and all(r is not None for r in residuals)
+    mlp = model.layers[1].mlp
+    seen = []
+
+    def hook(module, args, output):
+        expected = reference.feed_forward_geglu(args[0], module.Wi.weight, module.Wi.bias, module.Wo.weight,
+                                                module.Wo.bias, module.config.gelu_approximate)
+        seen.append(torch.allclose(output, expected, atol=1e-5, rtol=1e-5))
+
+    handle = mlp.register_forward_hook(hook)
+    hooked, hooked_grads = run()
+    handle.remove()
+    assert seen == [True] and [r is None for r in residuals] == [False, True, False, False]
+    torch.testing.assert_close(hooked, plain, atol=1e-5, rtol=1e-5)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(hooked_grads[name], grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"d {name}: {m}")
+
 # what fastbert does not compute: errors naming the field ----------------------------------------------------
 
 LINEAR_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
