@@ -90,7 +90,8 @@ class ModernBertMLP(nn.Module):
     """Wo(dropout(gelu(input) * gate)) with input, gate = Wi(x).chunk(2): one fused op (the GeGLU in the
     up-projection's epilogue) for plain Linears without mlp dropout in training; else the modules. forward's
     residual (the layer's stream, which the layer passes where no hook would see this module's output) is
-    added to the output, by the fused op's down-projection."""
+    added to the output by the fused op's down-projection, and may be overwritten with the result: in an
+    inference forward the GEMM accumulates onto it (ops.feed_forward's residual_in_place)."""
     Wi, drop, Wo = Submodule(), Submodule(), Submodule()
 
     def __init__(self, config: ModernBertConfig):
@@ -104,7 +105,8 @@ class ModernBertMLP(nn.Module):
         c, Wi, Wo = self.config, self.Wi, self.Wo
         if is_plain_linear(Wi) and is_plain_linear(Wo) and dropout_rate(self.drop) == 0.0:
             return ops.feed_forward_geglu(hidden, *weight_and_bias(Wi), *weight_and_bias(Wo), c.gelu_approximate,
-                                          recompute_pre=recompute, backend=c.backend, residual=residual)
+                                          recompute_pre=recompute, backend=c.backend, residual=residual,
+                                          residual_in_place=True)
 
         def unfused(x):
             value, gate = Wi(x).chunk(2, dim=-1)

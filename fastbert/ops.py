@@ -432,7 +432,8 @@ def _check_feed_forward_args(x, w1, b1, w2, b2, approximate, gated, residual) ->
         raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
 
 
-def feed_forward(x, w1, b1, w2, b2, approximate="none", recompute_pre=False, backend=None, residual=None):
+def feed_forward(x, w1, b1, w2, b2, approximate="none", recompute_pre=False, backend=None, residual=None,
+                 residual_in_place=False):
     """gelu(x @ w1.T + b1) @ w2.T + b2, BERT's FFN, whose backward keeps the pre-activation
     x @ w1.T + b1 but not the GELU output (recomputed from it): kernels/ffn.py.
 
@@ -441,26 +442,31 @@ def feed_forward(x, w1, b1, w2, b2, approximate="none", recompute_pre=False, bac
     x: the Triton path reruns the up-projection in the backward, the reference (no fused op to ask) reruns
     the whole FFN under torch.utils.checkpoint. residual [..., K2] or None: returns residual + the FFN, as
     PyTorch's `+` gives it (its dtype promoted with the output's); the Triton path adds a residual of the
-    output's dtype in the down-projection (no add op of its own). Raises ValueError naming a mismatched
-    argument or the approximation.
+    output's dtype in the down-projection (no add op of its own). residual_in_place: the residual may be
+    overwritten with the result (a layer's stream, dead after its FFN): the Triton path's inference call (grad
+    mode off, nothing traced) then has the GEMM accumulate onto it and returns it. Raises ValueError naming a
+    mismatched argument or the approximation.
     """
-    return _feed_forward("feed_forward", x, w1, b1, w2, b2, approximate, recompute_pre, backend, residual)
+    return _feed_forward("feed_forward", x, w1, b1, w2, b2, approximate, recompute_pre, backend, residual,
+                         residual_in_place)
 
 
-def feed_forward_geglu(x, w1, b1, w2, b2, approximate="none", recompute_pre=False, backend=None, residual=None):
+def feed_forward_geglu(x, w1, b1, w2, b2, approximate="none", recompute_pre=False, backend=None, residual=None,
+                       residual_in_place=False):
     """(gelu(h[..., :I]) * h[..., I:]) @ w2.T + b2 with h = x @ w1.T + b1: ModernBERT's GeGLU FFN
     (transformers' ModernBertMLP without its dropout), whose backward keeps h (both halves) but not the
     GeGLU output: kernels/ffn.py, gated.
 
     x [..., K]; w1 [2I, K] (the input rows, then the gate rows: transformers' Wi.weight); b1 [2I] or None;
     w2 [K2, I]; b2 [K2] or None. Returns [..., K2] in the matmul dtype (the autocast dtype under autocast).
-    recompute_pre and residual (ModernBERT's stream) as in `feed_forward`. Raises ValueError naming a
-    mismatched argument or the approximation.
+    recompute_pre, residual (ModernBERT's stream) and residual_in_place as in `feed_forward`. Raises ValueError
+    naming a mismatched argument or the approximation.
     """
-    return _feed_forward("feed_forward_geglu", x, w1, b1, w2, b2, approximate, recompute_pre, backend, residual)
+    return _feed_forward("feed_forward_geglu", x, w1, b1, w2, b2, approximate, recompute_pre, backend, residual,
+                         residual_in_place)
 
 
-def _feed_forward(name, x, w1, b1, w2, b2, approximate, recompute_pre, backend, residual):
+def _feed_forward(name, x, w1, b1, w2, b2, approximate, recompute_pre, backend, residual, residual_in_place):
     """feed_forward or feed_forward_geglu (`name`, the function of that name in kernels/ffn.py and in the
     reference), checked, then dispatched."""
     _check_feed_forward_args(x, w1, b1, w2, b2, approximate, name == "feed_forward_geglu", residual)
@@ -470,7 +476,8 @@ def _feed_forward(name, x, w1, b1, w2, b2, approximate, recompute_pre, backend, 
         # a residual of another dtype is added as `+` adds it, promoting: the unfused layer's result
         fused = residual if residual is None or residual.dtype == x.dtype else None
         out = getattr(KERNELS["ffn"], name)(x, w1, b1, w2, b2, approximate, recompute_pre,
-                                            form="epilogue" if path == "triton" else path, residual=fused)
+                                            form="epilogue" if path == "triton" else path, residual=fused,
+                                            residual_in_place=residual_in_place)
         return out if fused is residual else residual + out
     function = getattr(reference, name)
     if recompute_pre and torch.is_grad_enabled():

@@ -45,7 +45,10 @@
 #
 # residual (ModernBERT's pre-LayerNorm stream, optional): out = residual + FFN(x), the residual as the
 # down-projection's addmm input (beta = 1), which PyTorch copies into the output and the GEMM accumulates onto:
-# no add op, no second [M, K2] output and, in training, no autograd node of its own. Its gradient is dout.
+# no add op, no second [M, K2] output and, in training, no autograd node of its own. Its gradient is dout. The
+# copy moves as many bytes as the add did; with residual_in_place (the caller's stream, dead after the FFN) an
+# inference call (grad mode off, nothing traced) has the GEMM accumulate onto the residual itself (addmm_): no
+# copy, no add, no allocation, one [M, K2] read and write less.
 #
 # form (kernels/bias_gelu.py's LINEAR_BIAS_GELU_FORMS) picks how h and g are made, forward and recompute:
 # "epilogue" (above) or "cublas_then_bias_gelu": h by cuBLAS (addmm), then g from h by the elementwise
@@ -62,7 +65,7 @@ import torch
 
 from fastbert.kernels.bias_gelu import (APPROXIMATIONS, LINEAR_BIAS_GELU_FORMS, bias_gelu_bwd, bias_gelu_fwd,
                                         geglu_bwd, geglu_fwd, linear_bias_gelu_fwd)
-from fastbert.kernels.fused_op import fused_op, or_empty
+from fastbert.kernels.fused_op import fused_op, or_empty, tracing
 from fastbert.kernels.launch import as_rows
 from fastbert.kernels.matmul import DTYPES
 
@@ -122,6 +125,17 @@ def feed_forward_fwd(x, w1, b1, w2, b2, approximate, keep_pre=True, gated=False,
     if x.dim() != 2:
         out = out.view(*x.shape[:-1], w2.shape[0])
     return out, x.new_empty(0, w1.shape[0]) if pre is None else pre
+
+
+def _add_in_place(residual, x, w1, b1, w2, b2, approximate, gated, form):
+    """residual += the FFN of x, in place, and residual returned: the GEMM accumulates onto it (header). For an
+    inference call only: nothing here is recorded for autograd or a tracer. residual contiguous."""
+    g, _ = _up_projection(as_rows(x), w1, b1, approximate, False, gated, form)
+    rows = as_rows(residual)  # a view of it
+    rows.addmm_(g, w2.t())
+    if b2 is not None:
+        rows += b2
+    return residual
 
 
 def feed_forward_bwd(dout, x, w1, b1, w2, pre, approximate, gated=False, needs=(True,) * 5, form="epilogue"):
@@ -220,17 +234,24 @@ _feed_forward_op.register_autograd(_feed_forward_backward, setup_context=_feed_f
 
 def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
                  b2: torch.Tensor | None, approximate: str = "none", recompute_pre: bool = False,
-                 gated: bool = False, form: str = "epilogue", residual: torch.Tensor | None = None) -> torch.Tensor:
+                 gated: bool = False, form: str = "epilogue", residual: torch.Tensor | None = None,
+                 residual_in_place: bool = False) -> torch.Tensor:
     """gelu(x @ w1.T + b1) @ w2.T + b2, differentiable in all five tensors; gated (GeGLU):
     (gelu(a) * b) @ w2.T + b2 with [a, b] = x @ w1.T + b1 split in halves.
 
     x [..., K] (any strides), w1 [N, K] ([2N, K] gated), b1 [N] ([2N]) or None, w2 [K2, N], b2 [K2] or
     None, residual [..., K2] (added to the output by the down-projection, header) or None, one dtype (fp32,
-    fp16, bf16). Returns [..., K2]. The backward keeps x and the weights, plus h [M, N] ([M, 2N]) unless
-    recompute_pre (then it reruns the up-projection). form: "epilogue" or "cublas_then_bias_gelu" (header).
-    Raises ValueError on mismatched shapes, dtypes, an unknown approximation or form.
+    fp16, bf16). residual_in_place: the residual may be overwritten; a contiguous one is, with the result,
+    in grad mode off (torch.no_grad, inference_mode) where nothing is traced (the result is then residual). Returns [..., K2]. The
+    backward keeps x and the weights, plus h [M, N] ([M, 2N]) unless recompute_pre (then it reruns the
+    up-projection). form: "epilogue" or "cublas_then_bias_gelu" (header). Raises ValueError on mismatched
+    shapes, dtypes, an unknown approximation or form.
     """
     _check(x, w1, b1, w2, b2, approximate, gated, form, residual)
+    # grad mode first: one C call is all a training step's layer pays for the question
+    if residual_in_place and not torch.is_grad_enabled() and residual is not None and residual.is_contiguous() and (
+            not tracing()):
+        return _add_in_place(residual, x, w1, b1, w2, b2, approximate, gated, form)
     # h is written only for a backward that reads it: an inference forward never holds it beside the GELU
     # output while the second matmul runs (one [M, N] less at its peak), recompute_pre reruns it anyway, and a
     # backward that wants db2 alone (the rest frozen) needs only dout
@@ -244,7 +265,9 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2:
 
 def feed_forward_geglu(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
                        b2: torch.Tensor | None, approximate: str = "none", recompute_pre: bool = False,
-                       form: str = "epilogue", residual: torch.Tensor | None = None) -> torch.Tensor:
+                       form: str = "epilogue", residual: torch.Tensor | None = None,
+                       residual_in_place: bool = False) -> torch.Tensor:
     """ModernBERT's FFN: (gelu(h[..., :I]) * h[..., I:]) @ w2.T + b2 (+ residual) with h = x @ w1.T + b1;
     w1 [2I, K], b1 [2I] or None, w2 [K2, I], b2 [K2] or None. `feed_forward` with gated=True."""
-    return feed_forward(x, w1, b1, w2, b2, approximate, recompute_pre, gated=True, form=form, residual=residual)
+    return feed_forward(x, w1, b1, w2, b2, approximate, recompute_pre, gated=True, form=form, residual=residual,
+                        residual_in_place=residual_in_place)

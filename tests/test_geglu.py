@@ -302,6 +302,45 @@ def test_residual_under_torch_compile(device):
     assert all(torch.equal(c, t.grad) for c, t in zip(compiled, (*inputs, residual)))
 
 
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_residual_in_place_only_where_nothing_is_differentiated_or_traced(with_bias, device):
+    """residual_in_place: an inference call (grad mode off) on the Triton path returns the residual itself,
+    holding the result (within the rule); a non-contiguous residual, a call in grad mode (with or without a
+    gradient to compute), a traced call (a dispatch mode) and the PyTorch path leave the residual as it was."""
+    x, w1, b1, w2, b2 = _inputs(9, 32, 24, torch.float32, device, seed=29, with_bias=with_bias)
+    original = torch.randn(9, 32, generator=torch.Generator().manual_seed(30)).to(device)
+    exact = original.double() + reference.feed_forward_geglu(*(None if t is None else t.double()
+                                                               for t in (x, w1, b1, w2, b2)))
+    unfused = original + kernel.feed_forward_geglu(x, w1, b1, w2, b2)
+
+    def call(residual, backend="triton", **inputs):
+        arguments = {"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2, **inputs}
+        return ops.feed_forward_geglu(*arguments.values(), backend=backend, residual=residual,
+                                      residual_in_place=True)
+
+    residual = original.clone()
+    with torch.no_grad():
+        out = call(residual)
+    assert out is residual
+    assert_within_rule("in place", out, unfused, exact)
+    transposed = original.t().contiguous().t()
+    with torch.no_grad():
+        out = call(transposed)
+    assert out is not transposed and torch.equal(transposed, original)
+    assert_within_rule("not contiguous", out, unfused, exact)
+    residual = original.clone()
+    out = call(residual, x=x.detach().requires_grad_())
+    assert out is not residual and torch.equal(residual, original) and out.grad_fn is not None
+    out = call(residual)
+    assert out is not residual and torch.equal(residual, original)
+    with torch.no_grad(), _OpNames() as seen:
+        out = call(residual)
+    assert seen.names == ["fastbert.feed_forward"] and torch.equal(residual, original)
+    with torch.no_grad():
+        out = call(residual, backend="torch")
+    assert out is not residual and torch.equal(residual, original)
+
 def test_residual_bad_inputs(device):
     x, w1, b1, w2, b2 = _inputs(7, 64, 96, torch.float32, device, seed=28)
     for backend in ("triton", "torch"):

@@ -546,8 +546,9 @@ def test_triton_packed_inputs_equal_the_padded_batch(native, device):
 
 def test_triton_stream_joins_the_unhooked_mlp_op(monkeypatch, device):
     """Each layer hands its residual stream to an unhooked ModernBertMLP's fused op, whose down-projection adds
-    it; a hooked MLP is called as a module, its hook sees the MLP's own output (no stream) and the layer adds
-    the stream after it: the same hidden states and gradients within 1e-5."""
+    it (in inference onto the stream in place); a hooked MLP is called as a module, its hook sees the MLP's own
+    output (no stream) and the layer adds the stream after it: the same hidden states and gradients within
+    1e-5."""
     from fastbert import reference
     from fastbert.kernels import ffn
 
@@ -578,11 +579,22 @@ def test_triton_stream_joins_the_unhooked_mlp_op(monkeypatch, device):
 
     handle = mlp.register_forward_hook(hook)
     hooked, hooked_grads = run()
-    handle.remove()
     assert seen == [True] and [r is None for r in residuals] == [False, True, False, False]
     torch.testing.assert_close(hooked, plain, atol=1e-5, rtol=1e-5)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(hooked_grads[name], grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"d {name}: {m}")
+    # inference: the unhooked layers' GEMMs accumulate onto their streams in place; every hidden state as in
+    # training's forward
+    in_place = []
+    accumulate = ffn._add_in_place
+    monkeypatch.setattr(ffn, "_add_in_place", lambda *a: in_place.append(1) or accumulate(*a))
+    with torch.no_grad():
+        inferred = model(**inputs, output_hidden_states=True)
+    assert len(in_place) == 3  # the hooked layer's MLP is called as a module, its stream added after it
+    handle.remove()
+    trained = model(**inputs, output_hidden_states=True)
+    for got, expected in zip(inferred.hidden_states, trained.hidden_states, strict=True):
+        torch.testing.assert_close(got, expected.detach(), atol=1e-5, rtol=1e-5)
 
 # what fastbert does not compute: errors naming the field ----------------------------------------------------
 
