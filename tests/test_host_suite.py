@@ -17,10 +17,13 @@ from fastbert import ops
 from fastbert.simulated.host_time import host_microseconds, stubbed_launches
 x, weight, bias = torch.randn(4, 32), torch.ones(32), torch.zeros(32)
 before = triton.runtime.driver._active
+denormal = torch.tensor([1e-40])  # float32's smallest normal is 1.2e-38
 with stubbed_launches():
     assert ops.layer_norm(x, weight, bias, backend="triton").shape == x.shape
     assert host_microseconds(lambda: ops.layer_norm(x, weight, bias, backend="triton"), number=2, repeats=1) > 0
+    assert (denormal * 1).item() == 0  # flushed: unwritten outputs cost PyTorch's ops what real values cost
 assert triton.runtime.driver._active is before
+assert (denormal * 1).item() == denormal.item() != 0
 try:
     ops.layer_norm(x, weight, bias, backend="triton")
 except RuntimeError as exc:
@@ -66,8 +69,8 @@ def test_the_quick_suite_writes_rows_perf_reads(tmp_path):
 
 
 def test_stubbed_launches_leave_nothing_behind():
-    """Inside, backend="triton" takes CPU tensors and launches nothing; after, Triton's driver is what it was and
-    the kernels refuse CPU tensors again."""
+    """Inside, backend="triton" takes CPU tensors and launches nothing, and denormals are flushed to zero; after,
+    Triton's driver is what it was, denormals are kept and the kernels refuse CPU tensors again."""
     done = _compiled_path(STUBS_AND_BACK)
     assert done.returncode == 0, done.stderr
 
