@@ -241,11 +241,11 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2:
 
     x [..., K] (any strides), w1 [N, K] ([2N, K] gated), b1 [N] ([2N]) or None, w2 [K2, N], b2 [K2] or
     None, residual [..., K2] (added to the output by the down-projection, header) or None, one dtype (fp32,
-    fp16, bf16). residual_in_place: the residual may be overwritten; a contiguous one is, with the result,
-    in grad mode off (torch.no_grad, inference_mode) where nothing is traced (the result is then residual). Returns [..., K2]. The
-    backward keeps x and the weights, plus h [M, N] ([M, 2N]) unless recompute_pre (then it reruns the
-    up-projection). form: "epilogue" or "cublas_then_bias_gelu" (header). Raises ValueError on mismatched
-    shapes, dtypes, an unknown approximation or form.
+    fp16, bf16). residual_in_place: the residual may be overwritten; a contiguous one is, with the result, in
+    grad mode off (torch.no_grad, inference_mode) where nothing is traced (the result is then residual).
+    Returns [..., K2]. The backward keeps x and the weights, plus h [M, N] ([M, 2N]) unless recompute_pre
+    (then it reruns the up-projection). form: "epilogue" or "cublas_then_bias_gelu" (header). Raises
+    ValueError on mismatched shapes, dtypes, an unknown approximation or form.
     """
     _check(x, w1, b1, w2, b2, approximate, gated, form, residual)
     # grad mode first: one C call is all a training step's layer pays for the question
