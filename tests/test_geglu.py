@@ -3,8 +3,7 @@
 biases, both GELUs, recompute_pre, non-contiguous inputs), equal to transformers' ModernBertMLP on the same
 tensors, determinism, torch.compile, the ops dispatch and its argument checks; the residual the down-projection
 adds (ModernBERT's stream); and the bias-less projections (qkv_projection and feed_forward with bias None) on both
-paths. What the GeGLU saves for the backward is
-counted in tests/test_saved_tensors.py."""
+paths. What the GeGLU saves for the backward is counted in tests/test_saved_tensors.py."""
 import pytest
 import torch
 from tolerance import GRADIENT_FACTOR, assert_within_rule
@@ -217,7 +216,6 @@ def test_ops_dispatch_and_bad_inputs(device):
         matmul.matmul_fwd(x, w1, None, out, "gelu", pre=x.new_empty(7, 96), gated=True)
 
 
-
 # ---- the residual (ModernBERT's stream), added by the down-projection ----
 
 def _with_residual(ref):
@@ -302,7 +300,6 @@ def test_residual_under_torch_compile(device):
     assert all(torch.equal(c, t.grad) for c, t in zip(compiled, (*inputs, residual)))
 
 
-
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
 def test_residual_in_place_only_where_nothing_is_differentiated_or_traced(with_bias, device):
     """residual_in_place: an inference call (grad mode off) on the Triton path returns the residual itself,
@@ -340,6 +337,7 @@ def test_residual_in_place_only_where_nothing_is_differentiated_or_traced(with_b
     with torch.no_grad():
         out = call(residual, backend="torch")
     assert out is not residual and torch.equal(residual, original)
+
 
 def test_residual_bad_inputs(device):
     x, w1, b1, w2, b2 = _inputs(7, 64, 96, torch.float32, device, seed=28)

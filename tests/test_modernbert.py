@@ -543,7 +543,6 @@ def test_triton_packed_inputs_equal_the_padded_batch(native, device):
                                    msg=lambda m: f"d {name}: {m}")
 
 
-
 def test_triton_stream_joins_the_unhooked_mlp_op(monkeypatch, device):
     """Each layer hands its residual stream to an unhooked ModernBertMLP's fused op, whose down-projection adds
     it (in inference onto the stream in place); a hooked MLP is called as a module, its hook sees the MLP's own
@@ -595,6 +594,7 @@ def test_triton_stream_joins_the_unhooked_mlp_op(monkeypatch, device):
     trained = model(**inputs, output_hidden_states=True)
     for got, expected in zip(inferred.hidden_states, trained.hidden_states, strict=True):
         torch.testing.assert_close(got, expected.detach(), atol=1e-5, rtol=1e-5)
+
 
 # what fastbert does not compute: errors naming the field ----------------------------------------------------
 
