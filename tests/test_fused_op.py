@@ -4,7 +4,7 @@ torch.library custom op (whose Python machinery cost hundreds of microseconds a 
 Checked on kernels/bias_gelu.py's op (small, differentiable) in Triton's interpreter."""
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from dispatch_recording import RecordingMode
 
 from fastbert.kernels import bias_gelu
 
@@ -18,18 +18,6 @@ class _CountingCustomOp:
     def __call__(self, *args):
         self.calls += 1
         return self.custom_op(*args)
-
-
-class _RecordingMode(TorchDispatchMode):
-    """A dispatch mode (as fastbert's memory tracker is one) that records the ops it sees."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture
@@ -70,7 +58,7 @@ def test_a_dispatch_mode_sees_the_custom_op_and_the_same_numbers(counted, device
     forward, backward = counted
     x, bias = _inputs(device)
     eager = _forward_backward(bias_gelu.bias_gelu, x, bias)
-    with _RecordingMode() as mode:
+    with RecordingMode() as mode:
         traced = _forward_backward(bias_gelu.bias_gelu, x, bias)
     assert (forward.calls, backward.calls) == (1, 1)
     assert "fastbert.bias_gelu.default" in mode.seen and "fastbert.bias_gelu_bwd.default" in mode.seen

@@ -6,6 +6,7 @@ adds (ModernBERT's stream); and the bias-less projections (qkv_projection and fe
 paths. What the GeGLU saves for the backward is counted in tests/test_saved_tensors.py."""
 import pytest
 import torch
+from dispatch_recording import RecordingMode
 from tolerance import GRADIENT_FACTOR, assert_within_rule
 
 from fastbert import ops, reference
@@ -239,34 +240,22 @@ def test_residual_matches_reference(with_bias, dtype, gated, device):
             x, w1, b1, w2, b2, "tanh", backend=backend, residual=r), inputs, grad_out, "tanh", ref=ref)
 
 
-class _OpNames(torch.utils._python_dispatch.TorchDispatchMode):
-    """The ops dispatched while entered (a custom op as one)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 def test_residual_joins_the_fused_op_where_dtypes_match(device):
     """On the Triton path a residual of the output's dtype runs no add of its own (only the custom op), so
     under autocast it must be 16-bit to join; one of another dtype is added after the op and promotes as `+`
     does, as the unfused layer would."""
     x, w1, b1, w2, _ = _inputs(9, 32, 24, torch.float32, device, seed=21, with_bias=True)
     residual = torch.randn(9, 32, generator=torch.Generator().manual_seed(22)).to(device)
-    with _OpNames() as seen:
+    with RecordingMode() as mode:
         out = ops.feed_forward_geglu(x, w1, b1, w2, None, backend="triton", residual=residual)
-    assert seen.names == ["fastbert.feed_forward"]
+    assert mode.seen == ["fastbert.feed_forward.default"]
     unfused = residual + kernel.feed_forward_geglu(x, w1, b1, w2, None)
     exact = residual.double() + reference.feed_forward_geglu(*(t.double() for t in (x, w1, b1, w2)), None)
     assert_within_rule("residual added by the op", out, unfused, exact)
     wider = residual.double()
-    with _OpNames() as seen:
+    with RecordingMode() as mode:
         out = ops.feed_forward_geglu(x, w1, b1, w2, None, backend="triton", residual=wider)
-    assert seen.names == ["fastbert.feed_forward", "aten.add"]
+    assert mode.seen == ["fastbert.feed_forward.default", "aten.add.Tensor"]
     assert out.dtype == torch.float64 and torch.equal(out, wider + kernel.feed_forward_geglu(x, w1, b1, w2, None))
 
 
@@ -276,9 +265,9 @@ def test_residual_alone_trained_runs_no_backward_op(device):
     residual = torch.randn(9, 32, generator=torch.Generator().manual_seed(24)).to(device).requires_grad_()
     out = ops.feed_forward_geglu(x, w1, b1, w2, b2, backend="triton", residual=residual)
     grad_out = torch.randn(9, 32, generator=torch.Generator().manual_seed(25)).to(device)
-    with _OpNames() as seen:
+    with RecordingMode() as mode:
         out.backward(grad_out)
-    assert not any("feed_forward_bwd" in name for name in seen.names), seen.names
+    assert not any("feed_forward_bwd" in name for name in mode.seen), mode.seen
     assert torch.equal(residual.grad, grad_out)
 
 
@@ -331,9 +320,9 @@ def test_residual_in_place_only_where_nothing_is_differentiated_or_traced(with_b
     assert out is not residual and torch.equal(residual, original) and out.grad_fn is not None
     out = call(residual)
     assert out is not residual and torch.equal(residual, original)
-    with torch.no_grad(), _OpNames() as seen:
+    with torch.no_grad(), RecordingMode() as mode:
         out = call(residual)
-    assert seen.names == ["fastbert.feed_forward"] and torch.equal(residual, original)
+    assert mode.seen == ["fastbert.feed_forward.default"] and torch.equal(residual, original)
     with torch.no_grad():
         out = call(residual, backend="torch")
     assert out is not residual and torch.equal(residual, original)
