@@ -2,9 +2,9 @@
 
 Run from the repository root: `python benchmarks/host_census.py [--out DIR] [--size base|modernbert-base]`.
 For each model row of `fastbert bench --suite host` (BERT-base and ModernBERT-base at the host suite's narrow
-widths, a padded batch, Triton launches stubbed) and each provider (fastbert on its Triton path and on its
-PyTorch path, transformers with SDPA), one inference forward and one training step (forward, backward, AdamW)
-are counted:
+widths, a padded batch, Triton launches stubbed) and each provider (fastbert on its Triton path, on an H100's
+path and on its PyTorch path, transformers with SDPA), one inference forward and one training step (forward,
+backward, AdamW) are counted:
 - autograd nodes of the step's graph: all, those implemented in Python (autograd.Function backwards, each a
   call from the engine into Python) and view nodes (views, reshapes, transposes, expands: each a C++ node run
   forward and back);
@@ -29,7 +29,7 @@ from fastbert.host_syncs import HostSyncCounter
 from fastbert.simulated.host_time import one_thread, stubbed_launches
 from fastbert.simulated.stand_in_gpu import _StubKernel
 
-PROVIDERS = (host_suite.FASTBERT, host_suite.TORCH_PATH, host_suite.HF_SDPA)
+PROVIDERS = host_suite.MODEL_PROVIDERS
 SIZES = ("base", "modernbert-base")
 _STUB_LAUNCH = _StubKernel.run.__code__
 
@@ -81,6 +81,7 @@ def census(size: str, provider: str) -> list[dict]:
     # host syncs are counted in a call of their own: the counter is a dispatch mode, under which fastbert's
     # fused ops take their custom ops and every aten op a Python call
     model, inputs = host_suite.model_and_inputs(size, provider, "inference")
+    host_suite.set_auto_choices(size, provider, "inference")
 
     def infer():
         with torch.no_grad():
@@ -93,6 +94,7 @@ def census(size: str, provider: str) -> list[dict]:
     rows = [{"direction": "fwd", **forward.counts, "host_syncs": syncs.syncs}]
 
     model, inputs = host_suite.model_and_inputs(size, provider, "train")
+    host_suite.set_auto_choices(size, provider, "train")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def finish(loss):

@@ -55,10 +55,24 @@ def interpreter_enabled() -> bool:
 # GPU's whose launches run nothing, so backend="triton" takes CPU tensors and the kernels' host code runs on
 # them as on the GPU (`fastbert bench --suite host`)
 _LAUNCHES_STUBBED = [False]
+# what backend="auto" runs on CPU tensors while the launches are stubbed: None, the reference (as without the
+# stubs); or a paths.recorded_choices table, a GPU's choices, so that the host code timed is that GPU's
+_STUBBED_AUTO: list[dict | None] = [None]
 
 
 def set_launches_stubbed(stubbed: bool) -> None:
     _LAUNCHES_STUBBED[0] = stubbed
+    _STUBBED_AUTO[0] = None
+
+
+def set_stubbed_auto(choices: dict | None) -> None:
+    """What backend="auto" runs on CPU tensors from now until the stubs go: a GPU's choices (a
+    paths.recorded_choices table) or None, the reference. Raises RuntimeError unless the launches are stubbed:
+    without the stubs a kernel cannot take CPU tensors."""
+    if not _LAUNCHES_STUBBED[0]:
+        raise RuntimeError("set_stubbed_auto needs stubbed launches (fastbert.simulated.host_time.stubbed_launches): "
+                           "without them a kernel cannot run on CPU tensors")
+    _STUBBED_AUTO[0] = choices
 
 
 # the ops whose kernels compute in the autocast dtype: under autocast, their table rows are that dtype's
@@ -113,6 +127,9 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor | None, op: str 
             # GPU (paths.planned_architecture); outside a plan "auto" means the reference on them
             capability = paths.planned_capability() if devices == "meta" else None
             if TRITON_IMPORT_ERROR is not None or not (devices == "cuda" or capability):
+                stubbed_auto = _STUBBED_AUTO[0]
+                if stubbed_auto is not None and devices == "other" and _LAUNCHES_STUBBED[0]:
+                    return paths.stubbed_choice(stubbed_auto, op, tensors)
                 return "torch"
             if op is None:
                 return "triton"

@@ -208,6 +208,32 @@ def device_capability(device: torch.device) -> int:
     return capability
 
 
+def stubbed_choice(choices: dict, op: str | None, tensors) -> str:
+    """The implementation of op that `choices` (a `recorded_choices` table) holds for the direction these tensors
+    take, else the kernel, as "auto" runs it for an op of one candidate or none named: what backend="auto" runs
+    on the CPU tensors of a host-time measurement standing for a GPU's (fastbert.simulated.host_time)."""
+    if op is None:
+        return "triton"
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return choices.get((op, DIRECTIONS[training]), "triton")
+
+
+@contextlib.contextmanager
+def recorded_choices():
+    """Records what `choose` chooses while entered (its cache, emptied on entry, is read on leaving): yields a
+    dict, filled on leaving, (op, direction) -> implementation. Raises ValueError where one op in one direction
+    was given two implementations (two of its shape classes that the table answers differently): such a call
+    has no one choice to stand for. Under torch.compile `choose` keeps no cache, and records nothing."""
+    _CHOSEN.clear()
+    recorded: dict[tuple[str, str], str] = {}
+    yield recorded
+    for (_, op, _, training, *_), implementation in _CHOSEN.items():
+        key = (op, DIRECTIONS[training])
+        if recorded.setdefault(key, implementation) != implementation:
+            raise ValueError(f"backend='auto' ran op {op} ({key[1]}) as both {recorded[key]!r} and "
+                             f"{implementation!r}: no one choice stands for it")
+
+
 def planned_capability() -> int | None:
     """The compute capability meta tensors stand for now (inside `planned_architecture`), else None."""
     return _PLANNED[0]

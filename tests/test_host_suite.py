@@ -46,7 +46,8 @@ def test_every_case_has_a_comparison():
             "attention_varlen", "linear_cross_entropy", "dropout", "model"} == ops_measured
     for case in cases:
         assert set(case.providers) in ({host_suite.FASTBERT, host_suite.CUSTOM_OP, host_suite.TORCH},
-                                       {host_suite.FASTBERT, host_suite.TORCH_PATH, host_suite.HF_SDPA}), case.name
+                                       {host_suite.FASTBERT, host_suite.H100_AUTO, host_suite.TORCH_PATH,
+                                        host_suite.HF_SDPA}), case.name
 
 
 def test_the_quick_suite_writes_rows_perf_reads(tmp_path):
@@ -58,14 +59,15 @@ def test_the_quick_suite_writes_rows_perf_reads(tmp_path):
     assert {(r["op"], r["provider"], r["direction"]) for r in rows} == {
         (op, provider, direction) for op, providers in (("layer_norm", ("fastbert", "fastbert-custom-op", "torch")),
                                                         ("dropout", ("fastbert", "fastbert-custom-op", "torch")),
-                                                        ("model", ("fastbert", "fastbert-eager", "hf-sdpa")))
+                                                        ("model", ("fastbert", "fastbert-h100", "fastbert-eager",
+                                                                   "hf-sdpa")))
         for provider in providers for direction in host_suite.DIRECTIONS}
     assert all(r["status"] == "ok" and r["host_us"] > 0 and r["suite"] == "host" for r in rows)
     # issue 25: fastbert's default forward and training step make the host wait zero times
-    assert [r["host_syncs"] for r in rows if r["op"] == "model" and r["provider"] != "hf-sdpa"] == [0] * 4
+    assert [r["host_syncs"] for r in rows if r["op"] == "model" and r["provider"] != "hf-sdpa"] == [0] * 6
     assert "model/base" in done.stdout and "ratio" in done.stdout
     section = "\n".join(host_report.host_section(rows, report.provenance_line))
-    assert section.count("| model/base") == 4 and "fastbert bench --suite host" in section
+    assert section.count("| model/base") == 6 and "fastbert bench --suite host" in section
 
 
 def test_stubbed_launches_leave_nothing_behind():
@@ -113,22 +115,64 @@ def test_the_host_census_counts_exactly(tmp_path):
             "view_nodes", "host_syncs")} for r in rows})
     assert counts[0] == counts[1]
     by = counts[0]
-    assert set(by) == {(p, d) for p in ("fastbert", "fastbert-eager", "hf-sdpa") for d in ("fwd", "fwd+bwd")}
-    step = {provider: by[(provider, "fwd+bwd")] for provider in ("fastbert", "fastbert-eager", "hf-sdpa")}
+    providers = ("fastbert", "fastbert-h100", "fastbert-eager", "hf-sdpa")
+    assert set(by) == {(p, d) for p in providers for d in ("fwd", "fwd+bwd")}
+    step = {provider: by[(provider, "fwd+bwd")] for provider in providers}
     assert step["fastbert"]["launches"] > step["fastbert"]["backward_launches"] > 0
     assert step["fastbert-eager"]["launches"] == step["hf-sdpa"]["launches"] == 0
     assert step["fastbert"]["python_nodes"] > 0 and step["hf-sdpa"]["python_nodes"] == 0
-    assert all(by[("fastbert", d)]["host_syncs"] == 0 for d in ("fwd", "fwd+bwd"))
+    assert all(by[(p, d)]["host_syncs"] == 0 for p in ("fastbert", "fastbert-h100") for d in ("fwd", "fwd+bwd"))
+    assert step["fastbert-h100"]["launches"] > step["fastbert-h100"]["backward_launches"] > 0
     assert 0 < step["fastbert"]["autograd_nodes"] < step["hf-sdpa"]["autograd_nodes"]
     # PERF.md's table of the run: a line per provider and direction, under the run's provenance
     table = host_report.census_lines(rows, report.provenance_line)
-    assert sum(line.startswith("| base (host suite widths) |") for line in table) == 6
+    assert sum(line.startswith("| base (host suite widths) |") for line in table) == 8
     assert "benchmarks/host_census.py --size base" in table[-2] and "counted" in table[-2]
     # an output that cannot be written: one message naming it, exit code 2, no traceback
     (tmp_path / "a file").write_text("")
     done = _compiled_path("", "benchmarks/host_census.py", "--size", "base", "--out", str(tmp_path / "a file" / "x"),
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 2 and "a file" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+H100_PATHS = """
+import collections, json, sys, torch
+from fastbert import ops
+from fastbert.bench import host_suite
+from fastbert.simulated.host_time import stubbed_launches
+resolved, real = collections.Counter(), ops.resolve_backend
+def spy(backend, *tensors, op=None):
+    path = real(backend, *tensors, op=op)
+    resolved[op, path] += 1
+    return path
+ops.resolve_backend = spy
+seen = {}
+for size, mode in host_suite.H100_SHAPES:
+    resolved.clear()
+    host_suite.h100_choices.__wrapped__(size, mode)  # the planned H100 call, at full width, on meta tensors
+    planned = dict(resolved)
+    with stubbed_launches():
+        call = host_suite._model_calls(size, host_suite.H100_AUTO)("fwd" if mode == "inference" else "fwd+bwd")
+        call()
+        resolved.clear()
+        call()
+    seen[f"{size} {mode}"] = [sorted([str(op), path, n] for (op, path), n in counts.items())
+                              for counts in (planned, resolved)]
+json.dump(seen, sys.stdout)
+"""
+
+
+def test_the_h100_rows_run_what_an_h100_runs():
+    """A fastbert-h100 call resolves every op as the GPU suite's call that it stands for does on an H100 (planned on
+    meta tensors, full width, bf16), the same implementations the same number of times: its host time is that
+    path's. (On the CPU tensors "auto" would run the reference throughout.)"""
+    done = _compiled_path(H100_PATHS)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert set(seen) == {"base inference", "base train", "modernbert-base inference", "modernbert-base train"}
+    for call, (planned, stubbed) in seen.items():
+        assert planned == stubbed, call
+        assert any(path != "torch" for _, path, _ in stubbed), call  # the kernels run, not the CPU's reference
 
 
 def test_host_phases_split_a_step(tmp_path):

@@ -190,6 +190,54 @@ def test_plain_meta_and_cpu_tensors_keep_the_reference():
     assert ops.resolve_backend("auto", torch.zeros(2, 3, dtype=torch.bfloat16), op="bias_gelu") == "torch"
 
 
+def test_recorded_choices_are_what_auto_chose(tmp_path, monkeypatch, fresh_choices):
+    """paths.recorded_choices holds each op's choice per direction in the calls made while entered (not one made
+    before), and refuses an op that got two implementations in one direction: no one choice stands for it."""
+    monkeypatch.setattr(paths, "TABLE", _table(tmp_path, {"sm_90": {"qkv_projection": {
+        "tokens=16384,hidden=768": {"bfloat16": {"fwd+bwd": "torch", "fwd": "cublas_forward"}},
+        "tokens=16384,hidden=3072": {"bfloat16": {"fwd+bwd": "triton"}}}}}))
+    bf16 = torch.bfloat16
+    assert _resolve("bias_gelu", (16384, 768), bf16, "fwd+bwd") == "triton"  # before: not recorded
+    with paths.recorded_choices() as recorded:
+        assert _resolve("qkv_projection", (16384, 768), bf16, "fwd+bwd") == "torch"
+        assert _resolve("qkv_projection", (16384, 768), bf16, "fwd") == "cublas_forward"
+        assert _resolve("qkv_projection", (4096, 768), bf16, "fwd+bwd") == "torch"  # another class, the same choice
+        assert _resolve("layer_norm", (16384, 768), bf16, "fwd+bwd") == "triton"  # one candidate: never looked up
+    assert recorded == {("qkv_projection", "fwd+bwd"): "torch", ("qkv_projection", "fwd"): "cublas_forward"}
+    with pytest.raises(ValueError, match="qkv_projection .fwd.bwd. as both 'torch' and 'triton'"):
+        with paths.recorded_choices():
+            _resolve("qkv_projection", (16384, 768), bf16, "fwd+bwd")
+            _resolve("qkv_projection", (16384, 3072), bf16, "fwd+bwd")
+
+
+def test_stubbed_cpu_tensors_run_the_recorded_choices(monkeypatch):
+    """While the launches are stubbed (the host suite), "auto" on CPU tensors runs a GPU's recorded choices: the
+    op's in the call's direction, else the kernel (an op without an entry, an op not named); an explicit backend
+    and FASTBERT_BACKEND still win, and without choices, or once the stubs go, "auto" runs the reference."""
+    x, w, b = torch.zeros(4, 8, 8), torch.zeros(24, 8), torch.zeros(24)
+    with pytest.raises(RuntimeError, match="needs stubbed launches"):
+        ops.set_stubbed_auto({})
+    ops.set_launches_stubbed(True)
+    try:
+        assert ops.resolve_backend("auto", x, w, b, op="qkv_projection") == "torch"
+        ops.set_stubbed_auto({("qkv_projection", "fwd"): "cublas_forward", ("feed_forward", "fwd+bwd"): "torch"})
+        assert ops.resolve_backend("auto", x, w, b, op="qkv_projection") == "cublas_forward"
+        assert ops.resolve_backend("auto", x.requires_grad_(), w, b, op="qkv_projection") == "triton"
+        with torch.no_grad():
+            assert ops.resolve_backend("auto", x, w, b, op="qkv_projection") == "cublas_forward"
+        assert ops.resolve_backend("auto", x, op="layer_norm") == ops.resolve_backend("auto", x) == "triton"
+        assert ops.resolve_backend("torch", x, w, b, op="qkv_projection") == "torch"
+        monkeypatch.setenv("FASTBERT_BACKEND", "torch")
+        assert ops.resolve_backend("auto", x, w, b, op="qkv_projection") == "torch"
+        monkeypatch.delenv("FASTBERT_BACKEND")
+        ops.set_stubbed_auto(None)
+        assert ops.resolve_backend("auto", x, w, b, op="qkv_projection") == "torch"
+        ops.set_stubbed_auto({("qkv_projection", "fwd+bwd"): "cublas_forward"})
+    finally:
+        ops.set_launches_stubbed(False)
+    assert ops.resolve_backend("auto", x, w, b, op="qkv_projection") == "torch"
+
+
 @pytest.mark.parametrize("size, bucket, least", [(1, 0, 1), (2, 2, 2), (3, 3, 3), (767, 18, 512), (768, 19, 768),
                                                  (1000, 19, 768), (1023, 19, 768), (1024, 20, 1024),
                                                  (30522, 29, 24576), (16384, 28, 16384)])

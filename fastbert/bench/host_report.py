@@ -7,7 +7,8 @@ HOST_COMMAND = "fastbert bench --suite host --out benchmarks/results"
 # The done-when of issue 25: a fused op's host time at most this many times PyTorch's same job
 OP_LIMIT = 1.5
 COMPARISONS = ("torch", "hf-sdpa")  # an op's: PyTorch's same job; a model's: transformers with SDPA
-FASTBERT_PROVIDERS = ("fastbert", "fastbert-eager")  # a model's also on its PyTorch path (backend "torch")
+# a model's also on an H100's path (backend "auto" as an H100 runs it) and on its PyTorch path (backend "torch")
+FASTBERT_PROVIDERS = ("fastbert", "fastbert-h100", "fastbert-eager")
 
 
 CENSUS_COMMAND = "python benchmarks/host_census.py"
@@ -95,7 +96,10 @@ def host_section(rows: list[dict], provenance_line) -> list[str]:
             "Ops: `fwd` is an inference call (no_grad, dropout off), `fwd+bwd` a training "
             "forward and its backward, against the same job written with PyTorch's ops. Models: BERT-base's and "
             "ModernBERT-base's graphs (every layer and op, 2 heads of 32, hidden 64), fastbert (backend "
-            "\"triton\"; and, as fastbert-eager, backend \"torch\": what \"auto\" runs on CPU tensors) against "
+            "\"triton\"; as fastbert-h100, backend \"auto\" running what an H100 runs at the GPU suite's shape of "
+            "the call, BERT-base's inference at 32 x 128 and training at 256 x 128, ModernBERT-base's at 32 x 512: "
+            "fastbert/paths.json's choices, recorded from those calls planned on meta tensors; and, as "
+            "fastbert-eager, backend \"torch\": what \"auto\" runs on CPU tensors) against "
             "transformers with SDPA, all with default arguments: `fwd` an inference forward "
             "of a padded batch, `fwd+bwd` a pretraining step (loss, backward, AdamW). Syncs: what would make the "
             f"host wait for a GPU in one call (`fastbert.host_syncs`). The limit for an op is {OP_LIMIT}x; for a "

@@ -11,20 +11,21 @@ Ops: each fused op against "the same job in PyTorch" as a user writes it (op_cas
 dropout + add + F.layer_norm, F.gelu(x + b), F.linear and views, SDPA, F.linear + F.cross_entropy, ...), in
 two directions: "fwd" (under torch.no_grad, as at inference) and "fwd+bwd" (the forward with autograd, then
 the backward). Models: BERT-base's and ModernBERT-base's op graphs (their layer and head counts, every op) at
-the narrow widths below, fastbert on its Triton path (backend="triton") and on its PyTorch path (TORCH_PATH),
-against transformers with SDPA, all called with their default arguments: an inference forward of a padded batch
+the narrow widths below, fastbert on its Triton path (backend="triton"), on its PyTorch path (TORCH_PATH) and
+on an H100's (H100_AUTO), against transformers with SDPA, all called with their default arguments: an inference forward of a padded batch
 (eval, no_grad) and a training step (the pretraining head's loss, backward, AdamW's step). Each row also counts
 the host syncs of one call (fastbert.host_syncs: what would make the host wait for a GPU).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from fastbert import ops
+from fastbert import ops, paths
 from fastbert.bench import model_cases, op_cases
 from fastbert.kernels.fused_op import always_custom_op
 from fastbert.simulated.host_time import interleaved_host_microseconds, one_thread, stubbed_launches
@@ -33,6 +34,14 @@ FASTBERT, TORCH, HF_SDPA = op_cases.FASTBERT, op_cases.TORCH, model_cases.HF_SDP
 # fastbert's model on its PyTorch path (backend "torch"): what "auto" runs on CPU tensors (and, on an H100, for
 # the QKV projection at BERT-base's width and for attention without a mask: fastbert/paths.json)
 TORCH_PATH = model_cases.EAGER
+# fastbert's model with its default backend, "auto", running what an H100 runs (fastbert/paths.json) at the GPU
+# suite's shape of each call (H100_SHAPES): the path whose host time a user of an H100 pays, where on these CPU
+# tensors "auto" would run the reference
+H100_AUTO = "fastbert-h100"
+# (batch, seqlen, padded) of the GPU suite's case whose choices an H100_AUTO call takes (model_cases.gpu_model_cases):
+# issue 25's BERT-base inference and pretraining step, ModernBERT-base's at S = 512
+H100_SHAPES = {("base", "inference"): (32, 128, True), ("base", "train"): (256, 128, False),
+               ("modernbert-base", "inference"): (32, 512, True), ("modernbert-base", "train"): (32, 512, True)}
 # fastbert's ops with every eager call through its torch.library custom op (kernels/fused_op.py: what an eager call
 # costs that way, beside the direct call fastbert makes)
 CUSTOM_OP = "fastbert-custom-op"
@@ -211,13 +220,38 @@ def model_config(size: str):
     return config.replace(**NARROW, **ids, backend="triton")
 
 
+@functools.cache
+def h100_choices(size: str, mode: str) -> dict:
+    """(op, direction) -> what backend="auto" runs on an H100 in this model's inference forward or training step
+    at its H100_SHAPES, full width, as the GPU suite runs it (bf16 weights, or under bf16 autocast): recorded from
+    that call on meta tensors standing for the H100's (fastbert.simulated.meta_gpu.planned_gpu)."""
+    from fastbert.simulated.meta_gpu import planned_gpu
+
+    batch, seqlen, padded = H100_SHAPES[(size, mode)]
+    case = model_cases.ModelCase(mode, size, batch, seqlen, padded, (FASTBERT,))
+    with planned_gpu(dtype=torch.bfloat16 if mode == "train" else None), paths.recorded_choices() as choices:
+        run = model_cases.ProviderRun(case, FASTBERT, torch.device("meta"))
+        if mode == "inference":
+            run.model.to(torch.bfloat16)  # the GPU suite's weights (build_model keeps a non-CUDA model's float32)
+        step, _ = run.step_for(batch, padded)
+        step()
+    return choices
+
+
+def set_auto_choices(size: str, provider: str, mode: str) -> None:
+    """What backend="auto" runs on the stubbed CPU tensors in this provider's calls of this model from now on:
+    the H100's choices for H100_AUTO (h100_choices), else the reference. Each call sets its own: the providers of
+    a case take turns."""
+    ops.set_stubbed_auto(h100_choices(size, mode) if provider == H100_AUTO else None)
+
+
 def model_and_inputs(size: str, provider: str, mode: str) -> tuple[torch.nn.Module, dict]:
     """The model of a model row and its keyword inputs on a padded batch: mode "inference" (eval; the ids, the
     mask and the token types) or "train" (the pretraining head; labels too)."""
     config = model_config(size)
-    if provider == TORCH_PATH:
-        config = config.replace(backend="torch")
-    model = model_cases.build_model(provider, config, mode, torch.device("cpu"))
+    if provider in (TORCH_PATH, H100_AUTO):
+        config = config.replace(backend="torch" if provider == TORCH_PATH else "auto")
+    model = model_cases.build_model(FASTBERT if provider == H100_AUTO else provider, config, mode, torch.device("cpu"))
     batch = model_cases.make_batch(config, MODEL_BATCH, MODEL_SEQLEN, True, torch.device("cpu"))
     tensors = batch["tensors"]
     if mode == "inference":
@@ -229,12 +263,15 @@ def model_and_inputs(size: str, provider: str, mode: str) -> tuple[torch.nn.Modu
 
 def _model_calls(size: str, provider: str) -> Callable[[str], Callable[[], None]]:
     """direction "fwd": an inference forward (eval, no_grad) of the base model on a padded batch; "fwd+bwd": a
-    training step of the pretraining head (loss, backward, AdamW). Default arguments, as a user calls them."""
+    training step of the pretraining head (loss, backward, AdamW). Default arguments, as a user calls them. Each
+    call first sets what "auto" runs in it (ops.set_stubbed_auto, as set_auto_choices: a tenth of a microsecond)."""
     def make(direction: str) -> Callable[[], None]:
         mode = "inference" if direction == "fwd" else "train"
         model, inputs = model_and_inputs(size, provider, mode)
+        choices = h100_choices(size, mode) if provider == H100_AUTO else None
         if mode == "inference":
             def infer():
+                ops.set_stubbed_auto(choices)
                 with torch.no_grad():
                     model(**inputs)
             return infer
@@ -242,6 +279,7 @@ def _model_calls(size: str, provider: str) -> Callable[[str], Callable[[], None]
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
         def train_step():
+            ops.set_stubbed_auto(choices)
             model(**inputs).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -249,10 +287,13 @@ def _model_calls(size: str, provider: str) -> Callable[[str], Callable[[], None]
     return make
 
 
+MODEL_PROVIDERS = (FASTBERT, H100_AUTO, TORCH_PATH, HF_SDPA)
+
+
 def model_host_cases() -> list[HostCase]:
     return [HostCase(f"model/{size},layers={model_config(size).num_hidden_layers},hidden={NARROW['hidden_size']},"
                      f"batch={MODEL_BATCH},seqlen={MODEL_SEQLEN},padded", "model",
-                     {provider: _model_calls(size, provider) for provider in (FASTBERT, TORCH_PATH, HF_SDPA)})
+                     {provider: _model_calls(size, provider) for provider in MODEL_PROVIDERS})
             for size in ("base", "modernbert-base")]
 
 
@@ -311,7 +352,7 @@ def summary(rows: list[dict]) -> str:
     lines = [f"{'case':<62} {'provider':<14} {'dir':<8} {'fastbert us':>11} {'custom op':>9} {'other us':>9} "
              f"{'ratio':>6} {'syncs':>7}"]
     for (case, direction, provider), row in by_key.items():
-        if provider not in (FASTBERT, TORCH_PATH):
+        if provider not in (FASTBERT, H100_AUTO, TORCH_PATH):
             continue
         custom = by_key.get((case, direction, CUSTOM_OP))
         other = by_key.get((case, direction, TORCH)) or by_key.get((case, direction, HF_SDPA))

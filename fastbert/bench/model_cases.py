@@ -28,6 +28,7 @@ MFU = FLOPs / time / measured bf16 matmul rate ranks providers as tokens/s does.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 from dataclasses import dataclass
@@ -181,7 +182,9 @@ def make_step(provider: str, model: torch.nn.Module, optimizer, mode: str, tenso
     extra = {"return_logits": False} if fastbert_model else {}
 
     def train_step():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        # bf16 autocast on a GPU; none on a CPU (the smoke run), nor on meta tensors, which have no autocast of
+        # their own (a plan's, fastbert.simulated.meta_gpu.planned_gpu, stands for the GPU's)
+        with torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext():
             loss = model(**tensors, **extra).loss
         loss.backward()
         optimizer.step()
