@@ -414,10 +414,12 @@ def fused_feed_forward(config: BertConfig, up: nn.Module, down: nn.Module, atten
 def one_node_sublayers(config: BertConfig, hidden) -> bool:
     """Whether a sublayer may now run as one autograd node (fastbert/sublayer.py), before its modules and paths are
     read: eager autograd (eager_autograd) with a backend that can resolve to the Triton path ("triton", or "auto" on
-    a CUDA tensor). "auto" on CPU tensors runs PyTorch's ops: learning that from resolve_backend would cost each
-    layer of a CPU user's step some 30 Python calls. The callers ask torch.is_grad_enabled() first, inline: an
-    inference forward then makes no Python call for it."""
-    return (hidden.is_cuda or config.backend == "triton") and eager_autograd()
+    a CUDA tensor or one standing for a GPU's: ops.auto_as_gpu). "auto" on CPU tensors runs PyTorch's ops: learning
+    that from resolve_backend would cost each layer of a CPU user's step some 30 Python calls. The callers ask
+    torch.is_grad_enabled() first, inline: an inference forward then makes no Python call for it."""
+    backend = config.backend
+    return (hidden.is_cuda or backend == "triton" or (backend != "torch" and ops.auto_as_gpu(hidden))) and (
+        eager_autograd())
 
 
 def fused_feed_forward_sublayer(config: BertConfig, up: nn.Module, down: nn.Module, norm: nn.LayerNorm,

@@ -5,7 +5,9 @@ kernel (`fastbert.kernels.<op>`) and the pure-PyTorch reference (`fastbert.refer
 - auto: on CUDA tensors (when Triton imports) the path measured fastest for the op's shape class on the
   nearest measured GPU architecture: the Triton kernel, the reference, or cuBLAS's GEMM followed by a
   Triton elementwise kernel (fastbert.paths, the committed table fastbert/paths.json); the reference
-  otherwise. The environment variable FASTBERT_BACKEND=triton|torch changes what "auto" means.
+  otherwise (but as on a GPU for the meta tensors of a memory plan and the CPU tensors of a host-time
+  measurement that stand for a GPU's). The environment variable FASTBERT_BACKEND=triton|torch changes what
+  "auto" means.
 - triton: the kernels. On CPU tensors this needs TRITON_INTERPRET=1 (Triton's interpreter);
   otherwise it raises RuntimeError rather than silently running something else.
 - torch: the reference, everywhere.
@@ -66,13 +68,20 @@ def set_launches_stubbed(stubbed: bool) -> None:
 
 
 def set_stubbed_auto(choices: dict | None) -> None:
-    """What backend="auto" runs on CPU tensors from now until the stubs go: a GPU's choices (a
-    paths.recorded_choices table) or None, the reference. Raises RuntimeError unless the launches are stubbed:
-    without the stubs a kernel cannot take CPU tensors."""
+    """What backend="auto" runs on CPU tensors from now until the stubs go: what a GPU ran (a
+    paths.recorded_choices table: the op's recorded choice, the kernel where "auto" has no choice to make) or None,
+    the reference. Raises RuntimeError unless the launches are stubbed: without the stubs a kernel cannot take CPU
+    tensors."""
     if not _LAUNCHES_STUBBED[0]:
         raise RuntimeError("set_stubbed_auto needs stubbed launches (fastbert.simulated.host_time.stubbed_launches): "
                            "without them a kernel cannot run on CPU tensors")
     _STUBBED_AUTO[0] = choices
+
+
+def auto_as_gpu(t: torch.Tensor) -> bool:
+    """Whether backend="auto" chooses for t, not a CUDA tensor, as on a GPU: a meta tensor inside a memory plan
+    (paths.planned_architecture), a CPU tensor while the stubbed launches hold a GPU's choices (set_stubbed_auto)."""
+    return paths.planned_capability() is not None if t.is_meta else _STUBBED_AUTO[0] is not None
 
 
 # the ops whose kernels compute in the autocast dtype: under autocast, their table rows are that dtype's
@@ -126,16 +135,17 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor | None, op: str 
             # meta tensors stand for CUDA tensors in a memory plan (fastbert.simulated.meta_gpu), of the planned
             # GPU (paths.planned_architecture); outside a plan "auto" means the reference on them
             capability = paths.planned_capability() if devices == "meta" else None
-            if TRITON_IMPORT_ERROR is not None or not (devices == "cuda" or capability):
-                stubbed_auto = _STUBBED_AUTO[0]
-                if stubbed_auto is not None and devices == "other" and _LAUNCHES_STUBBED[0]:
-                    return paths.stubbed_choice(stubbed_auto, op, tensors)
+            # CPU tensors of a host-time measurement that stand for a GPU's take its recorded choices
+            recorded = _STUBBED_AUTO[0] if devices == "other" else None
+            if TRITON_IMPORT_ERROR is not None or not (devices == "cuda" or capability or recorded is not None):
                 return "torch"
             if op is None:
                 return "triton"
             only = paths.ONLY_CANDIDATE.get(op)
             if only is not None:
                 return only
+            if recorded is not None:
+                return paths.recorded_choice(recorded, op, tensors)
             first = tensors[0]
             # planned meta tensors read CUDA's autocast state too (autocast_dtype)
             dtype = (autocast_dtype("matmul", "cuda") if op in MATMUL_OPS else None) or first.dtype

@@ -151,6 +151,7 @@ _CHOSEN: dict[tuple, str] = {}  # (capability, op, dtype, training, input shape,
 CACHE_ENTRIES = 4096
 _CAPABILITY: dict[int, int] = {}  # CUDA device index -> compute capability (90 for sm_90)
 _PLANNED: list[int | None] = [None]  # the capability meta tensors stand for, inside planned_architecture
+_RECORDING: list[dict | None] = [None]  # (op, direction) -> implementation, inside recorded_choices
 
 
 def lookup(table: dict, capability: int, op: str, dtype: torch.dtype, direction: str, classed: tuple) -> str:
@@ -180,8 +181,7 @@ def choose(op: str, tensors, dtype: torch.dtype, capability: int) -> str:
     hands them to resolve_backend: the op's input, then a second tensor, then any), computing in dtype, on a
     GPU of this compute capability (90 for sm_90)."""
     first = tensors[0]
-    training = torch.is_grad_enabled() and (first.requires_grad or any(
-        t is not None and t.requires_grad for t in tensors))
+    training = backward_follows(tensors)
     if torch.compiler.is_compiling():  # traced once: no cache, and no specialising on a symbolic shape's key
         return _lookup_sizes(op, tensors, dtype, capability, training)
     # the two leading shapes fix every size of every op's class: no arithmetic on a hit
@@ -191,7 +191,15 @@ def choose(op: str, tensors, dtype: torch.dtype, capability: int) -> str:
         if len(_CHOSEN) >= CACHE_ENTRIES:  # packed inputs bring a new token count each batch
             _CHOSEN.clear()
         implementation = _CHOSEN[key] = _lookup_sizes(op, tensors, dtype, capability, training)
+        if _RECORDING[0] is not None:
+            _record(_RECORDING[0], op, DIRECTIONS[training], implementation)
     return implementation
+
+
+def backward_follows(tensors) -> bool:
+    """Whether a backward follows an op on these tensors (grad mode on, an input that requires grad): the
+    direction, "fwd+bwd" or "fwd", whose measurements choose its implementation."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _lookup_sizes(op, tensors, dtype, capability, training) -> str:
@@ -208,30 +216,39 @@ def device_capability(device: torch.device) -> int:
     return capability
 
 
-def stubbed_choice(choices: dict, op: str | None, tensors) -> str:
+def recorded_choice(choices, op: str, tensors) -> str:
     """The implementation of op that `choices` (a `recorded_choices` table) holds for the direction these tensors
-    take, else the kernel, as "auto" runs it for an op of one candidate or none named: what backend="auto" runs
-    on the CPU tensors of a host-time measurement standing for a GPU's (fastbert.simulated.host_time)."""
-    if op is None:
-        return "triton"
-    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    return choices.get((op, DIRECTIONS[training]), "triton")
+    take: what backend="auto" runs on the CPU tensors of a host-time measurement standing for a GPU's
+    (fastbert.ops.set_stubbed_auto). Raises ValueError where it holds none: the call is not the one recorded."""
+    direction = DIRECTIONS[backward_follows(tensors)]
+    implementation = choices.get((op, direction))
+    if implementation is None:
+        raise ValueError(f"no recorded choice of backend='auto' for op {op} ({direction}): the call differs from "
+                         f"the one whose choices were recorded ({sorted(choices)})")
+    return implementation
+
+
+def _record(recorded: dict, op: str, direction: str, implementation: str) -> None:
+    if recorded.setdefault((op, direction), implementation) != implementation:
+        raise ValueError(f"backend='auto' ran op {op} ({direction}) as both {recorded[op, direction]!r} and "
+                         f"{implementation!r}: no one choice stands for it")
 
 
 @contextlib.contextmanager
 def recorded_choices():
-    """Records what `choose` chooses while entered (its cache, emptied on entry, is read on leaving): yields a
-    dict, filled on leaving, (op, direction) -> implementation. Raises ValueError where one op in one direction
-    was given two implementations (two of its shape classes that the table answers differently): such a call
-    has no one choice to stand for. Under torch.compile `choose` keeps no cache, and records nothing."""
+    """Records what `choose` chooses while entered: yields a dict (op, direction) -> implementation, filled as each
+    choice is made (the choice cache is emptied on entry, so that a choice made before is looked up again). Raises
+    ValueError where one op in one direction is given two implementations (two of its shape classes that the table
+    answers differently): such a call has no one choice to stand for. Under torch.compile `choose` looks up
+    without its cache, and records nothing."""
+    if _RECORDING[0] is not None:
+        raise RuntimeError("recorded_choices is already entered")
     _CHOSEN.clear()
-    recorded: dict[tuple[str, str], str] = {}
-    yield recorded
-    for (_, op, _, training, *_), implementation in _CHOSEN.items():
-        key = (op, DIRECTIONS[training])
-        if recorded.setdefault(key, implementation) != implementation:
-            raise ValueError(f"backend='auto' ran op {op} ({key[1]}) as both {recorded[key]!r} and "
-                             f"{implementation!r}: no one choice stands for it")
+    recorded = _RECORDING[0] = {}
+    try:
+        yield recorded
+    finally:
+        _RECORDING[0] = None
 
 
 def planned_capability() -> int | None:

@@ -137,42 +137,57 @@ def test_the_host_census_counts_exactly(tmp_path):
 
 H100_PATHS = """
 import collections, json, sys, torch
+import fastbert
 from fastbert import ops
 from fastbert.bench import host_suite
 from fastbert.simulated.host_time import stubbed_launches
-resolved, real = collections.Counter(), ops.resolve_backend
+resolved, gates, real_resolve = collections.Counter(), collections.Counter(), ops.resolve_backend
+real_gate = fastbert.modeling.one_node_sublayers
 def spy(backend, *tensors, op=None):
-    path = real(backend, *tensors, op=op)
-    resolved[op, path] += 1
+    path = real_resolve(backend, *tensors, op=op)
+    resolved[str(op), path] += 1
     return path
+def gate(config, hidden):
+    answer = real_gate(config, hidden)
+    gates[answer] += 1
+    return answer
 ops.resolve_backend = spy
+for module in list(sys.modules.values()):
+    if getattr(module, "one_node_sublayers", None) is real_gate:
+        module.one_node_sublayers = gate
 seen = {}
 for size, mode in host_suite.H100_SHAPES:
-    resolved.clear()
+    resolved.clear(), gates.clear()
     host_suite.h100_choices.__wrapped__(size, mode)  # the planned H100 call, at full width, on meta tensors
-    planned = dict(resolved)
+    planned = [sorted(resolved.items()), sorted(gates.items())]
     with stubbed_launches():
         call = host_suite._model_calls(size, host_suite.H100_AUTO)("fwd" if mode == "inference" else "fwd+bwd")
         call()
-        resolved.clear()
+        resolved.clear(), gates.clear()
         call()
-    seen[f"{size} {mode}"] = [sorted([str(op), path, n] for (op, path), n in counts.items())
-                              for counts in (planned, resolved)]
+    seen[f"{size} {mode}"] = [planned, [sorted(resolved.items()), sorted(gates.items())]]
 json.dump(seen, sys.stdout)
 """
 
 
 def test_the_h100_rows_run_what_an_h100_runs():
     """A fastbert-h100 call resolves every op as the GPU suite's call that it stands for does on an H100 (planned on
-    meta tensors, full width, bf16), the same implementations the same number of times: its host time is that
-    path's. (On the CPU tensors "auto" would run the reference throughout.)"""
+    meta tensors, full width, bf16), the same implementations the same number of times, and its training step runs
+    the sublayers as one autograd node each, as CUDA tensors do: its host time is that path's. (On the CPU tensors
+    "auto" would run the reference throughout, op by op.) Each shape it stands for is one the GPU suite runs."""
+    from fastbert.bench import model_cases
+
+    gpu_cases = {(c.size, c.mode, c.batch, c.seqlen, c.padded) for c in model_cases.gpu_model_cases()}
+    assert all((*call, *shape) in gpu_cases for call, shape in host_suite.H100_SHAPES.items())
     done = _compiled_path(H100_PATHS)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
     assert set(seen) == {"base inference", "base train", "modernbert-base inference", "modernbert-base train"}
     for call, (planned, stubbed) in seen.items():
         assert planned == stubbed, call
-        assert any(path != "torch" for _, path, _ in stubbed), call  # the kernels run, not the CPU's reference
+        paths, gates = stubbed
+        assert any(path != "torch" for (_, path), _ in paths), call  # the kernels run, not the CPU's reference
+        assert gates == ([] if call.endswith("inference") else [[True, gates[0][1]]]), call
 
 
 def test_host_phases_split_a_step(tmp_path):

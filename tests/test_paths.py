@@ -191,48 +191,65 @@ def test_plain_meta_and_cpu_tensors_keep_the_reference():
 
 
 def test_recorded_choices_are_what_auto_chose(tmp_path, monkeypatch, fresh_choices):
-    """paths.recorded_choices holds each op's choice per direction in the calls made while entered (not one made
-    before), and refuses an op that got two implementations in one direction: no one choice stands for it."""
+    """paths.recorded_choices holds each op's choice per direction in the calls made while entered (a choice
+    cached before is looked up again; one after the cache overflowed is kept), and refuses an op that got two
+    implementations in one direction: no one choice stands for it."""
     monkeypatch.setattr(paths, "TABLE", _table(tmp_path, {"sm_90": {"qkv_projection": {
         "tokens=16384,hidden=768": {"bfloat16": {"fwd+bwd": "torch", "fwd": "cublas_forward"}},
         "tokens=16384,hidden=3072": {"bfloat16": {"fwd+bwd": "triton"}}}}}))
+    monkeypatch.setattr(paths, "CACHE_ENTRIES", 2)
     bf16 = torch.bfloat16
-    assert _resolve("bias_gelu", (16384, 768), bf16, "fwd+bwd") == "triton"  # before: not recorded
+    assert _resolve("qkv_projection", (16384, 768), bf16, "fwd") == "cublas_forward"  # cached before
     with paths.recorded_choices() as recorded:
-        assert _resolve("qkv_projection", (16384, 768), bf16, "fwd+bwd") == "torch"
         assert _resolve("qkv_projection", (16384, 768), bf16, "fwd") == "cublas_forward"
-        assert _resolve("qkv_projection", (4096, 768), bf16, "fwd+bwd") == "torch"  # another class, the same choice
+        assert _resolve("qkv_projection", (16384, 768), bf16, "fwd+bwd") == "torch"
+        assert _resolve("qkv_projection", (4096, 768), bf16, "fwd+bwd") == "torch"  # another class; the cache is full
         assert _resolve("layer_norm", (16384, 768), bf16, "fwd+bwd") == "triton"  # one candidate: never looked up
     assert recorded == {("qkv_projection", "fwd+bwd"): "torch", ("qkv_projection", "fwd"): "cublas_forward"}
     with pytest.raises(ValueError, match="qkv_projection .fwd.bwd. as both 'torch' and 'triton'"):
         with paths.recorded_choices():
             _resolve("qkv_projection", (16384, 768), bf16, "fwd+bwd")
             _resolve("qkv_projection", (16384, 3072), bf16, "fwd+bwd")
+    with paths.recorded_choices() as recorded:  # the failed recording left nothing entered
+        with pytest.raises(RuntimeError, match="already entered"), paths.recorded_choices():
+            pass
 
 
 def test_stubbed_cpu_tensors_run_the_recorded_choices(monkeypatch):
     """While the launches are stubbed (the host suite), "auto" on CPU tensors runs a GPU's recorded choices: the
-    op's in the call's direction, else the kernel (an op without an entry, an op not named); an explicit backend
-    and FASTBERT_BACKEND still win, and without choices, or once the stubs go, "auto" runs the reference."""
+    op's in the call's direction, the kernel for an op "auto" has no choice for; a call the choices do not hold is
+    an error naming the op. An explicit backend and FASTBERT_BACKEND still win, meta tensors keep their own rule,
+    and without choices, or once the stubs go (which forget them), "auto" runs the reference."""
     x, w, b = torch.zeros(4, 8, 8), torch.zeros(24, 8), torch.zeros(24)
+    meta = [t.to("meta") for t in (x, w, b)]
     with pytest.raises(RuntimeError, match="needs stubbed launches"):
         ops.set_stubbed_auto({})
     ops.set_launches_stubbed(True)
     try:
         assert ops.resolve_backend("auto", x, w, b, op="qkv_projection") == "torch"
+        assert not ops.auto_as_gpu(x)
         ops.set_stubbed_auto({("qkv_projection", "fwd"): "cublas_forward", ("feed_forward", "fwd+bwd"): "torch"})
+        assert ops.auto_as_gpu(x) and not ops.auto_as_gpu(meta[0])
         assert ops.resolve_backend("auto", x, w, b, op="qkv_projection") == "cublas_forward"
-        assert ops.resolve_backend("auto", x.requires_grad_(), w, b, op="qkv_projection") == "triton"
+        with pytest.raises(ValueError, match=r"op qkv_projection \(fwd\+bwd\)"):
+            ops.resolve_backend("auto", x.requires_grad_(), w, b, op="qkv_projection")
         with torch.no_grad():
             assert ops.resolve_backend("auto", x, w, b, op="qkv_projection") == "cublas_forward"
         assert ops.resolve_backend("auto", x, op="layer_norm") == ops.resolve_backend("auto", x) == "triton"
         assert ops.resolve_backend("torch", x, w, b, op="qkv_projection") == "torch"
+        assert ops.resolve_backend("auto", *meta, op="qkv_projection") == "torch"  # outside a plan, as ever
+        with paths.planned_architecture(90):
+            assert ops.auto_as_gpu(meta[0])
+            assert ops.resolve_backend("auto", *meta, op="qkv_projection") == paths.choose(
+                "qkv_projection", meta, torch.float32, 90)
         monkeypatch.setenv("FASTBERT_BACKEND", "torch")
         assert ops.resolve_backend("auto", x, w, b, op="qkv_projection") == "torch"
         monkeypatch.delenv("FASTBERT_BACKEND")
         ops.set_stubbed_auto(None)
         assert ops.resolve_backend("auto", x, w, b, op="qkv_projection") == "torch"
         ops.set_stubbed_auto({("qkv_projection", "fwd+bwd"): "cublas_forward"})
+        ops.set_launches_stubbed(True)  # stubbing anew starts without choices
+        assert ops.resolve_backend("auto", x, w, b, op="qkv_projection") == "torch" and not ops.auto_as_gpu(x)
     finally:
         ops.set_launches_stubbed(False)
     assert ops.resolve_backend("auto", x, w, b, op="qkv_projection") == "torch"

@@ -96,12 +96,13 @@ def host_section(rows: list[dict], provenance_line) -> list[str]:
             "Ops: `fwd` is an inference call (no_grad, dropout off), `fwd+bwd` a training "
             "forward and its backward, against the same job written with PyTorch's ops. Models: BERT-base's and "
             "ModernBERT-base's graphs (every layer and op, 2 heads of 32, hidden 64), fastbert (backend "
-            "\"triton\"; as fastbert-h100, backend \"auto\" running what an H100 runs at the GPU suite's shape of "
-            "the call, BERT-base's inference at 32 x 128 and training at 256 x 128, ModernBERT-base's at 32 x 512: "
-            "fastbert/paths.json's choices, recorded from those calls planned on meta tensors; and, as "
-            "fastbert-eager, backend \"torch\": what \"auto\" runs on CPU tensors) against "
+            "\"triton\"; as fastbert-h100, backend \"auto\" running the paths an H100 runs at the GPU suite's "
+            "shape of the call, fastbert/paths.json's choices, recorded from that call planned at full width on "
+            "meta tensors (host_suite.py's H100_SHAPES); and, as fastbert-eager, backend \"torch\": what "
+            "\"auto\" runs on CPU tensors) against "
             "transformers with SDPA, all with default arguments: `fwd` an inference forward "
-            "of a padded batch, `fwd+bwd` a pretraining step (loss, backward, AdamW). Syncs: what would make the "
+            "of a padded batch, `fwd+bwd` a pretraining step (loss, backward, AdamW), in float32 without the GPU "
+            "suite's bf16 autocast (its casts are left out of every provider's rows). Syncs: what would make the "
             f"host wait for a GPU in one call (`fastbert.host_syncs`). The limit for an op is {OP_LIMIT}x; for a "
             "model, transformers' own time.", ""]
     by_key = {(r["case"], r["direction"], r["provider"]): r for r in run if r.get("status") == "ok"}

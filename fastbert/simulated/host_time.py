@@ -32,8 +32,9 @@ from fastbert.simulated.stand_in_gpu import H100, LaunchLog, install
 @contextlib.contextmanager
 def stubbed_launches():
     """While entered, Triton launches run nothing, fastbert's kernels take CPU tensors and denormals are flushed
-    (module docstring). On leaving, the driver, the autotuners' choices and fastbert's launch cache are as before,
-    and denormals are kept again (torch's default)."""
+    (module docstring); backend="auto" runs the reference on CPU tensors, as without the stubs, until
+    ops.set_stubbed_auto hands it a GPU's choices. On leaving, the driver, the autotuners' choices and fastbert's
+    launch cache are as before, "auto" forgets those choices, and denormals are kept again (torch's default)."""
     import triton
     from triton import knobs
 
