@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from fastbert import ops
 from fastbert.bench import host_suite
 from fastbert.bench.runner import cpu_script_parser, save_cpu_rows
 from fastbert.command import run_command
@@ -81,7 +82,7 @@ def census(size: str, provider: str) -> list[dict]:
     # host syncs are counted in a call of their own: the counter is a dispatch mode, under which fastbert's
     # fused ops take their custom ops and every aten op a Python call
     model, inputs = host_suite.model_and_inputs(size, provider, "inference")
-    host_suite.set_auto_choices(size, provider, "inference")
+    ops.set_stubbed_auto(host_suite.auto_choices(size, provider, "inference"))
 
     def infer():
         with torch.no_grad():
@@ -94,7 +95,7 @@ def census(size: str, provider: str) -> list[dict]:
     rows = [{"direction": "fwd", **forward.counts, "host_syncs": syncs.syncs}]
 
     model, inputs = host_suite.model_and_inputs(size, provider, "train")
-    host_suite.set_auto_choices(size, provider, "train")
+    ops.set_stubbed_auto(host_suite.auto_choices(size, provider, "train"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def finish(loss):

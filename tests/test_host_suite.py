@@ -157,13 +157,15 @@ for module in list(sys.modules.values()):
         module.one_node_sublayers = gate
 seen = {}
 for size, mode in host_suite.H100_SHAPES:
-    resolved.clear(), gates.clear()
+    resolved.clear()
+    gates.clear()
     host_suite.h100_choices.__wrapped__(size, mode)  # the planned H100 call, at full width, on meta tensors
     planned = [sorted(resolved.items()), sorted(gates.items())]
     with stubbed_launches():
         call = host_suite._model_calls(size, host_suite.H100_AUTO)("fwd" if mode == "inference" else "fwd+bwd")
         call()
-        resolved.clear(), gates.clear()
+        resolved.clear()
+        gates.clear()
         call()
     seen[f"{size} {mode}"] = [planned, [sorted(resolved.items()), sorted(gates.items())]]
 json.dump(seen, sys.stdout)

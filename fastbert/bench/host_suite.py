@@ -245,11 +245,11 @@ def h100_choices(size: str, mode: str) -> dict:
     return types.MappingProxyType(choices)  # cached: every call shares it
 
 
-def set_auto_choices(size: str, provider: str, mode: str) -> None:
-    """What backend="auto" runs on the stubbed CPU tensors in this provider's calls of this model from now on:
-    the H100's choices for H100_AUTO (h100_choices), else the reference. Each call sets its own: the providers of
-    a case take turns."""
-    ops.set_stubbed_auto(h100_choices(size, mode) if provider == H100_AUTO else None)
+def auto_choices(size: str, provider: str, mode: str):
+    """What backend="auto" runs on the stubbed CPU tensors in this provider's calls of this model, for
+    ops.set_stubbed_auto: the H100's choices for H100_AUTO (h100_choices), else None (the reference). Each call
+    sets its own: the providers of a case take turns."""
+    return h100_choices(size, mode) if provider == H100_AUTO else None
 
 
 def model_and_inputs(size: str, provider: str, mode: str) -> tuple[torch.nn.Module, dict]:
@@ -271,11 +271,11 @@ def model_and_inputs(size: str, provider: str, mode: str) -> tuple[torch.nn.Modu
 def _model_calls(size: str, provider: str) -> Callable[[str], Callable[[], None]]:
     """direction "fwd": an inference forward (eval, no_grad) of the base model on a padded batch; "fwd+bwd": a
     training step of the pretraining head (loss, backward, AdamW). Default arguments, as a user calls them. Each
-    call first sets what "auto" runs in it (ops.set_stubbed_auto, as set_auto_choices: a tenth of a microsecond)."""
+    call first sets what "auto" runs in it (ops.set_stubbed_auto(auto_choices(...)): a tenth of a microsecond)."""
     def make(direction: str) -> Callable[[], None]:
         mode = "inference" if direction == "fwd" else "train"
         model, inputs = model_and_inputs(size, provider, mode)
-        choices = h100_choices(size, mode) if provider == H100_AUTO else None
+        choices = auto_choices(size, provider, mode)
         if mode == "inference":
             def infer():
                 ops.set_stubbed_auto(choices)
