@@ -238,16 +238,17 @@ class SelfAttention(nn.Module):
         """norm(dropout(dense(self(x))) + hidden), the whole attention sublayer, as one autograd node
         (fastbert/sublayer.py), with x = hidden (post-LN) or pre_norm(hidden) (pre-LN; return_residual: the output
         is (normed, summed stream), as ops.layer_norm's); or None where that would not run the ops that calling them
-        one by one runs: an op whose resolved path is not its Triton one, a module it would bypass that is not plain,
-        a relative bias, or no gradient wanted. dropout: the sublayer's Dropout module, or None for none. The caller
-        checks one_node_sublayers(), that the modules it calls one by one are not hooked and that no attention
-        probabilities are wanted."""
+        one by one runs: an attention or LayerNorm whose resolved path is not its Triton one, a module it would
+        bypass that is not plain, a relative bias, or no gradient wanted. The QKV projection may resolve to any path:
+        PyTorch's runs in its cuBLAS form there (fastbert/sublayer.py's header). dropout: the sublayer's Dropout
+        module, or None for none. The caller checks one_node_sublayers(), that the modules it calls one by one are
+        not hooked and that no attention probabilities are wanted."""
         config = self.config
         backend = config.backend
+        if layout.relative_bias is not None:
+            return None
         linears = self.linears()
         projection = ops.resolve_backend(backend, hidden, *weight_and_bias(linears[0]), op="qkv_projection")
-        if projection not in ("triton", "cublas_forward") or layout.relative_bias is not None:
-            return None
         hidden_p = 0.0 if dropout is None else dropout_rate(dropout)
         norm_weight, norm_bias = weight_and_bias(norm)
         requires_grad = (hidden.requires_grad or norm_weight.requires_grad
@@ -286,7 +287,7 @@ class SelfAttention(nn.Module):
         return attention_sublayer(hidden, parameters, (
             layout.attention_mask, layout.cu_seqlens, layout.max_seqlen, heads, self.probs_dropout(), rotary_base,
             window, hidden_p, config.layer_norm_eps, config.layer_norm_backward == "output", return_residual,
-            projection == "cublas_forward"))
+            projection != "triton"))
 
     def forward(self, hidden, layout: AttentionLayout, output_attentions: bool = False):
         config = self.config

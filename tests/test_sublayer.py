@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import family, modeling
+from fastbert import family, modeling, ops
 from fastbert.kernels.fused_op import always_custom_op
 
 CONFIG = fastbert.BertConfig.tiny(vocab_size=97, hidden_size=64, num_attention_heads=2, intermediate_size=128,
@@ -89,6 +89,41 @@ def test_one_node_gives_the_per_op_results_bitwise(unpad, autocast, frozen, devi
     assert grads.keys() == per_op_grads.keys()
     if frozen:
         assert all("bias" in name for name in grads)
+    for name, grad in grads.items():
+        assert grad.dtype == dict(model.named_parameters())[name].dtype
+        assert torch.equal(grad, per_op_grads[name]), name
+
+
+@contextlib.contextmanager
+def _qkv_on_torch_path():
+    """The QKV projection resolves to PyTorch's path, as backend="auto" chooses on an H100 at BERT-base's training
+    shape (fastbert/paths.json); every other op to its kernel."""
+    resolve = ops.resolve_backend
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ops, "resolve_backend", lambda backend, *tensors, op=None:
+                      "torch" if op == "qkv_projection" else resolve(backend, *tensors, op=op))
+        yield
+
+
+@pytest.mark.parametrize("architecture, options", [
+    ("bert", dict(unpad=False)), ("bert", dict(unpad=True, autocast=True)), ("bert", dict(frozen=True)),
+    ("modernbert", dict(autocast=True)), ("modernbert", dict(frozen=True, attention_bias=True))],
+    ids=["bert-padded", "bert-unpadded-autocast-bf16", "bert-bitfit", "modernbert-autocast-bf16",
+         "modernbert-frozen-biases"])
+def test_qkv_on_the_torch_path_is_in_the_node_with_the_per_op_results(architecture, options, device):
+    """Where the QKV projection resolves to PyTorch's path the attention sublayer is still one node, which runs
+    that path's forward and its GEMMs over attention's gradient buffer as it is: bitwise what the ops one by one
+    give, where autograd's unbind backward stacks dq, dk and dv first."""
+    step = _step if architecture == "bert" else _modernbert_step
+    with _qkv_on_torch_path():
+        model, loss, grads = step(device, per_op=False, **options)
+        _, per_op_loss, per_op_grads = step(device, per_op=True, **options)
+    nodes, per_op_nodes = _node_types(loss), _node_types(per_op_loss)
+    layers = model.config.num_hidden_layers
+    assert nodes.count("_AttentionSublayerBackward") == layers
+    assert "UnbindBackward0" in per_op_nodes and "UnbindBackward0" not in nodes  # the per-op path is PyTorch's
+    assert torch.equal(loss, per_op_loss)
+    assert grads.keys() == per_op_grads.keys()
     for name, grad in grads.items():
         assert grad.dtype == dict(model.named_parameters())[name].dtype
         assert torch.equal(grad, per_op_grads[name]), name
