@@ -288,16 +288,20 @@ _PLAN_BOTH_PATHS = """
 import json, sys
 import pytest, torch
 import fastbert
-from fastbert import family, modeling, sublayer
+from fastbert import family, modeling, ops, sublayer
 from fastbert.kernels import fused_op
 from fastbert.simulated.memory_plan import plan_step
 
-name, options = sys.argv[1], json.loads(sys.argv[2])
+name, options, qkv_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 rows, seqlen = 2, 32
+resolve = ops.resolve_backend
 
 def plan(per_op):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fused_op, "_dispatch_modes", lambda: 0)
+        if qkv_path == "torch":  # as test_qkv_on_the_torch_path_is_in_the_node_with_the_per_op_results
+            patch.setattr(ops, "resolve_backend", lambda backend, *tensors, op=None:
+                          "torch" if op == "qkv_projection" else resolve(backend, *tensors, op=op))
         nodes = []
         patch.setattr(sublayer, "_APPLY", lambda *args, real=sublayer._APPLY: nodes.append(1) or real(*args))
         if per_op:
@@ -322,17 +326,22 @@ print(json.dumps([plan(per_op=False), plan(per_op=True)]))
 """
 
 
-@pytest.mark.parametrize("name, options", [
-    ("bert", {"backend": "triton", "num_hidden_layers": 2, "hidden_dropout_prob": 0.1,
-              "attention_probs_dropout_prob": 0.1}),
-    ("modernbert", {"backend": "triton", "num_hidden_layers": 2, "attention_dropout": 0.1})])
-def test_a_step_with_the_nodes_holds_the_memory_of_the_ops_one_by_one(name, options):
+BERT_OPTIONS = {"backend": "triton", "num_hidden_layers": 2, "hidden_dropout_prob": 0.1,
+                "attention_probs_dropout_prob": 0.1}
+
+
+@pytest.mark.parametrize("name, options, qkv_path", [
+    ("bert", BERT_OPTIONS, "triton"), ("bert", BERT_OPTIONS, "torch"),
+    ("modernbert", {"backend": "triton", "num_hidden_layers": 2, "attention_dropout": 0.1}, "triton")],
+    ids=["bert", "bert-qkv-torch-path", "modernbert"])
+def test_a_step_with_the_nodes_holds_the_memory_of_the_ops_one_by_one(name, options, qkv_path):
     """A node keeps its saved tensors and the incoming gradient until its whole backward ends, where the per-op
     graph freed the LayerNorm's between its nodes: exact accounting on meta tensors (bf16 autocast, AdamW) finds the
-    same saved bytes and the same peak to the byte."""
+    same saved bytes and the same peak to the byte, with the QKV projection on its kernel's path and on PyTorch's (the
+    node saves what PyTorch's linear saves; the per-op backward's stacked copy of dq, dk and dv is not at the peak)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the launchers compile nothing on meta
-    result = subprocess.run([sys.executable, "-c", _PLAN_BOTH_PATHS, name, json.dumps(options)], capture_output=True,
-                            text=True, env=env, timeout=300)
+    result = subprocess.run([sys.executable, "-c", _PLAN_BOTH_PATHS, name, json.dumps(options), qkv_path],
+                            capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     nodes, per_op = json.loads(result.stdout.splitlines()[-1])
     assert nodes["nodes"] == options["num_hidden_layers"] and per_op["nodes"] == 0
