@@ -10,7 +10,8 @@ committed table `fastbert/paths.json`. The implementations:
   bias + GELU (GeGLU) kernel; the FFNs keep their Triton backward and its saves (kernels/ffn.py's `form`).
 - "cublas_forward" (qkv_projection): PyTorch's forward (cuBLAS's GEMM with its bias, then views), the kernel's
   backward, which reads attention's gradients where they are instead of autograd's stack of them
-  (kernels/qkv.py).
+  (kernels/qkv.py). Inside the attention sublayer's one autograd node (fastbert/sublayer.py) "torch" runs this
+  form too: there dq, dk and dv are always attention's one buffer, and the backward's GEMMs are PyTorch's own.
 Attention's PyTorch path is SDPA, a candidate only without a mask, a relative bias, rotary positions or a
 window (ops.attention passes no op otherwise, and the kernel runs).
 
