@@ -115,12 +115,17 @@ def test_qkv_on_the_torch_path_is_in_the_node_with_the_per_op_results(architectu
     that path's forward and its GEMMs over attention's gradient buffer as it is: bitwise what the ops one by one
     give, where autograd's unbind backward stacks dq, dk and dv first."""
     step = _step if architecture == "bert" else _modernbert_step
-    with _qkv_on_torch_path():
+    kernel, in_place = ops.KERNELS["qkv"], []
+    one_matrix = kernel._one_matrix
+    with _qkv_on_torch_path(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel, "_one_matrix", lambda *args: in_place.append(one_matrix(*args) is not None)
+                      or one_matrix(*args))
         model, loss, grads = step(device, per_op=False, **options)
         _, per_op_loss, per_op_grads = step(device, per_op=True, **options)
     nodes, per_op_nodes = _node_types(loss), _node_types(per_op_loss)
     layers = model.config.num_hidden_layers
     assert nodes.count("_AttentionSublayerBackward") == layers
+    assert in_place == [True] * layers  # each node's backward read dQKV where attention wrote it: no gather
     assert "UnbindBackward0" in per_op_nodes and "UnbindBackward0" not in nodes  # the per-op path is PyTorch's
     assert torch.equal(loss, per_op_loss)
     assert grads.keys() == per_op_grads.keys()
