@@ -354,8 +354,14 @@ class MPNetAttention(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, hidden, layout: AttentionLayout, output_attentions: bool = False):
-        context, probs = self.attn(hidden, layout, output_attentions)
-        return add_and_norm(self.config, self.LayerNorm, linear(self.attn.o, context), hidden, self.dropout), probs
+        attention = self.attn
+        if (not output_attentions and torch.is_grad_enabled() and one_node_sublayers(self.config, hidden)
+                and is_unhooked(attention, MPNetSelfAttention)):
+            normed = attention.sublayer(hidden, layout, attention.o, self.LayerNorm, self.dropout)
+            if normed is not None:
+                return normed, None
+        context, probs = attention(hidden, layout, output_attentions)
+        return add_and_norm(self.config, self.LayerNorm, linear(attention.o, context), hidden, self.dropout), probs
 
 
 class MPNetLayer(BertLayer):

@@ -239,14 +239,12 @@ class SelfAttention(nn.Module):
         (fastbert/sublayer.py), with x = hidden (post-LN) or pre_norm(hidden) (pre-LN; return_residual: the output
         is (normed, summed stream), as ops.layer_norm's); or None where that would not run the ops that calling them
         one by one runs: an attention or LayerNorm whose resolved path is not its Triton one, a module it would
-        bypass that is not plain, a relative bias, or no gradient wanted. The QKV projection may resolve to any path:
+        bypass that is not plain, or no gradient wanted. The QKV projection may resolve to any path:
         PyTorch's runs in its cuBLAS form there (fastbert/sublayer.py's header). dropout: the sublayer's Dropout
         module, or None for none. The caller checks one_node_sublayers(), that the modules it calls one by one are
         not hooked and that no attention probabilities are wanted."""
         config = self.config
         backend = config.backend
-        if layout.relative_bias is not None:
-            return None
         linears = self.linears()
         projection = ops.resolve_backend(backend, hidden, *weight_and_bias(linears[0]), op="qkv_projection")
         hidden_p = 0.0 if dropout is None else dropout_rate(dropout)
@@ -269,6 +267,10 @@ class SelfAttention(nn.Module):
         if pre_weight is not None:
             requires_grad = (requires_grad or pre_weight.requires_grad
                              or (pre_bias is not None and pre_bias.requires_grad))
+        relative_bias, relative_buckets = layout.relative_bias, layout.relative_buckets  # MPNet's table, or None
+        if relative_bias is not None:
+            ops.check_relative_bias(relative_bias, relative_buckets, config.num_attention_heads, hidden.device)
+            requires_grad = requires_grad or relative_bias.requires_grad
         if hidden_p is None or not requires_grad:
             return None  # a dropout module to call, or no backward (the ops' inference calls)
         heads = config.num_attention_heads
@@ -278,16 +280,17 @@ class SelfAttention(nn.Module):
             rotary_base, window = options["rotary_base"], options["window"]
             ops.check_rotary_window(rotary_base, window, config.head_dim)  # as ops.attention checks them
         # "auto" reads fastbert.paths' table for plain attention, by q's shape: a stand-in of it ("triton" reads none)
-        plain = backend != "triton" and layout.attention_mask is None and not layout.packed and not options
+        plain = (backend != "triton" and layout.attention_mask is None and not layout.packed and not options
+                 and relative_bias is None)
         q_like = hidden.reshape(*hidden.shape[:2], heads, config.head_dim).transpose(1, 2) if plain else hidden
         norm_weights = (norm_weight,) if pre_norm is None else (norm_weight, pre_weight)
         if (ops.resolve_backend(backend, q_like, op="attention" if plain else None) != "triton"
                 or ops.resolve_backend(backend, hidden, *norm_weights, op="layer_norm") != "triton"):
             return None
-        return attention_sublayer(hidden, parameters, (
+        return attention_sublayer(hidden, parameters, relative_bias, (
             layout.attention_mask, layout.cu_seqlens, layout.max_seqlen, heads, self.probs_dropout(), rotary_base,
-            window, hidden_p, config.layer_norm_eps, config.layer_norm_backward == "output", return_residual,
-            projection != "triton"))
+            window, relative_buckets, hidden_p, config.layer_norm_eps, config.layer_norm_backward == "output",
+            return_residual, projection != "triton"))
 
     def forward(self, hidden, layout: AttentionLayout, output_attentions: bool = False):
         config = self.config

@@ -15,8 +15,9 @@
 #
 # Where it runs: eager autograd (not traced: torch.compile and torch.export see the per-op custom ops), plain
 # modules (no hooks, plain Linears (BERT's three QKV Linears with biases), readable dropouts), no attention
-# probabilities, no relative bias, and the attention and LayerNorms on the path fastbert.ops resolves for them when
-# called alone, a Triton one. Elsewhere the caller runs the ops one by one, as before (fastbert/modeling.py decides).
+# probabilities, and the attention and LayerNorms on the path fastbert.ops resolves for them when called alone, a
+# Triton one. MPNet's relative-position bias table, which every layer's attention reads, is an input of each node,
+# whose backward returns that layer's share of its gradient (autograd sums them, as over the per-op nodes). Elsewhere the caller runs the ops one by one, as before (fastbert/modeling.py decides).
 #
 # The QKV projection runs here on any path it resolves to. Its PyTorch path ("torch": what backend="auto" chooses on
 # an H100 at BERT-base's training shape) runs in its cuBLAS form (kernels/qkv.py's cublas_forward): the same forward,
@@ -135,9 +136,10 @@ class _AttentionSublayer(torch.autograd.Function):
 
     # forward with ctx (old-style), called through autograd's C apply, as kernels/fused_op.py's EagerFunction
     @staticmethod
-    def forward(ctx, hidden, wq, bq, wk, bk, wv, bv, wo, bo, norm_weight, norm_bias, pre_weight, pre_bias, options):
-        (key_mask, cu_seqlens, max_seqlen, num_heads, attention_p, rotary_base, window, hidden_p, eps, save_output,
-         return_residual, cublas_forward) = options
+    def forward(ctx, hidden, wq, bq, wk, bk, wv, bv, wo, bo, norm_weight, norm_bias, pre_weight, pre_bias,
+                relative_bias, options):
+        (key_mask, cu_seqlens, max_seqlen, num_heads, attention_p, rotary_base, window, relative_buckets, hidden_p,
+         eps, save_output, return_residual, cublas_forward) = options
         qkv_kernel, attention_kernel = ops.KERNELS["qkv"], ops.KERNELS["attention"]
         x, contexts = hidden, ()
         if pre_weight is not None:  # the pre-LayerNorm, as fastbert.ops.layer_norm runs it (no residual, no dropout)
@@ -157,10 +159,12 @@ class _AttentionSublayer(torch.autograd.Function):
         packed = cu_seqlens is not None
         seqlen = max_seqlen if packed else q.shape[2]
         key_mask = None if packed else key_mask
-        attention_kernel.check_limits(q, k, v, key_mask, cu_seqlens, seqlen, None, None, None, rotary_base, window)
+        attention_kernel.check_limits(q, k, v, key_mask, cu_seqlens, seqlen, None, relative_bias, relative_buckets,
+                                      rotary_base, window)
         dropout_p, seed = attention_kernel.dropout_seed(attention_p, True, q.device)
-        arguments = (q, k, v, key_mask, cu_seqlens, seqlen, seed, dropout_p, q.shape[-1] ** -0.5, None, None,
-                     attention_kernel._float_or_none(rotary_base), window)  # converted as the unchecked entries do
+        arguments = (q, k, v, key_mask, cu_seqlens, seqlen, seed, dropout_p, q.shape[-1] ** -0.5, relative_bias,
+                     relative_buckets, attention_kernel._float_or_none(rotary_base), window)  # as the unchecked
+        # entries convert them
         out, lse = attention_kernel.attention_fwd.function(*arguments)
         attention = _OpContext()
         attention_kernel._setup_context(attention, arguments, (out, lse))
@@ -177,7 +181,8 @@ class _AttentionSublayer(torch.autograd.Function):
         _save(ctx, (*contexts, qkv, attention, norm), merged, dense_weight)
         # the dtypes the gradients go back to (autocast's and the promotions' casts, undone as their nodes would)
         ctx.dtypes = (hidden.dtype, x_dtype, projected.dtype,
-                      _dtypes(wq, bq, wk, bk, wv, bv, wo, bo, norm_weight, norm_bias, pre_weight, pre_bias))
+                      _dtypes(wq, bq, wk, bk, wv, bv, wo, bo, norm_weight, norm_bias, pre_weight, pre_bias,
+                              relative_bias))
         ctx.single = wk is None
         return (output, summed) if return_residual else output
 
@@ -189,14 +194,15 @@ class _AttentionSublayer(torch.autograd.Function):
         needs = ctx.needs_input_grad
         needs_qkv = needs[1:7]
         needs_x = needs[0] or (bool(pre) and (needs[11] or needs[12]))  # the projection's input's: hidden's, pre_norm's
-        upstream = needs_x or any(needs_qkv)  # a gradient before the output projection
+        needs_projection = needs_x or any(needs_qkv)
+        upstream = needs_projection or needs[13]  # a gradient before the output projection (the bias table's too)
         dprojected, dnorm_weight, dnorm_bias, dresidual = _norm_backward(
             norm, dy, dsum, (upstream or needs[7] or needs[8], needs[9], needs[10], needs[0]), projected_dtype)
         dprojected = dprojected.view(merged.shape)  # [tokens, H]
         # the output projection, as PyTorch's addmm backward computes it
         dwo = dprojected.t() @ merged if needs[7] else None
         dbo = dprojected.sum(dim=0) if needs[8] else None
-        dhidden, dqkv, dpre_weight, dpre_bias = None, (None,) * 6, None, None
+        dhidden, dqkv, dpre_weight, dpre_bias, drelative_bias = None, (None,) * 6, None, None, None
         if upstream:
             dmerged = dprojected @ dense_weight  # [tokens, H]
             del dprojected  # each gradient freed once used, as between the per-op nodes
@@ -204,10 +210,14 @@ class _AttentionSublayer(torch.autograd.Function):
             # in attention's output shape: [T, heads, d], or [B, heads, S, d] as a view of [B, S, heads, d]
             dout = (dmerged.view(q.shape) if q.dim() == 3
                     else dmerged.view(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2))
-            dq, dk, dv = ops.KERNELS["attention"]._backward(attention, dout, None)[:3]
-            del dmerged, dout
-            qkv.needs_input_grad = (needs_x, any(needs_qkv[0::2]), any(needs_qkv[1::2]))
-            dx, dweight, dbias = ops.KERNELS["qkv"]._QKVProjection.backward(qkv, dq, dk, dv)[:3]
+            attention_gradients = ops.KERNELS["attention"]._backward(attention, dout, None)
+            # relative_bias is attention_fwd's input 9 (its arguments above)
+            (dq, dk, dv), drelative_bias = attention_gradients[:3], attention_gradients[9]
+            del dmerged, dout, attention_gradients
+            dx = dweight = dbias = None
+            if needs_projection:
+                qkv.needs_input_grad = (needs_x, any(needs_qkv[0::2]), any(needs_qkv[1::2]))
+                dx, dweight, dbias = ops.KERNELS["qkv"]._QKVProjection.backward(qkv, dq, dk, dv)[:3]
             del dq, dk, dv
             if ctx.single:
                 dqkv = dweight, dbias, None, None, None, None
@@ -223,7 +233,8 @@ class _AttentionSublayer(torch.autograd.Function):
                 dhidden = dx
         _release(ctx.contexts)
         return _gradients("attention sublayer", ctx, (dy, dsum), dhidden, dresidual, hidden_dtype,
-                          [*dqkv, dwo, dbo, dnorm_weight, dnorm_bias, dpre_weight, dpre_bias], parameter_dtypes)
+                          [*dqkv, dwo, dbo, dnorm_weight, dnorm_bias, dpre_weight, dpre_bias, drelative_bias],
+                          parameter_dtypes)
 
 
 class _FeedForwardSublayer(torch.autograd.Function):
@@ -265,20 +276,21 @@ _APPLY = c_apply(_AttentionSublayer)
 _FEED_FORWARD_APPLY = c_apply(_FeedForwardSublayer)
 
 
-def attention_sublayer(hidden, parameters: list, options: tuple):
+def attention_sublayer(hidden, parameters: list, relative_bias, options: tuple):
     """norm(dropout(dense(attention(q, k, v))) + hidden), one autograd node (header): (q, k, v) by the QKV Linears
     of x = hidden, or of x = pre_norm(hidden) (a LayerNorm, or None). parameters: (weight, bias) of the QKV Linears
     (BERT's three: query, key, value; or one whose weight is all three's: ModernBERT's Wqkv), of dense, of norm and
-    of pre_norm ((None, None) for none); a bias may be None. hidden [B, S, H] (a key mask [B, S] or None) or packed
-    [T, H] (cu_seqlens int32 [B + 1], max_seqlen). options: (key_mask, cu_seqlens, max_seqlen, num_heads,
-    attention_p, rotary_base or None, window or None, hidden_p, eps, save_output, return_residual,
-    cublas_forward); with return_residual the output is (normed, the summed stream). The caller has checked that it
-    may run (fastbert.modeling's SelfAttention.sublayer)."""
+    of pre_norm ((None, None) for none); a bias may be None. relative_bias: MPNet's table [buckets, heads], or None.
+    hidden [B, S, H] (a key mask [B, S] or None) or packed [T, H] (cu_seqlens int32 [B + 1], max_seqlen). options:
+    (key_mask, cu_seqlens, max_seqlen, num_heads, attention_p, rotary_base or None, window or None,
+    relative_buckets (with relative_bias) or None, hidden_p, eps, save_output, return_residual, cublas_forward);
+    with return_residual the output is (normed, the summed stream). The caller has checked that it may run
+    (fastbert.modeling's SelfAttention.sublayer)."""
     *projections, dense, norm, pre_norm = parameters
     if len(projections) == 1:  # one Linear whose weight is all three's
         projections = (projections[0], (None, None), (None, None))
     (wq, bq), (wk, bk), (wv, bv) = projections
-    return _APPLY(hidden, wq, bq, wk, bk, wv, bv, *dense, *norm, *pre_norm, options)
+    return _APPLY(hidden, wq, bq, wk, bk, wv, bv, *dense, *norm, *pre_norm, relative_bias, options)
 
 
 def feed_forward_sublayer(hidden, parameters: tuple, approximate: str, keep_pre: bool, form: str, hidden_p: float,

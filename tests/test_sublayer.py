@@ -180,6 +180,41 @@ def test_distilbert_attention_is_one_node_with_the_per_op_results(device):
         assert torch.equal(grad, per_op_grads[name]), name
 
 
+@pytest.mark.parametrize("unpad", [False, True], ids=["padded", "unpadded"])
+def test_mpnet_attention_with_its_relative_bias_is_one_node_with_the_per_op_results(unpad, device):
+    """MPNet's sublayers take the nodes too: each attention node reads the relative-position bias table every layer
+    shares and returns its layer's share of the table's gradient, which autograd sums as over the per-op nodes."""
+    def step(per_op):
+        torch.manual_seed(0)
+        config = fastbert.MPNetConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=128, max_position_embeddings=40, unpad=unpad,
+                                      backend="triton")  # dropout 0.1 on both
+        model = fastbert.MPNetForMaskedLM(config).to(device).train()
+        with torch.no_grad():  # a table that moves the scores (its initialisation is small)
+            model.mpnet.encoder.relative_attention_bias.weight.normal_()
+        inputs = _inputs(device)
+        del inputs["next_sentence_label"]
+        torch.manual_seed(1)
+        with _per_op() if per_op else contextlib.nullcontext():
+            loss = model(**inputs).loss
+            loss.backward()
+        return model, inputs, loss, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    model, inputs, loss, grads = step(per_op=False)
+    _, _, per_op_loss, per_op_grads = step(per_op=True)
+    nodes = _node_types(loss)
+    assert nodes.count("_AttentionSublayerBackward") == nodes.count("_FeedForwardSublayerBackward") == 2
+    assert "_AttentionSublayerBackward" not in _node_types(per_op_loss)
+    assert torch.equal(loss, per_op_loss)
+    assert grads.keys() == per_op_grads.keys()
+    table = "mpnet.encoder.relative_attention_bias.weight"
+    assert table in grads and grads[table].abs().sum() > 0
+    for name, grad in grads.items():
+        assert torch.equal(grad, per_op_grads[name]), name
+    model.mpnet.encoder.layer[0].attention.attn.register_forward_hook(lambda *args: None)
+    assert _node_types(model(**inputs).loss).count("_AttentionSublayerBackward") == 1  # the hooked one runs its ops
+
+
 def test_the_ops_run_one_by_one_where_the_node_must_not(device):
     torch.manual_seed(0)
     model = fastbert.BertForPreTraining(CONFIG).to(device).train()
@@ -316,6 +351,8 @@ def plan(per_op):
         with torch.device("meta"):
             if name == "bert":
                 model = fastbert.BertForPreTraining(fastbert.BertConfig.tiny(**options))
+            elif name == "mpnet":
+                model = fastbert.MPNetForMaskedLM(fastbert.MPNetConfig.tiny(**options))
             else:
                 model = fastbert.ModernBertForMaskedLM(fastbert.ModernBertConfig.tiny(**options))
             ids = torch.zeros(rows, seqlen, dtype=torch.long)
@@ -336,9 +373,9 @@ BERT_OPTIONS = {"backend": "triton", "num_hidden_layers": 2, "hidden_dropout_pro
 
 
 @pytest.mark.parametrize("name, options, qkv_path", [
-    ("bert", BERT_OPTIONS, "triton"), ("bert", BERT_OPTIONS, "torch"),
+    ("bert", BERT_OPTIONS, "triton"), ("bert", BERT_OPTIONS, "torch"), ("mpnet", BERT_OPTIONS, "triton"),
     ("modernbert", {"backend": "triton", "num_hidden_layers": 2, "attention_dropout": 0.1}, "triton")],
-    ids=["bert", "bert-qkv-torch-path", "modernbert"])
+    ids=["bert", "bert-qkv-torch-path", "mpnet", "modernbert"])
 def test_a_step_with_the_nodes_holds_the_memory_of_the_ops_one_by_one(name, options, qkv_path):
     """A node keeps its saved tensors and the incoming gradient until its whole backward ends, where the per-op
     graph freed the LayerNorm's between its nodes: exact accounting on meta tensors (bf16 autocast, AdamW) finds the
