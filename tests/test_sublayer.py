@@ -180,28 +180,28 @@ def test_distilbert_attention_is_one_node_with_the_per_op_results(device):
         assert torch.equal(grad, per_op_grads[name]), name
 
 
+def _mpnet_step(device, per_op, **config):
+    torch.manual_seed(0)
+    model = fastbert.MPNetForMaskedLM(fastbert.MPNetConfig(
+        vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+        max_position_embeddings=40, backend="triton", **config)).to(device).train()  # dropout 0.1 on both
+    with torch.no_grad():  # a table that moves the scores (its initialisation is small)
+        model.mpnet.encoder.relative_attention_bias.weight.normal_()
+    inputs = _inputs(device)
+    del inputs["next_sentence_label"]
+    torch.manual_seed(1)
+    with _per_op() if per_op else contextlib.nullcontext():
+        loss = model(**inputs).loss
+        loss.backward()
+    return model, loss, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
 @pytest.mark.parametrize("unpad", [False, True], ids=["padded", "unpadded"])
 def test_mpnet_attention_with_its_relative_bias_is_one_node_with_the_per_op_results(unpad, device):
     """MPNet's sublayers take the nodes too: each attention node reads the relative-position bias table every layer
     shares and returns its layer's share of the table's gradient, which autograd sums as over the per-op nodes."""
-    def step(per_op):
-        torch.manual_seed(0)
-        config = fastbert.MPNetConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                      intermediate_size=128, max_position_embeddings=40, unpad=unpad,
-                                      backend="triton")  # dropout 0.1 on both
-        model = fastbert.MPNetForMaskedLM(config).to(device).train()
-        with torch.no_grad():  # a table that moves the scores (its initialisation is small)
-            model.mpnet.encoder.relative_attention_bias.weight.normal_()
-        inputs = _inputs(device)
-        del inputs["next_sentence_label"]
-        torch.manual_seed(1)
-        with _per_op() if per_op else contextlib.nullcontext():
-            loss = model(**inputs).loss
-            loss.backward()
-        return model, inputs, loss, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-
-    model, inputs, loss, grads = step(per_op=False)
-    _, _, per_op_loss, per_op_grads = step(per_op=True)
+    model, loss, grads = _mpnet_step(device, per_op=False, unpad=unpad)
+    _, per_op_loss, per_op_grads = _mpnet_step(device, per_op=True, unpad=unpad)
     nodes = _node_types(loss)
     assert nodes.count("_AttentionSublayerBackward") == nodes.count("_FeedForwardSublayerBackward") == 2
     assert "_AttentionSublayerBackward" not in _node_types(per_op_loss)
@@ -212,6 +212,8 @@ def test_mpnet_attention_with_its_relative_bias_is_one_node_with_the_per_op_resu
     for name, grad in grads.items():
         assert torch.equal(grad, per_op_grads[name]), name
     model.mpnet.encoder.layer[0].attention.attn.register_forward_hook(lambda *args: None)
+    inputs = _inputs(device)
+    del inputs["next_sentence_label"]
     assert _node_types(model(**inputs).loss).count("_AttentionSublayerBackward") == 1  # the hooked one runs its ops
 
 
@@ -308,11 +310,12 @@ def test_modernbert_runs_its_ops_one_by_one_where_the_node_must_not(device):
 
 
 @pytest.mark.parametrize("option", ["attention", "full"])
-@pytest.mark.parametrize("architecture", ["bert", "modernbert"])
+@pytest.mark.parametrize("architecture", ["bert", "mpnet", "modernbert"])
 def test_recomputed_sublayer_gives_the_stored_gradients_bitwise(architecture, option, device):
     """Activation checkpointing reruns the node's forward in the backward: the same dropout masks and results
-    (ModernBERT's pre-LN node returns two tensors, the LayerNorm's output and the stream)."""
-    step = _step if architecture == "bert" else _modernbert_step
+    (ModernBERT's pre-LN node returns two tensors, the LayerNorm's output and the stream; MPNet's reads the bias
+    table)."""
+    step = {"bert": _step, "mpnet": _mpnet_step, "modernbert": _modernbert_step}[architecture]
     _, loss, grads = step(device, per_op=False)
     _, recomputed_loss, recomputed = step(device, per_op=False, activation_checkpointing=option)
     assert torch.equal(loss, recomputed_loss)
