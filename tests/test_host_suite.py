@@ -143,6 +143,8 @@ from fastbert.bench import host_suite
 from fastbert.simulated.host_time import stubbed_launches
 resolved, gates, real_resolve = collections.Counter(), collections.Counter(), ops.resolve_backend
 real_gate = fastbert.modeling.one_node_sublayers
+nodes, real_node = [], fastbert.sublayer._APPLY  # the attention sublayers run as one node
+fastbert.sublayer._APPLY = lambda *args: nodes.append(1) or real_node(*args)
 def spy(backend, *tensors, op=None):
     path = real_resolve(backend, *tensors, op=op)
     resolved[str(op), path] += 1
@@ -166,8 +168,10 @@ for size, mode in host_suite.H100_SHAPES:
         call()
         resolved.clear()
         gates.clear()
+        nodes.clear()
         call()
-    seen[f"{size} {mode}"] = [planned, [sorted(resolved.items()), sorted(gates.items())]]
+    layers = host_suite.model_config(size).num_hidden_layers
+    seen[f"{size} {mode}"] = [planned, [sorted(resolved.items()), sorted(gates.items())], [len(nodes), layers]]
 json.dump(seen, sys.stdout)
 """
 
@@ -185,11 +189,13 @@ def test_the_h100_rows_run_what_an_h100_runs():
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
     assert set(seen) == {"base inference", "base train", "modernbert-base inference", "modernbert-base train"}
-    for call, (planned, stubbed) in seen.items():
+    for call, (planned, stubbed, (attention_nodes, layers)) in seen.items():
         assert planned == stubbed, call
         paths, gates = stubbed
         assert any(path != "torch" for (_, path), _ in paths), call  # the kernels run, not the CPU's reference
         assert gates == ([] if call.endswith("inference") else [[True, gates[0][1]]]), call
+        # every layer's attention sublayer one node in training, the QKV projection's PyTorch path included
+        assert attention_nodes == (0 if call.endswith("inference") else layers), call
 
 
 def test_host_phases_split_a_step(tmp_path):
