@@ -156,6 +156,18 @@ def test_nodes_hold_their_tensors_through_autograd_alone(device):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+def _masked_lm_step(model, device, per_op, autocast=False):
+    """A masked-LM model's training step on `_inputs` (no NSP label): (model, loss, its parameters' gradients)."""
+    inputs = _inputs(device)
+    del inputs["next_sentence_label"]
+    torch.manual_seed(1)  # the dropout seeds
+    with _per_op() if per_op else contextlib.nullcontext():
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**inputs).loss
+        loss.backward()
+    return model, loss, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
 def test_distilbert_attention_is_one_node_with_the_per_op_results(device):
     """DistilBERT's sublayers (no dropout on the attention's sum, their own module names) take the nodes too."""
     def step(per_op):
@@ -163,16 +175,10 @@ def test_distilbert_attention_is_one_node_with_the_per_op_results(device):
         model = fastbert.DistilBertForMaskedLM(fastbert.DistilBertConfig.tiny(
             vocab_size=97, dim=64, n_heads=2, hidden_dim=128, n_layers=2, max_position_embeddings=32,
             backend="triton")).to(device).train()
-        inputs = _inputs(device)
-        del inputs["next_sentence_label"]
-        torch.manual_seed(1)
-        with _per_op() if per_op else contextlib.nullcontext():
-            loss = model(**inputs).loss
-            loss.backward()
-        return loss, {name: p.grad for name, p in model.named_parameters()}
+        return _masked_lm_step(model, device, per_op)
 
-    loss, grads = step(per_op=False)
-    per_op_loss, per_op_grads = step(per_op=True)
+    _, loss, grads = step(per_op=False)
+    _, per_op_loss, per_op_grads = step(per_op=True)
     nodes = _node_types(loss)
     assert nodes.count("_AttentionSublayerBackward") == nodes.count("_FeedForwardSublayerBackward") == 2
     assert torch.equal(loss, per_op_loss)
@@ -187,13 +193,7 @@ def _mpnet_step(device, per_op, **config):
         max_position_embeddings=40, backend="triton", **config)).to(device).train()  # dropout 0.1 on both
     with torch.no_grad():  # a table that moves the scores (its initialisation is small)
         model.mpnet.encoder.relative_attention_bias.weight.normal_()
-    inputs = _inputs(device)
-    del inputs["next_sentence_label"]
-    torch.manual_seed(1)
-    with _per_op() if per_op else contextlib.nullcontext():
-        loss = model(**inputs).loss
-        loss.backward()
-    return model, loss, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    return _masked_lm_step(model, device, per_op)
 
 
 @pytest.mark.parametrize("unpad", [False, True], ids=["padded", "unpadded"])
@@ -252,14 +252,7 @@ def _modernbert_step(device, per_op, autocast=False, frozen=False, **config):
     if frozen:  # the biases and LayerNorms alone train
         for name, parameter in model.named_parameters():
             parameter.requires_grad_("bias" in name or "norm" in name)
-    inputs = _inputs(device)
-    del inputs["next_sentence_label"]
-    torch.manual_seed(1)
-    with _per_op() if per_op else contextlib.nullcontext():
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
-            loss = model(**inputs).loss
-        loss.backward()
-    return model, loss, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    return _masked_lm_step(model, device, per_op, autocast)
 
 
 @pytest.mark.parametrize("autocast, frozen, biases", [(False, False, False), (True, False, True), (False, True, True)],
