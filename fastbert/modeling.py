@@ -246,7 +246,6 @@ class SelfAttention(nn.Module):
         config = self.config
         backend = config.backend
         linears = self.linears()
-        projection = ops.resolve_backend(backend, hidden, *weight_and_bias(linears[0]), op="qkv_projection")
         hidden_p = 0.0 if dropout is None else dropout_rate(dropout)
         norm_weight, norm_bias = weight_and_bias(norm)
         requires_grad = (hidden.requires_grad or norm_weight.requires_grad
@@ -264,6 +263,16 @@ class SelfAttention(nn.Module):
         parameters.append((norm_weight, norm_bias))
         pre_weight, pre_bias = (None, None) if pre_norm is None else weight_and_bias(pre_norm)
         parameters.append((pre_weight, pre_bias))
+        # the QKV projection's path as the per-op call resolves it: its input x = pre_norm(hidden) wants a gradient
+        # where hidden or pre_norm's parameters do, its weight (concatenated) where any Linear's does (the direction)
+        projected = [hidden]  # then the weights (paths.choose keys its cache on the second tensor's shape)
+        for weight, bias in parameters[:len(linears)]:
+            projected += (weight, bias)
+        projection = ops.resolve_backend(backend, *projected, pre_weight, pre_bias, op="qkv_projection")
+        if projection == "torch" and not ops._any_autocast():
+            for t in projected:  # PyTorch's linear refuses mixed dtypes, where the node's form would cast them
+                if t is not None and t.dtype != hidden.dtype:
+                    return None
         if pre_weight is not None:
             requires_grad = (requires_grad or pre_weight.requires_grad
                              or (pre_bias is not None and pre_bias.requires_grad))

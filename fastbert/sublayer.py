@@ -17,7 +17,8 @@
 # modules (no hooks, plain Linears (BERT's three QKV Linears with biases), readable dropouts), no attention
 # probabilities, and the attention and LayerNorms on the path fastbert.ops resolves for them when called alone, a
 # Triton one. MPNet's relative-position bias table, which every layer's attention reads, is an input of each node,
-# whose backward returns that layer's share of its gradient (autograd sums them, as over the per-op nodes). Elsewhere the caller runs the ops one by one, as before (fastbert/modeling.py decides).
+# whose backward returns that layer's share of its gradient (autograd sums them, as over the per-op nodes).
+# Elsewhere the caller runs the ops one by one, as before (fastbert/modeling.py decides).
 #
 # The QKV projection runs here on any path it resolves to. Its PyTorch path ("torch": what backend="auto" chooses on
 # an H100 at BERT-base's training shape) runs in its cuBLAS form (kernels/qkv.py's cublas_forward): the same forward,

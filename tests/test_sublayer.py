@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import family, modeling, ops
+from fastbert import family, modeling, ops, paths
 from fastbert.kernels.fused_op import always_custom_op
 
 CONFIG = fastbert.BertConfig.tiny(vocab_size=97, hidden_size=64, num_attention_heads=2, intermediate_size=128,
@@ -51,10 +51,19 @@ def _step(device, per_op, unpad=False, autocast=False, frozen=False, **config):
     if frozen:  # BitFit: the biases alone train
         for name, parameter in model.named_parameters():
             parameter.requires_grad_("bias" in name)
+    return _step_on(model, device, per_op, autocast)
+
+
+def _step_on(model, device, per_op, autocast=False, next_sentence=True):
+    """A training step on `_inputs` (without the NSP label for a masked-LM model): (model, loss, its parameters'
+    gradients)."""
+    inputs = _inputs(device)
+    if not next_sentence:
+        del inputs["next_sentence_label"]
     torch.manual_seed(1)  # the dropout seeds
     with _per_op() if per_op else contextlib.nullcontext():
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
-            loss = model(**_inputs(device)).loss
+            loss = model(**inputs).loss
         loss.backward()
     return model, loss, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
@@ -117,9 +126,14 @@ def test_qkv_on_the_torch_path_is_in_the_node_with_the_per_op_results(architectu
     step = _step if architecture == "bert" else _modernbert_step
     kernel, in_place = ops.KERNELS["qkv"], []
     one_matrix = kernel._one_matrix
+
+    def spy(*args):
+        matrix = one_matrix(*args)
+        in_place.append(matrix is not None)
+        return matrix
+
     with _qkv_on_torch_path(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernel, "_one_matrix", lambda *args: in_place.append(one_matrix(*args) is not None)
-                      or one_matrix(*args))
+        patch.setattr(kernel, "_one_matrix", spy)
         model, loss, grads = step(device, per_op=False, **options)
         _, per_op_loss, per_op_grads = step(device, per_op=True, **options)
     nodes, per_op_nodes = _node_types(loss), _node_types(per_op_loss)
@@ -132,6 +146,41 @@ def test_qkv_on_the_torch_path_is_in_the_node_with_the_per_op_results(architectu
     for name, grad in grads.items():
         assert grad.dtype == dict(model.named_parameters())[name].dtype
         assert torch.equal(grad, per_op_grads[name]), name
+
+
+def test_the_node_resolves_the_qkv_projection_as_the_ops_one_by_one_do(device):
+    """The node resolves the QKV projection's path on what the per-op call hands resolve_backend: its direction (a
+    table's training or inference rows) from hidden and every QKV Linear, so that a frozen query beside a trained
+    key resolves as their concatenated weight does; and where PyTorch's path refuses the dtypes (no autocast) the
+    ops run one by one and raise its error, which the node's form, casting, would not."""
+    resolve, chosen = ops.resolve_backend, []
+
+    def by_direction(backend, *tensors, op=None):  # PyTorch's path in training, the kernel's in inference
+        if op != "qkv_projection":
+            return resolve(backend, *tensors, op=op)
+        chosen.append("torch" if paths.backward_follows(tensors) else "triton")
+        return chosen[-1]
+
+    def step(per_op, frozen=(), dtype=None):
+        torch.manual_seed(0)
+        model = fastbert.BertForPreTraining(CONFIG).to(device).train()
+        first = model.bert.encoder.layer[0].attention.self
+        for name, parameter in model.named_parameters():  # layer 0's input, its query frozen: its key trains
+            parameter.requires_grad_(not any(name.startswith(prefix) for prefix in frozen))
+        if dtype is not None:
+            for linear in (first.query, first.key, first.value):
+                linear.to(dtype)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ops, "resolve_backend", by_direction)
+            chosen.clear()
+            _step_on(model, device, per_op)
+        return list(chosen)
+
+    frozen = ("bert.embeddings", "bert.encoder.layer.0.attention.self.query")
+    assert step(per_op=False, frozen=frozen) == step(per_op=True, frozen=frozen) == ["torch", "torch"]
+    for per_op in (False, True):
+        with pytest.raises(RuntimeError, match="dtype"):
+            step(per_op, dtype=torch.bfloat16)
 
 
 def test_nodes_hold_their_tensors_through_autograd_alone(device):
@@ -156,18 +205,6 @@ def test_nodes_hold_their_tensors_through_autograd_alone(device):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
-def _masked_lm_step(model, device, per_op, autocast=False):
-    """A masked-LM model's training step on `_inputs` (no NSP label): (model, loss, its parameters' gradients)."""
-    inputs = _inputs(device)
-    del inputs["next_sentence_label"]
-    torch.manual_seed(1)  # the dropout seeds
-    with _per_op() if per_op else contextlib.nullcontext():
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
-            loss = model(**inputs).loss
-        loss.backward()
-    return model, loss, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-
-
 def test_distilbert_attention_is_one_node_with_the_per_op_results(device):
     """DistilBERT's sublayers (no dropout on the attention's sum, their own module names) take the nodes too."""
     def step(per_op):
@@ -175,7 +212,7 @@ def test_distilbert_attention_is_one_node_with_the_per_op_results(device):
         model = fastbert.DistilBertForMaskedLM(fastbert.DistilBertConfig.tiny(
             vocab_size=97, dim=64, n_heads=2, hidden_dim=128, n_layers=2, max_position_embeddings=32,
             backend="triton")).to(device).train()
-        return _masked_lm_step(model, device, per_op)
+        return _step_on(model, device, per_op, next_sentence=False)
 
     _, loss, grads = step(per_op=False)
     _, per_op_loss, per_op_grads = step(per_op=True)
@@ -186,29 +223,39 @@ def test_distilbert_attention_is_one_node_with_the_per_op_results(device):
         assert torch.equal(grad, per_op_grads[name]), name
 
 
-def _mpnet_step(device, per_op, **config):
+MPNET_TABLE = "mpnet.encoder.relative_attention_bias.weight"
+
+
+def _mpnet_step(device, per_op, autocast=False, table_only=False, **config):
     torch.manual_seed(0)
     model = fastbert.MPNetForMaskedLM(fastbert.MPNetConfig(
         vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
         max_position_embeddings=40, backend="triton", **config)).to(device).train()  # dropout 0.1 on both
     with torch.no_grad():  # a table that moves the scores (its initialisation is small)
         model.mpnet.encoder.relative_attention_bias.weight.normal_()
-    return _masked_lm_step(model, device, per_op)
+    if table_only:  # no gradient but the table's: the nodes' backward runs attention's for it alone
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(name == MPNET_TABLE)
+    return _step_on(model, device, per_op, autocast, next_sentence=False)
 
 
-@pytest.mark.parametrize("unpad", [False, True], ids=["padded", "unpadded"])
-def test_mpnet_attention_with_its_relative_bias_is_one_node_with_the_per_op_results(unpad, device):
+@pytest.mark.parametrize("options, qkv_on_torch_path", [
+    (dict(unpad=False), False), (dict(unpad=True, autocast=True), True), (dict(table_only=True), False)],
+    ids=["padded", "unpadded-autocast-bf16-qkv-torch-path", "table-only"])
+def test_mpnet_attention_with_its_relative_bias_is_one_node_with_the_per_op_results(options, qkv_on_torch_path,
+                                                                                     device):
     """MPNet's sublayers take the nodes too: each attention node reads the relative-position bias table every layer
     shares and returns its layer's share of the table's gradient, which autograd sums as over the per-op nodes."""
-    model, loss, grads = _mpnet_step(device, per_op=False, unpad=unpad)
-    _, per_op_loss, per_op_grads = _mpnet_step(device, per_op=True, unpad=unpad)
+    with _qkv_on_torch_path() if qkv_on_torch_path else contextlib.nullcontext():
+        model, loss, grads = _mpnet_step(device, per_op=False, **options)
+        _, per_op_loss, per_op_grads = _mpnet_step(device, per_op=True, **options)
     nodes = _node_types(loss)
     assert nodes.count("_AttentionSublayerBackward") == nodes.count("_FeedForwardSublayerBackward") == 2
     assert "_AttentionSublayerBackward" not in _node_types(per_op_loss)
     assert torch.equal(loss, per_op_loss)
     assert grads.keys() == per_op_grads.keys()
-    table = "mpnet.encoder.relative_attention_bias.weight"
-    assert table in grads and grads[table].abs().sum() > 0
+    assert MPNET_TABLE in grads and grads[MPNET_TABLE].abs().sum() > 0
+    assert len(grads) == 1 if options.get("table_only") else len(grads) > 1
     for name, grad in grads.items():
         assert torch.equal(grad, per_op_grads[name]), name
     model.mpnet.encoder.layer[0].attention.attn.register_forward_hook(lambda *args: None)
@@ -252,7 +299,7 @@ def _modernbert_step(device, per_op, autocast=False, frozen=False, **config):
     if frozen:  # the biases and LayerNorms alone train
         for name, parameter in model.named_parameters():
             parameter.requires_grad_("bias" in name or "norm" in name)
-    return _masked_lm_step(model, device, per_op, autocast)
+    return _step_on(model, device, per_op, autocast, next_sentence=False)
 
 
 @pytest.mark.parametrize("autocast, frozen, biases", [(False, False, False), (True, False, True), (False, True, True)],
