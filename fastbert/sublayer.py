@@ -163,9 +163,9 @@ class _AttentionSublayer(torch.autograd.Function):
         attention_kernel.check_limits(q, k, v, key_mask, cu_seqlens, seqlen, None, relative_bias, relative_buckets,
                                       rotary_base, window)
         dropout_p, seed = attention_kernel.dropout_seed(attention_p, True, q.device)
+        # rotary_base converted as the unchecked entries convert it
         arguments = (q, k, v, key_mask, cu_seqlens, seqlen, seed, dropout_p, q.shape[-1] ** -0.5, relative_bias,
-                     relative_buckets, attention_kernel._float_or_none(rotary_base), window)  # as the unchecked
-        # entries convert them
+                     relative_buckets, attention_kernel._float_or_none(rotary_base), window)
         out, lse = attention_kernel.attention_fwd.function(*arguments)
         attention = _OpContext()
         attention_kernel._setup_context(attention, arguments, (out, lse))
