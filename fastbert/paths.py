@@ -199,8 +199,14 @@ def choose(op: str, tensors, dtype: torch.dtype, capability: int) -> str:
 
 def backward_follows(tensors) -> bool:
     """Whether a backward follows an op on these tensors (grad mode on, an input that requires grad): the
-    direction, "fwd+bwd" or "fwd", whose measurements choose its implementation."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    direction, "fwd+bwd" or "fwd", whose measurements choose its implementation. A loop, not any() over a
+    generator (about twice the host time): it runs on every call of an op that "auto" chooses for on a GPU."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 def _lookup_sizes(op, tensors, dtype, capability, training) -> str:
