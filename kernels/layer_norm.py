@@ -186,12 +186,16 @@ def _layer_norm_fwd_kernel(
         stats = STATS + rows * width  # [BLOCK_ROWS] pointers to each row's statistics
         tl.store(stats + (width - 1), rstd, mask=row_exists)
         if SAVE_SIDE:
-            slot = _side_slots(w, col_exists, min_weight, SIDE_COLUMNS)
-            tl.store(stats[:, None] + slot[None, :], centred * rstd[:, None],
-                     mask=row_exists[:, None] & (slot >= 0)[None, :])
+            # how many slots the small-weight columns fill: one reduction, so that the slots' scan (tl.cumsum,
+            # 12 more barriers a row on sm_90a) runs only for a weight that has such columns, rare in a model
+            small = (tl.abs(w) < min_weight) & col_exists
+            used = tl.minimum(tl.sum(small.to(tl.int32), axis=0), SIDE_COLUMNS)
+            if used > 0:
+                slot = _side_slots(w, col_exists, min_weight, SIDE_COLUMNS)
+                tl.store(stats[:, None] + slot[None, :], centred * rstd[:, None],
+                         mask=row_exists[:, None] & (slot >= 0)[None, :])
             # the slots past the small-weight columns hold zeros, written here so that the launcher's buffer
             # needs no fill (a launch of its own on a GPU)
-            used = tl.sum((slot >= 0).to(tl.int32), axis=0)
             side_cols = tl.arange(0, SIDE_COLUMNS)
             tl.store(stats[:, None] + side_cols[None, :], tl.zeros([BLOCK_ROWS, SIDE_COLUMNS], dtype=tl.float32),
                      mask=row_exists[:, None] & (side_cols >= used)[None, :])

@@ -349,14 +349,17 @@ def test_small_weights_come_from_the_side_buffer(dtype, device):
     _assert_matches_reference(x, weight, bias, residual, dy, _kernel(save="input"), save="input")
 
 
-def test_the_side_buffer_is_written_whole(device):
+@pytest.mark.parametrize("columns", [[], [5, 17, 64], [1, 2, 5, 17, 30, 64, 90, 100, 127]],
+                         ids=["none", "three", "one-too-many"])
+def test_the_side_buffer_is_written_whole(columns, device):
     """The statistics buffer is an output of the op, allocated unfilled: per row the xhat of the small-weight
-    columns in column order, then zeros in every slot past them, then rstd (memory the allocator hands back
-    full of NaN shows a slot left unwritten)."""
+    columns in column order (the first SIDE_COLUMNS of them), then zeros in every slot past them, then rstd
+    (memory the allocator hands back full of NaN shows a slot left unwritten). Without a small weight the
+    forward skips the slots' scan and writes the zeros alone."""
     rows, hidden = 37, 128
     x, weight, bias, _, _ = _make_inputs((rows, hidden), torch.float32, device, with_residual=False)
-    columns = [5, 17, 64]
     weight[columns] = 0.0
+    columns = columns[:ln.SIDE_COLUMNS]
     for _ in range(2):  # the buffer freed after the first call is the second's
         poison = torch.full((rows, ln.stats_width(True)), float("nan"), device=device)
         del poison
