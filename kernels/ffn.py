@@ -210,6 +210,8 @@ def _feed_forward_setup(ctx, inputs, output):
     ctx.save_for_backward(x, w1, w2, *((None, output[1]) if keep_pre else (b1, None)))
     ctx.approximate = approximate
     ctx.gated, ctx.form = gated, form
+    # needs_input_grad has an entry per argument the call passed: the custom op's (torch.compile, torch.export) may
+    # end before a residual left at its default, so its presence is kept here
     ctx.has_residual = residual is not None
     ctx.set_materialize_grads(False)  # h is internal: its gradient stays None, not zeros of [M, N]
 
