@@ -175,10 +175,14 @@ def _layer_norm_fwd_kernel(
     centred = tl.where(in_tile, h - mean[:, None], 0.0)
     var = tl.sum(centred * centred, axis=1) / H
     rstd = 1.0 / tl.sqrt(var + eps)
-    w = cast(tl.load(W + cols, mask=col_exists, other=0.0), tl.float32)
-    y = centred * rstd[:, None] * w[None, :]
+    # weight and bias read in the tile's shape, each row's copy from L1: a [BLOCK_H] read broadcast over the rows
+    # went through shared memory to the tile's layout (4 of the inference forward's 7 barriers on sm_90a at 768)
+    tile_cols = tl.broadcast_to(cols[None, :], (BLOCK_ROWS, BLOCK_H))
+    tile_col_exists = tile_cols < H
+    w = cast(tl.load(W + tile_cols, mask=tile_col_exists, other=0.0), tl.float32)
+    y = centred * rstd[:, None] * w
     if HAS_BIAS:
-        y += cast(tl.load(B + cols, mask=col_exists, other=0.0), tl.float32)[None, :]
+        y += cast(tl.load(B + tile_cols, mask=tile_col_exists, other=0.0), tl.float32)
     tl.store(Y + rows[:, None] * H + cols[None, :], cast(y, Y.dtype.element_ty), mask=in_tile)
     if STORE_STATS:  # for a backward; an inference forward writes y (and summed) alone
         # the side slots first: at an odd offset the backward's gather of them took 7 more registers on sm_90a
@@ -186,12 +190,14 @@ def _layer_norm_fwd_kernel(
         stats = STATS + rows * width  # [BLOCK_ROWS] pointers to each row's statistics
         tl.store(stats + (width - 1), rstd, mask=row_exists)
         if SAVE_SIDE:
-            # how many slots the small-weight columns fill: one reduction, so that the slots' scan and store (10
-            # of the 19 barriers a row on sm_90a) run only for a weight that has such columns, rare in a model
-            small = (tl.abs(w) < min_weight) & col_exists
-            used = tl.minimum(tl.sum(small.to(tl.int32), axis=0), SIDE_COLUMNS)
+            # how many slots the small-weight columns fill: one reduction (every row of the tile counts them), so
+            # that the slots' scan and store (10 of the 15 barriers a row on sm_90a at 768) run only for a weight
+            # that has such columns, rare in a model
+            small = (tl.abs(w) < min_weight) & tile_col_exists
+            used = tl.minimum(tl.sum(small.to(tl.int32)) // BLOCK_ROWS, SIDE_COLUMNS)
             if used > 0:
-                slot = _side_slots(w, col_exists, min_weight, SIDE_COLUMNS)
+                w_row = cast(tl.load(W + cols, mask=col_exists, other=0.0), tl.float32)
+                slot = _side_slots(w_row, col_exists, min_weight, SIDE_COLUMNS)
                 tl.store(stats[:, None] + slot[None, :], centred * rstd[:, None],
                          mask=row_exists[:, None] & (slot >= 0)[None, :])
             # the slots past the small-weight columns hold zeros, written here so that the launcher's buffer
