@@ -192,7 +192,7 @@ def _layer_norm_fwd_kernel(
         if SAVE_SIDE:
             # how many slots the small-weight columns fill: one reduction (every row of the tile counts them), so
             # that the slots' scan and store (10 of the 15 barriers a row on sm_90a at 768) run only for a weight
-            # that has such columns, rare in a model
+            # with such columns (3 of all-MiniLM-L6-v2's 13 LayerNorms; none as initialised)
             small = (tl.abs(w) < min_weight) & tile_col_exists
             used = tl.minimum(tl.sum(small.to(tl.int32)) // BLOCK_ROWS, SIDE_COLUMNS)
             if used > 0:
