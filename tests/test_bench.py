@@ -4,13 +4,14 @@ import glob
 import json
 import math
 import os
+import time
 
 import pytest
 import torch
 
 import fastbert
 from fastbert.bench import model_cases, op_cases, report, runner
-from fastbert.bench.timing import cpu_peak_extra_bytes, time_ms
+from fastbert.bench.timing import cpu_peak_extra_bytes, device_time_ms, time_ms
 from fastbert.kernels import qkv as qkv_kernel
 
 PROVENANCE = ("device", "device_type", "torch", "triton", "transformers", "python", "commit", "date", "command")
@@ -122,6 +123,43 @@ def test_cpu_memory_meter_counts_a_known_allocation():
 def test_time_ms_orders_quantiles():
     t = time_ms(lambda: torch.ones(1000).sum(), torch.device("cpu"), warmup_ms=0, rep_ms=0, min_reps=5)
     assert 0 < t["p20_ms"] <= t["median_ms"] <= t["p80_ms"]
+
+
+def test_op_rows_are_compared_by_the_gpus_time_alone_where_measured():
+    """An op row with the GPU's time alone (device_ms) shows it beside the median, and its speed-ups, GB/s and
+    floor distance read it: a call whose host work outlasts its kernels reads as slower than it runs."""
+    from fastbert.bench.floors import _distance
+    shape = {"rows": 16384, "hidden": 768, "dropout_p": 0.1}
+    rows = [runner.derived({**_h100_row("layer_norm", shape, provider, "fwd", median), "bytes": 75e6,
+                            **({"device_ms": alone} if alone else {})}, {})
+            for provider, median, alone in (("fastbert", 0.254, 0.05), ("torch", 0.093, 0.1),
+                                            (op_cases.EAGER, 0.094, None))]
+    assert [round(r["gbps"]) for r in rows] == [1500, 750, 798]  # bytes over device_ms, else over median_ms
+    line = next(line for line in report.op_section("layer_norm", rows) if "| fwd |" in line)
+    assert "| 0.254 ms (GPU 0.050 ms) (auto) · 1500 GB/s | 0.094 ms · 798 GB/s |" in line
+    assert line.endswith("| 1.88x | 2.00x |")  # fastbert-eager's 0.094 and torch's 0.1 over fastbert's 0.05
+    assert _distance(rows[0], 0.025) == "50.0 us (2.0x)"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times a GPU (benchmarks/gpu_check.sh runs it)")
+def test_device_time_leaves_the_host_out():
+    """device_time_ms times the GPU's work alone: a call of 2 ms of host work and a kernel of a few microseconds
+    reads as the kernel; a GPU-bound call agrees with do_bench; a call that syncs gives None, not a host time."""
+    device = torch.device("cuda")
+    x = torch.ones(1 << 20, device=device)
+
+    def slow_host():
+        time.sleep(0.002)
+        x.mul_(1.0)
+
+    assert time_ms(slow_host, device, warmup_ms=0, rep_ms=20, min_reps=5)["median_ms"] > 1.5
+    assert device_time_ms(slow_host, device, calls=5)["device_ms"] < 0.2
+    big = torch.ones(1 << 28, device=device)  # 1 GiB: a copy of about 0.7 ms on an H100
+    out = torch.empty_like(big)
+    wall = time_ms(lambda: out.copy_(big), device)["median_ms"]
+    assert device_time_ms(lambda: out.copy_(big), device)["device_ms"] == pytest.approx(wall, rel=0.2)
+    assert device_time_ms(lambda: x.sum().item(), device, calls=3) == {
+        "device_ms": None, "device_p20_ms": None, "device_p80_ms": None}
 
 
 def test_flop_formulas():

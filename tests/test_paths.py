@@ -295,6 +295,21 @@ def test_build_table_chooses_the_fastest_measured_path_of_the_newest_run():
     assert set(table["architectures"]) == {"sm_80", "sm_90"}
 
 
+def test_build_table_chooses_by_the_gpus_time_alone_where_measured():
+    """A row's GPU time alone (device_ms) decides, not its median, which a call's host work can inflate: the
+    kernel whose call costs the host more than its GPU time is chosen where the GPU's time says it is faster."""
+    shape = {"rows": 16384, "features": 3072}
+    medians = [_row("bias_gelu", shape, "fastbert", "fwd+bwd", 0.6), _row("bias_gelu", shape, "fastbert-eager",
+                                                                          "fwd+bwd", 0.35)]
+    timed_alone = [{**medians[0], "device_ms": 0.2}, {**medians[1], "device_ms": 0.34}]
+    choices = []
+    for rows in (medians, timed_alone):
+        classes = path_table.build_table(rows)["architectures"]["sm_90"]["ops"]["bias_gelu"]
+        choices.append(next(iter(classes.values()))["bfloat16"]["fwd+bwd"])
+    assert choices == [{"chosen": "torch", "ms": {"triton": 0.6, "torch": 0.35}},
+                       {"chosen": "triton", "ms": {"triton": 0.2, "torch": 0.34}}]
+
+
 def test_the_split_provider_is_each_ops_cublas_form(tmp_path):
     """"fastbert-split" rows are the FFN's cuBLAS form and, for the QKV projection, "cublas_forward" (PyTorch's
     forward, the kernel's backward), a candidate there; the table's choice maps back to the provider."""

@@ -4,11 +4,13 @@ and how far each measured provider is from it.
 A case with a FLOP count (the matmul-type ops: QKV, the FFN up-projection, attention, the MLM head) is bound by
 the H100's bf16 matmul rate, its floor FLOPs / MATMUL_FLOP_PER_S; the rest (LayerNorm, bias + GELU) by its copy
 bandwidth, the least bytes a fused kernel moves / COPY_BYTES_PER_S. The counts are op_cases' (DESIGN.md's
-formulas). A provider's distance is its median time over the floor: 1.0x is the floor itself.
+formulas). A provider's distance is its time (the GPU's alone where the row has it, else its median; timing.compared_ms)
+over the floor: 1.0x is the floor itself.
 """
 from __future__ import annotations
 
 from fastbert.bench import op_cases
+from fastbert.bench.timing import compared_ms
 
 # The first H100 run's measured peaks (gpu-runs/2026-11-26-h100/README.md): device copy 2.97-3.0 TB/s, bf16
 # matmul 793 TFLOP/s at 8192^3 through torch (the suite's own peak row, at a smaller size, 729).
@@ -31,7 +33,8 @@ def floors_section(gpu_runs: dict[tuple[str, str], list[dict]], provider_order=(
              f"The least time of each op case on an H100: FLOPs over {MATMUL_FLOP_PER_S / 1e12:.0f} TFLOP/s for the "
              f"matmul-type ops (bound: compute), else the least bytes a fused kernel moves over "
              f"{COPY_BYTES_PER_S / 1e12:.1f} TB/s (bound: memory), the H100's measured bf16 matmul rate and copy "
-             "bandwidth; each provider's median time follows with its distance from the floor (1.0x is the floor). "
+             "bandwidth; each provider's time (the GPU's alone where measured, else the median) follows with its distance "
+             "from the floor (1.0x is the floor). "
              "Counts as in the per-op tables (DESIGN.md's formulas; the MLM head's on its labelled rows).", ""]
     h100 = {key: rows for key, rows in gpu_runs.items() if key[1].startswith(FLOOR_DEVICE)}
     if not h100:
@@ -63,4 +66,4 @@ def _distance(row: dict | None, floor: float) -> str:
         return "-"
     if row["status"] != "ok":
         return row["status"] + (" (time budget)" if row["status"] == "skipped" else "")
-    return f"{1e3 * row['median_ms']:,.1f} us ({row['median_ms'] / floor:.1f}x)"
+    return f"{1e3 * compared_ms(row):,.1f} us ({compared_ms(row) / floor:.1f}x)"

@@ -3,8 +3,10 @@ suite's rows: `python benchmarks/choose_paths.py` after a GPU run has been copie
 
 For the newest GPU-suite run of each architecture, every op row maps to the op fastbert.paths looks up, its
 shape class, dtype and direction ("fwd": inference, "fwd+bwd": training), and each provider to the
-implementation it runs (`implementation_of`); the table keeps, per class, the median times of the op's
-candidates (fastbert.paths.CANDIDATES: those that keep what the kernel keeps) and the fastest, `chosen`. Which rows decide which op (row_class):
+implementation it runs (`implementation_of`); the table keeps, per class, the times of the op's candidates
+(fastbert.paths.CANDIDATES: those that keep what the kernel keeps) and the fastest, `chosen`. A time is the GPU's
+alone where the row has it, else the row's median (fastbert.bench.timing.compared_ms): in a model the host runs
+ahead of the GPU, so what a path costs there is its GPU time. Which rows decide which op (row_class):
   layer_norm -> layer_norm; bias_gelu -> bias_gelu; ffn_up -> linear_bias_gelu (and the FFNs' up-projection);
   qkv_projection -> qkv_projection; attention without padding -> attention (padded attention keeps the kernel,
   see fastbert.paths); mlm_head (the MLM transform, LayerNorm and loss together) -> linear_cross_entropy.
@@ -24,6 +26,7 @@ import torch
 from fastbert import paths
 from fastbert.command import configure_logging
 from fastbert.bench.runs import first_rows, newest_per_case
+from fastbert.bench.timing import compared_ms
 from fastbert.files import write_text
 
 logger = logging.getLogger("fastbert.bench")
@@ -86,7 +89,7 @@ def implementation_of(row: dict) -> str | None:
 
 def build_table(rows: list[dict], sources: dict[str, str] | None = None) -> dict:
     """The table fastbert.paths loads, from GPU-suite rows: per architecture, op, class, dtype and direction,
-    each implementation's median ms and the fastest. Cases of one class add up (an implementation counts where
+    each implementation's ms (compared_ms) and the fastest. Cases of one class add up (an implementation counts where
     it measured every case). sources: {date: file} of the runs, recorded with each architecture."""
     table = {"generated_by": REGENERATE, "architectures": {}}
     for arch, run in newest_runs(rows).items():
@@ -99,7 +102,7 @@ def build_table(rows: list[dict], sources: dict[str, str] | None = None) -> dict
                 continue
             op, sizes = measured
             key = (op, paths.class_name(op, sizes), row["dtype"], row["direction"])
-            times.setdefault(key, {}).setdefault(implementation, []).append(row["median_ms"])
+            times.setdefault(key, {}).setdefault(implementation, []).append(compared_ms(row))
             cases.setdefault(key, set()).add(row["case"])
         ops: dict = {}
         for key, by_implementation in times.items():
@@ -187,7 +190,8 @@ def table_section(path: str = paths.TABLE_PATH) -> list[str]:
              "PyTorch's LayerNorm and GELU), `cublas_then_bias_gelu` (cuBLAS's GEMM, then the Triton bias + GELU "
              "kernel) or `cublas_forward` (the QKV projection: PyTorch's forward, the kernel's backward). "
              f"The table is fastbert/paths.json, written by `{REGENERATE}` from the GPU suite's rows; the "
-             "chosen implementation is in bold, with the median ms of each measured one. The per-op tables below "
+             "chosen implementation is in bold, with the ms of each measured one (the GPU's time alone where the rows "
+             "have it, else their medians). The per-op tables below "
              "mark the chosen provider \"(auto)\".", ""]
     if not table["architectures"]:
         return lines + ["No GPU run has been measured yet: \"auto\" runs the kernels.", ""]

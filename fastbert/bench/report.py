@@ -19,6 +19,7 @@ from fastbert.bench.memory_report import memory_section
 from fastbert.bench.path_table import chosen_provider, table_section
 from fastbert.bench.prepare_report import prepare_data_section
 from fastbert.bench.runs import first_rows, newest_per_case, run_labels
+from fastbert.bench.timing import compared_ms
 from fastbert.command import configure_logging
 from fastbert.files import replaced_file, write_text
 
@@ -104,7 +105,8 @@ def _cell(row: dict | None, figure: str, chosen: bool = False) -> str:
         return ""
     if row["status"] != "ok":
         return row["status"] + (" (time budget)" if row["status"] == "skipped" else "") + (" (auto)" if chosen else "")
-    text = f"{row['median_ms']:.3f} ms" + (" (auto)" if chosen else "")
+    text = f"{row['median_ms']:.3f} ms" + (f" (GPU {row['device_ms']:.3f} ms)" if row.get("device_ms") is not None
+                                            else "") + (" (auto)" if chosen else "")
     if figure == "tflops" and row.get("tflops"):
         text += f" · {row['tflops']:.1f} TFLOP/s"
     if figure == "gbps" and row.get("gbps"):
@@ -121,7 +123,7 @@ def _speedup(rows_by_provider: dict, provider: str, baseline: str) -> str:
     a, b = rows_by_provider.get(provider), rows_by_provider.get(baseline)
     if not a or not b or a["status"] != "ok" or b["status"] != "ok":
         return ""
-    return f"{b['median_ms'] / a['median_ms']:.2f}x"
+    return f"{compared_ms(b) / compared_ms(a):.2f}x"
 
 
 def op_section(op: str, rows: list[dict], labels: dict | None = None) -> list[str]:
@@ -274,8 +276,8 @@ def plots(runs: dict, plots_dir: str) -> list[str]:
             ax.set_title(f"MLM head + loss, {mlm[0]['case'].split('/', 1)[1]}\n{device}", fontsize=8)
             written.append(_save(fig, plots_dir, f"{slug}-mlm-memory.png"))
         ops = [r for r in rows if r.get("direction") == "fwd+bwd" and r["status"] == "ok" and r["op"] != "mlm_head"]
-        eager = {r["case"]: r["median_ms"] for r in ops if r["provider"] == "fastbert-eager"}
-        speed = [(r["case"], r["provider"], eager[r["case"]] / r["median_ms"]) for r in ops
+        eager = {r["case"]: compared_ms(r) for r in ops if r["provider"] == "fastbert-eager"}
+        speed = [(r["case"], r["provider"], eager[r["case"]] / compared_ms(r)) for r in ops
                  if r["case"] in eager and r["provider"] != "fastbert-eager"]
         if speed:
             cases = list(dict.fromkeys(c for c, _, _ in speed))
@@ -325,7 +327,7 @@ def targets(runs: dict) -> list[str]:
 
     def ratio(op, direction, **shape):
         a, b = find(op, "fastbert", direction, **shape), find(op, "fastbert-eager", direction, **shape)
-        return None if not a or not b else b["median_ms"] / a["median_ms"]
+        return None if not a or not b else compared_ms(b) / compared_ms(a)
 
     checks = []
     for hidden in (768, 1024):
@@ -348,7 +350,7 @@ def targets(runs: dict) -> list[str]:
         verdict = None
         if "fastbert" in by and "fastbert-varlen" in by:
             pad = by["fastbert"]["shape"]["padding"]
-            speedup = by["fastbert"]["median_ms"] / by["fastbert-varlen"]["median_ms"]
+            speedup = compared_ms(by["fastbert"]) / compared_ms(by["fastbert-varlen"])
             verdict = (f"{speedup:.2f}x (padding {100 * pad:.0f}%)", speedup >= 1 / (1 - pad))
         checks.append((f"attention varlen vs padded fwd+bwd, S={seqlen}: speed-up >= 1 / (1 - padding fraction)",
                        verdict))
@@ -358,8 +360,8 @@ def targets(runs: dict) -> list[str]:
                    None if not both else (f"{mlm['torch']['peak_mem_extra_bytes'] / mlm['fastbert']['peak_mem_extra_bytes']:.1f}x",
                                           mlm["torch"]["peak_mem_extra_bytes"] >= 6 * mlm["fastbert"]["peak_mem_extra_bytes"])))
     checks.append(("MLM head + loss fwd+bwd: >= 1.5x faster than HF's head",
-                   None if not both else (f"{mlm['torch']['median_ms'] / mlm['fastbert']['median_ms']:.2f}x",
-                                          mlm["torch"]["median_ms"] >= 1.5 * mlm["fastbert"]["median_ms"])))
+                   None if not both else (f"{compared_ms(mlm['torch']) / compared_ms(mlm['fastbert']):.2f}x",
+                                          compared_ms(mlm["torch"]) >= 1.5 * compared_ms(mlm["fastbert"]))))
     lines = ["| target (GPU, from issues 3-5) | measured | met |", "|---|---|---|"]
     for text, verdict in checks:
         lines.append(f"| {text} | not yet measured | - |" if verdict is None else
@@ -378,7 +380,7 @@ def ffn_form_lines(gpu_runs: dict) -> list[str]:
             if r["op"] == "ffn_up" and r.get("direction") == "fwd+bwd" and r.get("status", "ok") == "ok"]
     timed = {}
     for row in rows:
-        timed.setdefault(tuple(sorted(row["shape"].items())), {})[row["provider"]] = row["median_ms"]
+        timed.setdefault(tuple(sorted(row["shape"].items())), {})[row["provider"]] = compared_ms(row)
     measured = [(shape, t) for shape, t in timed.items() if "fastbert" in t and "fastbert-split" in t]
     if not measured:
         return lines + ["", "Which is faster is **not yet measured**: no GPU has run the suite."]
@@ -395,7 +397,10 @@ def render(rows: list[dict], plots_dir: str | None = None, suites=DEFAULT_SUITES
     out = ["# fastbert performance", "",
            f"Generated by `{REGENERATE}` from the JSON rows in `benchmarks/results/`; do not edit by hand. "
            "Every figure below was measured, and each table names the run it comes from. Times are medians "
-           "after warm-up (CUDA events via `triton.testing.do_bench` on a GPU). FLOPs: a matmul is 2MNK and its "
+           "after warm-up (CUDA events via `triton.testing.do_bench` on a GPU). An op row of a GPU run also gives, where "
+           "measured, the GPU's time alone (\"GPU ... ms\": the host's time left out, see fastbert/bench/timing.py's "
+           "`device_time_ms`); its speed-ups, TFLOP/s, GB/s, floor distance and the path table read that time, "
+           "rows without it their median. FLOPs: a matmul is 2MNK and its "
            "backward twice that; attention forward is 4 x heads x head_dim x sum(L_i^2) (flash-attention's count "
            "over the real lengths), backward 2.5x forward; a BERT training step is 3x its forward FLOPs, with the "
            "MLM head counted on the labelled tokens only for every provider. GB/s uses the least bytes a fused "

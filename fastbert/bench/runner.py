@@ -11,8 +11,9 @@ Suites:
 
 Rows are written to the output file after every item, so an interrupted run keeps what it measured.
 Each row: provenance (device, versions, commit, date, command), suite, case, op, shape, dtype,
-provider, direction, status, and the figures (median_ms, p20_ms, p80_ms, flops, tflops, bytes, gbps,
-their ratios to the measured peaks, peak memory; tokens/s, sequences/s and MFU for whole models).
+provider, direction, status, and the figures (median_ms, p20_ms, p80_ms; for a GPU's op rows also device_ms,
+device_p20_ms and device_p80_ms, the GPU's time alone, which tflops and gbps are computed from; flops, tflops,
+bytes, gbps, their ratios to the measured peaks, peak memory; tokens/s, sequences/s and MFU for whole models).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import torch
 from fastbert.bench import model_cases, op_cases
 from fastbert.bench.peaks import measure_peaks, peak_figures
 from fastbert.bench.provenance import provenance
-from fastbert.bench.timing import memory_meter_name, peak_memory, time_ms, timer_name
+from fastbert.bench.timing import compared_ms, device_time_ms, memory_meter_name, peak_memory, time_ms, timer_name
 from fastbert.files import write_text
 
 logger = logging.getLogger("fastbert.bench")
@@ -115,7 +116,7 @@ def model_item_kind(case: model_cases.ModelCase, provider: str) -> str:
 
 
 def derived(row: dict, peaks: dict) -> dict:
-    seconds = row["median_ms"] * 1e-3
+    seconds = compared_ms(row) * 1e-3
     if row.get("flops"):
         row["tflops"] = row["flops"] / seconds / 1e12
         if peaks.get("tflops"):
@@ -155,12 +156,15 @@ def op_runs(case: op_cases.OpCase, provider: str, device: torch.device):
 
 def measure_op(case: op_cases.OpCase, provider: str, device: torch.device, peaks: dict,
                directions: tuple[str, ...], timing: dict) -> list[dict]:
-    """One row per direction: median time, peak memory, TFLOP/s and GB/s. timing: time_ms's keywords."""
+    """One row per direction: median time (on a GPU also the GPU's time alone, device_ms), peak memory, TFLOP/s and
+    GB/s. timing: time_ms's keywords."""
     make_run, leaves = op_runs(case, provider, device)
     rows = []
     for direction in directions:
         run = make_run(direction)
         row = {"direction": direction, **time_ms(run, device, leaves, **timing)}  # clears .grad before each call
+        if device.type == "cuda":
+            row.update(device_time_ms(run, device, leaves))
         for t in leaves:
             t.grad = None
         row.update(peak_memory(run, device))
@@ -300,12 +304,12 @@ def summary(rows: list[dict]) -> str:
     from fastbert.bench.path_table import chosen_provider
 
     lines = [SMOKE_CAVEAT] if any(r.get("suite") == "smoke" for r in rows) else []
-    lines += [f"{'case':<58} {'provider':<16} {'auto':<4} {'dir':<10} {'status':<7} {'ms':>9} {'TFLOP/s':>8} "
-              f"{'GB/s':>8} {'peak MB':>9}"]
+    lines += [f"{'case':<58} {'provider':<16} {'auto':<4} {'dir':<10} {'status':<7} {'ms':>9} {'GPU ms':>9} "
+              f"{'TFLOP/s':>8} {'GB/s':>8} {'peak MB':>9}"]
     for r in rows:
         mem = r.get("peak_mem_extra_bytes") if r.get("peak_mem_bytes") is None else r.get("peak_mem_bytes")
-        cells = [f"{r.get('median_ms', float('nan')):9.3f}", _fmt(r.get("tflops"), 8, 1), _fmt(r.get("gbps"), 8, 0),
-                 _fmt(None if mem is None else mem / 2 ** 20, 9, 1)]
+        cells = [f"{r.get('median_ms', float('nan')):9.3f}", _fmt(r.get("device_ms"), 9, 3),
+                 _fmt(r.get("tflops"), 8, 1), _fmt(r.get("gbps"), 8, 0), _fmt(None if mem is None else mem / 2 ** 20, 9, 1)]
         chosen = "*" if chosen_provider(r) == r["provider"] else ""
         lines.append(f"{r['case'][:58]:<58} {r['provider']:<16} {chosen:<4} {str(r.get('direction', '')):<10} "
                      f"{r['status']:<7} " + " ".join(cells))

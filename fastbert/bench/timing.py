@@ -3,6 +3,8 @@
 GPU: CUDA events through `triton.testing.do_bench` (it also flushes the L2 cache between calls),
 median and 20th/80th percentiles. Peak memory: `torch.cuda.max_memory_allocated` after
 `reset_peak_memory_stats`, minus what was allocated when the call started.
+GPU op rows add the GPU's time alone (`device_time_ms`): do_bench's events also time any host work of a call
+that outlasts the L2 flush before it, so a call whose host costs more than its kernels reads as the host's time.
 CPU: `time.perf_counter` around each call (CPU work is synchronous, so the host clock is the
 right clock) and the peak of the c10 CPU allocator's running total of live bytes, which it
 reports with every allocation and free while `torch.profiler` records memory.
@@ -10,6 +12,7 @@ reports with every allocation and free while `torch.profiler` records memory.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import statistics
 import sys
@@ -18,7 +21,11 @@ from typing import Callable, Sequence
 
 import torch
 
+logger = logging.getLogger("fastbert.bench")
+
 CUDA_TIMER = "CUDA events: triton.testing.do_bench, median after warm-up"
+DEVICE_TIMER = ("the GPU's time alone: CUDA events around each call, all enqueued while the GPU sleeps "
+                "(torch.cuda._sleep), each after an L2 flush; median of the calls")
 CPU_TIMER = "time.perf_counter per call, median after warm-up"
 CUDA_MEMORY_METER = "torch.cuda.max_memory_allocated after reset_peak_memory_stats"
 CPU_MEMORY_METER = "c10 CPU allocator's live-bytes total, reported per allocation to torch.profiler"
@@ -76,6 +83,71 @@ def time_ms(fn: Callable[[], object], device: torch.device, grad_to_none: Sequen
         times.append((time.perf_counter() - start) * 1e3)
     quintiles = statistics.quantiles(times, n=5)  # the 20th, 40th, 60th and 80th percentiles
     return {"median_ms": statistics.median(times), "p20_ms": quintiles[0], "p80_ms": quintiles[3]}
+
+
+def device_time_ms(fn: Callable[[], object], device: torch.device, grad_to_none: Sequence[torch.Tensor] = (),
+                   calls: int = 20) -> dict[str, float | None]:
+    """Median, 20th and 80th percentile of the GPU's time for one call of fn on a CUDA device, the host's time
+    left out (DEVICE_TIMER): a sleep kernel holds the GPU while the host enqueues every call, so no kernel waits
+    for the host that launches it. Each call follows an L2 flush, as in do_bench. The sleep is checked, not
+    assumed, to outlast the host's enqueueing; if it does not even at twice the length (a call that syncs with
+    the host, or a launch queue full), the figures are None and a warning says so."""
+    import triton
+
+    driver = triton.runtime.driver.active
+    cache = driver.get_empty_cache_for_benchmark()
+    host_ms = max(_once_ms(fn, device, grad_to_none), 1e-3)  # the host's time of a call is at most this
+    cycles_per_ms = _sleep_cycles_per_ms(device)
+    for longer in (1, 2):
+        sleep_start, sleep_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+        torch.cuda.synchronize(device)
+        sleep_start.record()
+        torch.cuda._sleep(int(longer * (2 * calls * host_ms + 1.0) * cycles_per_ms))
+        sleep_end.record()
+        enqueue_start = time.perf_counter()
+        for start, end in zip(starts, ends):
+            _clear_grads(grad_to_none)
+            driver.clear_cache(cache)
+            start.record()
+            fn()
+            end.record()
+        enqueue_ms = (time.perf_counter() - enqueue_start) * 1e3
+        torch.cuda.synchronize(device)
+        if enqueue_ms < sleep_start.elapsed_time(sleep_end):
+            times = [start.elapsed_time(end) for start, end in zip(starts, ends)]
+            quintiles = statistics.quantiles(times, n=5)
+            return {"device_ms": statistics.median(times), "device_p20_ms": quintiles[0],
+                    "device_p80_ms": quintiles[3]}
+    logger.warning("the GPU's time alone was not measured: enqueueing %d calls took %.2f ms, longer than the GPU "
+                   "slept (a call that syncs with the host?)", calls, enqueue_ms)
+    return {"device_ms": None, "device_p20_ms": None, "device_p80_ms": None}
+
+
+_SLEEP_CYCLES_PER_MS: dict[int, float] = {}  # CUDA device index -> torch.cuda._sleep's cycles per millisecond
+
+
+def _sleep_cycles_per_ms(device: torch.device) -> float:
+    """What torch.cuda._sleep's argument counts (the GPU's clock cycles) per millisecond, measured once a device."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _SLEEP_CYCLES_PER_MS:
+        cycles = 10_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        torch.cuda.synchronize(device)
+        _SLEEP_CYCLES_PER_MS[index] = cycles / start.elapsed_time(end)
+    return _SLEEP_CYCLES_PER_MS[index]
+
+
+def compared_ms(row: dict) -> float:
+    """The time a row's providers are compared by, and its TFLOP/s and GB/s computed from: the GPU's time alone
+    where the row has it (an op row of the GPU suite), else its median."""
+    device_ms = row.get("device_ms")
+    return row["median_ms"] if device_ms is None else device_ms
 
 
 def _once_ms(fn, device, grad_to_none) -> float:
