@@ -12,6 +12,10 @@
 #   ops     `fastbert bench --suite gpu` with a budget, its per-op cases (every case but the models'), rows in
 #           bench-ops/
 # then prints a summary of at most 40 lines (benchmarks/gpu_check_summary.py; also in summary.txt).
+# FASTBERT_CHECK_CHOOSE=1 (benchmarks/gpu_session.sh sets it) runs the ops stage before the models and between them
+# a stage "choose": OUTDIR/paths.json from the new op rows and the committed ones (benchmarks/choose_paths.py), the
+# table the models stage then runs "auto" with (FASTBERT_PATHS), so that one session's model rows measure the paths
+# its own op rows chose: the table `python benchmarks/choose_paths.py` commits once the rows are copied in.
 # Limits in seconds, from the environment: FASTBERT_CHECK_TESTS_S (240), FASTBERT_CHECK_MODELS_S (110),
 # FASTBERT_CHECK_OPS_S (100); the benchmarks' measuring budgets are their limits less 30 s of start-up.
 # FASTBERT_CHECK_MODELS: the regex of the models stage's items ('case provider', default every whole-model case),
@@ -60,12 +64,30 @@ run_stage() {
 # shellcheck disable=SC2086  # the lists are word lists
 run_stage tests "$tests_s" python -m pytest -n "${FASTBERT_CHECK_WORKERS:-12}" -p no:cacheprovider -q -rfE \
     --tb=short --junitxml "$out/tests.xml" $test_files
-# shellcheck disable=SC2086
-run_stage models "$models_s" $bench --suite gpu --only "$model_cases" --budget $((models_s > 60 ? models_s - 30 : models_s / 2)) \
-    --out "$out/bench-models" --no-progress
-# shellcheck disable=SC2086
-run_stage ops "$ops_s" $bench --suite gpu --only "^(?!(train|inference|capacity)/)" --budget $((ops_s > 60 ? ops_s - 30 : ops_s / 2)) \
-    --out "$out/bench-ops" --no-progress
+run_models() {
+    # shellcheck disable=SC2086
+    run_stage models "$models_s" $bench --suite gpu --only "$model_cases" \
+        --budget $((models_s > 60 ? models_s - 30 : models_s / 2)) --out "$out/bench-models" --no-progress
+}
+run_ops() {
+    # shellcheck disable=SC2086
+    run_stage ops "$ops_s" $bench --suite gpu --only "^(?!(train|inference|capacity)/)" \
+        --budget $((ops_s > 60 ? ops_s - 30 : ops_s / 2)) --out "$out/bench-ops" --no-progress
+}
+if [ "${FASTBERT_CHECK_CHOOSE:-0}" = 1 ]; then
+    run_ops
+    rows_dir=$(mktemp -d)
+    cp benchmarks/results/gpu-*.json "$out"/bench-ops/*.json "$rows_dir/" 2>/dev/null
+    run_stage choose 60 python benchmarks/choose_paths.py --results "$rows_dir" --out "$out/paths.json"
+    rm -rf "$rows_dir"
+    if [ -s "$out/paths.json" ]; then
+        export FASTBERT_PATHS="$out/paths.json"
+    fi
+    run_models
+else
+    run_models
+    run_ops
+fi
 python benchmarks/gpu_check_summary.py "$out" | tee "$out/summary.txt"
 # 0 only when every stage ended by itself with 0
 awk '$2 != 0 { bad = 1 } END { exit bad }' "$out/stages.tsv"

@@ -5,13 +5,14 @@
 # Runs, each step's output in the archive:
 #   env.txt          date, commit, git status, nvidia-smi, Python / torch / CUDA / Triton / transformers versions,
 #                    whether the C launch (kernels/launch.c) built
-#   check/           benchmarks/gpu_check.sh: the kernel and model tests, the model rows (FASTBERT_CHECK_MODELS,
-#                    default issue 25's: BERT-base training at 256 x 128 with and without fastbert.apply and BitFit,
-#                    inference at 32 x 128 and 1 x 128 with and without a captured graph, against transformers),
-#                    then the op rows with what time is left to them
-#   profile.txt      benchmarks/profile_models.py: torch.profiler tables of the same model cases
-#   rows/            every rows file the run wrote, for benchmarks/results/ (then `python benchmarks/choose_paths.py`
-#                    and `python benchmarks/make_perf.py`)
+#   check/           benchmarks/gpu_check.sh with FASTBERT_CHECK_CHOOSE=1: the kernel and model tests, the op rows,
+#                    check/paths.json (the paths "auto" chooses from them and the committed rows), then the model
+#                    rows run with that table (FASTBERT_CHECK_MODELS, default issue 25's: BERT-base training at
+#                    256 x 128 with and without fastbert.apply and BitFit, inference at 32 x 128 and 1 x 128 with and
+#                    without a captured graph, against transformers)
+#   profile.txt      benchmarks/profile_models.py: torch.profiler tables of the same model cases, with check/paths.json
+#   rows/            every rows file the run wrote, for benchmarks/results/ (then `python benchmarks/choose_paths.py`,
+#                    which writes check/paths.json's choices, and `python benchmarks/make_perf.py`)
 # About 9 minutes with the defaults, inside a device call's 10 (the machine's start-up not included): the stages'
 # limits are gpu_check's variables, set here unless the environment sets them (FASTBERT_CHECK_TESTS_S 215,
 # FASTBERT_CHECK_MODELS_S 170, FASTBERT_CHECK_OPS_S 70), and FASTBERT_PROFILE_S (80) for the profile.
@@ -27,7 +28,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FASTBERT_CHECK_TESTS_S=${FASTBERT_CHECK_TESTS_S:-215} FASTBERT_CHECK_MODELS_S=${FASTBERT_CHECK_MODELS_S:-170}
-export FASTBERT_CHECK_OPS_S=${FASTBERT_CHECK_OPS_S:-70}
+export FASTBERT_CHECK_OPS_S=${FASTBERT_CHECK_OPS_S:-70} FASTBERT_CHECK_CHOOSE=${FASTBERT_CHECK_CHOOSE:-1}
 export FASTBERT_CHECK_MODELS=${FASTBERT_CHECK_MODELS:-'^(train/base,batch=256,seqlen=128(,bitfit)? (fastbert|fastbert-apply|hf-sdpa)|inference/base,batch=(32,seqlen=128,padded|1,seqlen=128) (fastbert|fastbert-graph|hf-sdpa))$'}
 
 {
@@ -42,6 +43,9 @@ export FASTBERT_CHECK_MODELS=${FASTBERT_CHECK_MODELS:-'^(train/base,batch=256,se
 
 bash benchmarks/gpu_check.sh "$work/check"
 check_rc=$?
+if [ -s "$work/check/paths.json" ]; then
+    export FASTBERT_PATHS="$work/check/paths.json"
+fi
 timeout -s INT -k 10 "${FASTBERT_PROFILE_S:-80}" python benchmarks/profile_models.py "$work/profile.txt" --steps 3 \
     > "$work/profile.log" 2>&1
 mkdir -p "$work/rows"

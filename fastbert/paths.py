@@ -2,7 +2,8 @@
 
 Every fused op has its Triton kernel and a PyTorch path of the same job; on CUDA tensors "auto" runs the one
 the GPU suite measured faster at the op's shape class, on the nearest measured GPU architecture, from the
-committed table `fastbert/paths.json`. The implementations:
+committed table `fastbert/paths.json` (or the table the environment variable FASTBERT_PATHS names). The
+implementations:
 - "triton": the op's Triton kernel (fastbert.kernels), what backend="triton" runs.
 - "torch": the pure-PyTorch reference (fastbert.reference: cuBLAS's GEMMs, SDPA, PyTorch's LayerNorm and
   GELU), what backend="torch" runs.
@@ -69,7 +70,10 @@ CANDIDATES = {
 # op -> its implementation where "auto" has nothing to choose (one candidate; `load` refuses a table that names
 # another): resolve_backend returns it without reading shapes or the table, on every call of those ops
 ONLY_CANDIDATE = {op: candidates[0] for op, candidates in CANDIDATES.items() if len(candidates) == 1}
-TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paths.json")
+# the table "auto" reads, once at import: the committed one, or the file FASTBERT_PATHS names (a table of your GPU's
+# own rows: `python benchmarks/choose_paths.py --results DIR --out FILE`; benchmarks/gpu_check.sh uses one so that
+# its model rows run the paths its op rows chose)
+TABLE_PATH = os.environ.get("FASTBERT_PATHS") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "paths.json")
 DIRECTIONS = ("fwd", "fwd+bwd")  # the suite's row directions the choice reads: inference, training
 
 

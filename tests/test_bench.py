@@ -4,6 +4,7 @@ import glob
 import json
 import math
 import os
+import re
 import time
 
 import pytest
@@ -336,6 +337,16 @@ def test_summary_and_op_tables_mark_the_path_auto_runs():
     rows = [_h100_row("mlm_head", mlm, p, "fwd", 1.0) for p in ("fastbert", op_cases.EAGER)]
     fastbert_cell = "\n".join(report.op_section("mlm_head", rows)).split("| fwd |")[1].split("|")[0]
     assert fastbert_cell.strip() == "1.000 ms (auto)"
+
+
+def test_a_short_budget_measures_bert_bases_classes_first():
+    """The GPU suite's op items run in case order and a budget cuts the last: the cases of every class BERT-base's
+    paths are chosen from (its widths, its MLM head, attention without padding at 128 and 512) come first."""
+    ops = [item.case for item in runner.work_items("gpu") if isinstance(item.case, op_cases.OpCase)]
+    names = list(dict.fromkeys(case.name for case in ops))
+    bert_base = [name for name in names
+                 if re.search(r"hidden=768|features=3072|seqlen=(128|512),heads=32,head_dim=64,padding=0.0,d", name)]
+    assert len(bert_base) == 7 and names[:7] == bert_base
 
 
 def test_floors_are_the_cases_counts_over_the_h100s_peaks():

@@ -32,13 +32,26 @@ FAKE_TESTS = textwrap.dedent('''
         time.sleep(600)
 ''')
 
-# a bench stand-in: writes one row, then (for the models stage) sleeps past its limit
+# a bench stand-in: writes two rows (the ops stage also an H100's bias + GELU rows, where the kernel's GPU time
+# beats PyTorch's path, which the committed table chooses for training), then (the models stage) sleeps past its
+# limit
 FAKE_BENCH = textwrap.dedent('''
     import json, os, sys, time
     out = sys.argv[sys.argv.index("--out") + 1]
     os.makedirs(out, exist_ok=True)
-    rows = [{"case": "inference/base", "provider": "fastbert", "status": "ok"},
+    date = "2099-01-01T00:00:00+00:00"
+    rows = [{"case": "inference/base", "provider": "fastbert", "status": "ok",
+             "paths_table": os.environ.get("FASTBERT_PATHS")},
             {"case": "layer_norm/rows", "provider": "triton", "status": "error", "error": "RuntimeError: planted"}]
+    rows = [{**row, "date": date} for row in rows]
+    if "(?!" in sys.argv[sys.argv.index("--only") + 1]:
+        shape = {"rows": 16384, "features": 3072}
+        rows += [{"suite": "gpu", "device": "NVIDIA H100 80GB HBM3", "device_type": "cuda", "architecture": "sm_90",
+                  "date": date, "commit": "stand-in", "torch": "2.11", "triton": "3.6", "command": "stand-in",
+                  "op": "bias_gelu", "case": "bias_gelu/rows=16384,features=3072", "shape": shape,
+                  "dtype": "bfloat16", "provider": provider, "direction": "fwd+bwd", "status": "ok",
+                  "median_ms": median, "device_ms": alone}
+                 for provider, median, alone in (("fastbert", 0.6, 0.2), ("fastbert-eager", 0.3, 0.3))]
     json.dump(rows, open(os.path.join(out, "gpu-stand-in.json"), "w"))
     if "train" in sys.argv[sys.argv.index("--only") + 1].split("(?!")[0]:
         time.sleep(600)
@@ -77,7 +90,7 @@ def test_a_stopped_run_reports_what_it_found(tmp_path):
     assert any(line.startswith("models  STOPPED at its 3 s limit") for line in summary)
     assert any("test_fails[0]: AssertionError: planted failure 0" in line for line in summary)
     assert any("and 10 more failures" in line for line in summary)
-    assert "bench-ops: 2 rows: 1 error, 1 ok" in summary
+    assert "bench-ops: 4 rows: 1 error, 3 ok" in summary
     assert any("first error: layer_norm/rows [triton]: RuntimeError: planted" in line for line in summary)
     assert json.loads(next((out / "bench-models").glob("*.json")).read_text())[0]["status"] == "ok"
 
@@ -95,9 +108,24 @@ def test_a_session_leaves_one_archive_with_everything_in_it(tmp_path):
         names = set(archive.getnames())
         env = archive.extractfile("./env.txt").read().decode()
         stages = archive.extractfile("./check/stages.tsv").read().decode()
+        models_rows = json.load(archive.extractfile("./check/bench-models/gpu-stand-in.json"))
+        table = json.load(archive.extractfile("./check/paths.json"))
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     assert head in env.splitlines() and "C launch:" in env
-    assert [line.split()[:2] for line in stages.splitlines()] == [["tests", "0"], ["models", "0"], ["ops", "0"]]
+    # the op rows first, then the table chosen from them and the committed rows, which the model rows ran with:
+    # the committed choices but the one class the new rows measured, chosen by their GPU time
+    assert [line.split()[:2] for line in stages.splitlines()] == [["tests", "0"], ["ops", "0"], ["choose", "0"],
+                                                                  ["models", "0"]]
+    assert models_rows[0]["paths_table"].endswith("/check/paths.json")
+    with open(ROOT / "fastbert" / "paths.json", encoding="utf-8") as f:
+        committed = json.load(f)["architectures"]["sm_90"]["ops"]
+    chosen = table["architectures"]["sm_90"]["ops"]
+    measured = "tokens=16384,features=3072"  # the case's rows stand from its newest run: fwd+bwd alone
+    assert chosen["bias_gelu"][measured] == {"bfloat16": {"fwd+bwd": {"chosen": "triton",
+                                                                       "ms": {"triton": 0.2, "torch": 0.3}}}}
+    assert committed["bias_gelu"][measured]["bfloat16"]["fwd+bwd"]["chosen"] == "torch"
+    chosen["bias_gelu"][measured] = committed["bias_gelu"][measured]
+    assert chosen == committed
     assert {"./check/summary.txt", "./check/tests.xml", "./rows/gpu-stand-in.json", "./profile.txt"} <= names
 
 

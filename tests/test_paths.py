@@ -3,6 +3,9 @@ the nearest class, dtype and architecture, explicit backends winning), the table
 rows (fastbert.bench.path_table), the FFN's cuBLAS form through fastbert.ops, and the choice under torch.compile.
 No GPU here: meta tensors inside `paths.planned_architecture` stand for a GPU's, as in a memory plan."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -308,6 +311,22 @@ def test_build_table_chooses_by_the_gpus_time_alone_where_measured():
         choices.append(next(iter(classes.values()))["bfloat16"]["fwd+bwd"])
     assert choices == [{"chosen": "torch", "ms": {"triton": 0.6, "torch": 0.35}},
                        {"chosen": "triton", "ms": {"triton": 0.2, "torch": 0.34}}]
+
+
+def test_fastbert_paths_names_the_table_auto_reads(tmp_path):
+    """FASTBERT_PATHS: a table written from one's own GPU rows replaces the committed one, read at import."""
+    shape = {"rows": 16384, "features": 3072}
+    rows = [_row("bias_gelu", shape, provider, "fwd", ms)
+            for provider, ms in (("fastbert", 0.3), ("fastbert-eager", 0.1))]
+    table_file = tmp_path / "own.json"
+    table_file.write_text(json.dumps(path_table.build_table(rows)))
+    code = ("import torch; from fastbert import paths; "
+            "print(paths.lookup(paths.TABLE, 90, 'bias_gelu', torch.bfloat16, 'fwd', paths.buckets((16384, 3072))))")
+    own = subprocess.run([sys.executable, "-c", code], env={**os.environ, "FASTBERT_PATHS": str(table_file)},
+                         capture_output=True, text=True, timeout=300)
+    assert own.returncode == 0, own.stderr
+    assert own.stdout.strip() == "torch"
+    assert paths.lookup(paths.TABLE, 90, "bias_gelu", torch.bfloat16, "fwd", paths.buckets((16384, 3072))) == "triton"
 
 
 def test_the_split_provider_is_each_ops_cublas_form(tmp_path):
