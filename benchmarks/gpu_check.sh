@@ -4,7 +4,7 @@
 #   benchmarks/gpu_check.sh OUTDIR
 # Runs from the checkout as it is: installed with `python -m pip install --no-deps --no-build-isolation -e .`
 # or not installed at all (PYTHONPATH is the checkout; fastbert maps fastbert.kernels to kernels/ itself).
-# Three stages, each under its own limit, all output under OUTDIR:
+# Three stages (four with FASTBERT_CHECK_CHOOSE, below), each under its own limit, all output under OUTDIR:
 #   tests   the kernel and model test files on the GPU, pytest in parallel, stopped with SIGINT at its limit so
 #           that it still prints every failure with its short traceback (tests.log) and writes tests.xml (JUnit)
 #   models  the whole-model benchmarks against transformers (`fastbert bench --suite gpu --only` the model
@@ -13,7 +13,7 @@
 #           bench-ops/
 # then prints a summary of at most 40 lines (benchmarks/gpu_check_summary.py; also in summary.txt).
 # FASTBERT_CHECK_CHOOSE=1 (benchmarks/gpu_session.sh sets it) runs the ops stage before the models and between them
-# a stage "choose": OUTDIR/paths.json from the new op rows and the committed ones (benchmarks/choose_paths.py), the
+# a stage "choose" (limit 20 s): OUTDIR/paths.json from the new op rows and the committed ones (choose_paths.py), the
 # table the models stage then runs "auto" with (FASTBERT_PATHS), so that one session's model rows measure the paths
 # its own op rows chose: the table `python benchmarks/choose_paths.py` commits once the rows are copied in.
 # Limits in seconds, from the environment: FASTBERT_CHECK_TESTS_S (240), FASTBERT_CHECK_MODELS_S (110),
@@ -78,7 +78,7 @@ if [ "${FASTBERT_CHECK_CHOOSE:-0}" = 1 ]; then
     run_ops
     rows_dir=$(mktemp -d)
     cp benchmarks/results/gpu-*.json "$out"/bench-ops/*.json "$rows_dir/" 2>/dev/null
-    run_stage choose 60 python benchmarks/choose_paths.py --results "$rows_dir" --out "$out/paths.json"
+    run_stage choose 20 python benchmarks/choose_paths.py --results "$rows_dir" --out "$out/paths.json"
     rm -rf "$rows_dir"
     if [ -s "$out/paths.json" ]; then
         export FASTBERT_PATHS="$out/paths.json"

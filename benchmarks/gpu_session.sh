@@ -49,7 +49,7 @@ fi
 timeout -s INT -k 10 "${FASTBERT_PROFILE_S:-80}" python benchmarks/profile_models.py "$work/profile.txt" --steps 3 \
     > "$work/profile.log" 2>&1
 mkdir -p "$work/rows"
-find "$work/check" -name '*.json' -exec cp {} "$work/rows/" \;
+find "$work/check" -path '*/bench-*' -name 'gpu-*.json' -exec cp {} "$work/rows/" \;
 tar czf "$out/run.tgz" -C "$work" .
 echo "gpu_check exit $check_rc; everything in $out/run.tgz"
 exit "$check_rc"

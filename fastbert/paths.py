@@ -73,7 +73,8 @@ ONLY_CANDIDATE = {op: candidates[0] for op, candidates in CANDIDATES.items() if 
 # the table "auto" reads, once at import: the committed one, or the file FASTBERT_PATHS names (a table of your GPU's
 # own rows: `python benchmarks/choose_paths.py --results DIR --out FILE`; benchmarks/gpu_check.sh uses one so that
 # its model rows run the paths its op rows chose)
-TABLE_PATH = os.environ.get("FASTBERT_PATHS") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "paths.json")
+COMMITTED_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paths.json")
+TABLE_PATH = os.environ.get("FASTBERT_PATHS") or COMMITTED_TABLE_PATH
 DIRECTIONS = ("fwd", "fwd+bwd")  # the suite's row directions the choice reads: inference, training
 
 

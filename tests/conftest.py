@@ -8,6 +8,9 @@ import os
 # numpy's OpenBLAS threads spin against each other (and pytest -n 2's other worker) on a small CPU
 # machine, which made the interpreter's fp32 tl.dot ~1000x slower; set before numpy loads.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# the tests hold "auto" to the committed table of paths (fastbert/paths.json), not one a GPU session's FASTBERT_PATHS
+# names; fastbert.paths reads the variable at import
+os.environ.pop("FASTBERT_PATHS", None)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -61,7 +61,8 @@ FAKE_BENCH = textwrap.dedent('''
 def _run_check(tmp_path, script=SCRIPT, tests=FAKE_TESTS, **limits):
     (tmp_path / "test_planted.py").write_text(tests)
     (tmp_path / "fake_bench.py").write_text(FAKE_BENCH)
-    env = {**os.environ, "FASTBERT_CHECK_DEVICE": "cpu", "FASTBERT_CHECK_TESTS": str(tmp_path / "test_planted.py"),
+    inherited = {k: v for k, v in os.environ.items() if k not in ("FASTBERT_CHECK_CHOOSE", "FASTBERT_PATHS")}
+    env = {**inherited, "FASTBERT_CHECK_DEVICE": "cpu", "FASTBERT_CHECK_TESTS": str(tmp_path / "test_planted.py"),
            "FASTBERT_CHECK_WORKERS": "2", "FASTBERT_CHECK_BENCH": f"{sys.executable} {tmp_path / 'fake_bench.py'}",
            **limits}
     out = tmp_path / "out"
@@ -120,11 +121,10 @@ def test_a_session_leaves_one_archive_with_everything_in_it(tmp_path):
     with open(ROOT / "fastbert" / "paths.json", encoding="utf-8") as f:
         committed = json.load(f)["architectures"]["sm_90"]["ops"]
     chosen = table["architectures"]["sm_90"]["ops"]
-    measured = "tokens=16384,features=3072"  # the case's rows stand from its newest run: fwd+bwd alone
-    assert chosen["bias_gelu"][measured] == {"bfloat16": {"fwd+bwd": {"chosen": "triton",
-                                                                       "ms": {"triton": 0.2, "torch": 0.3}}}}
-    assert committed["bias_gelu"][measured]["bfloat16"]["fwd+bwd"]["chosen"] == "torch"
-    chosen["bias_gelu"][measured] = committed["bias_gelu"][measured]
+    measured = chosen["bias_gelu"]["tokens=16384,features=3072"]["bfloat16"]
+    assert measured["fwd+bwd"] == {"chosen": "triton", "ms": {"triton": 0.2, "torch": 0.3}}
+    assert committed["bias_gelu"]["tokens=16384,features=3072"]["bfloat16"]["fwd+bwd"]["chosen"] == "torch"
+    measured["fwd+bwd"] = committed["bias_gelu"]["tokens=16384,features=3072"]["bfloat16"]["fwd+bwd"]
     assert chosen == committed
     assert {"./check/summary.txt", "./check/tests.xml", "./rows/gpu-stand-in.json", "./profile.txt"} <= names
 

@@ -270,7 +270,7 @@ def test_the_committed_table_is_the_committed_rows():
     """fastbert/paths.json is what `python benchmarks/choose_paths.py` writes from benchmarks/results/: no hand
     edits, and a new run's rows regenerate it."""
     rows, sources = path_table.load_results("benchmarks/results")
-    with open(paths.TABLE_PATH, encoding="utf-8") as f:
+    with open(paths.COMMITTED_TABLE_PATH, encoding="utf-8") as f:
         assert path_table.build_table(rows, sources) == json.load(f)
 
 
@@ -311,6 +311,25 @@ def test_build_table_chooses_by_the_gpus_time_alone_where_measured():
         choices.append(next(iter(classes.values()))["bfloat16"]["fwd+bwd"])
     assert choices == [{"chosen": "torch", "ms": {"triton": 0.6, "torch": 0.35}},
                        {"chosen": "triton", "ms": {"triton": 0.2, "torch": 0.34}}]
+
+
+def test_a_run_cut_short_leaves_the_whole_comparison_standing():
+    """The newest run that timed every candidate of a class decides it: a newer run that timed one of them (its
+    budget spent) does not, where an older one timed both; once a newer run times both, it decides."""
+    shape = {"rows": 16384, "features": 3072}
+    older = [_row("bias_gelu", shape, provider, "fwd+bwd", ms, date="2025-01-01T00:00:00+00:00")
+             for provider, ms in (("fastbert", 0.5), ("fastbert-eager", 0.1))]
+    cut = [_row("bias_gelu", shape, "fastbert", "fwd+bwd", 0.4),
+           {**_row("bias_gelu", shape, "fastbert-eager", "fwd+bwd", 0.0), "status": "skipped"}]
+    whole = [_row("bias_gelu", shape, provider, "fwd+bwd", ms, date="2027-01-01T00:00:00+00:00")
+             for provider, ms in (("fastbert", 0.3), ("fastbert-eager", 0.35))]
+    chosen = []
+    for rows in (older + cut, older + cut + whole):
+        table = path_table.build_table(rows)["architectures"]["sm_90"]
+        chosen.append((next(iter(table["ops"]["bias_gelu"].values()))["bfloat16"]["fwd+bwd"],
+                       [source["date"] for source in table["sources"]]))
+    assert chosen == [({"chosen": "torch", "ms": {"triton": 0.5, "torch": 0.1}}, ["2025-01-01T00:00:00+00:00"]),
+                      ({"chosen": "triton", "ms": {"triton": 0.3, "torch": 0.35}}, ["2027-01-01T00:00:00+00:00"])]
 
 
 def test_fastbert_paths_names_the_table_auto_reads(tmp_path):

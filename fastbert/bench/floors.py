@@ -4,13 +4,13 @@ and how far each measured provider is from it.
 A case with a FLOP count (the matmul-type ops: QKV, the FFN up-projection, attention, the MLM head) is bound by
 the H100's bf16 matmul rate, its floor FLOPs / MATMUL_FLOP_PER_S; the rest (LayerNorm, bias + GELU) by its copy
 bandwidth, the least bytes a fused kernel moves / COPY_BYTES_PER_S. The counts are op_cases' (DESIGN.md's
-formulas). A provider's distance is its time (the GPU's alone where the row has it, else its median; timing.compared_ms)
+formulas). A provider's distance is its time (the GPU's alone where the row has it, else its median; timing.comparable_ms)
 over the floor: 1.0x is the floor itself.
 """
 from __future__ import annotations
 
 from fastbert.bench import op_cases
-from fastbert.bench.timing import compared_ms
+from fastbert.bench.timing import comparable_ms
 
 # The first H100 run's measured peaks (gpu-runs/2026-11-26-h100/README.md): device copy 2.97-3.0 TB/s, bf16
 # matmul 793 TFLOP/s at 8192^3 through torch (the suite's own peak row, at a smaller size, 729).
@@ -66,4 +66,5 @@ def _distance(row: dict | None, floor: float) -> str:
         return "-"
     if row["status"] != "ok":
         return row["status"] + (" (time budget)" if row["status"] == "skipped" else "")
-    return f"{1e3 * compared_ms(row):,.1f} us ({compared_ms(row) / floor:.1f}x)"
+    ms = comparable_ms(row)[0]
+    return f"{1e3 * ms:,.1f} us ({ms / floor:.1f}x)"

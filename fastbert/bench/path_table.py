@@ -1,12 +1,14 @@
 """fastbert/paths.json, the table backend="auto" chooses from on a GPU (fastbert.paths), written from the GPU
 suite's rows: `python benchmarks/choose_paths.py` after a GPU run has been copied into benchmarks/results/.
 
-For the newest GPU-suite run of each architecture, every op row maps to the op fastbert.paths looks up, its
-shape class, dtype and direction ("fwd": inference, "fwd+bwd": training), and each provider to the
-implementation it runs (`implementation_of`); the table keeps, per class, the times of the op's candidates
-(fastbert.paths.CANDIDATES: those that keep what the kernel keeps) and the fastest, `chosen`. A time is the GPU's
-alone where the row has it, else the row's median (fastbert.bench.timing.compared_ms): in a model the host runs
-ahead of the GPU, so what a path costs there is its GPU time. Which rows decide which op (row_class):
+Per GPU architecture, every op row maps to the op fastbert.paths looks up, its shape class, dtype and direction
+("fwd": inference, "fwd+bwd": training), and each provider to the implementation it runs (`implementation_of`);
+the table keeps, per class and direction, the times of the op's candidates (fastbert.paths.CANDIDATES: those that
+keep what the kernel keeps) and the fastest, `chosen`, all from one run: the newest that timed every candidate any
+run timed there (a run cut short by its budget leaves an older, whole comparison standing). A time is the GPU's
+alone where every row of the comparison has it, else the rows' medians (fastbert.bench.timing.comparable_ms): in a
+model the host runs ahead of the GPU, so what a path costs there is its GPU time. Which rows decide which op
+(row_class):
   layer_norm -> layer_norm; bias_gelu -> bias_gelu; ffn_up -> linear_bias_gelu (and the FFNs' up-projection);
   qkv_projection -> qkv_projection; attention without padding -> attention (padded attention keeps the kernel,
   see fastbert.paths); mlm_head (the MLM transform, LayerNorm and loss together) -> linear_cross_entropy.
@@ -25,8 +27,8 @@ import torch
 
 from fastbert import paths
 from fastbert.command import configure_logging
-from fastbert.bench.runs import first_rows, newest_per_case
-from fastbert.bench.timing import compared_ms
+from fastbert.bench.runs import first_rows
+from fastbert.bench.timing import comparable_ms
 from fastbert.files import write_text
 
 logger = logging.getLogger("fastbert.bench")
@@ -71,13 +73,13 @@ def row_class(row: dict) -> tuple[str, tuple[int, ...]] | None:
     return None
 
 
-def newest_runs(rows: list[dict]) -> dict[str, list[dict]]:
-    """{architecture: its GPU-suite rows that stand (fastbert.bench.runs: each case from its newest run)}."""
+def gpu_rows_by_architecture(rows: list[dict]) -> dict[str, list[dict]]:
+    """{architecture: its GPU-suite rows, of every run}."""
     groups: dict[str, list[dict]] = {}
     for row in rows:
         if row.get("suite") == "gpu":
             groups.setdefault(architecture(row), []).append(row)
-    return {arch: newest_per_case(group) for arch, group in sorted(groups.items())}
+    return dict(sorted(groups.items()))
 
 
 def implementation_of(row: dict) -> str | None:
@@ -89,36 +91,51 @@ def implementation_of(row: dict) -> str | None:
 
 def build_table(rows: list[dict], sources: dict[str, str] | None = None) -> dict:
     """The table fastbert.paths loads, from GPU-suite rows: per architecture, op, class, dtype and direction,
-    each implementation's ms (compared_ms) and the fastest. Cases of one class add up (an implementation counts where
-    it measured every case). sources: {date: file} of the runs, recorded with each architecture."""
+    each candidate's ms and the fastest, from one run: the newest that timed every candidate any run timed there
+    (a run cut short by its budget leaves an older, whole comparison standing), else the newest of those that timed
+    the most. sources: {date: file} of the runs, recorded with each architecture."""
     table = {"generated_by": REGENERATE, "architectures": {}}
-    for arch, run in newest_runs(rows).items():
-        times: dict[tuple, dict[str, list[float]]] = {}
-        cases: dict[tuple, set[str]] = {}
-        for row in run:
+    for arch, arch_rows in gpu_rows_by_architecture(rows).items():
+        by_key: dict[tuple, dict[str, list[dict]]] = {}  # (op, class, dtype, direction) -> run date -> rows
+        for row in arch_rows:
             measured = row_class(row) if row["status"] == "ok" else None
             implementation = implementation_of(row)
-            if measured is None or implementation is None or row.get("direction") not in paths.DIRECTIONS:
+            if measured is None or implementation not in paths.CANDIDATES.get(measured[0], ()) \
+                    or row.get("direction") not in paths.DIRECTIONS:
                 continue
             op, sizes = measured
             key = (op, paths.class_name(op, sizes), row["dtype"], row["direction"])
-            times.setdefault(key, {}).setdefault(implementation, []).append(compared_ms(row))
-            cases.setdefault(key, set()).add(row["case"])
+            by_key.setdefault(key, {}).setdefault(row["date"], []).append(row)
         ops: dict = {}
-        for key, by_implementation in times.items():
-            op, name, dtype, direction = key
-            complete = {i: sum(t) for i, t in by_implementation.items()
-                        if len(t) == len(cases[key]) and i in paths.CANDIDATES[op]}
-            if not complete:
+        used: set[str] = set()
+        for (op, name, dtype, direction), by_run in by_key.items():
+            timed = {date: _run_times(run_rows) for date, run_rows in by_run.items()}
+            most = max(len(t) for t in timed.values())
+            date = max(timed, key=lambda d: (len(timed[d]) == most, d))
+            if not timed[date]:
                 continue
+            used.add(date)
             ops.setdefault(op, {}).setdefault(name, {}).setdefault(dtype, {})[direction] = {
-                "chosen": min(complete, key=complete.get), "ms": {i: round(t, 4) for i, t in complete.items()}}
+                "chosen": min(timed[date], key=timed[date].get),
+                "ms": {i: round(t, 4) for i, t in timed[date].items()}}
+        firsts = first_rows(arch_rows)
         table["architectures"][arch] = {
             "sources": [{"device": r["device"], "date": r["date"], "commit": r.get("commit"), "torch": r.get("torch"),
                          "triton": r.get("triton"), "command": r.get("command"), "file": (sources or {}).get(r["date"])}
-                        for r in first_rows(run).values()],
+                        for date, r in firsts.items() if date in used],
             "ops": ops}
     return table
+
+
+def _run_times(rows: list[dict]) -> dict[str, float]:
+    """{implementation: ms} of one run's rows of one class and direction: the sum over the class's cases, for the
+    implementations that timed every one; the GPU's time alone where every row has it, else the medians, so that
+    a comparison never sets one against the other (a call that syncs has no GPU time alone)."""
+    cases = {row["case"] for row in rows}
+    times: dict[str, list[float]] = {}
+    for row, ms in zip(rows, comparable_ms(*rows)):
+        times.setdefault(implementation_of(row), []).append(ms)
+    return {i: sum(t) for i, t in times.items() if len(t) == len(cases)}
 
 
 def chosen_provider(row: dict, table: dict | None = None) -> str | None:
@@ -155,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="choose_paths", description="Write fastbert/paths.json, the table "
                                 "backend='auto' chooses from on a GPU, from the GPU suite's rows.")
     p.add_argument("--results", default="benchmarks/results", help="directory of the gpu-*.json result files")
-    p.add_argument("--out", default=paths.TABLE_PATH, help="the table to write")
+    p.add_argument("--out", default=paths.COMMITTED_TABLE_PATH, help="the table to write (default fastbert/paths.json)")
     args = p.parse_args(argv)
     configure_logging("choose_paths")
     rows, sources = load_results(args.results)
@@ -178,9 +195,9 @@ HOST_BOUND_RUNS = {"2026-11-26T11:06:58+00:00": (
     "`python benchmarks/choose_paths.py` and `python benchmarks/make_perf.py`.")}
 
 
-def table_section(path: str = paths.TABLE_PATH) -> list[str]:
+def table_section(path: str = paths.COMMITTED_TABLE_PATH) -> list[str]:
     """PERF.md's section on the committed table: per architecture, op, class and dtype, what "auto" runs for
-    inference (fwd) and training (fwd+bwd), with the median times it chose from."""
+    inference (fwd) and training (fwd+bwd), with the times it chose from."""
     with open(path, encoding="utf-8") as f:
         table = json.load(f)
     lines = ["## The faster path per op (issue 26)", "",
@@ -199,7 +216,8 @@ def table_section(path: str = paths.TABLE_PATH) -> list[str]:
         sources = entry["sources"]
         runs = "; ".join(f"{s.get('file') or 'a run'} ({s['date']}, commit {(s['commit'] or 'unknown')[:12]}, "
                          f"torch {s['torch']}, triton {s['triton']}): `{s['command']}`" for s in sources)
-        each_case = " (each case from the newest run that measured it)" if len(sources) > 1 else ""
+        each_case = (" (each class and direction from the newest run that timed all its candidates)"
+                     if len(sources) > 1 else "")
         lines += [f"### {arch}: {sources[0]['device']}", "", f"*From {runs}{each_case}.*", ""]
         lines += [line for s in sources if s["date"] in HOST_BOUND_RUNS for line in (HOST_BOUND_RUNS[s["date"]], "")]
         lines += ["| op | shape class | dtype | inference (fwd) | training (fwd+bwd) |", "|---|---|---|---|---|"]

@@ -13,6 +13,8 @@ import sys
 
 import torch
 
+from fastbert import paths
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -86,4 +88,6 @@ def provenance(device: torch.device, command: list[str] | None = None) -> dict:
         # other work on the machine slows CPU timings; the load says how much there was
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "command": shlex.join(command),
+        # the table backend="auto" chose from, where not the committed one (FASTBERT_PATHS)
+        "paths_table": None if paths.TABLE_PATH == paths.COMMITTED_TABLE_PATH else paths.TABLE_PATH,
     }

@@ -19,7 +19,7 @@ from fastbert.bench.memory_report import memory_section
 from fastbert.bench.path_table import chosen_provider, table_section
 from fastbert.bench.prepare_report import prepare_data_section
 from fastbert.bench.runs import first_rows, newest_per_case, run_labels
-from fastbert.bench.timing import compared_ms
+from fastbert.bench.timing import comparable_ms
 from fastbert.command import configure_logging
 from fastbert.files import replaced_file, write_text
 
@@ -75,7 +75,8 @@ def _run_provenance(r: dict) -> str:
     load = f"; 1-min load average {r['load_average_1min']:.1f}" if r.get("device_type") == "cpu" and \
         r.get("load_average_1min") is not None else ""
     memory = f"; memory: {r['memory_meter']}" if r.get("memory_meter") else ""
-    return (f"{versions}; commit {commit}; {r['date']}{load}; "
+    table = f"; backend \"auto\" chose from {r['paths_table']} (FASTBERT_PATHS)" if r.get("paths_table") else ""
+    return (f"{versions}; commit {commit}{table}; {r['date']}{load}; "
             f"`{r['command']}`; timer: {r['timer']}{memory}")
 
 
@@ -119,11 +120,17 @@ def _providers(rows: list[dict]) -> list[str]:
     return [p for p in PROVIDER_ORDER if p in present] + sorted(present - set(PROVIDER_ORDER))
 
 
+def _ratio(a: dict, b: dict) -> float:
+    """Row a's time over row b's, by the times both have (timing.comparable_ms)."""
+    a_ms, b_ms = comparable_ms(a, b)
+    return a_ms / b_ms
+
+
 def _speedup(rows_by_provider: dict, provider: str, baseline: str) -> str:
     a, b = rows_by_provider.get(provider), rows_by_provider.get(baseline)
     if not a or not b or a["status"] != "ok" or b["status"] != "ok":
         return ""
-    return f"{compared_ms(b) / compared_ms(a):.2f}x"
+    return f"{_ratio(b, a):.2f}x"
 
 
 def op_section(op: str, rows: list[dict], labels: dict | None = None) -> list[str]:
@@ -276,8 +283,8 @@ def plots(runs: dict, plots_dir: str) -> list[str]:
             ax.set_title(f"MLM head + loss, {mlm[0]['case'].split('/', 1)[1]}\n{device}", fontsize=8)
             written.append(_save(fig, plots_dir, f"{slug}-mlm-memory.png"))
         ops = [r for r in rows if r.get("direction") == "fwd+bwd" and r["status"] == "ok" and r["op"] != "mlm_head"]
-        eager = {r["case"]: compared_ms(r) for r in ops if r["provider"] == "fastbert-eager"}
-        speed = [(r["case"], r["provider"], eager[r["case"]] / compared_ms(r)) for r in ops
+        eager = {r["case"]: r for r in ops if r["provider"] == "fastbert-eager"}
+        speed = [(r["case"], r["provider"], _ratio(eager[r["case"]], r)) for r in ops
                  if r["case"] in eager and r["provider"] != "fastbert-eager"]
         if speed:
             cases = list(dict.fromkeys(c for c, _, _ in speed))
@@ -327,7 +334,7 @@ def targets(runs: dict) -> list[str]:
 
     def ratio(op, direction, **shape):
         a, b = find(op, "fastbert", direction, **shape), find(op, "fastbert-eager", direction, **shape)
-        return None if not a or not b else compared_ms(b) / compared_ms(a)
+        return None if not a or not b else _ratio(b, a)
 
     checks = []
     for hidden in (768, 1024):
@@ -350,7 +357,7 @@ def targets(runs: dict) -> list[str]:
         verdict = None
         if "fastbert" in by and "fastbert-varlen" in by:
             pad = by["fastbert"]["shape"]["padding"]
-            speedup = compared_ms(by["fastbert"]) / compared_ms(by["fastbert-varlen"])
+            speedup = _ratio(by["fastbert"], by["fastbert-varlen"])
             verdict = (f"{speedup:.2f}x (padding {100 * pad:.0f}%)", speedup >= 1 / (1 - pad))
         checks.append((f"attention varlen vs padded fwd+bwd, S={seqlen}: speed-up >= 1 / (1 - padding fraction)",
                        verdict))
@@ -360,8 +367,8 @@ def targets(runs: dict) -> list[str]:
                    None if not both else (f"{mlm['torch']['peak_mem_extra_bytes'] / mlm['fastbert']['peak_mem_extra_bytes']:.1f}x",
                                           mlm["torch"]["peak_mem_extra_bytes"] >= 6 * mlm["fastbert"]["peak_mem_extra_bytes"])))
     checks.append(("MLM head + loss fwd+bwd: >= 1.5x faster than HF's head",
-                   None if not both else (f"{compared_ms(mlm['torch']) / compared_ms(mlm['fastbert']):.2f}x",
-                                          compared_ms(mlm["torch"]) >= 1.5 * compared_ms(mlm["fastbert"]))))
+                   None if not both else (f"{_ratio(mlm['torch'], mlm['fastbert']):.2f}x",
+                                          _ratio(mlm["torch"], mlm["fastbert"]) >= 1.5)))
     lines = ["| target (GPU, from issues 3-5) | measured | met |", "|---|---|---|"]
     for text, verdict in checks:
         lines.append(f"| {text} | not yet measured | - |" if verdict is None else
@@ -380,14 +387,15 @@ def ffn_form_lines(gpu_runs: dict) -> list[str]:
             if r["op"] == "ffn_up" and r.get("direction") == "fwd+bwd" and r.get("status", "ok") == "ok"]
     timed = {}
     for row in rows:
-        timed.setdefault(tuple(sorted(row["shape"].items())), {})[row["provider"]] = compared_ms(row)
-    measured = [(shape, t) for shape, t in timed.items() if "fastbert" in t and "fastbert-split" in t]
+        timed.setdefault(tuple(sorted(row["shape"].items())), {})[row["provider"]] = row
+    measured = [(shape, comparable_ms(t["fastbert"], t["fastbert-split"])) for shape, t in timed.items()
+                if "fastbert" in t and "fastbert-split" in t]
     if not measured:
         return lines + ["", "Which is faster is **not yet measured**: no GPU has run the suite."]
     lines += ["", "| shape | fastbert (model's form), ms | fastbert-split, ms | faster |", "|---|---|---|---|"]
-    for shape, t in measured:
-        faster = "fastbert" if t["fastbert"] <= t["fastbert-split"] else "fastbert-split"
-        lines.append(f"| {dict(shape)} | {t['fastbert']:.3f} | {t['fastbert-split']:.3f} | {faster} |")
+    for shape, (fused, split) in measured:
+        faster = "fastbert" if fused <= split else "fastbert-split"
+        lines.append(f"| {dict(shape)} | {fused:.3f} | {split:.3f} | {faster} |")
     return lines
 
 

@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -26,6 +27,7 @@ logger = logging.getLogger("fastbert.bench")
 CUDA_TIMER = "CUDA events: triton.testing.do_bench, median after warm-up"
 DEVICE_TIMER = ("the GPU's time alone: CUDA events around each call, all enqueued while the GPU sleeps "
                 "(torch.cuda._sleep), each after an L2 flush; median of the calls")
+NO_DEVICE_TIME = {"device_ms": None, "device_p20_ms": None, "device_p80_ms": None}  # where none was measured
 CPU_TIMER = "time.perf_counter per call, median after warm-up"
 CUDA_MEMORY_METER = "torch.cuda.max_memory_allocated after reset_peak_memory_stats"
 CPU_MEMORY_METER = "c10 CPU allocator's live-bytes total, reported per allocation to torch.profiler"
@@ -89,40 +91,56 @@ def device_time_ms(fn: Callable[[], object], device: torch.device, grad_to_none:
                    calls: int = 20) -> dict[str, float | None]:
     """Median, 20th and 80th percentile of the GPU's time for one call of fn on a CUDA device, the host's time
     left out (DEVICE_TIMER): a sleep kernel holds the GPU while the host enqueues every call, so no kernel waits
-    for the host that launches it. Each call follows an L2 flush, as in do_bench. The sleep is checked, not
-    assumed, to outlast the host's enqueueing; if it does not even at twice the length (a call that syncs with
-    the host, or a launch queue full), the figures are None and a warning says so."""
+    for the host that launches it. Each call follows an L2 flush, as in do_bench. That the GPU still slept when
+    the host had enqueued the last call is checked, not assumed (a sleep twice as long is tried once more). A
+    call that syncs with the host (CUDA's sync debug mode warns) has no such time: the figures are None then, as
+    where the check fails, and a warning says why."""
     import triton
 
+    if _syncs(fn, grad_to_none):
+        logger.warning("the GPU's time alone was not measured: a call syncs with the host")
+        return dict(NO_DEVICE_TIME)
     driver = triton.runtime.driver.active
     cache = driver.get_empty_cache_for_benchmark()
     host_ms = max(_once_ms(fn, device, grad_to_none), 1e-3)  # the host's time of a call is at most this
     cycles_per_ms = _sleep_cycles_per_ms(device)
     for longer in (1, 2):
-        sleep_start, sleep_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+        slept = torch.cuda.Event()
         torch.cuda.synchronize(device)
-        sleep_start.record()
         torch.cuda._sleep(int(longer * (2 * calls * host_ms + 1.0) * cycles_per_ms))
-        sleep_end.record()
-        enqueue_start = time.perf_counter()
+        slept.record()
         for start, end in zip(starts, ends):
             _clear_grads(grad_to_none)
             driver.clear_cache(cache)
             start.record()
             fn()
             end.record()
-        enqueue_ms = (time.perf_counter() - enqueue_start) * 1e3
+        host_got_ahead = not slept.query()  # the GPU is still in the sleep
         torch.cuda.synchronize(device)
-        if enqueue_ms < sleep_start.elapsed_time(sleep_end):
+        if host_got_ahead:
             times = [start.elapsed_time(end) for start, end in zip(starts, ends)]
             quintiles = statistics.quantiles(times, n=5)
             return {"device_ms": statistics.median(times), "device_p20_ms": quintiles[0],
                     "device_p80_ms": quintiles[3]}
-    logger.warning("the GPU's time alone was not measured: enqueueing %d calls took %.2f ms, longer than the GPU "
-                   "slept (a call that syncs with the host?)", calls, enqueue_ms)
-    return {"device_ms": None, "device_p20_ms": None, "device_p80_ms": None}
+    logger.warning("the GPU's time alone was not measured: the host enqueued %d calls more slowly than the GPU "
+                   "slept, twice", calls)
+    return dict(NO_DEVICE_TIME)
+
+
+def _syncs(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor]) -> bool:
+    """Whether a call of fn syncs with the host, by CUDA's sync debug mode (its warnings, recorded)."""
+    _clear_grads(grad_to_none)
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return any("synchroniz" in str(w.message).lower() for w in caught)
 
 
 _SLEEP_CYCLES_PER_MS: dict[int, float] = {}  # CUDA device index -> torch.cuda._sleep's cycles per millisecond
@@ -132,6 +150,7 @@ def _sleep_cycles_per_ms(device: torch.device) -> float:
     """What torch.cuda._sleep's argument counts (the GPU's clock cycles) per millisecond, measured once a device."""
     index = torch.cuda.current_device() if device.index is None else device.index
     if index not in _SLEEP_CYCLES_PER_MS:
+        torch.cuda._sleep(1000)  # loads the sleep kernel (CUDA loads modules lazily) outside the timed sleep
         cycles = 10_000_000
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize(device)
@@ -143,11 +162,13 @@ def _sleep_cycles_per_ms(device: torch.device) -> float:
     return _SLEEP_CYCLES_PER_MS[index]
 
 
-def compared_ms(row: dict) -> float:
-    """The time a row's providers are compared by, and its TFLOP/s and GB/s computed from: the GPU's time alone
-    where the row has it (an op row of the GPU suite), else its median."""
-    device_ms = row.get("device_ms")
-    return row["median_ms"] if device_ms is None else device_ms
+def comparable_ms(*rows: dict) -> list[float]:
+    """The times rows are compared by, in their order: each one's GPU time alone where every row has it (the GPU
+    suite's op rows), else their medians, so that no comparison sets one against the other (a call that syncs with
+    the host has no GPU time alone). One row: the time its TFLOP/s and GB/s are computed from."""
+    if all(row.get("device_ms") is not None for row in rows):
+        return [row["device_ms"] for row in rows]
+    return [row["median_ms"] for row in rows]
 
 
 def _once_ms(fn, device, grad_to_none) -> float:
