@@ -144,6 +144,11 @@ def test_op_rows_are_compared_by_the_gpus_time_alone_where_measured():
     assert "| 0.254 ms (GPU 0.050 ms) (auto) · 1500 GB/s | 0.094 ms · 798 GB/s |" in line
     assert line.endswith("| 0.37x | 2.00x |")  # medians 0.094 over 0.254 (eager has no GPU time); 0.1 over 0.05
     assert _distance(rows[0], 0.025) == "50.0 us (2.0x)"
+    # a model's inference row shows the GPU's time of a forward beside its wall time, which its figures keep
+    inference = {**_h100_row("model", {"batch": 32}, "fastbert", "inference", 5.9), "case": "inference/base",
+                 "batch": 32, "tokens_per_s": 1e5, "sequences_per_s": 32 / 5.9e-3, "device_ms": 1.8, "backend": "auto"}
+    line = next(line for line in report.model_section([inference]) if line.startswith("| inference/base"))
+    assert line.endswith("| 5.9 (GPU 1.8) |")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times a GPU (benchmarks/gpu_check.sh runs it)")

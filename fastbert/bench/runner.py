@@ -32,8 +32,8 @@ import torch
 from fastbert.bench import model_cases, op_cases
 from fastbert.bench.peaks import measure_peaks, peak_figures
 from fastbert.bench.provenance import provenance
-from fastbert.bench.timing import (DEVICE_TIMER, NO_DEVICE_TIME, comparable_ms, device_time_ms, memory_meter_name,
-                                   peak_memory, time_ms, timer_name)
+from fastbert.bench.timing import (comparable_ms, device_time_fields, memory_meter_name, peak_memory, time_ms,
+                                   timer_name)
 from fastbert.files import write_text
 
 logger = logging.getLogger("fastbert.bench")
@@ -165,7 +165,7 @@ def measure_op(case: op_cases.OpCase, provider: str, device: torch.device, peaks
         run = make_run(direction)
         row = {"direction": direction, **time_ms(run, device, leaves, **timing)}  # clears .grad before each call
         if device.type == "cuda":
-            row.update(device_timer=DEVICE_TIMER, **_device_time(run, device, leaves))
+            row.update(device_time_fields(run, device, leaves))
         for t in leaves:
             t.grad = None
         row.update(peak_memory(run, device))
@@ -174,15 +174,6 @@ def measure_op(case: op_cases.OpCase, provider: str, device: torch.device, peaks
         rows.append(derived(row, peaks))
         del run
     return rows
-
-
-def _device_time(run, device: torch.device, leaves) -> dict:
-    """device_time_ms, or its None figures where it fails: the row keeps its median either way."""
-    try:
-        return device_time_ms(run, device, leaves)
-    except Exception:  # a timer's failure must not lose the row's other figures
-        logger.exception("the GPU's time alone was not measured")
-        return dict(NO_DEVICE_TIME)
 
 
 def release(device: torch.device, compiled: bool) -> None:
