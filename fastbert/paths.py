@@ -152,7 +152,18 @@ def load(path: str = TABLE_PATH) -> dict:
 
 
 # Read at import: dispatch runs inside torch.compile's traced code, which cannot read a file.
-TABLE = load()
+def _table_in_effect() -> dict:
+    """load(TABLE_PATH), with an error that names FASTBERT_PATHS where that names no file."""
+    try:
+        return load(TABLE_PATH)
+    except FileNotFoundError:
+        if TABLE_PATH == COMMITTED_TABLE_PATH:
+            raise
+        raise FileNotFoundError(f"FASTBERT_PATHS is {TABLE_PATH!r}, which is no file; unset it for the committed "
+                                f"table ({COMMITTED_TABLE_PATH})") from None
+
+
+TABLE = _table_in_effect()
 _CHOSEN: dict[tuple, str] = {}  # (capability, op, dtype, training, input shape, second shape) -> implementation
 CACHE_ENTRIES = 4096
 _CAPABILITY: dict[int, int] = {}  # CUDA device index -> compute capability (90 for sm_90)

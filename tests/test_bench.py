@@ -141,7 +141,8 @@ def test_op_rows_are_compared_by_the_gpus_time_alone_where_measured():
                                             (op_cases.EAGER, 0.094, None))]
     assert [round(r["gbps"]) for r in rows] == [1500, 750, 798]  # bytes over device_ms, else over median_ms
     line = next(line for line in report.op_section("layer_norm", rows) if "| fwd |" in line)
-    assert "| 0.254 ms (GPU 0.050 ms) (auto) · 1500 GB/s | 0.094 ms · 798 GB/s |" in line
+    assert "| 0.254 ms (GPU 0.050 ms · 1500 GB/s) (auto) | 0.094 ms · 798 GB/s | " \
+           "0.093 ms (GPU 0.100 ms · 750 GB/s) |" in line
     assert line.endswith("| 0.37x | 2.00x |")  # medians 0.094 over 0.254 (eager has no GPU time); 0.1 over 0.05
     assert _distance(rows[0], 0.025) == "50.0 us (2.0x)"
     # a model's inference row shows the GPU's time of a forward beside its wall time, which its figures keep
@@ -163,13 +164,14 @@ def test_device_time_leaves_the_host_out():
         time.sleep(0.002)
         x.mul_(1.0)
 
+    # bounds loose enough for the other test processes that gpu_check's tests stage runs on the same GPU
     assert time_ms(slow_host, device, warmup_ms=0, rep_ms=20, min_reps=5)["median_ms"] > 1.5
-    assert device_time_ms(slow_host, device, calls=5)["device_ms"] < 0.2
+    assert device_time_ms(slow_host, device, calls=5)["device_ms"] < 1.0
     big = torch.ones(1 << 26, device=device)  # 256 MiB, copied in about 0.2 ms
     out = torch.empty_like(big)
     wall = time_ms(lambda: out.copy_(big), device)["median_ms"]
     alone = device_time_ms(lambda: out.copy_(big), device)["device_ms"]
-    assert 2 * big.numel() * 4 / 6e12 * 1e3 < alone <= 1.2 * wall  # no GPU here copies 6 TB/s
+    assert 2 * big.numel() * 4 / 6e12 * 1e3 < alone <= 2 * wall  # no GPU here copies 6 TB/s
     assert device_time_ms(lambda: x.sum().item(), device, calls=3) == NO_DEVICE_TIME
 
 
@@ -360,9 +362,9 @@ def test_rows_name_a_table_other_than_the_committed_one(smoke, tmp_path):
             "print(provenance(torch.device('cpu'))['paths_table'])")
     own = subprocess.run([sys.executable, "-c", code], env={**os.environ, "FASTBERT_PATHS": str(table)},
                          capture_output=True, text=True, timeout=300)
-    assert own.stdout.strip() == str(table), own.stderr
-    line = report.provenance_line([{**rows[0], "paths_table": str(table)}])
-    assert f'backend "auto" chose from {table} (FASTBERT_PATHS)' in line
+    assert own.stdout.strip().startswith(f"{table} (sha256 "), own.stderr
+    line = report.provenance_line([{**rows[0], "paths_table": own.stdout.strip()}])
+    assert f'backend "auto" chose from {own.stdout.strip()} (FASTBERT_PATHS)' in line
     assert "FASTBERT_PATHS" not in report.provenance_line(rows)
 
 

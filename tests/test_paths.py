@@ -323,9 +323,12 @@ def test_a_run_cut_short_leaves_the_whole_comparison_standing():
            {**_row("bias_gelu", shape, "fastbert-eager", "fwd+bwd", 0.0), "status": "skipped"}]
     whole = [_row("bias_gelu", shape, provider, "fwd+bwd", ms, date="2027-01-01T00:00:00+00:00")
              for provider, ms in (("fastbert", 0.3), ("fastbert-eager", 0.35))]
+    models_only = {**_row("model", {"batch": 1}, "fastbert", "inference", 1.0), "architecture": "sm_80"}
     chosen = []
-    for rows in (older + cut, older + cut + whole):
-        table = path_table.build_table(rows)["architectures"]["sm_90"]
+    for rows in (older + cut + [models_only], older + cut + whole):
+        built = path_table.build_table(rows)
+        assert set(built["architectures"]) == {"sm_90"}  # no entry for an architecture whose rows decide nothing
+        table = built["architectures"]["sm_90"]
         chosen.append((next(iter(table["ops"]["bias_gelu"].values()))["bfloat16"]["fwd+bwd"],
                        [source["date"] for source in table["sources"]]))
     assert chosen == [({"chosen": "torch", "ms": {"triton": 0.5, "torch": 0.1}}, ["2025-01-01T00:00:00+00:00"]),
@@ -346,6 +349,10 @@ def test_fastbert_paths_names_the_table_auto_reads(tmp_path):
     assert own.returncode == 0, own.stderr
     assert own.stdout.strip() == "torch"
     assert paths.lookup(paths.TABLE, 90, "bias_gelu", torch.bfloat16, "fwd", paths.buckets((16384, 3072))) == "triton"
+    typo = tmp_path / "typo.json"
+    missing = subprocess.run([sys.executable, "-c", "import fastbert.paths"], capture_output=True, text=True,
+                             timeout=300, env={**os.environ, "FASTBERT_PATHS": str(typo)})
+    assert missing.returncode != 0 and f"FASTBERT_PATHS is '{typo}', which is no file" in missing.stderr
 
 
 def test_the_split_provider_is_each_ops_cublas_form(tmp_path):

@@ -5,7 +5,8 @@ Per GPU architecture, every op row maps to the op fastbert.paths looks up, its s
 ("fwd": inference, "fwd+bwd": training), and each provider to the implementation it runs (`implementation_of`);
 the table keeps, per class and direction, the times of the op's candidates (fastbert.paths.CANDIDATES: those that
 keep what the kernel keeps) and the fastest, `chosen`, all from one run: the newest that timed every candidate any
-run timed there (a run cut short by its budget leaves an older, whole comparison standing). A time is the GPU's
+run timed there (a run cut short by its budget leaves an older, whole comparison standing), else the newest of those
+that timed the most. A time is the GPU's
 alone where every row of the comparison has it, else the rows' medians (fastbert.bench.timing.comparable_ms): in a
 model the host runs ahead of the GPU, so what a path costs there is its GPU time. Which rows decide which op
 (row_class):
@@ -93,7 +94,7 @@ def build_table(rows: list[dict], sources: dict[str, str] | None = None) -> dict
     """The table fastbert.paths loads, from GPU-suite rows: per architecture, op, class, dtype and direction,
     each candidate's ms and the fastest, from one run: the newest that timed every candidate any run timed there
     (a run cut short by its budget leaves an older, whole comparison standing), else the newest of those that timed
-    the most. sources: {date: file} of the runs, recorded with each architecture."""
+    the most candidates, then cases. sources: {date: file} of the runs read, recorded with each architecture."""
     table = {"generated_by": REGENERATE, "architectures": {}}
     for arch, arch_rows in gpu_rows_by_architecture(rows).items():
         by_key: dict[tuple, dict[str, list[dict]]] = {}  # (op, class, dtype, direction) -> run date -> rows
@@ -110,14 +111,20 @@ def build_table(rows: list[dict], sources: dict[str, str] | None = None) -> dict
         used: set[str] = set()
         for (op, name, dtype, direction), by_run in by_key.items():
             timed = {date: _run_times(run_rows) for date, run_rows in by_run.items()}
-            most = max(len(t) for t in timed.values())
-            date = max(timed, key=lambda d: (len(timed[d]) == most, d))
+            every = set().union(*timed.values())  # the candidates any run timed
+            cases = {date: len({row["case"] for row in run_rows}) for date, run_rows in by_run.items()}
+            date = max(timed, key=lambda d: (set(timed[d]) == every, len(timed[d]), cases[d], d))
             if not timed[date]:
                 continue
+            if set(timed[date]) != every:
+                logger.warning("%s %s %s %s: no run timed every candidate (%s); chosen from the run of %s, which "
+                               "timed %s", op, name, dtype, direction, sorted(every), date, sorted(timed[date]))
             used.add(date)
             ops.setdefault(op, {}).setdefault(name, {}).setdefault(dtype, {})[direction] = {
                 "chosen": min(timed[date], key=timed[date].get),
                 "ms": {i: round(t, 4) for i, t in timed[date].items()}}
+        if not ops:  # no op rows of this architecture decide anything: no entry to be its nearest measured one
+            continue
         firsts = first_rows(arch_rows)
         table["architectures"][arch] = {
             "sources": [{"device": r["device"], "date": r["date"], "commit": r.get("commit"), "torch": r.get("torch"),
@@ -140,8 +147,8 @@ def _run_times(rows: list[dict]) -> dict[str, float]:
 
 def chosen_provider(row: dict, table: dict | None = None) -> str | None:
     """The provider whose path backend="auto" runs for this op row's case on the row's device (CPU: the
-    reference, "fastbert-eager"), by `table` (a fastbert.paths.load result; default the committed one); None
-    for rows of no op (peaks, models, other suites)."""
+    reference, "fastbert-eager"), by `table` (a fastbert.paths.load result; default the one "auto" reads now,
+    fastbert.paths.TABLE); None for rows of no op (peaks, models, other suites)."""
     if row["op"] not in SUITE_OPS:
         return None
     if row.get("device_type") != "cuda":
@@ -209,7 +216,8 @@ def table_section(path: str = paths.COMMITTED_TABLE_PATH) -> list[str]:
              f"The table is fastbert/paths.json, written by `{REGENERATE}` from the GPU suite's rows; the "
              "chosen implementation is in bold, with the ms of each measured one (the GPU's time alone where the rows "
              "have it, else their medians). The per-op tables below "
-             "mark the chosen provider \"(auto)\".", ""]
+             "mark the chosen provider \"(auto)\" (a choice may rest on an older run than a table's row: the runs "
+             "it read are named here).", ""]
     if not table["architectures"]:
         return lines + ["No GPU run has been measured yet: \"auto\" runs the kernels.", ""]
     for arch, entry in table["architectures"].items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -78,6 +79,16 @@ def architecture(device: torch.device) -> str | None:
     return f"sm_{major}{minor}"
 
 
+def paths_table() -> str | None:
+    """The table backend="auto" chose from, where not the committed one (FASTBERT_PATHS): its path and the sha256 of
+    its contents (the path of a session's table is gone once its rows are committed; the contents say what ran)."""
+    if paths.TABLE_PATH == paths.COMMITTED_TABLE_PATH:
+        return None
+    with open(paths.TABLE_PATH, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    return f"{os.path.abspath(paths.TABLE_PATH)} (sha256 {digest[:16]})"
+
+
 def provenance(device: torch.device, command: list[str] | None = None) -> dict:
     """Fields shared by every row of one run."""
     command = sys.argv if command is None else command
@@ -88,6 +99,5 @@ def provenance(device: torch.device, command: list[str] | None = None) -> dict:
         # other work on the machine slows CPU timings; the load says how much there was
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "command": shlex.join(command),
-        # the table backend="auto" chose from, where not the committed one (FASTBERT_PATHS)
-        "paths_table": None if paths.TABLE_PATH == paths.COMMITTED_TABLE_PATH else paths.TABLE_PATH,
+        "paths_table": paths_table(),
     }

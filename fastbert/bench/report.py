@@ -7,11 +7,13 @@ command that produces them. The newest run of each (suite, device) is used.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import logging
 import os
 
+from fastbert import paths
 from fastbert.bench.compile_report import compile_section, newest_run
 from fastbert.bench.floors import floors_section
 from fastbert.bench.host_report import host_section
@@ -106,18 +108,26 @@ def _cell(row: dict | None, figure: str, chosen: bool = False) -> str:
         return ""
     if row["status"] != "ok":
         return row["status"] + (" (time budget)" if row["status"] == "skipped" else "") + (" (auto)" if chosen else "")
-    text = f"{row['median_ms']:.3f} ms" + (f" (GPU {row['device_ms']:.3f} ms)" if row.get("device_ms") is not None
-                                            else "") + (" (auto)" if chosen else "")
+    rate = ""  # from the GPU's time alone where the row has it (runner.derived): shown beside that time
     if figure == "tflops" and row.get("tflops"):
-        text += f" · {row['tflops']:.1f} TFLOP/s"
+        rate = f" · {row['tflops']:.1f} TFLOP/s"
     if figure == "gbps" and row.get("gbps"):
-        text += f" · {row['gbps']:.0f} GB/s" + (f" ({100 * row['gbps_vs_peak']:.0f}%)" if row.get("gbps_vs_peak") else "")
-    return text
+        share = f" ({100 * row['gbps_vs_peak']:.0f}%)" if row.get("gbps_vs_peak") else ""
+        rate = f" · {row['gbps']:.0f} GB/s{share}"
+    timed = (f"{row['median_ms']:.3f} ms (GPU {row['device_ms']:.3f} ms{rate})" if row.get("device_ms") is not None
+             else f"{row['median_ms']:.3f} ms{rate}")
+    return timed + (" (auto)" if chosen else "")
 
 
 def _providers(rows: list[dict]) -> list[str]:
     present = {r["provider"] for r in rows}
     return [p for p in PROVIDER_ORDER if p in present] + sorted(present - set(PROVIDER_ORDER))
+
+
+@functools.lru_cache(maxsize=1)
+def committed_table() -> dict:
+    """The committed table of paths (fastbert/paths.json), which PERF.md marks, whatever FASTBERT_PATHS names."""
+    return paths.load(paths.COMMITTED_TABLE_PATH)
 
 
 def _ratio(a: dict, b: dict) -> float:
@@ -150,7 +160,7 @@ def op_section(op: str, rows: list[dict], labels: dict | None = None) -> list[st
         for direction in directions or [None]:
             by_provider = {r["provider"]: r for r in case_rows if r.get("direction") == direction}
             by_provider.update({r["provider"]: r for r in unmeasured})
-            chosen = chosen_provider(next(iter(by_provider.values())))
+            chosen = chosen_provider(next(iter(by_provider.values())), committed_table())
             cells = [_cell(by_provider.get(p), figure, p == chosen) for p in providers]
             lines.append(f"| {shape} | {direction or '-'} | " + " | ".join(cells) +
                          f" | {_speedup(by_provider, 'fastbert', 'fastbert-eager')} | "
