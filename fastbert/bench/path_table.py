@@ -6,10 +6,9 @@ Per GPU architecture, every op row maps to the op fastbert.paths looks up, its s
 the table keeps, per class and direction, the times of the op's candidates (fastbert.paths.CANDIDATES: those that
 keep what the kernel keeps) and the fastest, `chosen`, all from one run: the newest that timed every candidate any
 run timed there (a run cut short by its budget leaves an older, whole comparison standing), else the newest of those
-that timed the most. A time is the GPU's
-alone where every row of the comparison has it, else the rows' medians (fastbert.bench.timing.comparable_ms): in a
-model the host runs ahead of the GPU, so what a path costs there is its GPU time. Which rows decide which op
-(row_class):
+that timed the most. A time is the GPU's alone where every row of the comparison has it, else the rows' medians
+(fastbert.bench.timing.comparable_ms): in a model the host runs ahead of the GPU, so what a path costs there is its
+GPU time. Which rows decide which op (row_class):
   layer_norm -> layer_norm; bias_gelu -> bias_gelu; ffn_up -> linear_bias_gelu (and the FFNs' up-projection);
   qkv_projection -> qkv_projection; attention without padding -> attention (padded attention keeps the kernel,
   see fastbert.paths); mlm_head (the MLM transform, LayerNorm and loss together) -> linear_cross_entropy.
@@ -224,7 +223,7 @@ def table_section(path: str = paths.COMMITTED_TABLE_PATH) -> list[str]:
         sources = entry["sources"]
         runs = "; ".join(f"{s.get('file') or 'a run'} ({s['date']}, commit {(s['commit'] or 'unknown')[:12]}, "
                          f"torch {s['torch']}, triton {s['triton']}): `{s['command']}`" for s in sources)
-        each_case = (" (each class and direction from the newest run that timed all its candidates)"
+        each_case = (" (each class and direction from the newest run that timed the most of its candidates)"
                      if len(sources) > 1 else "")
         lines += [f"### {arch}: {sources[0]['device']}", "", f"*From {runs}{each_case}.*", ""]
         lines += [line for s in sources if s["date"] in HOST_BOUND_RUNS for line in (HOST_BOUND_RUNS[s["date"]], "")]
