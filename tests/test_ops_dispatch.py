@@ -186,3 +186,16 @@ def test_pytorch_path_without_a_backward_projects_qkv_without_concatenating_weig
         got = model(ids).last_hidden_state
     assert counter.cats == (2 * config.num_hidden_layers if grad else 0)
     torch.testing.assert_close(got, expected)
+
+
+def test_inference_standing_for_a_gpu_projects_qkv_with_one_gemm():
+    # on a GPU the host, not the copy, is what inference waits for: two cats and one GEMM a layer (fastbert.modeling's
+    # SelfAttention.project); meta tensors of a memory plan stand for an H100's
+    config = fastbert.BertConfig.tiny()
+    with torch.device("meta"):
+        model = fastbert.BertModel(config).eval().to(torch.bfloat16)
+    ids = torch.randint(5, 100, (2, 8)).to("meta")
+    counter = _CountCats()
+    with fastbert.paths.planned_architecture(90), torch.no_grad(), counter:
+        assert model(ids).last_hidden_state.shape == (2, 8, config.hidden_size)
+    assert counter.cats == 2 * config.num_hidden_layers
