@@ -10,6 +10,8 @@ import json
 import os
 import xml.etree.ElementTree as ElementTree
 
+from fastbert.bench.report import model_targets  # gpu_check.sh runs this with the checkout on PYTHONPATH
+
 MAX_LINES = 40
 MAX_FAILURES = 20  # failing tests named, one line each; tests.log holds their tracebacks
 LINE_WIDTH = 160
@@ -57,12 +59,18 @@ def test_lines(out: str) -> list[str]:
     return lines
 
 
+def stage_rows(out: str, folder: str) -> list[dict]:
+    """The rows a bench stage wrote under OUTDIR/folder."""
+    return [row for path in sorted(glob.glob(os.path.join(out, folder, "*.json")))
+            for row in json.load(open(path, encoding="utf-8"))]
+
+
 def bench_lines(out: str) -> list[str]:
-    """Per bench stage: its rows by status, and the first error."""
+    """Per bench stage: its rows by status, and the first error; for the models stage, issue 25's targets that
+    its rows measured, each met or not."""
     lines = []
     for folder in ("bench-models", "bench-ops"):
-        rows = [row for path in sorted(glob.glob(os.path.join(out, folder, "*.json")))
-                for row in json.load(open(path, encoding="utf-8"))]
+        rows = stage_rows(out, folder)
         if not rows:
             lines.append(f"{folder}: no rows")
             continue
@@ -72,6 +80,9 @@ def bench_lines(out: str) -> list[str]:
         if error is not None:
             lines.append(f"  first {error['status']}: {error.get('case')} [{error.get('provider')}]: "
                          f"{error.get('error')}"[:LINE_WIDTH])
+        if folder == "bench-models":
+            lines += [f"  issue 25 {'met' if verdict[1] else 'NOT met'}: {text}: {verdict[0]}"[:LINE_WIDTH]
+                      for text, verdict in model_targets(rows) if verdict is not None]
     return lines
 
 

@@ -332,6 +332,41 @@ def _save(fig, plots_dir: str, name: str) -> str:
     return path
 
 
+# Issue 25's targets for whole BERT-base calls on a GPU (bf16): (model case, as gpu_model_cases names it; provider;
+# the limit in ms, or for None the same case's fastbert row; what the row is)
+MODEL_TARGETS = (
+    ("inference/base,batch=32,seqlen=128,padded", "fastbert", 2.8, "inference, batch 32 x 128 padded, the default "
+     "forward"),
+    ("inference/base,batch=32,seqlen=128,padded", "fastbert-graph", 2.8, "inference, batch 32 x 128 padded, a "
+     "captured graph"),
+    ("inference/base,batch=1,seqlen=128", "fastbert-graph", 1.5, "inference, batch 1 x 128, a captured graph"),
+    ("train/base,batch=256,seqlen=128", "fastbert", 70.0, "pretraining step, batch 256 x 128, default arguments"),
+    ("train/base,batch=256,seqlen=128", "fastbert-apply", None, "pretraining step, batch 256 x 128, after "
+     "fastbert.apply"),
+)
+
+
+def model_targets(rows: list[dict]) -> list[tuple[str, tuple[str, bool] | None]]:
+    """Issue 25's MODEL_TARGETS against these rows' medians (the wall time of a call): (text, None where a row is
+    missing, else (what was measured, whether the target is met)). The rows of one run, or each case's newest."""
+    timed = {(r["case"], r["provider"]): r for r in rows
+             if r.get("op") == "model" and r.get("status", "ok") == "ok" and r.get("median_ms") is not None}
+    checks = []
+    for case, provider, limit, what in MODEL_TARGETS:
+        row, own = timed.get((case, provider)), timed.get((case, "fastbert"))
+        if limit is None:
+            text = f"BERT-base bf16 {what}: <= fastbert's own class"
+            verdict = None if row is None or own is None else (
+                f"{row['median_ms']:.1f} ms against {own['median_ms']:.1f} ms (its p20-p80 {own['p20_ms']:.1f}-"
+                f"{own['p80_ms']:.1f}) on {row['device']}", row["median_ms"] <= own["median_ms"])
+        else:
+            text = f"BERT-base bf16 {what}: <= {limit} ms"
+            verdict = None if row is None else (f"{row['median_ms']:.3g} ms on {row['device']}",
+                                                row["median_ms"] <= limit)
+        checks.append((text, verdict))
+    return checks
+
+
 def targets(runs: dict) -> list[str]:
     """Issue targets with what was measured against them, or 'not yet measured'."""
     gpu = [r for (suite, _), rows in runs.items() if suite == "gpu" for r in rows if r["status"] == "ok"]
@@ -380,7 +415,8 @@ def targets(runs: dict) -> list[str]:
     checks.append(("MLM head + loss fwd+bwd: >= 1.5x faster than HF's head",
                    None if not both else (f"{_ratio(mlm['torch'], mlm['fastbert']):.2f}x",
                                           _ratio(mlm["torch"], mlm["fastbert"]) >= 1.5)))
-    lines = ["| target (GPU, from issues 3-5) | measured | met |", "|---|---|---|"]
+    checks += model_targets(gpu)
+    lines = ["| target (GPU, from issues 3-5 and 25) | measured | met |", "|---|---|---|"]
     for text, verdict in checks:
         lines.append(f"| {text} | not yet measured | - |" if verdict is None else
                      f"| {text} | {verdict[0]} | {'yes' if verdict[1] else 'no'} |")
