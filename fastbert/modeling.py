@@ -219,10 +219,11 @@ class SelfAttention(nn.Module):
         parameters = biased_linear_parameters(linears)
         # PyTorch's path without a backward, on a CPU, runs one GEMM a Linear (below): concatenating the weights for
         # one GEMM would copy them (7 MB a layer of fp32 BERT-base) on every forward. On a GPU the copy is a few
-        # microseconds of the GPU's time, and the host is what an inference forward waits for: a cuBLAS GEMM cost
-        # it twice what a cat did in the third H100 run's profile (under torch.profiler, aten::addmm 54.1 us a call,
-        # aten::cat 26.2 us: benchmarks/gpu-runs/2026-11-27-h100-session3/profile-bert-base.txt), so there two cats
-        # and one GEMM take less of it than three GEMMs
+        # microseconds of the GPU's time, and the host is what an inference forward waits for. The third H100 run
+        # profiled this form (benchmarks/gpu-runs/2026-11-27-h100-session3/profile-bert-base.txt; its graph rows ran
+        # it too): per call, under torch.profiler, aten::linear took the host 71.9 us and aten::cat 26.2 us, so
+        # two cats and one GEMM should take it less than three GEMMs would (inferred: the three were never timed
+        # on a GPU)
         split = (parameters is not None and not torch.is_grad_enabled() and backend != "triton"
                  and not (hidden.is_cuda or ops.auto_as_gpu(hidden))
                  and ops.resolve_backend(backend, hidden, *parameters[0], op="qkv_projection") == "torch")

@@ -172,9 +172,10 @@ class _CountCats(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("grad", [False, True])
-def test_pytorch_path_without_a_backward_projects_qkv_without_concatenating_weights(grad):
-    # inference on PyTorch's path runs query, key and value as three GEMMs on the Linears' weights, as transformers
-    # does; a backward (or a kernel path) takes the concatenated weight, two cats a layer
+def test_pytorch_path_without_a_backward_on_a_cpu_projects_qkv_without_concatenating_weights(grad):
+    # inference on PyTorch's path on a CPU runs query, key and value as three GEMMs on the Linears' weights, as
+    # transformers does; a backward (or a kernel path, or a GPU: the test below) takes the concatenated weight, two
+    # cats a layer
     torch.manual_seed(0)
     config = fastbert.BertConfig.tiny(backend="torch")
     model = fastbert.BertModel(config).eval()
