@@ -10,7 +10,8 @@
 #                    rows run with that table (FASTBERT_CHECK_MODELS, default issue 25's: BERT-base training at
 #                    256 x 128 with and without fastbert.apply and BitFit, inference at 32 x 128 and 1 x 128 with and
 #                    without a captured graph, against transformers)
-#   profile.txt      benchmarks/profile_models.py: torch.profiler tables of the same model cases, with check/paths.json
+#   profile.txt      benchmarks/profile_models.py: torch.profiler tables of the same model cases, with check/paths.json,
+#                    and each case's host CPU time per step and its Python functions by own time (cProfile)
 #   rows/            every rows file the run wrote, for benchmarks/results/ (then `python benchmarks/choose_paths.py`,
 #                    which writes check/paths.json's choices, and `python benchmarks/make_perf.py`)
 # About 9 minutes with the defaults, inside a device call's 10 (the machine's start-up not included): the stages'

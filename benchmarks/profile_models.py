@@ -4,7 +4,10 @@ exactly as `fastbert bench --suite gpu` builds and calls them (fastbert/bench/mo
     python benchmarks/profile_models.py OUT.txt [--case NAME PROVIDER]... [--steps N] [--size base]
 
 For each (case, provider): the step's wall time with the device synchronised (median of the profiled steps),
-then two tables, the ops by device time and by host time. The default cases are issue 25's: BERT-base bf16
+then two tables, the ops by device time and by host time; then, outside torch.profiler, the step's wall time and
+its host CPU time (whether the host bounds it), and cProfile's table of the Python functions by their own time
+(torch.profiler's tables name the ops, not the Python around them, which is what an inference forward bound by
+the host spends much of its time in). The default cases are issue 25's: BERT-base bf16
 inference at 32 x 128 padded (fastbert, its captured graph, transformers SDPA) and the training step at
 256 x 128 (fastbert, fastbert.apply(transformers), transformers SDPA). On a CPU (no CUDA) it profiles the
 tiny config's host time, which is what its test runs.
@@ -12,7 +15,9 @@ tiny config's host time, which is what its test runs.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import logging
+import pstats
 import statistics
 import time
 
@@ -24,6 +29,7 @@ from fastbert.command import configure_logging
 
 logger = logging.getLogger("fastbert")
 
+HOST_ROWS = 30  # Python functions listed per case, by own time
 DEFAULT_CASES = (("inference/32,128,padded", model_cases.FASTBERT), ("inference/32,128,padded", model_cases.GRAPH),
                  ("inference/32,128,padded", model_cases.HF_SDPA), ("train/256,128", model_cases.FASTBERT),
                  ("train/256,128", model_cases.APPLY), ("train/256,128", model_cases.HF_SDPA))
@@ -62,8 +68,51 @@ def profile_case(case: model_cases.ModelCase, provider: str, device: torch.devic
                       f"#### by device time ({device_key}), totals over {steps} steps",
                       averages.table(sort_by=device_key, row_limit=25, max_name_column_width=70),
                       f"#### by host time (self_cpu_time_total), totals over {steps} steps",
-                      averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70), ""])
+                      averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70),
+                      *host_attribution(step, sync, steps), ""])
 
+
+def host_attribution(step, sync, steps: int) -> list[str]:
+    """Lines on the host's part of a step, outside torch.profiler: the wall time and the host CPU time of the step's
+    call (this thread's CPU time, the sync after the call left out; median of `steps`), then cProfile's table of
+    the Python functions by their own time over `steps` more steps. The host CPU time near the wall time means
+    the host bounds the step (or, on a GPU, that a full launch queue held the call). cProfile's tracing slows
+    every Python call: read its rows against each other, not its total against the wall time."""
+    walls, host = [], []
+    for _ in range(steps):
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        step()
+        host.append((time.thread_time() - start_cpu) * 1e3)
+        sync()
+        walls.append((time.perf_counter() - start) * 1e3)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    sync()
+    profiler.disable()
+    rows = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: item[1][2], reverse=True)[:HOST_ROWS]
+    return [f"#### outside the profiler: {statistics.median(walls):.2f} ms of wall time per step, "
+            f"{statistics.median(host):.2f} ms of it the host's CPU time in the step's call (median of {steps})",
+            f"#### Python functions by own time (cProfile, per step; {HOST_ROWS} rows)",
+            f"{'calls':>8} {'own us':>10} {'with callees us':>16}  function",
+            *(f"{calls / steps:8.1f} {own / steps * 1e6:10.1f} {total / steps * 1e6:16.1f}  {_where(function)}"
+              for function, (_, calls, own, total, _) in rows)]
+
+
+def _where(function: tuple) -> str:
+    """cProfile's (file, line, name) as 'name (file:line)', the file from its package (torch/..., fastbert/...)."""
+    path, line, name = function
+    if path == "~":  # a built-in: the name says it all ("<method 'dim' of 'torch._C.TensorBase' objects>")
+        return name
+    parts = path.replace("\\", "/").split("/")
+    for anchor in ("site-packages", "dist-packages"):
+        if anchor in parts:
+            parts = parts[parts.index(anchor) + 1:]
+            break
+    else:
+        parts = parts[-2:]
+    return f"{name} ({'/'.join(parts)}:{line})"
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
