@@ -8,7 +8,7 @@ then two tables, the ops by device time and by host time; then, outside torch.pr
 its host CPU time (whether the host bounds it), and cProfile's table of the Python functions by their own time
 (torch.profiler's tables name the ops, not the Python around them, which is what an inference forward bound by
 the host spends much of its time in). The default cases are issue 25's: BERT-base bf16
-inference at 32 x 128 padded (fastbert, its captured graph, transformers SDPA) and the training step at
+inference at 32 x 128 padded (fastbert, its captured graph, its PyTorch path, transformers SDPA) and the training step at
 256 x 128 (fastbert, fastbert.apply(transformers), transformers SDPA). On a CPU (no CUDA) it profiles the
 tiny config's host time, which is what its test runs.
 """
@@ -31,7 +31,7 @@ logger = logging.getLogger("fastbert")
 
 HOST_ROWS = 30  # Python functions listed per case, by own time
 DEFAULT_CASES = (("inference/32,128,padded", model_cases.FASTBERT), ("inference/32,128,padded", model_cases.GRAPH),
-                 ("inference/32,128,padded", model_cases.HF_SDPA), ("train/256,128", model_cases.FASTBERT),
+                 ("inference/32,128,padded", model_cases.EAGER), ("inference/32,128,padded", model_cases.HF_SDPA), ("train/256,128", model_cases.FASTBERT),
                  ("train/256,128", model_cases.APPLY), ("train/256,128", model_cases.HF_SDPA))
 
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", help="text file the tables are written to (appended case by case)")
     p.add_argument("--case", nargs=2, action="append", metavar=("CASE", "PROVIDER"),
-                   help="e.g. inference/32,128,padded fastbert-graph (repeatable; default: issue 25's six)")
+                   help="e.g. inference/32,128,padded fastbert-graph (repeatable; default: issue 25's seven)")
     p.add_argument("--size", default=None, help="model size of model_cases.SIZES (default: base on a GPU, tiny on "
                                                 "a CPU)")
     p.add_argument("--steps", type=int, default=5, help="profiled steps per case (default 5)")
