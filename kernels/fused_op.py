@@ -127,6 +127,13 @@ class FusedOp:
         return self.custom_op(*args)
 
 
+def forward_ad_active() -> bool:
+    """Whether forward-mode AD is on (inside torch.autograd.forward_ad.dual_level): a fused op call then takes the
+    path that refuses a tangent with an error naming the op, as FusedOp.__call__ routes it; a shortcut around
+    the op must not run."""
+    return _FORWARD_AD._current_level >= 0
+
+
 def eager_autograd() -> bool:
     """Whether a differentiable fused op call now takes the eager path (its EagerFunction, as FusedOp.__call__
     decides): grad mode on, nothing traced or transformed, no forward-mode AD, no always_custom_op."""

@@ -92,6 +92,23 @@ def test_forward_mode_ad_through_a_fused_op_raises(name, device):
         op(device, forward_ad.make_dual(x, torch.ones_like(x)), *rest, backend="triton")
 
 
+@pytest.mark.parametrize("name", ["feed_forward", "feed_forward_geglu"])
+def test_forward_mode_ad_through_the_in_place_ffn_raises(name, device):
+    """ModernBERT's inference FFN (grad mode off, the GEMM accumulating onto the stream in place, past the op's own
+    call) refuses a tangent too, and leaves the stream as it was: it used to run on the primal, the tangent
+    dropped without an error."""
+    shapes, _ = OPS[name]
+    x, *weights = _leaves(device, *shapes)
+    stream = _leaves(device, (TOKENS, HIDDEN))[0].contiguous()
+    kept = stream.clone()
+    function = getattr(ops, name)
+    with torch.no_grad(), forward_ad.dual_level(), pytest.raises(NotImplementedError,
+                                                                  match="fastbert::feed_forward has no forward-mode"):
+        function(forward_ad.make_dual(x, torch.ones_like(x)), *weights, residual=stream, residual_in_place=True,
+                 backend="triton")
+    assert torch.equal(stream, kept)
+
+
 def test_forward_mode_ad_on_an_input_that_requires_grad_raises(device):
     """The training op, through the eager path's autograd.Function, refuses a tangent too."""
     x, weight, bias = _leaves(device, (TOKENS, HIDDEN), (HIDDEN,), (HIDDEN,))
