@@ -65,7 +65,7 @@ import torch
 
 from fastbert.kernels.bias_gelu import (APPROXIMATIONS, LINEAR_BIAS_GELU_FORMS, bias_gelu_bwd, bias_gelu_fwd,
                                         geglu_bwd, geglu_fwd, linear_bias_gelu_fwd)
-from fastbert.kernels.fused_op import forward_ad_active, fused_op, or_empty, tracing
+from fastbert.kernels.fused_op import fused_op, or_empty, runs_directly
 from fastbert.kernels.launch import as_rows
 from fastbert.kernels.matmul import DTYPES
 
@@ -250,10 +250,12 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2:
     ValueError on mismatched shapes, dtypes, an unknown approximation or form.
     """
     _check(x, w1, b1, w2, b2, approximate, gated, form, residual)
-    # grad mode first: one C call is all a training step's layer pays for the question. Under forward-mode AD the
-    # op's call refuses a tangent (FusedOp), which the in-place path, past the op, would drop without an error
+    # grad mode first: one C call is all a training step's layer pays for the question. The in-place path runs past
+    # the op's call, so only where that call would run its function directly (x's device and kind are the
+    # residual's and the weights', `_check`): under forward-mode AD it refuses a tangent, which the path would drop
+    # without an error; meta tensors take its shape-only registration, where the path would launch
     if residual_in_place and not torch.is_grad_enabled() and residual is not None and residual.is_contiguous() and (
-            not tracing() and not forward_ad_active()):
+            runs_directly(x, residual)):
         return _add_in_place(residual, x, w1, b1, w2, b2, approximate, gated, form)
     # h is written only for a backward that reads it: an inference forward never holds it beside the GELU
     # output while the second matmul runs (one [M, N] less at its peak), recompute_pre reruns it anyway, and a

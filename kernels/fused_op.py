@@ -127,11 +127,18 @@ class FusedOp:
         return self.custom_op(*args)
 
 
-def forward_ad_active() -> bool:
-    """Whether forward-mode AD is on (inside torch.autograd.forward_ad.dual_level): a fused op call then takes the
-    path that refuses a tangent with an error naming the op, as FusedOp.__call__ routes it; a shortcut around
-    the op must not run."""
-    return _FORWARD_AD._current_level >= 0
+def runs_directly(*tensors: torch.Tensor) -> bool:
+    """Whether a fused op called now on these tensors would run its host function directly (FusedOp.__call__'s
+    eager path): nothing traced, no forward-mode AD, each tensor a plain one on a real device. A shortcut past
+    the op (an in-place inference call) runs only then; elsewhere the op's call does what the shortcut cannot
+    (a tracer's or a meta tensor's shape-only registration, a tangent refused by name)."""
+    if (_ALWAYS_CUSTOM_OP[0] or _is_compiling() or _dispatch_modes() or _functorch_transforms()
+            or _FORWARD_AD._current_level >= 0):
+        return False
+    for t in tensors:
+        if type(t) not in _PLAIN_TENSORS or t.is_meta:
+            return False
+    return True
 
 
 def eager_autograd() -> bool:

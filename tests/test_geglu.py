@@ -293,7 +293,8 @@ def test_residual_under_torch_compile(device):
 def test_residual_in_place_only_where_nothing_is_differentiated_or_traced(with_bias, device):
     """residual_in_place: an inference call (grad mode off) on the Triton path returns the residual itself,
     holding the result (within the rule); a non-contiguous residual, a call in grad mode (with or without a
-    gradient to compute), a traced call (a dispatch mode) and the PyTorch path leave the residual as it was."""
+    gradient to compute), a traced call (a dispatch mode) and the PyTorch path leave the residual as it was, and
+    meta tensors get their shapes (test_torch_func: forward-mode AD gets an error naming the op)."""
     x, w1, b1, w2, b2 = _inputs(9, 32, 24, torch.float32, device, seed=29, with_bias=with_bias)
     original = torch.randn(9, 32, generator=torch.Generator().manual_seed(30)).to(device)
     exact = original.double() + reference.feed_forward_geglu(*(None if t is None else t.double()
@@ -326,6 +327,13 @@ def test_residual_in_place_only_where_nothing_is_differentiated_or_traced(with_b
     with torch.no_grad():
         out = call(residual, backend="torch")
     assert out is not residual and torch.equal(residual, original)
+    # meta tensors (shapes alone) take the op's shape-only registration: nothing to launch, nothing written
+    on_meta = {name: None if t is None else t.to("meta") for name, t in (("x", x), ("w1", w1), ("b1", b1),
+                                                                          ("w2", w2), ("b2", b2))}
+    meta_residual = original.to("meta")
+    with torch.no_grad():
+        out = call(meta_residual, **on_meta)
+    assert out is not meta_residual and out.is_meta and out.shape == original.shape
 
 
 def test_residual_bad_inputs(device):
