@@ -72,6 +72,23 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
+def row_strides(t: torch.Tensor) -> tuple[int, int] | None:
+    """(row stride, column stride) of t [..., N] read as [rows, N] in place, for a 2-D t or a 3-D one whose two
+    leading dimensions merge (as the models' [B, S, H] activations do); None otherwise (as_rows then views or
+    copies it). A kernel that takes a pointer and these strides needs no [rows, N] view of t: each view is a
+    PyTorch op of a few microseconds of host time, and a layer's LayerNorms read four tensors."""
+    strides = t.stride()
+    if len(strides) == 2:
+        return strides
+    if len(strides) == 3:
+        batch, seqlen, _ = t.shape
+        if seqlen == 1:
+            return strides[0], strides[2]
+        if batch == 1 or strides[0] == seqlen * strides[1]:
+            return strides[1], strides[2]
+    return None
+
+
 _RUNTIME = triton.knobs.runtime
 
 

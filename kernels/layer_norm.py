@@ -76,7 +76,7 @@ import triton
 import triton.language as tl
 
 from fastbert.kernels.fused_op import as_dtype, fused_op
-from fastbert.kernels.launch import as_rows, cdiv, launch, next_power_of_2
+from fastbert.kernels.launch import as_rows, cdiv, launch, next_power_of_2, row_strides
 from fastbert.kernels.matmul import sm_count
 from fastbert.kernels.numerics import INTERPRETER, cast, dropout_seed, keep_mask_rows
 
@@ -352,13 +352,17 @@ def _tile(hidden: int) -> tuple[int, int, int]:
 
 
 def _with_int32_columns(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """(rows, their row stride, their column stride) for t [..., H]: rows = t as [rows, H] (launch.as_rows),
-    copied to contiguous when its column offsets would not fit the kernels' int32."""
-    t = as_rows(t)
-    stride_row, stride_col = t.stride()
-    if stride_col * (t.shape[1] - 1) < 2**31:
+    """(t, the row stride and the column stride of its rows) for t [..., H] read as [rows, H]: t itself where its
+    rows merge in place (launch.row_strides: no view op), else t as [rows, H] (launch.as_rows); copied to
+    contiguous when its column offsets would not fit the kernels' int32."""
+    strides = row_strides(t)
+    if strides is None:
+        t = as_rows(t)
+        strides = t.stride()
+    stride_row, stride_col = strides
+    if stride_col * (t.shape[-1] - 1) < 2**31:
         return t, stride_row, stride_col
-    t = t.contiguous()
+    t = as_rows(t).contiguous()
     return t, t.shape[1], 1
 
 
@@ -387,7 +391,8 @@ def _forward(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, save_ou
     y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
     summed = torch.empty_like(x, memory_format=torch.contiguous_format) if store_sum else None
     x, stride_x_row, stride_x_col = _with_int32_columns(x)
-    rows, hidden = x.shape
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden  # hidden >= 1 (check_limits)
     if residual is None:  # x's strides stand for the residual's, never read
         stride_r_row, stride_r_col = stride_x_row, stride_x_col
     else:

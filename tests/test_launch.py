@@ -14,8 +14,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from fastbert.kernels.launch import _build_tools_missing
+from fastbert.kernels.launch import _build_tools_missing, as_rows, row_strides
 
 _LAUNCHES = """
 import json
@@ -185,3 +186,24 @@ def test_the_cached_path_launches_the_kernel_triton_would(path):
         ids = {row["case"].split(", ", 1)[1]: row["distinct"] for row in rows if row["case"].startswith(kernel)}
         assert ids["rows=33, misaligned=False"] == ids["rows=17, misaligned=False"]
         assert len({ids[f"rows={r}, misaligned={m}"] for r in (1, 16, 17, 2**31 + 5) for m in (False, True)}) == 8
+
+
+def test_row_strides_are_those_of_the_rows_view_where_one_exists():
+    """launch.row_strides gives the strides as_rows' [rows, N] view of t has, without the view, for 2-D tensors and
+    3-D ones whose leading dimensions merge (size-1 dimensions, a batch of one, sliced columns); None where as_rows
+    has to copy (the leading dimensions do not merge), and beyond 3-D."""
+    base = torch.zeros(4, 6, 10)
+    merging = {"contiguous": base, "columns sliced": base[:, :, 2:7], "column stride 2": base[:, :, ::2],
+               "one row a batch": base[:, :1], "batch of one": base[:1, 1:5], "one row": base[2:3, 3:4],
+               "2-D": base[0], "2-D transposed": base[0].t(), "no rows": base[:0]}
+    for name, t in merging.items():
+        rows = as_rows(t)
+        assert rows.data_ptr() == t.data_ptr() or t.numel() == 0, name
+        if rows.shape[0] > 1:  # one row: any row stride reads it
+            assert row_strides(t) == rows.stride(), name
+        else:
+            assert row_strides(t) is not None and row_strides(t)[1] == rows.stride()[1], name
+    for name, t in {"sequence positions sliced": base[:, 1:5], "batch and positions swapped": base.transpose(0, 1)}.items():
+        assert row_strides(t) is None, name
+        assert as_rows(t).data_ptr() != t.data_ptr(), name  # as_rows copies these rows: no view reads them
+    assert row_strides(base.view(2, 2, 6, 10)) is None  # beyond 3-D: as_rows' view

@@ -178,6 +178,21 @@ class _CopiedBytes(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_reference_inference_views_are_those_autograd_gets(layout, device):
+    """Without grad mode the reference projection makes q, k, v with fewer view ops (one permute, no three
+    transposes): the same values, shapes and strides of the same [.., 3H] buffer as the form whose backward
+    stacks the gradients in place (test below)."""
+    shape = (2, 9, 96) if layout == "padded" else (13, 96)
+    x, weight, bias = _inputs(shape, torch.float32, device, seed=10)
+    with torch.no_grad():
+        inferred = reference.qkv_projection(x, weight, bias, 3)
+    trained = reference.qkv_projection(x, weight.requires_grad_(), bias, 3)
+    for got, expected in zip(inferred, trained):
+        assert torch.equal(got, expected) and got.stride() == expected.stride() and got.shape == expected.shape
+        assert got.storage_offset() == expected.storage_offset()
+
+
 @pytest.mark.parametrize("attention_layout", [True, False], ids=["one-buffer", "three-tensors"])
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_reference_backward_copies_the_gradients_once(layout, attention_layout, device):
