@@ -7,10 +7,10 @@ For each (case, provider): the step's wall time with the device synchronised (me
 then two tables, the ops by device time and by host time; then, outside torch.profiler, the step's wall time and
 its host CPU time (whether the host bounds it), and cProfile's table of the Python functions by their own time
 (torch.profiler's tables name the ops, not the Python around them, which is what an inference forward bound by
-the host spends much of its time in). The default cases are issue 25's: BERT-base bf16
-inference at 32 x 128 padded (fastbert, its captured graph, its PyTorch path, transformers SDPA) and the training step at
-256 x 128 (fastbert, fastbert.apply(transformers), transformers SDPA). On a CPU (no CUDA) it profiles the
-tiny config's host time, which is what its test runs.
+the host spends much of its time in). The default cases are issue 25's: BERT-base bf16 inference at 32 x 128
+padded (fastbert, its captured graph, its PyTorch path, transformers SDPA) and the training step at 256 x 128
+(fastbert, fastbert.apply(transformers), transformers SDPA). On a CPU (no CUDA) it profiles the tiny config's
+host time, which is what its test runs.
 """
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ from fastbert.command import configure_logging
 logger = logging.getLogger("fastbert")
 
 HOST_ROWS = 30  # Python functions listed per case, by own time
-DEFAULT_CASES = (("inference/32,128,padded", model_cases.FASTBERT), ("inference/32,128,padded", model_cases.GRAPH),
-                 ("inference/32,128,padded", model_cases.EAGER), ("inference/32,128,padded", model_cases.HF_SDPA), ("train/256,128", model_cases.FASTBERT),
-                 ("train/256,128", model_cases.APPLY), ("train/256,128", model_cases.HF_SDPA))
+DEFAULT_CASES = (*(("inference/32,128,padded", provider)
+                   for provider in (model_cases.FASTBERT, model_cases.GRAPH, model_cases.EAGER, model_cases.HF_SDPA)),
+                 *(("train/256,128", provider) for provider in (model_cases.FASTBERT, model_cases.APPLY,
+                                                                 model_cases.HF_SDPA)))
 
 
 def parse_case(text: str, size: str) -> model_cases.ModelCase:
@@ -73,16 +74,19 @@ def profile_case(case: model_cases.ModelCase, provider: str, device: torch.devic
 
 
 def host_attribution(step, sync, steps: int) -> list[str]:
-    """Lines on the host's part of a step, outside torch.profiler: the wall time and the host CPU time of the step's
-    call (this thread's CPU time, the sync after the call left out; median of `steps`), then cProfile's table of
-    the Python functions by their own time over `steps` more steps. The host CPU time near the wall time means
-    the host bounds the step (or, on a GPU, that a full launch queue held the call). cProfile's tracing slows
-    every Python call: read its rows against each other, not its total against the wall time."""
-    walls, host = [], []
+    """Lines on the host's part of a step, outside torch.profiler: the wall time and the host's CPU time in the
+    step's call (the sync after it left out; median of `steps`), this thread's and the whole process's, then
+    cProfile's table of this thread's Python functions by their own time over `steps` more steps. On a GPU a
+    backward runs on autograd's device thread: its host work is in the process's time, not in this thread's or
+    in the table. This thread's CPU time near the wall time means the host bounds the step (or that a full
+    launch queue held the call). cProfile's tracing slows every Python call: read its rows against each other,
+    not its total against the wall time."""
+    walls, thread, process = [], [], []
     for _ in range(steps):
-        start, start_cpu = time.perf_counter(), time.thread_time()
+        start, start_thread, start_process = time.perf_counter(), time.thread_time(), time.process_time()
         step()
-        host.append((time.thread_time() - start_cpu) * 1e3)
+        thread.append((time.thread_time() - start_thread) * 1e3)
+        process.append((time.process_time() - start_process) * 1e3)
         sync()
         walls.append((time.perf_counter() - start) * 1e3)
     profiler = cProfile.Profile()
@@ -93,8 +97,9 @@ def host_attribution(step, sync, steps: int) -> list[str]:
     profiler.disable()
     rows = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: item[1][2], reverse=True)[:HOST_ROWS]
     return [f"#### outside the profiler: {statistics.median(walls):.2f} ms of wall time per step, "
-            f"{statistics.median(host):.2f} ms of it the host's CPU time in the step's call (median of {steps})",
-            f"#### Python functions by own time (cProfile, per step; {HOST_ROWS} rows)",
+            f"{statistics.median(thread):.2f} ms of it the host's CPU time in the step's call on this thread "
+            f"({statistics.median(process):.2f} ms in all the process's threads; median of {steps})",
+            f"#### this thread's Python functions by own time (cProfile, per step; {HOST_ROWS} rows)",
             f"{'calls':>8} {'own us':>10} {'with callees us':>16}  function",
             *(f"{calls / steps:8.1f} {own / steps * 1e6:10.1f} {total / steps * 1e6:16.1f}  {_where(function)}"
               for function, (_, calls, own, total, _) in rows)]
@@ -113,6 +118,7 @@ def _where(function: tuple) -> str:
     else:
         parts = parts[-2:]
     return f"{name} ({'/'.join(parts)}:{line})"
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

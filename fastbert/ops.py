@@ -471,8 +471,8 @@ def feed_forward(x, w1, b1, w2, b2, approximate="none", recompute_pre=False, bac
     PyTorch's `+` gives it (its dtype promoted with the output's); the Triton path adds a residual of the
     output's dtype in the down-projection (no add op of its own). residual_in_place: the residual may be
     overwritten with the result (a layer's stream, dead after its FFN): the Triton path's inference call (grad
-    mode off, nothing traced) then has the GEMM accumulate onto it and returns it. Raises ValueError naming a
-    mismatched argument or the approximation.
+    mode off, nothing traced, no forward-mode AD, plain tensors off the meta device) then has the GEMM accumulate
+    onto it and returns it. Raises ValueError naming a mismatched argument or the approximation.
     """
     return _feed_forward("feed_forward", x, w1, b1, w2, b2, approximate, recompute_pre, backend, residual,
                          residual_in_place)

@@ -249,18 +249,18 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2:
     x [..., K] (any strides), w1 [N, K] ([2N, K] gated), b1 [N] ([2N]) or None, w2 [K2, N], b2 [K2] or
     None, residual [..., K2] (added to the output by the down-projection, header) or None, one dtype (fp32,
     fp16, bf16). residual_in_place: the residual may be overwritten; a contiguous one is, with the result, in
-    grad mode off (torch.no_grad, inference_mode) where nothing is traced (the result is then residual).
+    grad mode off (torch.no_grad, inference_mode) where the op's call would run directly (fused_op.runs_directly:
+    nothing traced, no forward-mode AD, plain tensors off the meta device; the result is then residual).
     Returns [..., K2]. The backward keeps x and the weights, plus h [M, N] ([M, 2N]) unless recompute_pre
     (then it reruns the up-projection). form: "epilogue" or "cublas_then_bias_gelu" (header). Raises
     ValueError on mismatched shapes, dtypes, an unknown approximation or form.
     """
     _check(x, w1, b1, w2, b2, approximate, gated, form, residual)
     # grad mode first: one C call is all a training step's layer pays for the question. The in-place path runs past
-    # the op's call, so only where that call would run its function directly (x's device and kind are the
-    # residual's and the weights', `_check`): under forward-mode AD it refuses a tangent, which the path would drop
-    # without an error; meta tensors take its shape-only registration, where the path would launch
+    # the op's call, so only where that call would run its function directly: under forward-mode AD it refuses a
+    # tangent, which the path would drop without an error; meta tensors and tensor subclasses take its registrations
     if residual_in_place and not torch.is_grad_enabled() and residual is not None and residual.is_contiguous() and (
-            runs_directly(x, residual)):
+            runs_directly(x, residual, w1, b1, w2, b2)):
         return _add_in_place(residual, x, w1, b1, w2, b2, approximate, gated, form)
     # h is written only for a backward that reads it: an inference forward never holds it beside the GELU
     # output while the second matmul runs (one [M, N] less at its peak), recompute_pre reruns it anyway, and a

@@ -129,14 +129,14 @@ class FusedOp:
 
 def runs_directly(*tensors: torch.Tensor) -> bool:
     """Whether a fused op called now on these tensors would run its host function directly (FusedOp.__call__'s
-    eager path): nothing traced, no forward-mode AD, each tensor a plain one on a real device. A shortcut past
-    the op (an in-place inference call) runs only then; elsewhere the op's call does what the shortcut cannot
-    (a tracer's or a meta tensor's shape-only registration, a tangent refused by name)."""
+    eager path): nothing traced, no forward-mode AD, each tensor (None skipped) a plain one on a real device. A
+    shortcut past the op (an in-place inference call) runs only then; elsewhere the op's call does what the
+    shortcut cannot (a tracer's or a meta tensor's shape-only registration, a tangent refused by name)."""
     if (_ALWAYS_CUSTOM_OP[0] or _is_compiling() or _dispatch_modes() or _functorch_transforms()
             or _FORWARD_AD._current_level >= 0):
         return False
     for t in tensors:
-        if type(t) not in _PLAIN_TENSORS or t.is_meta:
+        if t is not None and (type(t) not in _PLAIN_TENSORS or t.is_meta):
             return False
     return True
 

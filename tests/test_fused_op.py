@@ -88,6 +88,33 @@ def test_meta_tensors_and_tensors_without_grad_take_their_entrances(counted):
     assert (y.grad_fn, forward.calls) == (None, 1)
 
 
+def test_runs_directly_agrees_with_the_ops_own_entrance(counted, monkeypatch, device):
+    """fused_op.runs_directly (what a shortcut past an op, the in-place inference FFN, asks) is True exactly where
+    the op's call runs its host function itself: False for meta tensors, a tensor subclass, a dispatch mode and
+    forward-mode AD, where the call takes the custom op or the Function that refuses a tangent."""
+    from fastbert.kernels.fused_op import runs_directly
+
+    class Subclass(torch.Tensor):
+        pass
+
+    forward, _ = counted
+    op = bias_gelu._bias_gelu_op
+    differentiable = _CountingCustomOp(op._differentiable_apply)
+    monkeypatch.setattr(op, "_differentiable_apply", differentiable)
+    x, bias = (t.detach() for t in _inputs(device))
+    situations = {"plain": (x, bias, None), "bias missing": (x, None, None),
+                  "meta": (x.to("meta"), bias.to("meta"), None), "subclass": (x.as_subclass(Subclass), bias, None),
+                  "dispatch mode": (x, bias, RecordingMode),
+                  "dual level": (x, bias, torch.autograd.forward_ad.dual_level)}
+    for name, (tensor, second, context) in situations.items():
+        calls = forward.calls + differentiable.calls
+        with torch.no_grad(), (context() if context is not None else torch.no_grad()):
+            direct = runs_directly(tensor, second)
+            bias_gelu.bias_gelu(tensor, second)
+        assert direct == (forward.calls + differentiable.calls == calls), name
+        assert direct == (name in ("plain", "bias missing")), name
+
+
 def _accumulators(output):
     """The inputs whose gradients output's node hands on directly (AccumulateGrad nodes' variables)."""
     return {id(node.variable) for node, _ in output.grad_fn.next_functions if hasattr(node, "variable")}

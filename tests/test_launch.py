@@ -203,7 +203,8 @@ def test_row_strides_are_those_of_the_rows_view_where_one_exists():
             assert row_strides(t) == rows.stride(), name
         else:
             assert row_strides(t) is not None and row_strides(t)[1] == rows.stride()[1], name
-    for name, t in {"sequence positions sliced": base[:, 1:5], "batch and positions swapped": base.transpose(0, 1)}.items():
+    copied = {"sequence positions sliced": base[:, 1:5], "batch and positions swapped": base.transpose(0, 1)}
+    for name, t in copied.items():
         assert row_strides(t) is None, name
         assert as_rows(t).data_ptr() != t.data_ptr(), name  # as_rows copies these rows: no view reads them
     assert row_strides(base.view(2, 2, 6, 10)) is None  # beyond 3-D: as_rows' view

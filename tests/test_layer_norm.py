@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fastbert import ops, reference
+from fastbert.kernels import launch
 from fastbert.kernels import layer_norm as ln
 from layer_norm_yardstick import backward_from_rounded_output
 from tolerance import GRADIENT_FACTOR, assert_within_rule, pytorch_in
@@ -138,6 +139,15 @@ def test_non_contiguous(dtype, device):
     x3 = _make_inputs((5, 3, hidden), dtype, device, with_residual=False, seed=3)[0].transpose(0, 1)
     dy3 = torch.ones((), dtype=dtype, device=device).expand(x3.shape)
     _assert_matches_reference(x3, weight, bias, None, dy3, _kernel())
+    # [B, S, H] inputs whose rows the kernels read in place, without a [rows, H] view (launch.row_strides): columns
+    # sliced, a column stride of 2, one sequence of positions sliced, one position a sequence
+    base = _make_inputs((4, 6, 2 * hidden), dtype, device, with_residual=False, seed=4)[0]
+    dy_base = _make_inputs((4, 6, 2 * hidden), dtype, device, with_residual=False, seed=5)[0]
+    for view in (lambda t: t[:, :, :hidden], lambda t: t[:, :, ::2], lambda t: t[:1, 2:6, :hidden],
+                 lambda t: t[:, 3:4, hidden:]):
+        x3, dy3 = view(base), view(dy_base)
+        assert not x3.is_contiguous() and launch.row_strides(x3) is not None
+        _assert_matches_reference(x3, weight, bias, view(base.flip(0)), dy3, _kernel())
 
 
 @pytest.mark.parametrize("dropout_p", [0.1, 0.5])

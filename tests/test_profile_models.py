@@ -27,13 +27,13 @@ def test_each_case_gets_its_wall_time_and_both_tables(tmp_path):
     assert text.count("#### by device time") == text.count("#### by host time") == 2
     assert "aten::" in text  # the tables list the ops that ran
     fastbert_part, hf_part = text.split(headers[1])
-    for part, model_file in ((fastbert_part, "fastbert/modeling.py"), (hf_part, "transformers/models/bert/modeling_bert.py")):
-        wall, host = map(float, re.search(r"#### outside the profiler: ([0-9.]+) ms of wall time per step, "
-                                          r"([0-9.]+) ms of it the host's CPU time", part).groups())
-        assert 0 < host <= wall * 1.05  # this thread's CPU time within the step's wall time (rounding aside)
-        python_rows = part.split("#### Python functions by own time (cProfile, per step; ")[1]
+    for part, model_file in ((fastbert_part, "fastbert/modeling.py"),
+                             (hf_part, "transformers/models/bert/modeling_bert.py")):
+        wall, thread = map(float, re.search(r"#### outside the profiler: ([0-9.]+) ms of wall time per step, "
+                                            r"([0-9.]+) ms of it the host's CPU time", part).groups())
+        assert 0 < thread <= wall * 1.05  # this thread's CPU time within the step's wall time (rounding aside)
+        python_rows = part.split("#### this thread's Python functions by own time (cProfile, per step; ")[1]
         assert f"({model_file}:" in python_rows  # each provider's own model code is where its Python time goes
-
 
 def test_a_malformed_case_is_refused_by_name(tmp_path):
     result = _run(str(tmp_path / "p.txt"), "--case", "inference/2", "fastbert")
