@@ -57,6 +57,8 @@ import os
 
 import torch
 
+from fastbert.kernels.fused_op import backward_follows
+
 IMPLEMENTATIONS = ("triton", "torch", "cublas_then_bias_gelu", "cublas_forward")
 # op -> the implementations "auto" may choose (the docstring's Candidates); the first is the default
 CANDIDATES = {
@@ -211,18 +213,6 @@ def choose(op: str, tensors, dtype: torch.dtype, capability: int) -> str:
         if _RECORDING[0] is not None:
             _record(_RECORDING[0], op, DIRECTIONS[training], implementation)
     return implementation
-
-
-def backward_follows(tensors) -> bool:
-    """Whether a backward follows an op on these tensors (grad mode on, an input that requires grad): the
-    direction, "fwd+bwd" or "fwd", whose measurements choose its implementation. A loop, not any() over a
-    generator (about twice the host time): it runs on every call of an op that "auto" chooses for on a GPU."""
-    if not torch.is_grad_enabled():
-        return False
-    for t in tensors:
-        if t is not None and t.requires_grad:
-            return True
-    return False
 
 
 def _lookup_sizes(op, tensors, dtype, capability, training) -> str:

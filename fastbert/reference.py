@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fastbert.kernels.fused_op import c_apply, once_differentiable, tracing
+from fastbert.kernels.fused_op import backward_follows, c_apply, once_differentiable, tracing
 from fastbert.last_mask import LastMask, may_keep
 
 
@@ -386,7 +386,7 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     num_correct int64 scalar: labelled rows whose argmax is the target). reduction "mean" divides
     by the number of labelled rows (0 labelled rows give loss 0 and zero gradients), "sum" does not.
     """
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    needs_grad = backward_follows((x, weight, bias))
     # Function.apply's Python layer where PyTorch traces or transforms (torch.compile, torch.func), else autograd's own
     apply = _LinearCrossEntropy.apply if tracing() else _LINEAR_CROSS_ENTROPY_APPLY
     loss, correct, *_ = apply(x, weight, bias, target, ignore_index, reduction, label_smoothing, needs_grad)

@@ -102,7 +102,7 @@ import triton
 import triton.language as tl
 
 from fastbert.kernels.arguments import check_relative_bias, check_rotary_window
-from fastbert.kernels.fused_op import fused_op
+from fastbert.kernels.fused_op import backward_follows, fused_op, register_no_backward
 from fastbert.kernels.launch import cdiv, launch, next_power_of_2, placeholders
 from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_accumulate, dot_precision, dropout_seed
 from fastbert.last_mask import LastMask
@@ -346,7 +346,7 @@ def _attention_fwd_kernel(
     K,  # like Q
     V,  # like Q
     Out,  # like Q, Q's dtype
-    LSE,  # [B, heads, S] fp32 (VARLEN: [heads, T]): base-2 log-sum-exp of each row; +inf for padded rows
+    LSE,  # [B, heads, S] fp32 (VARLEN: [heads, T]): each row's base-2 log-sum-exp, +inf for padded rows (STORE_LSE)
     KEY_MASK,  # [B, S] uint8, 1 = token (HAS_MASK)
     KEY_LO,  # [B] int32: first position of the mask holding a token (HAS_MASK)
     KEY_HI,  # [B] int32: last such position + 1 (HAS_MASK)
@@ -368,6 +368,7 @@ def _attention_fwd_kernel(
     HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (kernels/numerics.py dot_precision)
     HAS_REL_BIAS: tl.constexpr, ROTARY: tl.constexpr, WINDOW: tl.constexpr,
+    STORE_LSE: tl.constexpr,  # write LSE: a backward will read it (LSE is None at inference)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -380,7 +381,6 @@ def _attention_fwd_kernel(
     K += b64 * stride_kb + h64 * stride_kh + seq_start * stride_ks
     V += b64 * stride_vb + h64 * stride_vh + seq_start * stride_vs
     Out += b64 * stride_ob + h64 * stride_oh + seq_start * stride_os
-    LSE += b64 * stride_lb + h64 * stride_lh + seq_start
     REL_BIAS += h64 * (2 * max_distance + 1)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -436,10 +436,11 @@ def _attention_fwd_kernel(
     # Every token row sees at least itself, so l > 0 on valid rows; padded rows get zeros.
     l_safe = tl.where(row_valid, l_i, 1.0)
     out = tl.where(row_valid[:, None], acc * (keep_scale / l_safe)[:, None], 0.0)
-    lse = tl.where(row_valid, m_i + tl.math.log2(l_safe), float("inf"))
     tl.store(Out + rows[:, None] * stride_os + dims[None, :] * stride_od, cast(out, Out.dtype.element_ty),
              mask=in_rows[:, None])
-    tl.store(LSE + rows, lse, mask=in_rows)
+    if STORE_LSE:
+        lse = tl.where(row_valid, m_i + tl.math.log2(l_safe), float("inf"))
+        tl.store(LSE + b64 * stride_lb + h64 * stride_lh + seq_start + rows, lse, mask=in_rows)
 
 
 @triton.jit
@@ -742,8 +743,7 @@ def check_limits(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, relative_bias,
         _check_sequence_reach(name, tensor, seqlen, varlen)
     # out is allocated [B, S, heads, d] (packed: [T, heads, d]): a sequence step of heads * d
     _check_reach("out", seqlen, heads * head_dim, seqlen * heads * head_dim + head_dim)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or (relative_bias is not None and relative_bias.requires_grad)):
+    if backward_follows((q, k, v, relative_bias)):
         _check_grads_reach(seqlen, heads, head_dim)  # the backward writes dq, dk, dv for any of these
 
 
@@ -909,6 +909,28 @@ def _launch_meta(q, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, re
     return (heads, batch), pointers, (stride_mb, stride_ms), scalars, flags
 
 
+def _forward(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets,
+             rotary_base, window, store_lse):
+    """`attention_fwd`'s out and lse, but lse None (neither allocated nor written) without store_lse."""
+    varlen = cu_seqlens is not None
+    out = _empty_like_qkv(q, varlen)
+    lse = _new_row_stats(q, varlen) if store_lse else None
+    if q.numel() == 0:
+        return out, lse
+    (heads, batch), pointers, mask_strides, scalars, flags = _launch_meta(
+        q, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets, rotary_base,
+        window)
+    seqlen = scalars[0]
+    grid = lambda meta: (cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
+    launch(_attention_fwd_kernel, grid,
+        q, k, v, out, lse, *pointers,
+        *_bhsd_strides(q, varlen), *_bhsd_strides(k, varlen), *_bhsd_strides(v, varlen),
+        *_bhsd_strides(out, varlen), *(_row_stats_strides(lse, varlen) if store_lse else (0, 0)), *mask_strides,
+        *scalars, STORE_LSE=store_lse, **flags,
+    )
+    return out, lse
+
+
 @fused_op("fastbert::attention_fwd")
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
                   cu_seqlens: Optional[torch.Tensor], max_seqlen: int, seed: Optional[torch.Tensor],
@@ -925,22 +947,8 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: O
     each row ([B, heads, S], or [heads, T]) for the backward. The arguments are checked by `attention`,
     `attention_varlen` (or fastbert.ops) and, where PyTorch traces, by the fake registration.
     """
-    varlen = cu_seqlens is not None
-    out = _empty_like_qkv(q, varlen)
-    lse = _new_row_stats(q, varlen)
-    if q.numel() == 0:
-        return out, lse
-    (heads, batch), pointers, mask_strides, scalars, flags = _launch_meta(
-        q, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets, rotary_base,
-        window)
-    seqlen = scalars[0]
-    grid = lambda meta: (cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
-    launch(_attention_fwd_kernel, grid,
-        q, k, v, out, lse, *pointers,
-        *_bhsd_strides(q, varlen), *_bhsd_strides(k, varlen), *_bhsd_strides(v, varlen),
-        *_bhsd_strides(out, varlen), *_row_stats_strides(lse, varlen), *mask_strides, *scalars, **flags,
-    )
-    return out, lse
+    return _forward(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias,
+                    relative_buckets, rotary_base, window, True)
 
 
 @attention_fwd.register_fake
@@ -950,6 +958,30 @@ def _(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relativ
                   rotary_base, window)
     varlen = cu_seqlens is not None
     return _empty_like_qkv(q, varlen), _new_row_stats(q, varlen)
+
+
+@fused_op("fastbert::attention_infer")
+def attention_infer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
+                    cu_seqlens: Optional[torch.Tensor], max_seqlen: int, seed: Optional[torch.Tensor],
+                    dropout_p: float, scale: float, relative_bias: Optional[torch.Tensor] = None,
+                    relative_buckets: Optional[torch.Tensor] = None, rotary_base: Optional[float] = None,
+                    window: Optional[int] = None) -> torch.Tensor:
+    """`attention_fwd` where no backward follows (no input needs a gradient, or grad mode is off): out alone. Its
+    kernel writes no log-sum-exp, whose buffer is never allocated: an output nothing would read. Its own op, not a
+    flag, as mlm_loss_inference: a custom op's outputs are fixed."""
+    return _forward(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias,
+                    relative_buckets, rotary_base, window, False)[0]
+
+
+@attention_infer.register_fake
+def _(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias=None, relative_buckets=None,
+      rotary_base=None, window=None):
+    _check_inputs(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, relative_bias, relative_buckets,
+                  rotary_base, window)
+    return _empty_like_qkv(q, cu_seqlens is not None)
+
+
+register_no_backward(attention_infer, "log-sum-exp", "attention_fwd, or attention / attention_varlen")
 
 
 @fused_op("fastbert::attention_bwd")
@@ -1081,9 +1113,8 @@ def attention_unchecked(q, k, v, attention_mask, dropout_p, scale, training, rel
     """`attention` after its checks, which the caller has made (fastbert.ops: its own, then `check_limits`)."""
     dropout_p, seed = dropout_seed(dropout_p, training, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out, _ = attention_fwd(q, k, v, attention_mask, None, q.shape[2], seed, dropout_p, scale, relative_bias,
-                           relative_buckets, _float_or_none(rotary_base), window)
-    return out
+    return _attend(q, k, v, attention_mask, None, q.shape[2], seed, dropout_p, scale, relative_bias, relative_buckets,
+                   _float_or_none(rotary_base), window)
 
 
 def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None, training=True,
@@ -1109,9 +1140,17 @@ def attention_varlen_unchecked(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale
     `check_limits`)."""
     dropout_p, seed = dropout_seed(dropout_p, training, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out, _ = attention_fwd(q, k, v, None, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias,
-                           relative_buckets, _float_or_none(rotary_base), window)
-    return out
+    return _attend(q, k, v, None, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets,
+                   _float_or_none(rotary_base), window)
+
+
+def _attend(*arguments):
+    """out of the forward op for these arguments (attention_fwd's): `attention_infer`'s where no backward follows,
+    else `attention_fwd`'s, whose lse the backward reads."""
+    q, k, v, relative_bias = arguments[0], arguments[1], arguments[2], arguments[9]
+    if backward_follows((q, k, v, relative_bias)):
+        return attention_fwd(*arguments)[0]
+    return attention_infer(*arguments)
 
 
 def _float_or_none(rotary_base):

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.fused_op import fused_op, or_empty
+from fastbert.kernels.fused_op import backward_follows, fused_op, or_empty, register_no_backward
 from fastbert.kernels.launch import as_rows, cdiv, launch, next_power_of_2, placeholders
 from fastbert.kernels.matmul import DTYPES, check_operands, gelu, gelu_grad, matmul_fwd, row_groups
 from fastbert.kernels.numerics import INTERPRETER, cast
@@ -317,6 +317,22 @@ def _(x, weight, bias, approximate):
     return y, torch.empty_like(y)
 
 
+@fused_op("fastbert::linear_bias_gelu_infer")
+def _linear_bias_gelu_infer_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                               approximate: str) -> torch.Tensor:
+    """`_linear_bias_gelu_op` where no backward follows: gelu(h) alone; h, which only the backward reads, is never
+    allocated or written (half the epilogue's stores)."""
+    return linear_bias_gelu_fwd(x, weight, bias, approximate, store_pre=False)[0]
+
+
+@_linear_bias_gelu_infer_op.register_fake
+def _(x, weight, bias, approximate):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+register_no_backward(_linear_bias_gelu_infer_op, "pre-activation", "fastbert::linear_bias_gelu, or linear_bias_gelu")
+
+
 def _linear_bias_gelu_setup(ctx, inputs, output):
     x, weight, _, approximate = inputs
     ctx.save_for_backward(x, weight, output[1])
@@ -359,5 +375,8 @@ def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
     check_operands(x2, weight, bias)
     if form == "cublas_then_bias_gelu":
         return _bias_gelu_op(x @ weight.t(), bias, approximate)
-    y, _ = _linear_bias_gelu_op(x2, weight, bias, approximate)
+    if backward_follows((x2, weight, bias)):
+        y, _ = _linear_bias_gelu_op(x2, weight, bias, approximate)
+    else:
+        y = _linear_bias_gelu_infer_op(x2, weight, bias, approximate)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])

@@ -66,7 +66,7 @@ import torch.nn.functional as F
 
 from fastbert.kernels.bias_gelu import (APPROXIMATIONS, LINEAR_BIAS_GELU_FORMS, bias_gelu_bwd, bias_gelu_fwd,
                                         geglu_bwd, geglu_fwd, linear_bias_gelu_fwd)
-from fastbert.kernels.fused_op import fused_op, or_empty, runs_directly
+from fastbert.kernels.fused_op import backward_follows, fused_op, or_empty, runs_directly
 from fastbert.kernels.launch import as_rows
 from fastbert.kernels.matmul import DTYPES
 
@@ -265,8 +265,7 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2:
     # h is written only for a backward that reads it: an inference forward never holds it beside the GELU
     # output while the second matmul runs (one [M, N] less at its peak), recompute_pre reruns it anyway, and a
     # backward that wants db2 alone (the rest frozen) needs only dout
-    backward_reads_h = torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad or w2.requires_grad
-                                                    or (b1 is not None and b1.requires_grad))
+    backward_reads_h = backward_follows((x, w1, w2, b1))
     # x goes in with its own shape, the op flattening it (launch.as_rows)
     out, _ = _feed_forward_op(x, w1, b1, w2, b2, approximate, backward_reads_h and not recompute_pre, gated, form,
                               residual)

@@ -246,6 +246,30 @@ def fused_op(name: str) -> Callable[[Callable], FusedOp]:
     return lambda function: FusedOp(name, function)
 
 
+def register_no_backward(op: FusedOp, kept: str, instead: str) -> None:
+    """The autograd of an inference op, which keeps no `kept` for a backward: its callers never run it on inputs
+    that need a gradient (`backward_follows`), and a direct call that did gets an error at backward naming what
+    to call `instead`, through the eager call and the custom op alike, rather than zero or no gradients."""
+    def refuse(ctx, *grads):
+        raise RuntimeError(f"{op.name} keeps no {kept}, so it has no backward: call {instead}, which picks it "
+                           "when an input requires grad")
+
+    op.register_autograd(refuse, setup_context=lambda ctx, inputs, output: None)
+
+
+def backward_follows(tensors) -> bool:
+    """Whether a backward follows an op on these tensors (None skipped): grad mode on and an input that requires
+    grad. It picks a fused op's training entrance over its inference one (which keeps nothing for a backward), and
+    fastbert.paths' measured direction. A loop, not any() over a generator (about twice the host time): it runs
+    on every call of such an op."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
 _NONE_TYPE = type(None)
 
 

@@ -75,7 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.fused_op import as_dtype, fused_op
+from fastbert.kernels.fused_op import as_dtype, backward_follows, fused_op
 from fastbert.kernels.launch import as_rows, cdiv, launch, next_power_of_2, row_strides
 from fastbert.kernels.matmul import sm_count
 from fastbert.kernels.numerics import INTERPRETER, cast, dropout_seed, keep_mask_rows
@@ -610,8 +610,7 @@ def layer_norm_unchecked(x, weight, bias, eps, residual, dropout_p, training, ou
     dropout_p, seed = dropout_seed(dropout_p, training, x.device) if training and dropout_p else (0.0, None)
     # x and the residual go in with their own shapes ([..., H]), the ops flattening them: a reshape here would
     # be a node of autograd's graph, forward and backward, for each of x, the residual and y
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-                                    or (residual is not None and residual.requires_grad)):
+    if backward_follows((x, weight, bias, residual)):
         y, _, summed = layer_norm_fwd(x, weight, bias, residual, seed, float(eps), dropout_p, out_dtype,
                                       save == "output", return_residual)
     else:  # no backward can follow: no statistics, no side buffer

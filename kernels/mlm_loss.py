@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 
 from fastbert.kernels.arguments import CROSS_ENTROPY_REDUCTIONS, check_cross_entropy_options, check_cross_entropy_shapes
-from fastbert.kernels.fused_op import fused_op, or_empty
+from fastbert.kernels.fused_op import backward_follows, fused_op, or_empty, register_no_backward
 from fastbert.kernels.launch import cdiv, launch, next_power_of_2
 from fastbert.kernels.matmul import sm_count
 from fastbert.kernels.numerics import INTERPRETER, cast, dot_accumulate, dot_precision
@@ -494,14 +494,7 @@ def _(x, weight, bias, target, ignore_index, reduction, label_smoothing):
     return x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.int64)
 
 
-def _no_backward(ctx, grad_loss, grad_num_correct):
-    # linear_cross_entropy never calls the inference op on inputs that need gradients; a direct call that did gets
-    # this error at backward, through the eager call and the custom op alike, rather than zero or no gradients
-    raise RuntimeError("fastbert::mlm_loss_inference keeps no softmax statistics, so it has no backward: call "
-                       "mlm_loss_fwd, or linear_cross_entropy, which picks it when an input requires grad")
-
-
-mlm_loss_inference.register_autograd(_no_backward, setup_context=lambda ctx, inputs, output: None)
+register_no_backward(mlm_loss_inference, "softmax statistics", "mlm_loss_fwd, or linear_cross_entropy")
 
 
 @fused_op("fastbert::mlm_loss_bwd")
@@ -631,8 +624,7 @@ def linear_cross_entropy_unchecked(x, weight, bias, target, ignore_index, reduct
     """`linear_cross_entropy` after its checks (`inputs_pass` or `check_inputs`), which the caller has made
     (fastbert.ops)."""
     ignore_index, label_smoothing = int(ignore_index), float(label_smoothing)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
+    if backward_follows((x, weight, bias)):
         loss, num_correct, _ = mlm_loss_fwd(x, weight, bias, target, ignore_index, reduction, label_smoothing)
         return loss, num_correct
     return mlm_loss_inference(x, weight, bias, target, ignore_index, reduction, label_smoothing)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.fused_op import c_apply, fused_op, once_differentiable, or_empty, tracing
+from fastbert.kernels.fused_op import backward_follows, c_apply, fused_op, once_differentiable, or_empty, tracing
 from fastbert.kernels.launch import cdiv, launch, next_power_of_2, placeholders
 from fastbert.kernels.matmul import DTYPES, matmul_fwd, row_groups
 from fastbert.kernels.numerics import INTERPRETER, cast
@@ -284,7 +284,7 @@ def qkv_projection_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                              cublas_forward: bool = False):
     """`qkv_projection` after its checks, which the caller has made (fastbert.ops: the shapes, then
     `check_limits`)."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+    if backward_follows((x, weight, bias)):
         # Function.apply's Python layer where PyTorch traces or transforms (torch.compile, torch.func)
         apply = _QKVProjection.apply if tracing() else _QKV_EAGER_APPLY
         return apply(x, weight, bias, num_heads, cublas_forward)

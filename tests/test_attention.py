@@ -2,12 +2,16 @@
 tolerance rule, on CPU under TRITON_INTERPRET=1 (fp32, fp16, bf16; long sequences on a GPU): padded batches
 with a fully padded sequence and arbitrary masks, packed (varlen) batches, dropout, determinism,
 torch.compile tracing and input errors."""
+import contextlib
+
 import pytest
 import torch
 import triton
+from torch.profiler import ProfilerActivity, profile
 
 from fastbert import reference
 from fastbert.kernels import attention as attn
+from fastbert.kernels.fused_op import always_custom_op
 from fastbert.kernels.numerics import INTERPRETER
 from tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, assert_within_rule
 
@@ -295,6 +299,10 @@ def test_torch_compile_traces_without_graph_breaks(device):
     compiled = torch.compile(padded, backend="eager", fullgraph=True)(q, k, v, mask)
     assert torch.equal(eager, compiled)
     compiled.sum().backward()
+    with torch.no_grad():  # the inference op (no log-sum-exp) traces too
+        torch.manual_seed(5)
+        inferred = torch.compile(padded, backend="eager", fullgraph=True)(q, k, v, mask)
+    assert torch.equal(inferred, eager.detach())
 
     # aot_eager also traces the backward through the registered fake and autograd implementations
     packed = [t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v)]
@@ -307,6 +315,65 @@ def test_torch_compile_traces_without_graph_breaks(device):
     assert torch.equal(out, eager_out)
     for a, b in zip(grads, eager_grads):
         assert torch.equal(a, b)
+
+
+def _forward_work(fn, monkeypatch) -> tuple[int, dict, object]:
+    """(the tensors fn allocates: aten::empty and aten::empty_strided calls, which the profiler records in the
+    eager call as in the custom op; the forward kernel's constexprs; its LSE argument) with the launch recorded,
+    not run: Triton's interpreter allocates tensors of its own."""
+    launches = []
+    with monkeypatch.context() as patch:
+        patch.setattr(attn, "launch", lambda kernel, grid, *args, **constexprs: launches.append((args, constexprs)))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+    allocations = sum(event.count for event in prof.key_averages()
+                      if event.key in ("aten::empty", "aten::empty_strided"))
+    ((args, constexprs),) = launches
+    return allocations, constexprs, args[4]
+
+
+@pytest.mark.parametrize("entrance", ["eager", "custom op"])
+@pytest.mark.parametrize("no_grad", [True, False], ids=["no_grad", "frozen inputs"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_inference_stores_no_log_sum_exp(entrance, no_grad, layout, device, monkeypatch):
+    """Where no backward can follow (grad mode off, or no input needing a gradient) the forward allocates its
+    output alone, not the fp32 log-sum-exp a backward reads (its kernel stores none, given no pointer), and its
+    output is bitwise the training forward's, through the eager call and the custom op."""
+    torch.manual_seed(0)
+    q, k, v = (t.detach() for t in make_qkv(2, 2, 19, 32, torch.float32, device, "contiguous"))
+    mask = torch.ones(2, 19, dtype=torch.int64, device=device)
+    mask[1, 11:] = 0
+    cu_seqlens = torch.tensor([0, 19, 30], dtype=torch.int32, device=device)
+    packed = [torch.cat((t[0].transpose(0, 1), t[1, :, :11].transpose(0, 1))) for t in (q, k, v)]
+    entered = contextlib.nullcontext if entrance == "eager" else always_custom_op
+    context = torch.no_grad if no_grad else contextlib.nullcontext
+
+    def forward(trainable):
+        inputs = [t.requires_grad_(trainable) for t in (packed if layout == "packed" else (q, k, v))]
+        with entered(), (contextlib.nullcontext() if trainable else context()):
+            if layout == "packed":
+                return attn.attention_varlen(*inputs, cu_seqlens, 19)
+            return attn.attention(*inputs, mask)
+
+    trained, inferred = forward(True), forward(False)  # the mask's derived tensors are made once, then kept
+    training_allocations, training_flags, training_lse = _forward_work(lambda: forward(True), monkeypatch)
+    allocations, flags, lse = _forward_work(lambda: forward(False), monkeypatch)
+    assert (training_allocations, training_flags["STORE_LSE"], training_lse.shape) == (
+        2, True, (2, 30) if layout == "packed" else (2, 2, 19))
+    assert (allocations, flags["STORE_LSE"], lse) == (1, False, None)
+    assert trained.requires_grad and not inferred.requires_grad
+    assert torch.equal(inferred, trained.detach())
+
+
+@pytest.mark.parametrize("entrance", ["eager", "custom op"])
+def test_inference_op_refuses_a_backward(entrance, device):
+    """Called directly on inputs that require grad (attention and attention_varlen never do), the inference op's
+    output raises at backward, naming the ops to use, through either entrance."""
+    q, k, v = make_qkv(1, 2, 8, 32, torch.float32, device, "contiguous")
+    with contextlib.nullcontext() if entrance == "eager" else always_custom_op():
+        out = attn.attention_infer(q, k, v, None, None, 8, None, 0.0, 32 ** -0.5)
+    with pytest.raises(RuntimeError, match="attention_infer keeps no log-sum-exp.*call attention_fwd, or attention / "):
+        out.sum().backward()
 
 
 @pytest.mark.gpu

@@ -1,6 +1,8 @@
 """kernels/bias_gelu.py: gelu(x + bias) and gelu(x @ weight.T + bias) (both forms), forward and
 backward, against a float64 reference with the tolerance rule; non-contiguous inputs, determinism,
 torch.compile tracing, bad inputs."""
+import contextlib
+
 import pytest
 import torch
 from strided import past_int32
@@ -9,6 +11,7 @@ from tolerance import GRADIENT_FACTOR, assert_within_rule
 from fastbert import ops, reference
 from fastbert.kernels import bias_gelu as kernel
 from fastbert.kernels import matmul
+from fastbert.kernels.fused_op import always_custom_op
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 FULL_SIZE = pytest.mark.slow(reason="1000 rows of BERT-large's width in the interpreter; odd sizes and several "
@@ -145,6 +148,44 @@ def test_ops_dispatch_to_kernel(device):
     weight = torch.randn(384, 384, device=device)
     assert torch.equal(ops.linear_bias_gelu(x, weight, bias, backend="triton"),
                        kernel.linear_bias_gelu(x, weight, bias))
+
+
+@pytest.mark.parametrize("entrance", ["eager", "custom op"])
+@pytest.mark.parametrize("no_grad", [True, False], ids=["no_grad", "frozen inputs"])
+def test_linear_bias_gelu_inference_keeps_no_pre_activation(entrance, no_grad, device, monkeypatch):
+    """Where no backward can follow (grad mode off, or no input needing a gradient) the epilogue matmul is given no
+    pre-activation h to store (only the backward reads it): [M, N] neither allocated nor written, and gelu(h) is
+    bitwise the training forward's, through the eager call and the custom op."""
+    torch.manual_seed(6)
+    x = torch.randn(2, 7, 64, device=device)
+    weight, bias = torch.randn(96, 64, device=device) / 8, torch.randn(96, device=device)
+    entered = contextlib.nullcontext if entrance == "eager" else always_custom_op
+    context = torch.no_grad if no_grad else contextlib.nullcontext
+
+    def forward(trainable):
+        with entered(), (contextlib.nullcontext() if trainable else context()):
+            return kernel.linear_bias_gelu(x, weight.requires_grad_(trainable), bias, "none", form="epilogue")
+
+    stored = []
+    with monkeypatch.context() as patch:
+        patch.setattr(kernel, "matmul_fwd", lambda x, weight, bias, y, activation, pre, gated: stored.append(pre))
+        forward(True), forward(False)
+    assert stored[0].shape == (14, 96) and stored[1] is None
+    trained, inferred = forward(True), forward(False)
+    assert trained.requires_grad and not inferred.requires_grad
+    assert torch.equal(inferred, trained.detach())
+
+
+@pytest.mark.parametrize("entrance", ["eager", "custom op"])
+def test_inference_ops_refuse_a_backward(entrance, device):
+    """Called directly on an input that requires grad (their public functions never do), the inference ops'
+    outputs raise at backward, naming what to call, through either entrance."""
+    x = torch.randn(7, 64, device=device, requires_grad=True)
+    weight, bias = torch.randn(96, 64, device=device), torch.randn(96, device=device)
+    with contextlib.nullcontext() if entrance == "eager" else always_custom_op():
+        y = kernel._linear_bias_gelu_infer_op(x, weight, bias, "none")
+    with pytest.raises(RuntimeError, match="linear_bias_gelu_infer keeps no pre-activation.*call fastbert::linear_"):
+        y.sum().backward()
 
 
 HUGE_STRIDE = 2**30 + 1  # fits int32; two of it do not

@@ -62,8 +62,8 @@ def test_cases_cover_every_launcher_in_every_dtype():
     cases = compile_cases.cases()
     launchers = {c.launcher for c in cases}
     assert launchers == {"qkv.qkv_projection_fwd", "qkv.qkv_projection_bwd", "attention.attention_fwd",
-                         "attention.attention_bwd", "layer_norm.layer_norm_fwd", "layer_norm.layer_norm_infer",
-                         "layer_norm.layer_norm_bwd",
+                         "attention.attention_infer", "attention.attention_bwd", "layer_norm.layer_norm_fwd",
+                         "layer_norm.layer_norm_infer", "layer_norm.layer_norm_bwd",
                          "bias_gelu.linear_bias_gelu", "bias_gelu.bias_gelu_fwd", "bias_gelu.bias_gelu_bwd",
                          "bias_gelu.geglu_fwd", "bias_gelu.geglu_bwd",
                          "mlm_loss.mlm_loss_fwd", "mlm_loss.mlm_loss_inference", "mlm_loss.mlm_loss_bwd",

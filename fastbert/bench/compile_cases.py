@@ -203,6 +203,13 @@ def _attention_cases(b: Batch) -> list[tuple[str, str, Callable]]:
             variant = ("relative_bias," if with_bias else "") + f"dropout_p={p}"
             cases += [("attention.attention_fwd", variant, forward),
                       ("attention.attention_bwd", variant, backward)]
+
+        def inference(with_bias=with_bias):  # an inference forward: no dropout, no log-sum-exp stored
+            q, k, v, mask, cu_seqlens, max_seqlen = b.attention_inputs()
+            _implementation(attention.attention_infer)(q, k, v, mask, cu_seqlens, max_seqlen, None, 0.0, scale,
+                                                       *_relative_bias(b, with_bias))
+
+        cases.append(("attention.attention_infer", "relative_bias" if with_bias else "-", inference))
     return cases
 
 
@@ -417,7 +424,13 @@ def _modernbert_attention_cases(b: Batch) -> list[tuple[str, str, Callable]]:
             _implementation(attention.attention_bwd)(b.heads_layout(), q, k, v, b.heads_layout(), lse, mask,
                                                      cu_seqlens, max_seqlen, None, 0.0, scale, **positions)
 
-        cases += [("attention.attention_fwd", variant, forward), ("attention.attention_bwd", variant, backward)]
+        def inference(positions=positions):
+            q, k, v, mask, cu_seqlens, max_seqlen = b.attention_inputs()
+            _implementation(attention.attention_infer)(q, k, v, mask, cu_seqlens, max_seqlen, None, 0.0, scale,
+                                                       **positions)
+
+        cases += [("attention.attention_fwd", variant, forward), ("attention.attention_bwd", variant, backward),
+                  ("attention.attention_infer", variant, inference)]
     return cases
 
 
