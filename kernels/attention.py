@@ -6,7 +6,8 @@
 # Algorithm (FlashAttention-2). The forward runs one program per (query block, head, sequence); it streams
 # the key/value blocks of its sequence through an online softmax kept in fp32 (running max m, running sum
 # l, rescaled accumulator), in base 2 (scores are multiplied by scale * log2(e) and exponentiated with
-# exp2), and writes only the output and the per-row log-sum-exp. The backward recomputes the scores
+# exp2), and writes only the output and, where a backward follows, the per-row log-sum-exp (at inference,
+# `attention_infer`, none). The backward recomputes the scores
 # blockwise from q, k and the saved log-sum-exp, with no atomics, so it is deterministic: a preprocess
 # kernel gives delta = rowsum(dO * O); then program i of the backward kernel owns key block i, looping
 # over the query blocks for its dk and dv, and then query block i, looping over the key blocks for its
@@ -125,7 +126,9 @@ def _configs(gpu_shapes, interpreter_shape, names=("BLOCK_M", "BLOCK_N")):
 # Keyed by the sequence-length bucket, not the length, so that varying batch lengths do not retune; not
 # by the layout (VARLEN, HAS_MASK), so a packed batch runs the blocks of its padded twin and gives its
 # bitwise results. Triton adds every tensor argument's dtype to the key: q's (and so out's), and those
-# of the mask, bounds, cu_seqlens and seed pointers, which are fixed (`launch.placeholders` when unused).
+# of the mask, bounds, cu_seqlens and seed pointers, which are fixed (`launch.placeholders` when unused), and
+# the log-sum-exp's, fp32 whether it is stored or not (a placeholder at inference): an inference forward runs
+# the training forward's blocks and gives its output bitwise.
 AUTOTUNE_KEY = ["seqlen_bucket", "HEAD_DIM", "DROPOUT", "DOT_PRECISION", "HAS_REL_BIAS", "ROTARY", "WINDOW"]
 # Candidates per GPU architecture, (block, block, num_warps, num_stages), each checked by the compile audit
 # (`fastbert bench --suite compile`) to spill no register with Triton 3.6 and 3.9: Hopper (sm_90, warpgroup
@@ -922,8 +925,10 @@ def _forward(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, 
         window)
     seqlen = scalars[0]
     grid = lambda meta: (cdiv(seqlen, meta["BLOCK_M"]), heads, batch)  # noqa: E731
+    # unstored, the log-sum-exp's pointer is an fp32 placeholder, not None: the autotuner keys on every tensor
+    # argument's dtype (AUTOTUNE_KEY's comment), so inference shares the training forward's choice
     launch(_attention_fwd_kernel, grid,
-        q, k, v, out, lse, *pointers,
+        q, k, v, out, lse if store_lse else placeholders(q.device)[torch.float32], *pointers,
         *_bhsd_strides(q, varlen), *_bhsd_strides(k, varlen), *_bhsd_strides(v, varlen),
         *_bhsd_strides(out, varlen), *(_row_stats_strides(lse, varlen) if store_lse else (0, 0)), *mask_strides,
         *scalars, STORE_LSE=store_lse, **flags,
@@ -1144,13 +1149,14 @@ def attention_varlen_unchecked(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale
                    _float_or_none(rotary_base), window)
 
 
-def _attend(*arguments):
-    """out of the forward op for these arguments (attention_fwd's): `attention_infer`'s where no backward follows,
-    else `attention_fwd`'s, whose lse the backward reads."""
-    q, k, v, relative_bias = arguments[0], arguments[1], arguments[2], arguments[9]
-    if backward_follows((q, k, v, relative_bias)):
-        return attention_fwd(*arguments)[0]
-    return attention_infer(*arguments)
+def _attend(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets,
+            rotary_base, window):
+    """out of the forward op for attention_fwd's arguments: `attention_infer`'s where no backward follows, else
+    `attention_fwd`'s, whose lse the backward reads."""
+    op = attention_fwd if backward_follows((q, k, v, relative_bias)) else attention_infer
+    out = op(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, relative_bias, relative_buckets,
+             rotary_base, window)
+    return out[0] if op is attention_fwd else out
 
 
 def _float_or_none(rotary_base):

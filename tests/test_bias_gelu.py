@@ -12,6 +12,7 @@ from fastbert import ops, reference
 from fastbert.kernels import bias_gelu as kernel
 from fastbert.kernels import matmul
 from fastbert.kernels.fused_op import always_custom_op
+from fastbert.kernels.numerics import INTERPRETER
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 FULL_SIZE = pytest.mark.slow(reason="1000 rows of BERT-large's width in the interpreter; odd sizes and several "
@@ -154,8 +155,9 @@ def test_ops_dispatch_to_kernel(device):
 @pytest.mark.parametrize("no_grad", [True, False], ids=["no_grad", "frozen inputs"])
 def test_linear_bias_gelu_inference_keeps_no_pre_activation(entrance, no_grad, device, monkeypatch):
     """Where no backward can follow (grad mode off, or no input needing a gradient) the epilogue matmul is given no
-    pre-activation h to store (only the backward reads it): [M, N] neither allocated nor written, and gelu(h) is
-    bitwise the training forward's, through the eager call and the custom op."""
+    pre-activation h to store (only the backward reads it): [M, N] neither allocated nor written, and gelu(h) is the
+    training forward's, through the eager call and the custom op: bitwise under the interpreter (one config); on a
+    GPU STORE_PRE is in the matmul's autotune key, so the two may run other tiles and sum K in another order."""
     torch.manual_seed(6)
     x = torch.randn(2, 7, 64, device=device)
     weight, bias = torch.randn(96, 64, device=device) / 8, torch.randn(96, device=device)
@@ -173,7 +175,10 @@ def test_linear_bias_gelu_inference_keeps_no_pre_activation(entrance, no_grad, d
     assert stored[0].shape == (14, 96) and stored[1] is None
     trained, inferred = forward(True), forward(False)
     assert trained.requires_grad and not inferred.requires_grad
-    assert torch.equal(inferred, trained.detach())
+    if INTERPRETER:
+        assert torch.equal(inferred, trained.detach())
+    else:
+        torch.testing.assert_close(inferred, trained.detach())
 
 
 @pytest.mark.parametrize("entrance", ["eager", "custom op"])

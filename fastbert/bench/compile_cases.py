@@ -200,16 +200,14 @@ def _attention_cases(b: Batch) -> list[tuple[str, str, Callable]]:
                                                          cu_seqlens, max_seqlen, _seed(p), p, scale,
                                                          *_relative_bias(b, with_bias))
 
+            def inference(p=p, with_bias=with_bias):  # no log-sum-exp stored (dropout: frozen inputs in training)
+                q, k, v, mask, cu_seqlens, max_seqlen = b.attention_inputs()
+                _implementation(attention.attention_infer)(q, k, v, mask, cu_seqlens, max_seqlen, _seed(p), p,
+                                                           scale, *_relative_bias(b, with_bias))
+
             variant = ("relative_bias," if with_bias else "") + f"dropout_p={p}"
-            cases += [("attention.attention_fwd", variant, forward),
+            cases += [("attention.attention_fwd", variant, forward), ("attention.attention_infer", variant, inference),
                       ("attention.attention_bwd", variant, backward)]
-
-        def inference(with_bias=with_bias):  # an inference forward: no dropout, no log-sum-exp stored
-            q, k, v, mask, cu_seqlens, max_seqlen = b.attention_inputs()
-            _implementation(attention.attention_infer)(q, k, v, mask, cu_seqlens, max_seqlen, None, 0.0, scale,
-                                                       *_relative_bias(b, with_bias))
-
-        cases.append(("attention.attention_infer", "relative_bias" if with_bias else "-", inference))
     return cases
 
 
