@@ -28,11 +28,10 @@ from fastbert.bench.runner import cpu_script_parser, save_cpu_rows
 from fastbert.command import run_command
 from fastbert.host_syncs import HostSyncCounter
 from fastbert.simulated.host_time import one_thread, stubbed_launches
-from fastbert.simulated.stand_in_gpu import _StubKernel
+from fastbert.simulated.stand_in_gpu import STUB_LAUNCH_CODE
 
 PROVIDERS = host_suite.MODEL_PROVIDERS
 SIZES = ("base", "modernbert-base")
-_STUB_LAUNCH = _StubKernel.run.__code__
 
 
 class _CallCounter:
@@ -44,7 +43,7 @@ class _CallCounter:
     def _profile(self, frame, event, arg):
         if event == "call":
             self.counts["python_calls"] += 1
-            if frame.f_code is _STUB_LAUNCH:
+            if frame.f_code is STUB_LAUNCH_CODE:
                 self.counts["launches"] += 1
         elif event == "c_call":
             self.counts["c_calls"] += 1

@@ -12,7 +12,7 @@ import pytest
 from fastbert.bench import host_report, host_suite, report
 
 STUBS_AND_BACK = """
-import torch, triton
+import sys, torch, triton
 from fastbert import ops
 from fastbert.simulated.host_time import host_microseconds, stubbed_launches
 x, weight, bias = torch.randn(4, 32), torch.ones(32), torch.zeros(32)
@@ -20,6 +20,16 @@ before = triton.runtime.driver._active
 denormal = torch.tensor([1e-40])  # float32's smallest normal is 1.2e-38
 with stubbed_launches():
     assert ops.layer_norm(x, weight, bias, backend="triton").shape == x.shape
+    # a steady launch runs Triton's own CUDA launcher's Python once, its C launch a no-op
+    from triton.backends.nvidia.driver import CudaLauncher
+    from fastbert.simulated.stand_in_gpu import STUB_LAUNCH_CODE
+    assert STUB_LAUNCH_CODE is CudaLauncher.__call__.__code__
+    launcher_runs = []
+    sys.setprofile(lambda frame, event, arg: launcher_runs.append(1) if event == "call"
+                   and frame.f_code is STUB_LAUNCH_CODE else None)
+    ops.layer_norm(x, weight, bias, backend="triton")
+    sys.setprofile(None)
+    assert len(launcher_runs) == 1
     assert host_microseconds(lambda: ops.layer_norm(x, weight, bias, backend="triton"), number=2, repeats=1) > 0
     assert (denormal * 1).item() == 0  # flushed: unwritten outputs cost PyTorch's ops what real values cost
 assert triton.runtime.driver._active is before
