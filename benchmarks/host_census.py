@@ -8,7 +8,7 @@ backward, AdamW) are counted:
 - autograd nodes of the step's graph: all, those implemented in Python (autograd.Function backwards, each a
   call from the engine into Python) and view nodes (views, reshapes, transposes, expands: each a C++ node run
   forward and back);
-- kernel launches (the stand-in GPU's stub launcher calls), in the forward and in the backward;
+- kernel launches (calls of fastbert's launch, kernels/launch.py), in the forward and in the backward;
 - Python function calls and calls from Python into C (PyTorch's bindings, builtins), as sys.setprofile sees
   them: the interpreter's share of the host time, which a CPU timing on a shared machine buries in noise;
 - host syncs (fastbert.host_syncs' dispatch-level counter).
@@ -26,16 +26,19 @@ from fastbert import ops
 from fastbert.bench import host_suite
 from fastbert.bench.runner import cpu_script_parser, save_cpu_rows
 from fastbert.command import run_command
+from fastbert.kernels import launch as kernel_launch
 from fastbert.host_syncs import HostSyncCounter
 from fastbert.simulated.host_time import one_thread, stubbed_launches
-from fastbert.simulated.stand_in_gpu import STUB_LAUNCH_CODE
 
 PROVIDERS = host_suite.MODEL_PROVIDERS
+# every kernel launch is a call of fastbert's launch: kernels/launch.c's (a C call), or its Python path's
+_LAUNCH = kernel_launch.launch
+_LAUNCH_CODE = getattr(_LAUNCH, "__code__", None)
 SIZES = ("base", "modernbert-base")
 
 
 class _CallCounter:
-    """sys.setprofile's events while entered: Python calls, C calls, stub launches (the stand-in's run)."""
+    """sys.setprofile's events while entered: Python calls, C calls, kernel launches (calls of fastbert's launch)."""
 
     def __init__(self):
         self.counts = collections.Counter(python_calls=0, c_calls=0, launches=0)
@@ -43,10 +46,10 @@ class _CallCounter:
     def _profile(self, frame, event, arg):
         if event == "call":
             self.counts["python_calls"] += 1
-            if frame.f_code is STUB_LAUNCH_CODE:
-                self.counts["launches"] += 1
+            self.counts["launches"] += frame.f_code is _LAUNCH_CODE
         elif event == "c_call":
             self.counts["c_calls"] += 1
+            self.counts["launches"] += arg is _LAUNCH
 
     def __enter__(self):
         sys.setprofile(self._profile)

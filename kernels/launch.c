@@ -173,10 +173,10 @@ static PyObject *launch_slow(PyObject *kernel, PyObject *grid, PyObject *const *
     }
     PyObject *entry = PyTuple_GET_ITEM(result, 1);
     if (entry != Py_None &&
-        (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 6 || !PyTuple_Check(PyTuple_GET_ITEM(entry, 1)) ||
-         !PyTuple_Check(PyTuple_GET_ITEM(entry, 2)))) {
-        PyErr_SetString(PyExc_TypeError,
-                        "fastbert launch: an entry is (run, head tuple, tail tuple, grid_meta, compiled, kernel)");
+        (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 7 || !PyTuple_Check(PyTuple_GET_ITEM(entry, 1)) ||
+         !PyTuple_Check(PyTuple_GET_ITEM(entry, 2)) || !PyBool_Check(PyTuple_GET_ITEM(entry, 6)))) {
+        PyErr_SetString(PyExc_TypeError, "fastbert launch: an entry is (run, head tuple, tail tuple, grid_meta, "
+                                         "compiled, kernel, packs bool)");
         goto done;
     }
     if (entry != Py_None && key != NULL) {
@@ -192,7 +192,9 @@ done:
     return returned;
 }
 
-/* entry: (run, head tuple, tail tuple, grid_meta, compiled, kernel). Returns the compiled kernel launched; NULL
+/* entry: (run, head tuple, tail tuple, grid_meta, compiled, kernel, packs): run is called with (grid x, y, z,
+ * stream, *head, *arguments, *tail), or where packs is True with (grid x, y, z, stream, *head, (*arguments, *tail))
+ * (Triton 3.9's C launch, called directly: launch.py's _direct_launch). Returns the compiled kernel launched; NULL
  * with an exception set on an error; NULL without one where the entry cannot launch this call (a grid of other
  * than 1 to 3 dimensions, too many arguments): the caller then takes the Python path, which behaves as Triton. */
 static PyObject *launch_kept(PyObject *entry, PyObject *grid, PyObject *device, PyObject *driver,
@@ -220,14 +222,30 @@ static PyObject *launch_kept(PyObject *entry, PyObject *grid, PyObject *device, 
         Py_DECREF(sizes);
         return NULL;
     }
-    PyObject *stack[MAX_ARGS + 16 + 1];
+    PyObject *stack[MAX_ARGS + 16 + 1], *kernel_args = NULL;
     Py_ssize_t n = 0;
     for (Py_ssize_t d = 0; d < 3; d++) stack[n++] = d < ndims ? PyTuple_GET_ITEM(sizes, d) : one;
     stack[n++] = stream;
     for (Py_ssize_t i = 0; i < nhead; i++) stack[n++] = PyTuple_GET_ITEM(head, i);
-    for (Py_ssize_t i = 0; i < nargs; i++) stack[n++] = pointers[i] != NULL ? pointers[i] : args[i];
-    for (Py_ssize_t i = 0; i < ntail; i++) stack[n++] = PyTuple_GET_ITEM(tail, i);
+    if (PyTuple_GET_ITEM(entry, 6) == Py_True) { /* the kernel's arguments in one tuple */
+        kernel_args = PyTuple_New(nargs + ntail);
+        if (kernel_args == NULL) {
+            Py_DECREF(one);
+            Py_DECREF(stream);
+            Py_DECREF(sizes);
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < nargs; i++)
+            PyTuple_SET_ITEM(kernel_args, i, Py_NewRef(pointers[i] != NULL ? pointers[i] : args[i]));
+        for (Py_ssize_t i = 0; i < ntail; i++)
+            PyTuple_SET_ITEM(kernel_args, nargs + i, Py_NewRef(PyTuple_GET_ITEM(tail, i)));
+        stack[n++] = kernel_args;
+    } else {
+        for (Py_ssize_t i = 0; i < nargs; i++) stack[n++] = pointers[i] != NULL ? pointers[i] : args[i];
+        for (Py_ssize_t i = 0; i < ntail; i++) stack[n++] = PyTuple_GET_ITEM(tail, i);
+    }
     PyObject *launched = PyObject_Vectorcall(run, stack, n, NULL);
+    Py_XDECREF(kernel_args);
     Py_DECREF(one);
     Py_DECREF(stream);
     Py_DECREF(sizes);

@@ -17,12 +17,16 @@
 # call, without the interpreter between them; `fastbert bench --suite host` measures each op with it, or, with
 # FASTBERT_PYTHON_LAUNCH=1 set, without it); every other call takes the Python path below, which also makes the
 # entries the C launch keeps. Both hand the launcher each plain tensor as its address (PLAIN_TENSOR_TYPES).
-# tests/test_launch.py holds both paths to the same checks.
+# tests/test_launch.py holds both paths to the same checks. Where the launcher is Triton's CUDA launcher object,
+# both call the C launch it calls, directly, with what it would hand that (`_direct_launch`, learnt from its own
+# call): its Python (scratch and profiler checks, in Triton 3.9 two closures made per call) then runs once per
+# kernel signature, not once per launch; tests/test_host_suite.py checks that the C launch gets the same arguments.
 #
 # cdiv and next_power_of_2 are plain Python here: Triton's are constexpr functions whose host call costs
 # microseconds, and launchers call them several times per launch.
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -93,18 +97,65 @@ _RUNTIME = triton.knobs.runtime
 
 
 class _Entry:
-    __slots__ = ("compiled", "run", "head", "tail", "grid_meta", "packed")
+    __slots__ = ("compiled", "run", "head", "tail", "grid_meta", "packs", "packed")
 
-    def __init__(self, kernel, compiled, tail: tuple, grid_meta: dict):
+    def __init__(self, kernel, compiled, tail: tuple, grid_meta: dict, count: int):
         self.compiled = compiled  # Triton's CompiledKernel
-        self.run = compiled.run  # its launcher: (grid x, y, z, stream, *head, *arguments, *tail)
-        # the launcher's arguments between the stream and the kernel's: the function, its packed metadata, no
-        # launch metadata and no hooks (a launch with hooks goes through Triton)
-        self.head = (compiled.function, compiled.packed_metadata, None, None, None)
+        # its launcher, (grid x, y, z, stream, *head, *arguments, *tail), with as head the function, its packed
+        # metadata, no launch metadata and no hooks (a launch with hooks goes through Triton); or, where it is
+        # Triton's CUDA launcher object, the C launch it calls, with the head and argument layout it hands that
+        # (_direct_launch), the kernel's `count` arguments (positional and tail) in one tuple where `packs`
+        run, head = compiled.run, (compiled.function, compiled.packed_metadata, None, None, None)
+        self.run, self.head, self.packs = _direct_launch(run, head, count) or (run, head, False)
         self.tail = tail  # the arguments after the positional ones, in the kernel's order: constexprs and config
         self.grid_meta = grid_meta  # what a grid callable reads: the constexprs and the autotuned config
         # what the C launch keeps (launch.c); the kernel too, so that its id, which the C key holds, stays its own
-        self.packed = (self.run, self.head, tail, grid_meta, compiled, kernel)
+        self.packed = (self.run, self.head, tail, grid_meta, compiled, kernel, self.packs)
+
+
+class _Probe:
+    """One argument of a launcher call while _direct_launch learns where the call hands it on."""
+    __slots__ = ()
+
+
+def _direct_launch(run, head: tuple, count: int) -> tuple | None:
+    """(launch, head, packs): the C launch that `run`, Triton's CUDA launcher object (CudaLauncher), calls, the
+    arguments it hands that between the stream and the kernel's (the launcher's attributes and `head`), and whether
+    it hands the kernel's `count` arguments in one tuple (Triton 3.9) or one by one (3.6), so that a launch calls
+    the C launch directly with what run(gx, gy, gz, stream, *head, *arguments) would hand it, without the launcher's
+    Python (its scratch and profiler checks: two closures made per call in 3.9). Learnt from the launcher's own
+    __call__, run once on stand-ins (_Probe) with its launch recording; only for a launcher whose call maps its
+    arguments and does nothing else: no global or profile scratch memory to allocate per launch, no GSan. None
+    otherwise, or where the call does not hand every stand-in on, in order, as exactly one of those two layouts:
+    then `run` is called."""
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+    except ImportError:
+        return None
+    if (type(run) is not CudaLauncher or getattr(run, "global_scratch_size", 1)
+            or getattr(run, "profile_scratch_size", 1) or getattr(run, "gsan_enabled", False)):
+        return None
+    recorded = []
+    probe = copy.copy(run)
+    probe.launch = lambda *handed: recorded.append(handed)
+    grid_and_stream = tuple(_Probe() for _ in range(4))
+    arguments = tuple(_Probe() for _ in range(count))
+    try:
+        CudaLauncher.__call__(probe, *grid_and_stream, *head, *arguments)
+    except Exception:  # noqa: BLE001 - a call that is not a plain mapping (another Triton): the launcher serves
+        return None
+    if len(recorded) != 1:
+        return None
+    (handed,) = recorded
+    if len(handed) < 4 or any(a is not b for a, b in zip(handed, grid_and_stream)):
+        return None
+    rest = handed[4:]
+    packed = bool(rest) and type(rest[-1]) is tuple and len(rest[-1]) == count
+    middle, passed = (rest[:-1], rest[-1]) if packed else (rest[:len(rest) - count], rest[len(rest) - count:])
+    if (len(passed) != count or any(a is not b for a, b in zip(passed, arguments))
+            or any(type(a) is _Probe for a in middle)):
+        return None
+    return run.launch, tuple(middle), packed
 
 
 def _getter(positions: list[int]):
@@ -202,7 +253,11 @@ class KernelLauncher:
         arguments = list(args)
         for i in layout.plain:
             arguments[i] = _DATA_PTR(arguments[i])
-        entry.run(dims[0], dims[1], dims[2], driver.get_current_stream(device), *entry.head, *arguments, *entry.tail)
+        stream = driver.get_current_stream(device)
+        if entry.packs:
+            entry.run(dims[0], dims[1], dims[2], stream, *entry.head, (*arguments, *entry.tail))
+        else:
+            entry.run(dims[0], dims[1], dims[2], stream, *entry.head, *arguments, *entry.tail)
         return entry.compiled, entry.packed
 
     def _first(self, key, specialisation, grid, args, constexprs, hooked):
@@ -218,7 +273,7 @@ class KernelLauncher:
                 return compiled, None
             meta.update(config.kwargs)
         tail = tuple(meta[name] if name in meta else self.defaults[name] for name in self.arg_names[len(args):])
-        entry = _Entry(self.kernel, compiled, tail, meta)
+        entry = _Entry(self.kernel, compiled, tail, meta, len(args) + len(tail))
         self._keep(self.by_specialisation, specialisation, entry)
         self._keep(self.by_key, key, entry)
         return compiled, None if hooked else entry.packed

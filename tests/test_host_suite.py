@@ -12,24 +12,38 @@ import pytest
 from fastbert.bench import host_report, host_suite, report
 
 STUBS_AND_BACK = """
-import sys, torch, triton
+import os, sys, torch, triton
 from fastbert import ops
 from fastbert.simulated.host_time import host_microseconds, stubbed_launches
 x, weight, bias = torch.randn(4, 32), torch.ones(32), torch.zeros(32)
 before = triton.runtime.driver._active
 denormal = torch.tensor([1e-40])  # float32's smallest normal is 1.2e-38
+from triton.backends.nvidia.driver import CudaLauncher
+from fastbert.simulated import stand_in_gpu
+handed, launcher_runs = [], []
+stand_in_gpu._STUB_RUN.launch = lambda *args: handed.append(args)  # the C launch of Triton's launcher object
+def same(triton_own, direct):
+    # what Triton's launcher handed its C launch, and fastbert's direct call: a plain tensor as its address
+    if type(triton_own) is tuple:
+        return type(direct) is tuple and len(direct) == len(triton_own) and all(map(same, triton_own, direct))
+    if isinstance(triton_own, torch.Tensor):
+        return type(direct) is int  # the output's address differs from call to call
+    if isinstance(triton_own, triton.knobs.HookChain):  # no launch hook installed: fastbert hands None
+        return direct is None and not triton_own.calls
+    return direct is triton_own or direct == triton_own
 with stubbed_launches():
-    assert ops.layer_norm(x, weight, bias, backend="triton").shape == x.shape
-    # a steady launch runs Triton's own CUDA launcher's Python once, its C launch a no-op
-    from triton.backends.nvidia.driver import CudaLauncher
-    from fastbert.simulated.stand_in_gpu import STUB_LAUNCH_CODE
-    assert STUB_LAUNCH_CODE is CudaLauncher.__call__.__code__
-    launcher_runs = []
+    assert type(stand_in_gpu._STUB_RUN) is CudaLauncher
+    # a signature's first launch makes the stub, the second is Triton's own; the third, steady, calls the C launch
+    # directly, without the launcher's Python
+    for _ in range(2):
+        assert ops.layer_norm(x, weight, bias, backend="triton").shape == x.shape
     sys.setprofile(lambda frame, event, arg: launcher_runs.append(1) if event == "call"
-                   and frame.f_code is STUB_LAUNCH_CODE else None)
+                   and frame.f_code is CudaLauncher.__call__.__code__ else None)
     ops.layer_norm(x, weight, bias, backend="triton")
     sys.setprofile(None)
-    assert len(launcher_runs) == 1
+    assert len(handed) == 2 and not launcher_runs and same(*handed), handed
+    from fastbert.kernels import launch
+    assert (launch._C_LAUNCH is None) == (os.environ.get("FASTBERT_PYTHON_LAUNCH") == "1")
     assert host_microseconds(lambda: ops.layer_norm(x, weight, bias, backend="triton"), number=2, repeats=1) > 0
     assert (denormal * 1).item() == 0  # flushed: unwritten outputs cost PyTorch's ops what real values cost
 assert triton.runtime.driver._active is before
@@ -43,8 +57,10 @@ else:
 """
 
 
-def _compiled_path(code: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def _compiled_path(code: str, *args: str, cwd=None, python_launch=False) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTBERT_PYTHON_LAUNCH")}
+    if python_launch:  # kernels/launch.py's Python path in place of its C launch
+        env["FASTBERT_PYTHON_LAUNCH"] = "1"
     return subprocess.run([sys.executable, *args] if not code else [sys.executable, "-c", code], env=env, cwd=cwd,
                           capture_output=True, text=True, timeout=600)
 
@@ -80,10 +96,13 @@ def test_the_quick_suite_writes_rows_perf_reads(tmp_path):
     assert section.count("| model/base") == 6 and "fastbert bench --suite host" in section
 
 
-def test_stubbed_launches_leave_nothing_behind():
-    """Inside, backend="triton" takes CPU tensors and launches nothing, and denormals are flushed to zero; after,
-    Triton's driver is what it was, denormals are kept and the kernels refuse CPU tensors again."""
-    done = _compiled_path(STUBS_AND_BACK)
+@pytest.mark.parametrize("python_launch", [False, True], ids=["C launch", "Python launch"])
+def test_stubbed_launches_leave_nothing_behind(python_launch):
+    """Inside, backend="triton" takes CPU tensors and launches nothing, a steady launch calls the C launch of
+    Triton's launcher object with what that object would hand it (kernels/launch.py's _direct_launch; through the
+    C launch cache and through its Python path), and denormals are flushed to zero; after, Triton's driver is what
+    it was, denormals are kept and the kernels refuse CPU tensors again."""
+    done = _compiled_path(STUBS_AND_BACK, python_launch=python_launch)
     assert done.returncode == 0, done.stderr
 
 

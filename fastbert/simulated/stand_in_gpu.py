@@ -271,6 +271,9 @@ def _run_nothing(*args):
     pass
 
 
+_NO_LAUNCH = "".format  # a C function that takes any arguments and does nothing with them: the C launch's place
+
+
 def _triton_launcher():
     """Triton's own CUDA launcher object (the NVIDIA backend's CudaLauncher) of a kernel without scratch memory,
     without tensor descriptors or GSan, whose C launch is a no-op taking any arguments: a stub launch then runs
@@ -282,16 +285,15 @@ def _triton_launcher():
     except ImportError:
         return None
     launcher = object.__new__(CudaLauncher)
-    launcher.__dict__.update(num_ctas=1, launch="".format, global_scratch_size=0, global_scratch_align=1,
+    launcher.__dict__.update(num_ctas=1, launch=_NO_LAUNCH, global_scratch_size=0, global_scratch_align=1,
                              profile_scratch_size=0, profile_scratch_align=1, launch_cooperative_grid=False,
                              launch_pdl=False, gsan_enabled=False, arg_annotations=(), kernel_signature=b"")
     return launcher
 
 
 # what a stub launch calls: Triton's launcher of a GPU (one object: none of its state is a kernel's), else a function
-# that does nothing; and the code that runs once per stub launch (benchmarks/host_census.py counts launches by it)
+# that does nothing
 _STUB_RUN = _triton_launcher() or _run_nothing
-STUB_LAUNCH_CODE = getattr(type(_STUB_RUN).__call__, "__code__", None) or _run_nothing.__code__
 
 
 class _StubKernel:
