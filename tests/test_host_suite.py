@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from fastbert.bench import host_report, host_suite, report
+from fastbert.bench.compile_audit import GPU_ENVIRONMENT_TRITON, GPU_ENVIRONMENT_TRITON_DIR
 
 STUBS_AND_BACK = """
 import os, sys, torch, triton
@@ -54,13 +55,17 @@ except RuntimeError as exc:
     assert "needs CUDA tensors" in str(exc)
 else:
     raise AssertionError("the kernels took CPU tensors after the stubs were gone")
+print(triton.__version__)
 """
 
 
-def _compiled_path(code: str, *args: str, cwd=None, python_launch=False) -> subprocess.CompletedProcess:
+def _compiled_path(code: str, *args: str, cwd=None, python_launch=False,
+                   triton_dir=None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTBERT_PYTHON_LAUNCH")}
     if python_launch:  # kernels/launch.py's Python path in place of its C launch
         env["FASTBERT_PYTHON_LAUNCH"] = "1"
+    if triton_dir is not None:  # another Triton, installed apart (the README's set-up)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (triton_dir, env.get("PYTHONPATH"))))
     return subprocess.run([sys.executable, *args] if not code else [sys.executable, "-c", code], env=env, cwd=cwd,
                           capture_output=True, text=True, timeout=600)
 
@@ -96,14 +101,18 @@ def test_the_quick_suite_writes_rows_perf_reads(tmp_path):
     assert section.count("| model/base") == 6 and "fastbert bench --suite host" in section
 
 
-@pytest.mark.parametrize("python_launch", [False, True], ids=["C launch", "Python launch"])
-def test_stubbed_launches_leave_nothing_behind(python_launch):
+@pytest.mark.parametrize("python_launch,triton_dir", [(False, None), (True, None), (False, GPU_ENVIRONMENT_TRITON_DIR)],
+                         ids=["C launch", "Python launch", "Triton of the GPU runs"])
+def test_stubbed_launches_leave_nothing_behind(python_launch, triton_dir):
     """Inside, backend="triton" takes CPU tensors and launches nothing, a steady launch calls the C launch of
     Triton's launcher object with what that object would hand it (kernels/launch.py's _direct_launch; through the
-    C launch cache and through its Python path), and denormals are flushed to zero; after, Triton's driver is what
-    it was, denormals are kept and the kernels refuse CPU tensors again."""
-    done = _compiled_path(STUBS_AND_BACK, python_launch=python_launch)
+    C launch cache, through its Python path, and with the Triton the GPU runs have, whose launcher hands the
+    kernel's arguments one by one), and denormals are flushed to zero; after, Triton's driver is what it was,
+    denormals are kept and the kernels refuse CPU tensors again."""
+    done = _compiled_path(STUBS_AND_BACK, python_launch=python_launch, triton_dir=triton_dir)
     assert done.returncode == 0, done.stderr
+    if triton_dir is not None:
+        assert done.stdout.split()[-1] == GPU_ENVIRONMENT_TRITON
 
 
 def test_the_interpreter_is_refused():
