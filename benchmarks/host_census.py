@@ -144,7 +144,7 @@ def _census_rows(args) -> None:
             for provider in PROVIDERS:
                 rows += census(size, provider)
     save_cpu_rows(args.out, "host-census",
-                  "none: counted (sys.setprofile's calls, the stand-in GPU's launches, the autograd graph)", rows, table)
+                  "none: counted (sys.setprofile's calls, fastbert's launches, the autograd graph)", rows, table)
 
 
 if __name__ == "__main__":

@@ -247,7 +247,7 @@ class KernelLauncher:
             if entry is None:
                 entry = self.by_specialisation.get(specialisation)
             if entry is None or hooked:
-                return self._first(key, specialisation, grid, args, constexprs, hooked)
+                return self._first(key, specialisation, grid, args, constexprs, hooked, entry)
             self._keep(self.by_key, key, entry)
         dims = (*(grid(entry.grid_meta) if callable(grid) else grid), 1, 1)  # a grid of 1 to 3 dimensions
         arguments = list(args)
@@ -260,9 +260,10 @@ class KernelLauncher:
             entry.run(dims[0], dims[1], dims[2], stream, *entry.head, *arguments, *entry.tail)
         return entry.compiled, entry.packed
 
-    def _first(self, key, specialisation, grid, args, constexprs, hooked):
-        """Triton's own launch; its compiled kernel (None where a stand-in driver skipped it) is kept. Returns
-        (the compiled kernel, the entry made for it unless hooked, or None)."""
+    def _first(self, key, specialisation, grid, args, constexprs, hooked, known=None):
+        """Triton's own launch; its compiled kernel (None where a stand-in driver skipped it) is kept, in `known`,
+        the entry kept for this call already (a hooked launch's), where that holds it. Returns (the compiled kernel,
+        the entry made for it unless hooked, or None)."""
         compiled = self.kernel[grid](*args, **constexprs)
         if compiled is None:
             return compiled, None
@@ -273,7 +274,10 @@ class KernelLauncher:
                 return compiled, None
             meta.update(config.kwargs)
         tail = tuple(meta[name] if name in meta else self.defaults[name] for name in self.arg_names[len(args):])
-        entry = _Entry(self.kernel, compiled, tail, meta, len(args) + len(tail))
+        if known is not None and known.compiled is compiled and known.tail == tail:
+            entry = known  # a launch under a profiler's hook: no new entry, no second _direct_launch per launch
+        else:
+            entry = _Entry(self.kernel, compiled, tail, meta, len(args) + len(tail))
         self._keep(self.by_specialisation, specialisation, entry)
         self._keep(self.by_key, key, entry)
         return compiled, None if hooked else entry.packed

@@ -16,19 +16,23 @@ STUBS_AND_BACK = """
 import os, sys, torch, triton
 from fastbert import ops
 from fastbert.simulated.host_time import host_microseconds, stubbed_launches
-x, weight, bias = torch.randn(4, 32), torch.ones(32), torch.zeros(32)
+x, weight, bias = inputs = torch.randn(4, 32), torch.ones(32), torch.zeros(32)
 before = triton.runtime.driver._active
 denormal = torch.tensor([1e-40])  # float32's smallest normal is 1.2e-38
 from triton.backends.nvidia.driver import CudaLauncher
 from fastbert.simulated import stand_in_gpu
 handed, launcher_runs = [], []
-stand_in_gpu._STUB_RUN.launch = lambda *args: handed.append(args)  # the C launch of Triton's launcher object
+launcher = stand_in_gpu._STUB_RUN
+launcher.launch = lambda *args: handed.append(args)  # the C launch of Triton's launcher object
+# a value of its own in each place of the launcher's head, so that a head in another order differs
+stand_in_gpu._StubKernel.function, stand_in_gpu._StubKernel.packed_metadata = "function", ("packed", "metadata")
+launcher.launch_cooperative_grid, launcher.launch_pdl, launcher.arg_annotations = "cooperative", "pdl", ("annotated",)
 def same(triton_own, direct):
     # what Triton's launcher handed its C launch, and fastbert's direct call: a plain tensor as its address
     if type(triton_own) is tuple:
         return type(direct) is tuple and len(direct) == len(triton_own) and all(map(same, triton_own, direct))
-    if isinstance(triton_own, torch.Tensor):
-        return type(direct) is int  # the output's address differs from call to call
+    if isinstance(triton_own, torch.Tensor):  # an input's address; the output's differs from call to call
+        return type(direct) is int and (direct == triton_own.data_ptr() or all(t is not triton_own for t in inputs))
     if isinstance(triton_own, triton.knobs.HookChain):  # no launch hook installed: fastbert hands None
         return direct is None and not triton_own.calls
     return direct is triton_own or direct == triton_own
@@ -45,6 +49,13 @@ with stubbed_launches():
     assert len(handed) == 2 and not launcher_runs and same(*handed), handed
     from fastbert.kernels import launch
     assert (launch._C_LAUNCH is None) == (os.environ.get("FASTBERT_PYTHON_LAUNCH") == "1")
+    # a launcher that allocates per launch (scratch memory) or runs GSan is called, its layout not learnt
+    import copy
+    for field in ("global_scratch_size", "profile_scratch_size", "gsan_enabled"):
+        refused = copy.copy(launcher)
+        setattr(refused, field, 1)
+        assert launch._direct_launch(refused, (None,) * 5, 3) is None, field
+    assert launch._direct_launch(copy.copy(launcher), (None,) * 5, 3) is not None
     assert host_microseconds(lambda: ops.layer_norm(x, weight, bias, backend="triton"), number=2, repeats=1) > 0
     assert (denormal * 1).item() == 0  # flushed: unwritten outputs cost PyTorch's ops what real values cost
 assert triton.runtime.driver._active is before
@@ -109,6 +120,9 @@ def test_stubbed_launches_leave_nothing_behind(python_launch, triton_dir):
     C launch cache, through its Python path, and with the Triton the GPU runs have, whose launcher hands the
     kernel's arguments one by one), and denormals are flushed to zero; after, Triton's driver is what it was,
     denormals are kept and the kernels refuse CPU tensors again."""
+    if triton_dir is not None and not os.path.isdir(triton_dir):
+        pytest.fail(f"Triton {GPU_ENVIRONMENT_TRITON} is not installed in {triton_dir}: run the README's set-up "
+                    f"(pip install --no-deps --target {triton_dir} triton=={GPU_ENVIRONMENT_TRITON})")
     done = _compiled_path(STUBS_AND_BACK, python_launch=python_launch, triton_dir=triton_dir)
     assert done.returncode == 0, done.stderr
     if triton_dir is not None:

@@ -65,11 +65,17 @@ def matmul_call(rows, misaligned):
     grid = lambda meta: (cdiv(rows, meta["BLOCK_M"]) * cdiv(OUT, meta["BLOCK_N"]),)
     return matmul._matmul_fwd_kernel, grid, args, constexprs
 
-# what each launch hands its launcher: (grid x, y, z, stream, 5 head items, the kernel's arguments, its tail)
+# what each launch hands the C launch of Triton's launcher object, as a GPU launch does (a kept entry directly,
+# kernels/launch.py's _direct_launch): grid x, y, z, the stream, the launcher's head, then the kernel's arguments and
+# tail, in one tuple (Triton 3.9) or one by one after a head of 9 (3.6)
 from fastbert.simulated import stand_in_gpu
 launcher_calls = []
-stand_in_gpu._StubKernel.run = lambda self, *args: launcher_calls.append(args)
-HEAD = 9
+stand_in_gpu._STUB_RUN.launch = lambda *args: launcher_calls.append(args)
+def kernel_arguments(call):
+    return call[-1] if type(call[-1]) is tuple else call[4 + 9:]
+learnt = []  # the launch layouts _direct_launch learns (once per kept entry)
+direct_launch = launch_module._direct_launch
+launch_module._direct_launch = lambda *args: learnt.append(1) or direct_launch(*args)
 
 def as_launcher_gets(args):
     # a kept launch hands a plain tensor (Tensor, Parameter) over as its address, anything else as itself
@@ -78,7 +84,7 @@ def as_launcher_gets(args):
 def handed_over(args):
     # what the last launch handed the launcher in the arguments' places, compared by value for ints and None,
     # by identity for the rest
-    got = launcher_calls[-1][HEAD:HEAD + len(args)]
+    got = kernel_arguments(launcher_calls[-1])[:len(args)]
     want = as_launcher_gets(args)
     return all(g is w or (type(g) is int and type(w) is int and g == w) for g, w in zip(got, want))
 
@@ -125,10 +131,12 @@ with stubbed_launches():
         if install:
             triton.knobs.runtime.launch_enter_hook.add(hook)
         through_triton.clear()
+        learnt.clear()
         launch(kernel, grid, *args, **constexprs)
-        counts.append(len(through_triton))
+        counts.append((len(through_triton), len(learnt)))
         triton.knobs.runtime.launch_enter_hook.remove(hook)
-    results.append({"case": "launch hook", "hooked_through_triton": counts[0], "unhooked_through_triton": counts[1]})
+    results.append({"case": "launch hook", "hooked_through_triton": counts[0][0],
+                    "unhooked_through_triton": counts[1][0], "learnt_again": counts[0][1] + counts[1][1]})
     # an int subclass (an IntEnum's kind) for the row count: Triton specialises it by value, as an int
     class Count(int):
         pass
@@ -146,7 +154,7 @@ with stubbed_launches():
     args = (args[0].as_subclass(Addressed), args[1], torch.nn.Parameter(args[2]), *args[3:])
     for _ in range(3):
         launch(kernel, grid, *args, **constexprs)
-    got = launcher_calls[-1][HEAD:HEAD + 3]
+    got = kernel_arguments(launcher_calls[-1])[:3]
     results.append({"case": "tensor types", "subclass_as_itself": got[0] is args[0],
                     "parameter_as_address": type(got[2]) is int and got[2] == args[2].data_ptr()})
 print(json.dumps({"c_launch": launch_module._C_LAUNCH is not None, "results": results}))
@@ -172,7 +180,9 @@ def test_the_cached_path_launches_the_kernel_triton_would(path):
     assert tensor_types["subclass_as_itself"] and tensor_types["parameter_as_address"], tensor_types
     assert int_subclass_1["same"] and int_subclass_17["same"], (int_subclass_1, int_subclass_17)
     assert tensor_for_none["same"] and tensor_for_none["distinct_from_none"], tensor_for_none
-    assert (hooked["hooked_through_triton"], hooked["unhooked_through_triton"]) == (1, 0), hooked
+    # under a hook the kept entry serves again once unhooked, its launch layout not learnt again
+    assert (hooked["hooked_through_triton"], hooked["unhooked_through_triton"], hooked["learnt_again"]) == (1, 0, 0), \
+        hooked
     for row in rows:
         assert row["same"], row["case"]
         assert row["then_through_triton"] == 0, row

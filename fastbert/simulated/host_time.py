@@ -3,10 +3,10 @@
 `stubbed_launches()` makes the stand-in driver of an H100 Triton's active driver in stub mode
 (stand_in_gpu.install, kernels="stub"): the first launch of each signature puts a kernel that runs nothing in
 Triton's cache, so every later launch takes the steady path a GPU takes (fastbert's argument checks, tile
-choices, allocations and launch cache, the Python of Triton's CUDA launcher) up to the C launch itself, which is
-left out. It
-also lets backend="triton" take CPU tensors (fastbert.ops.set_launches_stubbed): outputs are allocated and
-never written, so no result is meaningful, only the time the host spends. What a GPU adds per launch (the
+choices, allocations and launch cache) to the C launch of Triton's CUDA launcher object, which does nothing here
+(stand_in_gpu._triton_launcher): what the launch itself costs is left out. It also lets backend="triton" take CPU
+tensors (fastbert.ops.set_launches_stubbed): outputs are allocated and never written, so no result is meaningful,
+only the time the host spends. What a GPU adds per launch (the
 driver's cuLaunchKernel, a few microseconds) is not counted; PyTorch's own ops on CPU tensors are timed with
 their (small) CPU arithmetic. That arithmetic also reads the unwritten outputs (a backward's matmuls over the
 gradient a stubbed kernel left unwritten), whose leftover bytes may be denormal floats, which a CPU multiplies

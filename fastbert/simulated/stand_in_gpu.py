@@ -320,7 +320,8 @@ def install(gpu: GPU, log: LaunchLog, registers_of=None, kernels: str = "compile
     skipped the same way and every candidate gets the same time.
     "stub" (the host suite, which times the host code): as "skip" on a signature's first launch, which puts a
     kernel that runs nothing in Triton's cache, so every later launch takes Triton's (and fastbert's) steady
-    path through Triton's own launcher object, as on a GPU, with only its C launch left out (_triton_launcher).
+    path to the C launch of Triton's own launcher object, as on a GPU, where that launch does nothing
+    (_triton_launcher).
     """
     from triton import knobs
 
