@@ -276,10 +276,11 @@ _NO_LAUNCH = "".format  # a C function that takes any arguments and does nothing
 
 def _triton_launcher():
     """Triton's own CUDA launcher object (the NVIDIA backend's CudaLauncher) of a kernel without scratch memory,
-    without tensor descriptors or GSan, whose C launch is a no-op taking any arguments: a stub launch then runs
-    the Python Triton's launcher runs on a GPU before its C launch (its scratch and profiler checks; in Triton 3.9
-    two closures made per call), which a stub function would leave out. The attributes are those Triton's __init__
-    sets, in 3.6 and 3.9 (a superset). None where the backend has no CudaLauncher."""
+    without tensor descriptors or GSan, whose C launch is a no-op taking any arguments: a stub launch then does
+    what a GPU launch does up to that C launch (through the object's Python, its scratch and profiler checks, or
+    directly, as fastbert's kept launches call it: kernels/launch.py's _direct_launch), which a stub function in
+    the object's place would not. The attributes are those Triton's __init__ sets, in 3.6 and 3.9 (a superset).
+    None where the backend has no CudaLauncher."""
     try:
         from triton.backends.nvidia.driver import CudaLauncher
     except ImportError:
