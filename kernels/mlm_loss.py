@@ -407,25 +407,29 @@ def _merge_config(splits: int, rows: int) -> dict:
 
 @functools.lru_cache(maxsize=4096)
 def _forward_plan(device: torch.device, dtype: torch.dtype, rows: int, vocab: int, has_bias: bool, mean: bool,
-                  keep_stats: bool) -> tuple[dict, tuple, int, int, dict]:
-    """(the forward kernel's constexprs but DOT_PRECISION, its grid, columns per split, splits, the merge kernel's
-    constexprs) of a forward over rows >= 1: a function of the shape, the options and the device only, so cached
+                  keep_stats: bool, precision: str) -> tuple[dict, tuple, int, int, dict]:
+    """(the forward kernel's constexprs, its grid, columns per split, splits, the merge kernel's constexprs) of a
+    forward over rows >= 1 whose tl.dot runs at `precision` (dot_precision, read per call: PyTorch's fp32 matmul
+    precision can change at run time): a function of the shape, the options and the device only, so cached
     (working it out cost the host more than the launch). Every call shares the dicts, which nothing changes:
-    plain dicts, since a ** of a read-only proxy (a mapping, not a dict) costs each launch more host time."""
+    plain dicts, since a ** of a read-only proxy (a mapping, not a dict) costs each launch more host time, as
+    does a keyword beside the ** (a new dict merged per call)."""
     config = _config(dtype, rows, forward=True)
     cols_per_split = _forward_cols_per_split(device, rows, vocab, config["BLOCK_N"], config["BLOCK_V"])
     splits = cdiv(vocab, cols_per_split)
     grid = (cdiv(rows, config["BLOCK_N"]), splits)
     merge = dict(MEAN=mean, STORE_STATS=keep_stats, **_merge_config(splits, rows))
-    return dict(HAS_BIAS=has_bias, **config), grid, cols_per_split, splits, merge
+    return dict(HAS_BIAS=has_bias, DOT_PRECISION=precision, **config), grid, cols_per_split, splits, merge
 
 
 @functools.lru_cache(maxsize=4096)
-def _backward_plan(dtype: torch.dtype, rows: int, vocab: int, has_bias: bool, mean: bool) -> tuple[dict, int]:
-    """(the backward kernel's constexprs but DOT_PRECISION, vocabulary columns per chunk) of a backward over
-    rows >= 1, cached and shared as `_forward_plan`'s."""
+def _backward_plan(dtype: torch.dtype, rows: int, vocab: int, has_bias: bool, mean: bool,
+                   precision: str) -> tuple[dict, int]:
+    """(the backward kernel's constexprs, vocabulary columns per chunk) of a backward over rows >= 1 whose tl.dot
+    runs at `precision`, cached and shared as `_forward_plan`'s."""
     config = _config(dtype, rows, forward=False)
-    return dict(HAS_BIAS=has_bias, MEAN=mean, **config), _backward_chunk_cols(rows, vocab, config["BLOCK_V"])
+    return (dict(HAS_BIAS=has_bias, MEAN=mean, DOT_PRECISION=precision, **config),
+            _backward_chunk_cols(rows, vocab, config["BLOCK_V"]))
 
 
 def _forward(x, weight, bias, target, ignore_index, reduction, label_smoothing, keep_stats):
@@ -438,15 +442,14 @@ def _forward(x, weight, bias, target, ignore_index, reduction, label_smoothing, 
         return zero(torch.float32), zero(torch.int64), zero(torch.float32, 1) if keep_stats else None
     device = x.device  # read once: each read makes a torch.device
     constexprs, grid, cols_per_split, splits, merge_constexprs = _forward_plan(
-        device, x.dtype, rows, vocab, bias is not None, reduction == "mean", keep_stats)
+        device, x.dtype, rows, vocab, bias is not None, reduction == "mean", keep_stats, dot_precision(x.dtype))
     plane = splits * rows
     # [6, splits, N] (_partial_planes), flat: the kernels index it by plane, and an int size allocates faster
     partials = torch.empty(6 * plane, dtype=torch.float32, device=device)
     stride_t = target.stride(0)
     launch(_mlm_loss_fwd_kernel, grid,
         x, weight, bias, target, partials, rows, vocab, hidden, cols_per_split, plane, *x.stride(),
-        *weight.stride(), 0 if bias is None else bias.stride(0), stride_t,
-        DOT_PRECISION=dot_precision(x.dtype), **constexprs,
+        *weight.stride(), 0 if bias is None else bias.stride(0), stride_t, **constexprs,
     )
     softmax_stats = torch.empty(2 * rows + 1, dtype=torch.float32, device=device) if keep_stats else None
     # empty_strided: PyTorch parses a size tuple, () included, slower than sizes given one by one
@@ -515,7 +518,8 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         return or_empty(x, x.new_empty((0, hidden)) if needs_dx else None,
                         torch.zeros((vocab, hidden), dtype=weight.dtype, device=x.device) if needs_dweight else None,
                         torch.zeros(vocab, dtype=torch.float32, device=x.device) if needs_dbias else None)
-    constexprs, chunk_cols = _backward_plan(x.dtype, rows, vocab, bias is not None, reduction == "mean")
+    constexprs, chunk_cols = _backward_plan(x.dtype, rows, vocab, bias is not None, reduction == "mean",
+                                            dot_precision(x.dtype))
     # one chunk: dW and db come out of their ops whole; several: each chunk's rows are written into them
     chunks = chunk_cols < vocab
     dweight = weight.new_empty(vocab, hidden) if chunks and needs_dweight else None
@@ -535,8 +539,7 @@ def mlm_loss_bwd(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         launch(_mlm_loss_bwd_kernel, (cdiv(rows, constexprs["BLOCK_N"]), cdiv(width, constexprs["BLOCK_V"])),
             x, weight, bias, target, softmax_stats, grad_loss, dz,
             rows, vocab, hidden, v0, v1, ignore_index, label_smoothing, *x.stride(), *weight.stride(),
-            0 if bias is None else bias.stride(0), target.stride(0), dz.stride(0),
-            DOT_PRECISION=dot_precision(x.dtype), **constexprs,
+            0 if bias is None else bias.stride(0), target.stride(0), dz.stride(0), **constexprs,
         )
         if chunks:
             if needs_dweight:

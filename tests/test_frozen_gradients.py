@@ -158,7 +158,7 @@ def test_linear_cross_entropy(chunks, frozen, matmuls_per_chunk, sums_per_chunk,
     monkeypatch.setattr(mlm_loss, "_backward_plan", plan)
     monkeypatch.setattr(mlm_loss, "BACKWARD_CHUNK_ELEMENTS", rows * vocab // chunks)
     monkeypatch.setattr(mlm_loss, "INTERPRETER_BLOCK_V", 32)
-    assert vocab // plan(torch.float32, rows, vocab, True, True)[1] == chunks
+    assert vocab // plan(torch.float32, rows, vocab, True, True, "ieee")[1] == chunks
     target = torch.arange(rows).to(device) * 7 % vocab
     target[2] = -100
     inputs = [_randn(rows, hidden, seed=0).to(device), _randn(vocab, hidden, seed=1).to(device),
