@@ -7,18 +7,21 @@
  * launch(kernel, grid, *args, **constexprs) builds the exact key of a call: the kernel's id, the device and the
  * driver, the arguments' types, each int's value (bools and int subclasses too), each tensor's dtype, the tensors'
  * 16-byte alignment (one True when all are aligned, else a tuple of each tensor's), the constexprs' names (one
- * tuple: a call site passes the same) and values. A key it has kept launches its entry at once: the Triton
- * launcher, called with the grid, the stream, the launcher's head, the arguments and the entry's tail; each tensor
- * of a plain tensor type (torch.Tensor, nn.Parameter) goes to the launcher as the address the key read, which
- * Triton's launcher takes as it is: given the tensor, it would call its data_ptr again and ask the CUDA driver
- * about the address (cuPointerGetAttribute), per tensor per launch, to reject a CPU tensor, which fastbert's ops
- * rejected before any launch (fastbert.ops.resolve_backend). Any other
- * call (the first of a key, one with a launch hook installed, or one its kept entry cannot launch) goes to the
+ * tuple: a call site passes the same) and values, and looks it up among the kept entries (a dictionary; in front
+ * of it, a cache of the calls last launched matches a call by its raw words without building the key: `describe`,
+ * below). A key it has kept launches its entry at once: the Triton launcher, called with the grid, the stream, the
+ * launcher's head, the arguments and the entry's tail; each tensor of a plain tensor type (torch.Tensor,
+ * nn.Parameter) goes to the launcher as the address the key read, which Triton's launcher takes as it is: given
+ * the tensor, it would call its data_ptr again and ask the CUDA driver about the address (cuPointerGetAttribute),
+ * per tensor per launch, to reject a CPU tensor, which fastbert's ops rejected before any launch
+ * (fastbert.ops.resolve_backend). Any other call (the first of a key, one with a launch hook installed, or one its kept entry cannot launch) goes to the
  * Python path, launch.py's `_launch_python(kernel, grid, args, constexprs)`, which returns (what launch returns,
  * the entry to keep for this key or None); its entry is kept. An entry holds its kernel, whose id the key holds:
  * while it is kept, no other kernel can take that id. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
+#include <string.h>
 
 #define MAX_KEPT 65536 /* keys kept, all kernels together; past this the cache starts again */
 #define MAX_ARGS 256
@@ -64,27 +67,34 @@ static PyObject *driver_now(void) {
     return driver;
 }
 
-/* The exact key of a call; NULL with an exception set on failure. pointers[i] (nargs of them, NULL on entry)
- * gets a new reference to the address of args[i] where it is a tensor of a plain type (the header), for the
- * launcher; the caller releases them, after a failure too. */
-static PyObject *call_key(PyObject *kernel, PyObject *device, PyObject *driver, PyObject *const *args,
-                          Py_ssize_t nargs, PyObject *kwnames, PyObject *const *kwvalues, Py_ssize_t nkw,
-                          PyObject **pointers) {
-    PyObject *types = PyTuple_New(nargs);
-    if (types == NULL) return NULL;
-    Py_ssize_t ints = 0, tensors = 0;
+/* What one pass over a call's arguments reads (scan_args): how many are ints, and each tensor's place, dtype (a
+ * new reference, released by scan_release) and address's low 4 bits. */
+typedef struct {
+    Py_ssize_t ints, tensors;
+    size_t any_low;
     int tensor_at[MAX_ARGS];
-    size_t low_bits[MAX_ARGS], any_low = 0;
+    PyObject *dtypes[MAX_ARGS];
+    size_t low_bits[MAX_ARGS];
+} Scan;
+
+static void scan_release(Scan *scan) {
+    for (Py_ssize_t t = 0; t < scan->tensors; t++) Py_DECREF(scan->dtypes[t]);
+    scan->tensors = 0;
+}
+
+/* 0, or -1 with an exception set. pointers[i] (nargs of them, NULL on entry) gets a new reference to the address
+ * of args[i] where it is a tensor of a plain type (the header), for the launcher; the caller releases them and
+ * the scan (scan_release), after a failure too. */
+static int scan_args(PyObject *const *args, Py_ssize_t nargs, PyObject **pointers, Scan *scan) {
+    scan->ints = scan->tensors = 0;
+    scan->any_low = 0;
     for (Py_ssize_t i = 0; i < nargs; i++) {
-        PyObject *type = (PyObject *)Py_TYPE(args[i]);
-        Py_INCREF(type);
-        PyTuple_SET_ITEM(types, i, type);
         if (PyLong_Check(args[i])) { /* bools and int subclasses too: Triton specialises any int by value */
-            ints++;
+            scan->ints++;
         } else if (PyObject_TypeCheck(args[i], (PyTypeObject *)tensor_type)) {
             /* torch.Tensor's own data_ptr, as the Python path calls it (a subclass may override it) */
             PyObject *pointer = PyObject_CallOneArg(tensor_data_ptr, args[i]);
-            if (pointer == NULL) goto fail;
+            if (pointer == NULL) return -1;
             size_t address = (size_t)PyLong_AsUnsignedLongLongMask(pointer);
             int plain = 0;
             for (Py_ssize_t k = 0; k < nplain; k++) plain |= Py_TYPE(args[i]) == plain_types[k];
@@ -93,64 +103,201 @@ static PyObject *call_key(PyObject *kernel, PyObject *device, PyObject *driver, 
             } else {
                 Py_DECREF(pointer);
             }
-            if (PyErr_Occurred()) goto fail;
-            tensor_at[tensors] = (int)i;
-            low_bits[tensors++] = address & 15;
-            any_low |= address & 15;
+            if (PyErr_Occurred()) return -1;
+            PyObject *dtype = PyObject_GetAttr(args[i], s_dtype);
+            if (dtype == NULL) return -1;
+            Py_ssize_t t = scan->tensors++;
+            scan->tensor_at[t] = (int)i;
+            scan->dtypes[t] = dtype;
+            scan->low_bits[t] = address & 15;
+            scan->any_low |= address & 15;
         }
     }
+    return 0;
+}
+
+/* The exact key of a call, from its scan; NULL with an exception set on failure. */
+static PyObject *call_key(PyObject *kernel, PyObject *device, PyObject *driver, PyObject *const *args,
+                          Py_ssize_t nargs, PyObject *kwnames, PyObject *const *kwvalues, Py_ssize_t nkw,
+                          const Scan *scan) {
+    PyObject *types = PyTuple_New(nargs);
+    if (types == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < nargs; i++) PyTuple_SET_ITEM(types, i, Py_NewRef((PyObject *)Py_TYPE(args[i])));
     /* kernel id, device, driver, types, ints, dtypes, alignment, constexpr names, constexpr values */
-    Py_ssize_t size = 4 + ints + tensors + 1 + 1 + nkw, at = 0;
+    Py_ssize_t size = 4 + scan->ints + scan->tensors + 1 + 1 + nkw, at = 0;
     PyObject *key = PyTuple_New(size);
-    if (key == NULL) goto fail;
+    if (key == NULL) {
+        Py_DECREF(types);
+        return NULL;
+    }
+    /* unfilled items are NULL, which a tuple's dealloc skips */
     PyObject *id = PyLong_FromVoidPtr(kernel);
-    if (id == NULL) goto fail_key;
+    if (id == NULL) goto fail;
     PyTuple_SET_ITEM(key, at++, id);
-    Py_INCREF(device);
-    PyTuple_SET_ITEM(key, at++, device);
-    Py_INCREF(driver);
-    PyTuple_SET_ITEM(key, at++, driver);
+    PyTuple_SET_ITEM(key, at++, Py_NewRef(device));
+    PyTuple_SET_ITEM(key, at++, Py_NewRef(driver));
     PyTuple_SET_ITEM(key, at++, types); /* the key owns it now */
     types = NULL;
     for (Py_ssize_t i = 0; i < nargs; i++) {
-        if (PyLong_Check(args[i])) {
-            Py_INCREF(args[i]);
-            PyTuple_SET_ITEM(key, at++, args[i]);
-        }
+        if (PyLong_Check(args[i])) PyTuple_SET_ITEM(key, at++, Py_NewRef(args[i]));
     }
-    for (Py_ssize_t t = 0; t < tensors; t++) {
-        PyObject *dtype = PyObject_GetAttr(args[tensor_at[t]], s_dtype);
-        if (dtype == NULL) goto fail_key;
-        PyTuple_SET_ITEM(key, at++, dtype);
-    }
+    for (Py_ssize_t t = 0; t < scan->tensors; t++) PyTuple_SET_ITEM(key, at++, Py_NewRef(scan->dtypes[t]));
     PyObject *alignment;
-    if (any_low == 0) {
-        alignment = Py_True;
-        Py_INCREF(alignment);
+    if (scan->any_low == 0) {
+        alignment = Py_NewRef(Py_True);
     } else {
-        alignment = PyTuple_New(tensors);
-        if (alignment == NULL) goto fail_key;
-        for (Py_ssize_t t = 0; t < tensors; t++) {
-            PyObject *aligned = low_bits[t] == 0 ? Py_True : Py_False;
-            Py_INCREF(aligned);
-            PyTuple_SET_ITEM(alignment, t, aligned);
-        }
+        alignment = PyTuple_New(scan->tensors);
+        if (alignment == NULL) goto fail;
+        for (Py_ssize_t t = 0; t < scan->tensors; t++)
+            PyTuple_SET_ITEM(alignment, t, Py_NewRef(scan->low_bits[t] == 0 ? Py_True : Py_False));
     }
     PyTuple_SET_ITEM(key, at++, alignment);
-    PyObject *names = kwnames != NULL ? kwnames : Py_None;
-    Py_INCREF(names);
-    PyTuple_SET_ITEM(key, at++, names);
-    for (Py_ssize_t k = 0; k < nkw; k++) {
-        Py_INCREF(kwvalues[k]);
-        PyTuple_SET_ITEM(key, at++, kwvalues[k]);
-    }
+    PyTuple_SET_ITEM(key, at++, Py_NewRef(kwnames != NULL ? kwnames : Py_None));
+    for (Py_ssize_t k = 0; k < nkw; k++) PyTuple_SET_ITEM(key, at++, Py_NewRef(kwvalues[k]));
     return key;
-fail_key:
-    /* unfilled items are NULL, which a tuple's dealloc skips */
-    Py_DECREF(key);
 fail:
     Py_XDECREF(types);
+    Py_DECREF(key);
     return NULL;
+}
+
+/* The recent-call cache, in front of `kept`: a direct-mapped table of the calls last launched, each described by
+ * raw words (describe) that a later call matches with one hash of machine words and one memcmp, without building,
+ * hashing and comparing the key tuple (about a quarter of a launch's host instructions under callgrind; the same
+ * kernels launch with the same arguments layer after layer). A description holds what the key holds, ints by
+ * value and every other object by its address, which is stricter than the key's equality: a match is always the
+ * key's match, and a miss (an equal object at another address, a slot another call took) goes on to `kept`. Each
+ * slot holds a reference to every object whose address its words hold, so that no address it compares can be
+ * reused by another object while it is kept. */
+#define RECENT 512        /* slots, a power of two, in sets of two */
+#define RECENT_WORDS 160  /* words one description may take: a call with more skips the cache */
+
+typedef struct {
+    Py_ssize_t nwords; /* 0: empty */
+    unsigned long long used; /* recent_clock when it last served or was kept: the older of a set goes first */
+    PyObject *entry;   /* the kept entry the call launched */
+    PyObject *held;    /* a tuple of the objects whose addresses words holds */
+    uintptr_t words[RECENT_WORDS];
+} Recent;
+static Recent recent[RECENT];
+static unsigned long long recent_hits, recent_misses; /* launches the cache served, and the others it saw */
+static unsigned long long recent_clock;
+
+/* o as two words: its type, then its value for an int (bools and int subclasses too) that fits 64 bits, its
+ * address for anything else. 0 for an int that does not fit. */
+static int object_words(PyObject *o, uintptr_t *words) {
+    words[0] = (uintptr_t)Py_TYPE(o);
+    if (!PyLong_Check(o)) {
+        words[1] = (uintptr_t)o;
+        return 1;
+    }
+    int overflow;
+    long long value = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow || (value == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    words[1] = (uintptr_t)value;
+    return 1;
+}
+
+/* A call's description, the key's parts as words: the kernel, the driver, the device, the argument and constexpr
+ * counts, each argument's type with its value (an int), its dtype's address with the address's alignment bit (a
+ * tensor) or nothing (the key holds only the type of anything else), each constexpr's name and value. Returns the
+ * number of words, 0 where the call cannot be described (too many words, an int past 64 bits). */
+static Py_ssize_t describe(PyObject *kernel, PyObject *device, PyObject *driver, PyObject *const *args,
+                           Py_ssize_t nargs, PyObject *kwnames, PyObject *const *kwvalues, Py_ssize_t nkw,
+                           const Scan *scan, uintptr_t *words) {
+    if (7 + 2 * nargs + 3 * nkw > RECENT_WORDS) return 0;
+    Py_ssize_t n = 0, t = 0;
+    words[n++] = (uintptr_t)kernel;
+    words[n++] = (uintptr_t)driver;
+    if (!object_words(device, words + n)) return 0;
+    n += 2;
+    words[n++] = (uintptr_t)nargs;
+    words[n++] = (uintptr_t)nkw;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        if (PyLong_Check(args[i])) {
+            if (!object_words(args[i], words + n)) return 0;
+        } else if (t < scan->tensors && scan->tensor_at[t] == i) {
+            /* an object's address is a multiple of 8: its lowest bit holds the tensor's alignment */
+            words[n] = (uintptr_t)Py_TYPE(args[i]);
+            words[n + 1] = (uintptr_t)scan->dtypes[t] | (scan->low_bits[t] == 0);
+            t++;
+        } else {
+            words[n] = (uintptr_t)Py_TYPE(args[i]);
+            words[n + 1] = 0;
+        }
+        n += 2;
+    }
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        words[n++] = (uintptr_t)PyTuple_GET_ITEM(kwnames, k);
+        if (!object_words(kwvalues[k], words + n)) return 0;
+        n += 2;
+    }
+    return n;
+}
+
+/* The call described by words: its slot where the cache holds it (hit set), else the slot of its set to keep it
+ * in (an empty one, else the one that served longer ago). Two slots a set: two calls whose hashes meet, which
+ * happens among the few dozen kernels' calls of a training step, still both stay. */
+static Recent *recent_find(const uintptr_t *words, Py_ssize_t n, int *hit) {
+    uint64_t hash = 0xcbf29ce484222325ull;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        hash = (hash ^ (uint64_t)words[i]) * 0x100000001b3ull;
+        hash ^= hash >> 29;
+    }
+    Recent *set = &recent[(hash ^ (hash >> 32)) & (RECENT - 2)];
+    for (int way = 0; way < 2; way++) {
+        if (set[way].nwords == n && memcmp(set[way].words, words, n * sizeof(uintptr_t)) == 0) {
+            *hit = 1;
+            set[way].used = ++recent_clock;
+            return &set[way];
+        }
+    }
+    *hit = 0;
+    return set[0].nwords == 0 || (set[1].nwords != 0 && set[0].used < set[1].used) ? &set[0] : &set[1];
+}
+
+/* Keeps the call described by words in its slot, launching entry; -1 with an exception set on failure. */
+static int recent_keep(Recent *slot, const uintptr_t *words, Py_ssize_t n, PyObject *entry, PyObject *kernel,
+                       PyObject *device, PyObject *driver, PyObject *const *args, Py_ssize_t nargs,
+                       PyObject *kwnames, PyObject *const *kwvalues, Py_ssize_t nkw, const Scan *scan) {
+    PyObject *held = PyTuple_New(3 + nargs + scan->tensors + 3 * nkw);
+    if (held == NULL) return -1;
+    Py_ssize_t at = 0;
+    PyTuple_SET_ITEM(held, at++, Py_NewRef(kernel));
+    PyTuple_SET_ITEM(held, at++, Py_NewRef(driver));
+    PyTuple_SET_ITEM(held, at++, Py_NewRef(device));
+    for (Py_ssize_t i = 0; i < nargs; i++) PyTuple_SET_ITEM(held, at++, Py_NewRef((PyObject *)Py_TYPE(args[i])));
+    for (Py_ssize_t t = 0; t < scan->tensors; t++) PyTuple_SET_ITEM(held, at++, Py_NewRef(scan->dtypes[t]));
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyTuple_SET_ITEM(held, at++, Py_NewRef(PyTuple_GET_ITEM(kwnames, k)));
+        PyTuple_SET_ITEM(held, at++, Py_NewRef(kwvalues[k]));
+        PyTuple_SET_ITEM(held, at++, Py_NewRef((PyObject *)Py_TYPE(kwvalues[k])));
+    }
+    /* the slot is whole before the old contents go: their release may run Python that launches */
+    PyObject *old_entry = slot->entry, *old_held = slot->held;
+    slot->nwords = 0;
+    memcpy(slot->words, words, n * sizeof(uintptr_t));
+    slot->entry = Py_NewRef(entry);
+    slot->held = held;
+    slot->used = ++recent_clock;
+    slot->nwords = n;
+    Py_XDECREF(old_entry);
+    Py_XDECREF(old_held);
+    return 0;
+}
+
+static void recent_clear(void) {
+    for (Py_ssize_t i = 0; i < RECENT; i++) {
+        Recent *slot = &recent[i];
+        PyObject *entry = slot->entry, *held = slot->held;
+        slot->nwords = 0;
+        slot->entry = slot->held = NULL;
+        Py_XDECREF(entry);
+        Py_XDECREF(held);
+    }
 }
 
 /* Python's path: (what launch returns, the entry to keep or None); the entry is kept under `key`. */
@@ -180,7 +327,10 @@ static PyObject *launch_slow(PyObject *kernel, PyObject *grid, PyObject *const *
         goto done;
     }
     if (entry != Py_None && key != NULL) {
-        if (PyDict_GET_SIZE(kept) >= MAX_KEPT) PyDict_Clear(kept);
+        if (PyDict_GET_SIZE(kept) >= MAX_KEPT) {
+            PyDict_Clear(kept);
+            recent_clear();
+        }
         if (PyDict_SetItem(kept, key, entry) < 0) goto done;
     }
     returned = PyTuple_GET_ITEM(result, 0);
@@ -276,22 +426,43 @@ static PyObject *launch(PyObject *self, PyObject *const *stack, Py_ssize_t nstac
     if (driver == NULL) return NULL;
     PyObject *pointers[MAX_ARGS];
     for (Py_ssize_t i = 0; i < nargs; i++) pointers[i] = NULL;
-    PyObject *device = PyObject_CallMethodNoArgs(driver, s_get_current_device), *key = NULL, *result = NULL;
-    if (device == NULL) goto done;
-    key = call_key(kernel, device, driver, args, nargs, kwnames, kwvalues, nkw, pointers);
-    if (key == NULL) goto done;
-    PyObject *entry = PyDict_GetItemWithError(kept, key);
-    if (entry != NULL && PyTuple_GET_ITEM(entry, 5) == kernel) {
-        Py_INCREF(entry); /* the grid callable or the launcher may run Python that clears the cache */
-        result = launch_kept(entry, grid, device, driver, args, pointers, nargs);
-        Py_DECREF(entry);
-        if (result == NULL && !PyErr_Occurred()) /* not launchable from the entry: as Triton would */
-            result = launch_slow(kernel, grid, args, nargs, kwnames, kwvalues, nkw, NULL);
-    } else if (!PyErr_Occurred()) {
-        result = launch_slow(kernel, grid, args, nargs, kwnames, kwvalues, nkw, key);
+    Scan scan;
+    scan.tensors = 0;
+    uintptr_t words[RECENT_WORDS];
+    Recent *slot = NULL;
+    PyObject *device = PyObject_CallMethodNoArgs(driver, s_get_current_device), *key = NULL, *result = NULL,
+             *entry = NULL;
+    if (device == NULL || scan_args(args, nargs, pointers, &scan) < 0) goto done;
+    Py_ssize_t nwords = describe(kernel, device, driver, args, nargs, kwnames, kwvalues, nkw, &scan, words);
+    if (nwords > 0) {
+        int hit;
+        slot = recent_find(words, nwords, &hit);
+        if (hit) entry = Py_NewRef(slot->entry); /* the grid callable or the launcher may run Python that clears it */
     }
+    if (entry != NULL) {
+        recent_hits++;
+    } else {
+        recent_misses++;
+        key = call_key(kernel, device, driver, args, nargs, kwnames, kwvalues, nkw, &scan);
+        if (key == NULL) goto done;
+        PyObject *found = PyDict_GetItemWithError(kept, key);
+        if (found != NULL && PyTuple_GET_ITEM(found, 5) == kernel) {
+            entry = Py_NewRef(found);
+            if (slot != NULL && recent_keep(slot, words, nwords, entry, kernel, device, driver, args, nargs,
+                                            kwnames, kwvalues, nkw, &scan) < 0)
+                goto done;
+        } else {
+            if (!PyErr_Occurred()) result = launch_slow(kernel, grid, args, nargs, kwnames, kwvalues, nkw, key);
+            goto done;
+        }
+    }
+    result = launch_kept(entry, grid, device, driver, args, pointers, nargs);
+    if (result == NULL && !PyErr_Occurred()) /* not launchable from the entry: as Triton would */
+        result = launch_slow(kernel, grid, args, nargs, kwnames, kwvalues, nkw, NULL);
 done:
     for (Py_ssize_t i = 0; i < nargs; i++) Py_XDECREF(pointers[i]);
+    scan_release(&scan);
+    Py_XDECREF(entry);
     Py_XDECREF(key);
     Py_XDECREF(device);
     Py_DECREF(driver);
@@ -323,16 +494,24 @@ static PyObject *init(PyObject *self, PyObject *args) {
     for (Py_ssize_t k = 0; k < nplain; k++) plain_types[k] = (PyTypeObject *)PyTuple_GET_ITEM(p, k);
     Py_XSETREF(slow_path, Py_NewRef(s));
     PyDict_Clear(kept); /* entries of an earlier init's kernels */
+    recent_clear();
     Py_RETURN_NONE;
 }
 
 static PyObject *clear(PyObject *self, PyObject *unused) {
     PyDict_Clear(kept);
+    recent_clear();
     Py_RETURN_NONE;
 }
 
 static PyObject *kept_count(PyObject *self, PyObject *unused) {
     return PyLong_FromSsize_t(PyDict_GET_SIZE(kept));
+}
+
+static PyObject *recent_count(PyObject *self, PyObject *unused) {
+    Py_ssize_t filled = 0;
+    for (Py_ssize_t i = 0; i < RECENT; i++) filled += recent[i].nwords > 0;
+    return Py_BuildValue("nKK", filled, recent_hits, recent_misses);
 }
 
 static PyMethodDef methods[] = {
@@ -342,6 +521,7 @@ static PyMethodDef methods[] = {
      "init(triton.runtime.driver, triton.knobs.runtime, torch.Tensor, plain tensor types, slow_path)"},
     {"clear", clear, METH_NOARGS, "forget every kept entry"},
     {"kept", kept_count, METH_NOARGS, "the number of keys kept"},
+    {"recent", recent_count, METH_NOARGS, "(calls the recent-call cache holds, launches it served, launches past the hook check it did not)"},
     {NULL, NULL, 0, NULL},
 };
 

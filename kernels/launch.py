@@ -14,7 +14,8 @@
 # measures the host time it saves.
 #
 # The steady path, a call whose exact key was seen, runs in C (kernels/launch.c: the same key, lookup and launcher
-# call, without the interpreter between them; `fastbert bench --suite host` measures each op with it, or, with
+# call, without the interpreter between them, and in front of them a cache of the calls last launched, matched by
+# their raw words without building the key; `fastbert bench --suite host` measures each op with it, or, with
 # FASTBERT_PYTHON_LAUNCH=1 set, without it); every other call takes the Python path below, which also makes the
 # entries the C launch keeps. Both hand the launcher each plain tensor as its address (PLAIN_TENSOR_TYPES).
 # tests/test_launch.py holds both paths to the same checks. Where the launcher is Triton's CUDA launcher object,

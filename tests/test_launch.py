@@ -157,7 +157,35 @@ with stubbed_launches():
     got = kernel_arguments(launcher_calls[-1])[:3]
     results.append({"case": "tensor types", "subclass_as_itself": got[0] is args[0],
                     "parameter_as_address": type(got[2]) is int and got[2] == args[2].data_ptr()})
-print(json.dumps({"c_launch": launch_module._C_LAUNCH is not None, "results": results}))
+    # the C launch's recent-call cache (kernels/launch.c): two kernels' calls taking turns are both served from it;
+    # a call that differs from a kept one by one int, or by a constexpr equal to the kept one's but another object,
+    # still launches Triton's own choice; clear() empties it
+    recent = {}
+    if launch_module._C_LAUNCH is not None:
+        calls = [layer_norm_call(16, False), matmul_call(16, False)]
+        for _ in range(3):
+            for kernel, grid, args, constexprs in calls:
+                launch(kernel, grid, *args, **constexprs)
+        _, hits, misses = launch_module._C_LAUNCH.recent()
+        served = [launch(kernel, grid, *args, **constexprs) for kernel, grid, args, constexprs in calls]
+        _, hits_after, misses_after = launch_module._C_LAUNCH.recent()
+        recent["turns_served"] = (hits_after - hits, misses_after - misses)
+        recent["turns_same"] = all(kernel_launched is kernel.run(*args, grid=grid, warmup=True, **constexprs)
+                                   for kernel_launched, (kernel, grid, args, constexprs) in zip(served, calls))
+        kernel, grid, args, constexprs = layer_norm_call(17, False)  # rows=16's call but for one int
+        launched = launch(kernel, grid, *args, **constexprs)
+        recent["one_int_same"] = launched is kernel.run(*args, grid=grid, warmup=True, **constexprs)
+        kernel, grid, args, constexprs = matmul_call(16, False)
+        constexprs["INPUT_PRECISION"] = "".join(["ie", "ee"])  # equal to the kept "ieee", another object
+        _, hits, misses = launch_module._C_LAUNCH.recent()
+        launched = launch(kernel, grid, *args, **constexprs)
+        _, hits_after, misses_after = launch_module._C_LAUNCH.recent()
+        recent["equal_constexpr"] = (hits_after - hits, misses_after - misses)
+        recent["equal_constexpr_same"] = launched is kernel.run(*args, grid=grid, warmup=True, **constexprs)
+        recent["held_before_clear"] = launch_module._C_LAUNCH.recent()[0]
+        launch_module.clear_cache()
+        recent["held_after_clear"] = launch_module._C_LAUNCH.recent()[0]
+print(json.dumps({"c_launch": launch_module._C_LAUNCH is not None, "results": results, "recent": recent}))
 """
 
 
@@ -191,6 +219,13 @@ def test_the_cached_path_launches_the_kernel_triton_would(path):
         assert row["then_through_python"] == (path == "python"), row
         # rows=33 reuses rows=17's specialisation: never through Triton
         assert (row["first_through_triton"] == 0) == (", rows=33," in row["case"]), row
+    if path == "c":
+        recent = report["recent"]
+        assert recent["turns_served"] == [2, 0] and recent["turns_same"], recent
+        assert recent["one_int_same"] and recent["equal_constexpr_same"], recent
+        # compared by address, an equal constexpr of another object is not the kept call's: `kept` serves it
+        assert recent["equal_constexpr"] == [0, 1], recent
+        assert recent["held_before_clear"] > 0 and recent["held_after_clear"] == 0, recent
     # the stubs are distinct per specialisation: alignment and each int class name a kernel of their own
     for kernel in ("layer_norm", "matmul"):
         ids = {row["case"].split(", ", 1)[1]: row["distinct"] for row in rows if row["case"].startswith(kernel)}
