@@ -14,9 +14,9 @@
  * nn.Parameter) goes to the launcher as the address the key read, which Triton's launcher takes as it is: given
  * the tensor, it would call its data_ptr again and ask the CUDA driver about the address (cuPointerGetAttribute),
  * per tensor per launch, to reject a CPU tensor, which fastbert's ops rejected before any launch
- * (fastbert.ops.resolve_backend). Any other call (the first of a key, one with a launch hook installed, or one its kept entry cannot launch) goes to the
- * Python path, launch.py's `_launch_python(kernel, grid, args, constexprs)`, which returns (what launch returns,
- * the entry to keep for this key or None); its entry is kept. An entry holds its kernel, whose id the key holds:
+ * (fastbert.ops.resolve_backend). Any other call (the first of a key, one with a launch hook installed, or one its
+ * kept entry cannot launch) goes to the Python path, launch.py's `_launch_python(kernel, grid, args, constexprs)`,
+ * which returns (what launch returns, the entry to keep for this key or None); its entry is kept. An entry holds its kernel, whose id the key holds:
  * while it is kept, no other kernel can take that id. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
