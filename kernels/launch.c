@@ -16,8 +16,8 @@
  * per tensor per launch, to reject a CPU tensor, which fastbert's ops rejected before any launch
  * (fastbert.ops.resolve_backend). Any other call (the first of a key, one with a launch hook installed, or one its
  * kept entry cannot launch) goes to the Python path, launch.py's `_launch_python(kernel, grid, args, constexprs)`,
- * which returns (what launch returns, the entry to keep for this key or None); its entry is kept. An entry holds its kernel, whose id the key holds:
- * while it is kept, no other kernel can take that id. */
+ * which returns (what launch returns, the entry to keep for this key or None); its entry is kept. An entry holds
+ * its kernel, whose id the key holds: while it is kept, no other kernel can take that id. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -521,7 +521,8 @@ static PyMethodDef methods[] = {
      "init(triton.runtime.driver, triton.knobs.runtime, torch.Tensor, plain tensor types, slow_path)"},
     {"clear", clear, METH_NOARGS, "forget every kept entry"},
     {"kept", kept_count, METH_NOARGS, "the number of keys kept"},
-    {"recent", recent_count, METH_NOARGS, "(calls the recent-call cache holds, launches it served, launches past the hook check it did not)"},
+    {"recent", recent_count, METH_NOARGS,
+     "(calls the recent-call cache holds, launches it served, launches past the hook check it did not)"},
     {NULL, NULL, 0, NULL},
 };
 
