@@ -162,7 +162,7 @@ fail:
 }
 
 /* The recent-call cache, in front of `kept`: a direct-mapped table of the calls last launched, each described by
- * raw words (describe) that a later call matches with one hash of machine words and one memcmp, without building,
+ * words (describe) that a later call matches with one hash of 64-bit words and one memcmp, without building,
  * hashing and comparing the key tuple (about a quarter of a launch's host instructions under callgrind; the same
  * kernels launch with the same arguments layer after layer). A description holds what the key holds, ints by
  * value and every other object by its address, which is stricter than the key's equality: a match is always the
@@ -170,6 +170,7 @@ fail:
  * slot holds a reference to every object whose address its words hold, so that no address it compares can be
  * reused by another object while it is kept. */
 #define RECENT 512        /* slots, a power of two, in sets of two */
+typedef uint64_t Word;    /* 64 bits on any host: an int's value never truncated */
 #define RECENT_WORDS 160  /* words one description may take: a call with more skips the cache */
 
 typedef struct {
@@ -177,18 +178,20 @@ typedef struct {
     unsigned long long used; /* recent_clock when it last served or was kept: the older of a set goes first */
     PyObject *entry;   /* the kept entry the call launched */
     PyObject *held;    /* a tuple of the objects whose addresses words holds */
-    uintptr_t words[RECENT_WORDS];
+    Word words[RECENT_WORDS];
 } Recent;
 static Recent recent[RECENT];
 static unsigned long long recent_hits, recent_misses; /* launches the cache served, and the others it saw */
 static unsigned long long recent_clock;
+static unsigned long long recent_generation; /* recent_clear's count: no slot is kept across one */
 
-/* o as two words: its type, then its value for an int (bools and int subclasses too) that fits 64 bits, its
- * address for anything else. 0 for an int that does not fit. */
-static int object_words(PyObject *o, uintptr_t *words) {
-    words[0] = (uintptr_t)Py_TYPE(o);
-    if (!PyLong_Check(o)) {
-        words[1] = (uintptr_t)o;
+/* o as two words: its type, then its value for an int or a bool that fits 64 bits, its address for anything
+ * else (an int subclass too: its own __eq__ may tell apart what its value does not). 0 for an int that does not
+ * fit. */
+static int object_words(PyObject *o, Word *words) {
+    words[0] = (Word)(uintptr_t)Py_TYPE(o);
+    if (!PyLong_CheckExact(o) && !PyBool_Check(o)) {
+        words[1] = (Word)(uintptr_t)o;
         return 1;
     }
     int overflow;
@@ -197,41 +200,41 @@ static int object_words(PyObject *o, uintptr_t *words) {
         PyErr_Clear();
         return 0;
     }
-    words[1] = (uintptr_t)value;
+    words[1] = (Word)value;
     return 1;
 }
 
 /* A call's description, the key's parts as words: the kernel, the driver, the device, the argument and constexpr
- * counts, each argument's type with its value (an int), its dtype's address with the address's alignment bit (a
- * tensor) or nothing (the key holds only the type of anything else), each constexpr's name and value. Returns the
- * number of words, 0 where the call cannot be described (too many words, an int past 64 bits). */
+ * counts, each argument's type with its value (an int: object_words), its dtype's address with the address's
+ * alignment bit (a tensor) or nothing (the key holds only the type of anything else), each constexpr's name and
+ * value. Returns the number of words, 0 where the call cannot be described (too many words, an int past 64 bits). */
 static Py_ssize_t describe(PyObject *kernel, PyObject *device, PyObject *driver, PyObject *const *args,
                            Py_ssize_t nargs, PyObject *kwnames, PyObject *const *kwvalues, Py_ssize_t nkw,
-                           const Scan *scan, uintptr_t *words) {
+                           const Scan *scan, Word *words) {
     if (7 + 2 * nargs + 3 * nkw > RECENT_WORDS) return 0;
     Py_ssize_t n = 0, t = 0;
-    words[n++] = (uintptr_t)kernel;
-    words[n++] = (uintptr_t)driver;
+    words[n++] = (Word)(uintptr_t)kernel;
+    words[n++] = (Word)(uintptr_t)driver;
     if (!object_words(device, words + n)) return 0;
     n += 2;
-    words[n++] = (uintptr_t)nargs;
-    words[n++] = (uintptr_t)nkw;
+    words[n++] = (Word)nargs;
+    words[n++] = (Word)nkw;
     for (Py_ssize_t i = 0; i < nargs; i++) {
         if (PyLong_Check(args[i])) {
             if (!object_words(args[i], words + n)) return 0;
         } else if (t < scan->tensors && scan->tensor_at[t] == i) {
             /* an object's address is a multiple of 8: its lowest bit holds the tensor's alignment */
-            words[n] = (uintptr_t)Py_TYPE(args[i]);
-            words[n + 1] = (uintptr_t)scan->dtypes[t] | (scan->low_bits[t] == 0);
+            words[n] = (Word)(uintptr_t)Py_TYPE(args[i]);
+            words[n + 1] = (Word)(uintptr_t)scan->dtypes[t] | (scan->low_bits[t] == 0);
             t++;
         } else {
-            words[n] = (uintptr_t)Py_TYPE(args[i]);
+            words[n] = (Word)(uintptr_t)Py_TYPE(args[i]);
             words[n + 1] = 0;
         }
         n += 2;
     }
     for (Py_ssize_t k = 0; k < nkw; k++) {
-        words[n++] = (uintptr_t)PyTuple_GET_ITEM(kwnames, k);
+        words[n++] = (Word)(uintptr_t)PyTuple_GET_ITEM(kwnames, k);
         if (!object_words(kwvalues[k], words + n)) return 0;
         n += 2;
     }
@@ -241,15 +244,15 @@ static Py_ssize_t describe(PyObject *kernel, PyObject *device, PyObject *driver,
 /* The call described by words: its slot where the cache holds it (hit set), else the slot of its set to keep it
  * in (an empty one, else the one that served longer ago). Two slots a set: two calls whose hashes meet, which
  * happens among the few dozen kernels' calls of a training step, still both stay. */
-static Recent *recent_find(const uintptr_t *words, Py_ssize_t n, int *hit) {
+static Recent *recent_find(const Word *words, Py_ssize_t n, int *hit) {
     uint64_t hash = 0xcbf29ce484222325ull;
     for (Py_ssize_t i = 0; i < n; i++) {
-        hash = (hash ^ (uint64_t)words[i]) * 0x100000001b3ull;
+        hash = (hash ^ words[i]) * 0x100000001b3ull;
         hash ^= hash >> 29;
     }
     Recent *set = &recent[(hash ^ (hash >> 32)) & (RECENT - 2)];
     for (int way = 0; way < 2; way++) {
-        if (set[way].nwords == n && memcmp(set[way].words, words, n * sizeof(uintptr_t)) == 0) {
+        if (set[way].nwords == n && memcmp(set[way].words, words, n * sizeof(Word)) == 0) {
             *hit = 1;
             set[way].used = ++recent_clock;
             return &set[way];
@@ -259,37 +262,57 @@ static Recent *recent_find(const uintptr_t *words, Py_ssize_t n, int *hit) {
     return set[0].nwords == 0 || (set[1].nwords != 0 && set[0].used < set[1].used) ? &set[0] : &set[1];
 }
 
-/* Keeps the call described by words in its slot, launching entry; -1 with an exception set on failure. */
-static int recent_keep(Recent *slot, const uintptr_t *words, Py_ssize_t n, PyObject *entry, PyObject *kernel,
-                       PyObject *device, PyObject *driver, PyObject *const *args, Py_ssize_t nargs,
-                       PyObject *kwnames, PyObject *const *kwvalues, Py_ssize_t nkw, const Scan *scan) {
-    PyObject *held = PyTuple_New(3 + nargs + scan->tensors + 3 * nkw);
+/* Keeps the call described by words in its slot, launching entry; 1 if kept, 0 if not (the cache was cleared, or an
+ * argument's type changed, while Python ran here), -1 with an exception set on failure. */
+static int recent_keep(Recent *slot, const Word *words, Py_ssize_t n, unsigned long long generation,
+                       PyObject *entry, PyObject *kernel, PyObject *device, PyObject *driver, PyObject *const *args,
+                       Py_ssize_t nargs, PyObject *kwnames, PyObject *const *kwvalues, Py_ssize_t nkw,
+                       const Scan *scan) {
+    Py_ssize_t objects = 0; /* int subclasses among the arguments: described by their addresses */
+    for (Py_ssize_t i = 0; i < nargs; i++) objects += PyLong_Check(args[i]) && !PyLong_CheckExact(args[i]) &&
+                                                      !PyBool_Check(args[i]);
+    PyObject *held = PyTuple_New(3 + nargs + objects + scan->tensors + 3 * nkw);
     if (held == NULL) return -1;
     Py_ssize_t at = 0;
     PyTuple_SET_ITEM(held, at++, Py_NewRef(kernel));
     PyTuple_SET_ITEM(held, at++, Py_NewRef(driver));
     PyTuple_SET_ITEM(held, at++, Py_NewRef(device));
-    for (Py_ssize_t i = 0; i < nargs; i++) PyTuple_SET_ITEM(held, at++, Py_NewRef((PyObject *)Py_TYPE(args[i])));
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        PyTuple_SET_ITEM(held, at++, Py_NewRef((PyObject *)Py_TYPE(args[i])));
+        if (PyLong_Check(args[i]) && !PyLong_CheckExact(args[i]) && !PyBool_Check(args[i]))
+            PyTuple_SET_ITEM(held, at++, Py_NewRef(args[i]));
+    }
     for (Py_ssize_t t = 0; t < scan->tensors; t++) PyTuple_SET_ITEM(held, at++, Py_NewRef(scan->dtypes[t]));
     for (Py_ssize_t k = 0; k < nkw; k++) {
         PyTuple_SET_ITEM(held, at++, Py_NewRef(PyTuple_GET_ITEM(kwnames, k)));
         PyTuple_SET_ITEM(held, at++, Py_NewRef(kwvalues[k]));
         PyTuple_SET_ITEM(held, at++, Py_NewRef((PyObject *)Py_TYPE(kwvalues[k])));
     }
+    /* Python may have run since the call was described and its entry found (a finaliser during an allocation, an
+     * __eq__ during the lookup): a clear() since then dropped that entry, and a changed __class__ would leave an
+     * address in words that held does not hold */
+    Word again[RECENT_WORDS];
+    if (generation != recent_generation ||
+        describe(kernel, device, driver, args, nargs, kwnames, kwvalues, nkw, scan, again) != n ||
+        memcmp(again, words, n * sizeof(Word)) != 0) {
+        Py_DECREF(held);
+        return 0;
+    }
     /* the slot is whole before the old contents go: their release may run Python that launches */
     PyObject *old_entry = slot->entry, *old_held = slot->held;
     slot->nwords = 0;
-    memcpy(slot->words, words, n * sizeof(uintptr_t));
+    memcpy(slot->words, words, n * sizeof(Word));
     slot->entry = Py_NewRef(entry);
     slot->held = held;
     slot->used = ++recent_clock;
     slot->nwords = n;
     Py_XDECREF(old_entry);
     Py_XDECREF(old_held);
-    return 0;
+    return 1;
 }
 
 static void recent_clear(void) {
+    recent_generation++;
     for (Py_ssize_t i = 0; i < RECENT; i++) {
         Recent *slot = &recent[i];
         PyObject *entry = slot->entry, *held = slot->held;
@@ -428,7 +451,7 @@ static PyObject *launch(PyObject *self, PyObject *const *stack, Py_ssize_t nstac
     for (Py_ssize_t i = 0; i < nargs; i++) pointers[i] = NULL;
     Scan scan;
     scan.tensors = 0;
-    uintptr_t words[RECENT_WORDS];
+    Word words[RECENT_WORDS];
     Recent *slot = NULL;
     PyObject *device = PyObject_CallMethodNoArgs(driver, s_get_current_device), *key = NULL, *result = NULL,
              *entry = NULL;
@@ -443,14 +466,15 @@ static PyObject *launch(PyObject *self, PyObject *const *stack, Py_ssize_t nstac
         recent_hits++;
     } else {
         recent_misses++;
+        unsigned long long generation = recent_generation;
         key = call_key(kernel, device, driver, args, nargs, kwnames, kwvalues, nkw, &scan);
         if (key == NULL) goto done;
         PyObject *found = PyDict_GetItemWithError(kept, key);
         if (found != NULL && PyTuple_GET_ITEM(found, 5) == kernel) {
             entry = Py_NewRef(found);
-            if (slot != NULL && recent_keep(slot, words, nwords, entry, kernel, device, driver, args, nargs,
-                                            kwnames, kwvalues, nkw, &scan) < 0)
-                goto done;
+            if (slot != NULL && recent_keep(slot, words, nwords, generation, entry, kernel, device, driver, args,
+                                            nargs, kwnames, kwvalues, nkw, &scan) < 0)
+                PyErr_Clear(); /* not kept (no memory for its references): launched all the same */
         } else {
             if (!PyErr_Occurred()) result = launch_slow(kernel, grid, args, nargs, kwnames, kwvalues, nkw, key);
             goto done;

@@ -182,6 +182,25 @@ with stubbed_launches():
         _, hits_after, misses_after = launch_module._C_LAUNCH.recent()
         recent["equal_constexpr"] = (hits_after - hits, misses_after - misses)
         recent["equal_constexpr_same"] = launched is kernel.run(*args, grid=grid, warmup=True, **constexprs)
+        # what tells calls apart in it: a tensor's dtype, a constexpr's value, its name (the same values in order,
+        # HAS_RESIDUAL's and HAS_BIAS's names swapped), a bool for an int, None for a float; each such call, taking
+        # turns with the kept one, launches Triton's own choice
+        kernel, grid, args, constexprs = layer_norm_call(16, False)
+        names = list(constexprs)
+        residual_at, bias_at = names.index("HAS_RESIDUAL"), names.index("HAS_BIAS")
+        names[residual_at], names[bias_at] = names[bias_at], names[residual_at]
+        variants = {"dtype": (tuple(a.half() if isinstance(a, torch.Tensor) else a for a in args), constexprs),
+                    "constexpr": (args, dict(constexprs, num_warps=8)),
+                    "constexpr names": (args, dict(zip(names, constexprs.values()))),
+                    "bool for int": (args[:9] + (True,) + args[10:], constexprs),
+                    "None for float": (args[:15] + (None,) + args[16:], constexprs)}
+        recent["variants_same"] = {}
+        for name, (variant_args, variant_constexprs) in variants.items():
+            for _ in range(3):
+                launch(kernel, grid, *args, **constexprs)
+                launched = launch(kernel, grid, *variant_args, **variant_constexprs)
+            recent["variants_same"][name] = launched is kernel.run(*variant_args, grid=grid, warmup=True,
+                                                                   **variant_constexprs)
         recent["held_before_clear"] = launch_module._C_LAUNCH.recent()[0]
         launch_module.clear_cache()
         recent["held_after_clear"] = launch_module._C_LAUNCH.recent()[0]
@@ -225,6 +244,7 @@ def test_the_cached_path_launches_the_kernel_triton_would(path):
         assert recent["one_int_same"] and recent["equal_constexpr_same"], recent
         # compared by address, an equal constexpr of another object is not the kept call's: `kept` serves it
         assert recent["equal_constexpr"] == [0, 1], recent
+        assert all(recent["variants_same"].values()), recent
         assert recent["held_before_clear"] > 0 and recent["held_after_clear"] == 0, recent
     # the stubs are distinct per specialisation: alignment and each int class name a kernel of their own
     for kernel in ("layer_norm", "matmul"):
