@@ -9,7 +9,8 @@
 #                    check/paths.json (the paths "auto" chooses from them and the committed rows), then the model
 #                    rows run with that table (FASTBERT_CHECK_MODELS, default issue 25's: BERT-base training at
 #                    256 x 128 with and without fastbert.apply and BitFit, inference at 32 x 128 and 1 x 128 with and
-#                    without a captured graph and on PyTorch's path (fastbert-eager), against transformers)
+#                    without a captured graph, on PyTorch's path (fastbert-eager) and on the kernels alone
+#                    (fastbert-triton), against transformers)
 #   profile.txt      benchmarks/profile_models.py: torch.profiler tables of the same model cases, with check/paths.json,
 #                    and each case's host CPU time per step and its Python functions by own time (cProfile)
 #   rows/            every rows file the run wrote, for benchmarks/results/ (then `python benchmarks/choose_paths.py`,
@@ -33,7 +34,7 @@ export FASTBERT_CHECK_TESTS_S=${FASTBERT_CHECK_TESTS_S:-195} FASTBERT_CHECK_MODE
 export FASTBERT_CHECK_OPS_S=${FASTBERT_CHECK_OPS_S:-70} FASTBERT_CHECK_CHOOSE=${FASTBERT_CHECK_CHOOSE:-1}
 issue_25_models='^(train/base,batch=256,seqlen=128(,bitfit)? (fastbert|fastbert-apply|hf-sdpa)'
 issue_25_models+='|inference/base,batch=(32,seqlen=128,padded|1,seqlen=128)'
-issue_25_models+=' (fastbert|fastbert-graph|fastbert-eager|hf-sdpa))$'
+issue_25_models+=' (fastbert|fastbert-graph|fastbert-eager|fastbert-triton|hf-sdpa))$'
 export FASTBERT_CHECK_MODELS=${FASTBERT_CHECK_MODELS:-$issue_25_models}
 
 {

@@ -9,6 +9,9 @@ Providers:
 - "fastbert": fastbert's model with its default config (backend="auto": on a GPU each op runs the path
   fastbert/paths.json measured fastest there), what a user gets; "fastbert-unpad": the same with config.unpad=True.
 - "fastbert-eager": fastbert's model on the reference ops (backend="torch"; the smoke run's provider).
+- "fastbert-triton" (BERT-base inference): fastbert's model with every fused op on its Triton kernel
+  (backend="triton"), where "auto" may run cuBLAS or PyTorch's path: beside it, what a forward the host bounds
+  gains or loses by each path's host cost (a Triton launch against cuBLAS's per-GEMM host work).
 - "fastbert-apply" (BERT-base training): transformers' BertForPreTraining after fastbert.apply() with its
   defaults, called as transformers' (its MLM loss fused: issue 25).
 A training step of fastbert's classes and of the applied model reads the MLM head on the same static budget of
@@ -46,12 +49,13 @@ from fastbert.in_place import fastbert_config
 from fastbert.simulated.pretraining import LABEL_FRACTION, training_head
 from fastbert.train.metrics import encoder_flops, training_flops
 
-FASTBERT, UNPAD, EAGER = "fastbert", "fastbert-unpad", "fastbert-eager"
+FASTBERT, UNPAD, EAGER, TRITON = "fastbert", "fastbert-unpad", "fastbert-eager", "fastbert-triton"
 APPLY, GRAPH = "fastbert-apply", "fastbert-graph"
-FASTBERT_MODELS = frozenset({FASTBERT, UNPAD, EAGER, GRAPH})  # fastbert's own classes
+FASTBERT_MODELS = frozenset({FASTBERT, UNPAD, EAGER, TRITON, GRAPH})  # fastbert's own classes
+BACKENDS = {EAGER: "torch", TRITON: "triton"}  # providers that set config.backend (the rest keep the config's)
 HF_SDPA, HF_EAGER, HF_COMPILE, HF_FA2 = "hf-sdpa", "hf-eager", "hf-sdpa+compile", "hf-flash-attention-2"
 HF_ATTENTION = {HF_SDPA: "sdpa", HF_EAGER: "eager", HF_COMPILE: "sdpa", HF_FA2: "flash_attention_2"}
-GPU_PROVIDERS = frozenset({FASTBERT, UNPAD, HF_COMPILE, APPLY, GRAPH})
+GPU_PROVIDERS = frozenset({FASTBERT, UNPAD, TRITON, HF_COMPILE, APPLY, GRAPH})
 TRAINABLE = ("all", "bitfit")  # ModelCase.trainable: every parameter, or the bias terms alone (freeze)
 SIZES = {"base": fastbert.BertConfig.base, "large": fastbert.BertConfig.large, "tiny": fastbert.BertConfig.tiny,
          # all-mpnet-base-v2's shape (514 positions: 512 tokens after the padding index's offset)
@@ -143,7 +147,7 @@ def build_model(provider: str, config: fastbert.BertConfig, mode: str, device: t
     torch.manual_seed(0)
     head = "Model" if mode == "inference" else training_head(config)
     if provider in FASTBERT_MODELS:
-        config = config.replace(backend="torch" if provider == EAGER else config.backend,
+        config = config.replace(backend=BACKENDS.get(provider, config.backend),
                                 unpad=config.unpad or provider == UNPAD)  # ModernBERT's is always True
         with torch.device(device):
             model = architectures.model_class(config, head)(config)
@@ -321,11 +325,11 @@ def gpu_model_cases() -> list[ModelCase]:
     for case in cases:
         if case.size == "base" and (case.mode == "train" or (case.batch, case.seqlen) == (32, 128)):
             case.providers += (HF_COMPILE,)
-        # issue 25: the applied model trains as fast as fastbert's; inference replayed as a graph, and on PyTorch's
-        # path (backend="torch", fewer Python calls a layer than "auto"'s kernels, and no Triton launch), beside
-        # "auto"'s where the host bounds the forward
+        # issue 25: the applied model trains as fast as fastbert's; inference replayed as a graph, on PyTorch's path
+        # (backend="torch", fewer Python calls a layer than "auto"'s kernels, and no Triton launch) and on the
+        # kernels alone (backend="triton", no cuBLAS call), beside "auto"'s where the host bounds the forward
         if case.size == "base":
-            case.providers += (APPLY,) if case.mode == "train" else (GRAPH, EAGER)
+            case.providers += (APPLY,) if case.mode == "train" else (GRAPH, EAGER, TRITON)
     cases.append(ModelCase("capacity", "base", 32, 512, False, (FASTBERT, HF_SDPA)))
     # what a frozen weight saves (issue 25's fused backwards skip its gradient's matmul, as PyTorch's linear does)
     cases.append(ModelCase("train", "base", 256, 128, False, (FASTBERT, HF_SDPA, APPLY), trainable="bitfit"))

@@ -40,7 +40,7 @@ OP_TITLES = {
     "mlm_head": "MLM head + loss (issue 5)",
 }
 PROVIDER_ORDER = ("fastbert", "fastbert-split", "fastbert-varlen", "fastbert-unpad", "fastbert-graph", "fastbert-apply",
-                  "fastbert-eager", "torch",
+                  "fastbert-triton", "fastbert-eager", "torch",
                   "torch.compile", "hf-sdpa", "hf-eager", "hf-sdpa+compile")
 # Published by others, not measured here: shown so our ratios can be read against them.
 PUBLISHED = [
