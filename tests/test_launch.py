@@ -273,3 +273,42 @@ def test_row_strides_are_those_of_the_rows_view_where_one_exists():
         assert row_strides(t) is None, name
         assert as_rows(t).data_ptr() != t.data_ptr(), name  # as_rows copies these rows: no view reads them
     assert row_strides(base.view(2, 2, 6, 10)) is None  # beyond 3-D: as_rows' view
+
+
+_STEADY_MODELS = """
+import json
+from fastbert.bench import host_suite
+from fastbert.kernels import launch
+from fastbert.simulated.host_time import stubbed_launches
+
+served = {}
+with stubbed_launches():
+    for size in ("base", "modernbert-base"):
+        for provider in (host_suite.FASTBERT, host_suite.H100_AUTO):
+            for direction in ("fwd", "fwd+bwd"):
+                call = host_suite._model_calls(size, provider)(direction)
+                for _ in range(3):
+                    call()
+                _, hits, misses = launch._C_LAUNCH.recent()
+                call()
+                _, hits_after, misses_after = launch._C_LAUNCH.recent()
+                served[f"{size} {provider} {direction}"] = [hits_after - hits, misses_after - misses]
+print(json.dumps(served))
+"""
+
+
+def test_the_recent_call_cache_serves_every_launch_of_a_steady_model():
+    """kernels/launch.c's recent-call cache serves every launch of a model's repeated inference forward and training
+    step (the host suite's calls: BERT-base and ModernBERT-base, as "triton" and as "auto" runs them on an H100). A
+    launcher that passed a new object as a constexpr at each call (a float, a string built per call) would miss it at
+    every launch, and pay for the key besides."""
+    if _build_tools_missing():
+        pytest.skip(f"the C launch cannot be built here: {_build_tools_missing()}")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTBERT_PYTHON_LAUNCH")}
+    result = subprocess.run([sys.executable, "-c", _STEADY_MODELS], capture_output=True, text=True, env=env,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    served = json.loads(result.stdout.splitlines()[-1])
+    assert len(served) == 8
+    for call, (hits, misses) in served.items():
+        assert hits > 0 and misses == 0, (call, hits, misses)
