@@ -169,7 +169,8 @@ fail:
  * key's match, and a miss (an equal object at another address, a slot another call took) goes on to `kept`. Each
  * slot holds a reference to every object whose address its words hold, so that no address it compares can be
  * reused by another object while it is kept. */
-#define RECENT 512        /* slots, a power of two, in sets of two */
+#define RECENT 512        /* slots, a power of two, in sets of WAYS */
+#define WAYS 4
 typedef uint64_t Word;    /* 64 bits on any host: an int's value never truncated */
 #define RECENT_WORDS 160  /* words one description may take: a call with more skips the cache */
 
@@ -242,24 +243,28 @@ static Py_ssize_t describe(PyObject *kernel, PyObject *device, PyObject *driver,
 }
 
 /* The call described by words: its slot where the cache holds it (hit set), else the slot of its set to keep it
- * in (an empty one, else the one that served longer ago). Two slots a set: two calls whose hashes meet, which
- * happens among the few dozen kernels' calls of a training step, still both stay. */
+ * in (an empty one, else the one that served longest ago). WAYS slots a set: the calls of a training step (a few
+ * dozen) land in the same set often, and, since the addresses hashed change from run to run, the more calls one set
+ * must hold before they push each other out, the rarer a step whose launches keep missing (with 4, about 5 in
+ * 10,000 steps of 40 calls). */
 static Recent *recent_find(const Word *words, Py_ssize_t n, int *hit) {
     uint64_t hash = 0xcbf29ce484222325ull;
     for (Py_ssize_t i = 0; i < n; i++) {
         hash = (hash ^ words[i]) * 0x100000001b3ull;
         hash ^= hash >> 29;
     }
-    Recent *set = &recent[(hash ^ (hash >> 32)) & (RECENT - 2)];
-    for (int way = 0; way < 2; way++) {
-        if (set[way].nwords == n && memcmp(set[way].words, words, n * sizeof(Word)) == 0) {
+    Recent *set = &recent[((hash ^ (hash >> 32)) % (RECENT / WAYS)) * WAYS], *oldest = set;
+    for (int way = 0; way < WAYS; way++) {
+        Recent *slot = &set[way];
+        if (slot->nwords == n && memcmp(slot->words, words, n * sizeof(Word)) == 0) {
             *hit = 1;
-            set[way].used = ++recent_clock;
-            return &set[way];
+            slot->used = ++recent_clock;
+            return slot;
         }
+        if (slot->used < oldest->used) oldest = slot; /* an empty slot's is 0 */
     }
     *hit = 0;
-    return set[0].nwords == 0 || (set[1].nwords != 0 && set[0].used < set[1].used) ? &set[0] : &set[1];
+    return oldest;
 }
 
 /* Keeps the call described by words in its slot, launching entry; 1 if kept, 0 if not (the cache was cleared, or an
@@ -317,6 +322,7 @@ static void recent_clear(void) {
         Recent *slot = &recent[i];
         PyObject *entry = slot->entry, *held = slot->held;
         slot->nwords = 0;
+        slot->used = 0;
         slot->entry = slot->held = NULL;
         Py_XDECREF(entry);
         Py_XDECREF(held);

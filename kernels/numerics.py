@@ -64,8 +64,12 @@ def dot_precision(dtype: torch.dtype) -> str:
         precision = _FP32_PRECISION_GETTER("cuda", "matmul")
     else:
         precision = getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
-    if precision in ("tf32", "ieee"):
-        return precision
+    # the literals, not PyTorch's string (a new object each call): the C launch's recent-call cache compares a
+    # constexpr by its address, so a new string at each launch would miss it every time
+    if precision == "tf32":
+        return "tf32"
+    if precision == "ieee":
+        return "ieee"
     return "ieee" if _MATMUL_PRECISION_GETTER() == "highest" else "tf32"
 
 

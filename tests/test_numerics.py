@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from fastbert import ops
-from fastbert.kernels.numerics import cast, dot
+from fastbert.kernels.numerics import cast, dot, dot_precision
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="checks the interpreter's path")
 
@@ -207,3 +207,18 @@ def test_fp32_dots_follow_torch_precision(api, name, run):
     finally:
         restore()
     assert max(errors[False]) < 2e-5 < 1e-4 < errors[True][0], errors
+
+
+@pytest.mark.parametrize("api", ["fp32_precision", "set_float32_matmul_precision"])
+def test_dot_precision_is_one_object_per_setting(api):
+    """dot_precision hands the launches the same string object call after call, whichever API set the precision (the
+    C launch's recent-call cache compares a constexpr by its address: a new string per call would miss it at every
+    fp32 launch), and follows the setting."""
+    set_tf32, restore = _fp32_matmul_precision(api)
+    try:
+        for tf32 in (True, False):
+            set_tf32(tf32)
+            first, second = dot_precision(torch.float32), dot_precision(torch.float32)
+            assert first == ("tf32" if tf32 else "ieee") and first is second
+    finally:
+        restore()
