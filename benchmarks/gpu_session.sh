@@ -11,7 +11,8 @@
 #                    256 x 128 with and without fastbert.apply and BitFit, inference at 32 x 128 and 1 x 128 with and
 #                    without a captured graph, on PyTorch's path (fastbert-eager) and on the kernels alone
 #                    (fastbert-triton), against transformers)
-#   profile.txt      benchmarks/profile_models.py: torch.profiler tables of the same model cases, with check/paths.json,
+#   profile.txt      benchmarks/profile_models.py: torch.profiler tables of the same model cases (fastbert-triton's
+#                    timed only, to stay in the stage's limit), with check/paths.json,
 #                    and each case's host CPU time per step and its Python functions by own time (cProfile)
 #   rows/            every rows file the run wrote, for benchmarks/results/ (then `python benchmarks/choose_paths.py`,
 #                    which writes check/paths.json's choices, and `python benchmarks/make_perf.py`)

@@ -426,8 +426,9 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
     Returns (loss fp32 scalar, num_correct int64 scalar). "mean" divides by the labelled rows;
     no labelled row gives loss 0 and zero gradients.
     """
-    # x's device alone: where the kernels run, inputs_pass (or check_inputs) holds every tensor to it
-    if resolve_backend(backend, x, op="linear_cross_entropy") == "triton":
+    # the differentiable inputs, as fastbert.paths reads them; not target, which inputs_pass (or check_inputs) holds
+    # to x's device where the kernels run
+    if resolve_backend(backend, x, weight, bias, op="linear_cross_entropy") == "triton":
         kernel = KERNELS["mlm_loss"]
         # autocast off and inputs the kernels take as they are (every call of a model's loss): one condition
         if _any_autocast() or not kernel.inputs_pass(x, weight, bias, target, reduction, label_smoothing):

@@ -52,8 +52,9 @@ _DATA_PTR = torch.Tensor.data_ptr
 # Tensors of these types go to a kept entry's launcher as their addresses (torch.Tensor's data_ptr, which neither
 # overrides): Triton's launcher takes an int as it is, where for a tensor it would call data_ptr again and ask the
 # CUDA driver about the address (cuPointerGetAttribute) on every launch, to reject a CPU tensor, which fastbert's
-# ops rejected before any launch (fastbert.ops.resolve_backend; a launcher of kernels/ called directly, past the
-# ops, must be given CUDA tensors: a signature's first launch still goes through Triton's checks, later ones not).
+# ops rejected before any launch (fastbert.ops.resolve_backend and the ops' checks; a launcher of kernels/ called
+# directly, past the ops, must be given CUDA tensors: a signature's first launch still goes through Triton's checks,
+# later ones not).
 # Another subclass goes as itself: Triton calls its own data_ptr.
 PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _OR, _REDUCE = operator.or_, functools.reduce

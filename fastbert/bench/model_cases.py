@@ -52,7 +52,7 @@ from fastbert.train.metrics import encoder_flops, training_flops
 FASTBERT, UNPAD, EAGER, TRITON = "fastbert", "fastbert-unpad", "fastbert-eager", "fastbert-triton"
 APPLY, GRAPH = "fastbert-apply", "fastbert-graph"
 FASTBERT_MODELS = frozenset({FASTBERT, UNPAD, EAGER, TRITON, GRAPH})  # fastbert's own classes
-BACKENDS = {EAGER: "torch", TRITON: "triton"}  # providers that set config.backend (the rest keep the config's)
+PROVIDER_BACKENDS = {EAGER: "torch", TRITON: "triton"}  # providers that set config.backend (others keep the config's)
 HF_SDPA, HF_EAGER, HF_COMPILE, HF_FA2 = "hf-sdpa", "hf-eager", "hf-sdpa+compile", "hf-flash-attention-2"
 HF_ATTENTION = {HF_SDPA: "sdpa", HF_EAGER: "eager", HF_COMPILE: "sdpa", HF_FA2: "flash_attention_2"}
 GPU_PROVIDERS = frozenset({FASTBERT, UNPAD, TRITON, HF_COMPILE, APPLY, GRAPH})
@@ -147,7 +147,7 @@ def build_model(provider: str, config: fastbert.BertConfig, mode: str, device: t
     torch.manual_seed(0)
     head = "Model" if mode == "inference" else training_head(config)
     if provider in FASTBERT_MODELS:
-        config = config.replace(backend=BACKENDS.get(provider, config.backend),
+        config = config.replace(backend=PROVIDER_BACKENDS.get(provider, config.backend),
                                 unpad=config.unpad or provider == UNPAD)  # ModernBERT's is always True
         with torch.device(device):
             model = architectures.model_class(config, head)(config)
