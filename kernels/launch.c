@@ -246,8 +246,8 @@ static Py_ssize_t describe(PyObject *kernel, PyObject *device, PyObject *driver,
 /* The call described by words: its slot where the cache holds it (hit set), else the slot of its set to keep it
  * in (an empty one, else the one that served longest ago). WAYS slots a set: the calls of a training step (a few
  * dozen) land in the same set often, and, since the addresses hashed change from run to run, the more calls one set
- * must hold before they push each other out, the rarer a step whose launches keep missing (with 4, about 5 in
- * 10,000 steps of 40 calls). */
+ * must hold before they push each other out, the rarer a run whose launches keep missing (five of D calls in one of
+ * 128 sets: about C(D, 5) / 128^4, 6 in 100,000 runs for 20 calls, 2 in 1,000 for 40). */
 static Recent *recent_find(const Word *words, Py_ssize_t n, int *hit) {
     uint64_t hash = 0xcbf29ce484222325ull;
     for (Py_ssize_t i = 0; i < n; i++) {
