@@ -187,12 +187,15 @@ static unsigned long long recent_hits, recent_misses; /* launches the cache serv
 static unsigned long long recent_clock;
 static unsigned long long recent_generation; /* recent_clear's count: no slot is kept across one */
 
+/* An int subclass other than bool: its own __eq__ may tell apart what its value does not, so the cache describes
+ * it by its address (and holds it) */
+static inline int int_subclass(PyObject *o) { return PyLong_Check(o) && !PyLong_CheckExact(o) && !PyBool_Check(o); }
+
 /* o as two words: its type, then its value for an int or a bool that fits 64 bits, its address for anything
- * else (an int subclass too: its own __eq__ may tell apart what its value does not). 0 for an int that does not
- * fit. */
+ * else (an int subclass too). 0 for an int that does not fit. */
 static int object_words(PyObject *o, Word *words) {
     words[0] = (Word)(uintptr_t)Py_TYPE(o);
-    if (!PyLong_CheckExact(o) && !PyBool_Check(o)) {
+    if (!PyLong_Check(o) || int_subclass(o)) {
         words[1] = (Word)(uintptr_t)o;
         return 1;
     }
@@ -275,8 +278,7 @@ static int recent_keep(Recent *slot, const Word *words, Py_ssize_t n, unsigned l
                        Py_ssize_t nargs, PyObject *kwnames, PyObject *const *kwvalues, Py_ssize_t nkw,
                        const Scan *scan) {
     Py_ssize_t objects = 0; /* int subclasses among the arguments: described by their addresses */
-    for (Py_ssize_t i = 0; i < nargs; i++) objects += PyLong_Check(args[i]) && !PyLong_CheckExact(args[i]) &&
-                                                      !PyBool_Check(args[i]);
+    for (Py_ssize_t i = 0; i < nargs; i++) objects += int_subclass(args[i]);
     PyObject *held = PyTuple_New(3 + nargs + objects + scan->tensors + 3 * nkw);
     if (held == NULL) return -1;
     Py_ssize_t at = 0;
@@ -285,7 +287,7 @@ static int recent_keep(Recent *slot, const Word *words, Py_ssize_t n, unsigned l
     PyTuple_SET_ITEM(held, at++, Py_NewRef(device));
     for (Py_ssize_t i = 0; i < nargs; i++) {
         PyTuple_SET_ITEM(held, at++, Py_NewRef((PyObject *)Py_TYPE(args[i])));
-        if (PyLong_Check(args[i]) && !PyLong_CheckExact(args[i]) && !PyBool_Check(args[i]))
+        if (int_subclass(args[i]))
             PyTuple_SET_ITEM(held, at++, Py_NewRef(args[i]));
     }
     for (Py_ssize_t t = 0; t < scan->tensors; t++) PyTuple_SET_ITEM(held, at++, Py_NewRef(scan->dtypes[t]));
