@@ -465,6 +465,7 @@ def test_model_providers_run_the_defaults_and_share_the_mlm_budget(provider):
     run = model_cases.ProviderRun(case, provider, torch.device("cpu"))
     config = fastbert.in_place.fastbert_config(run.model)
     _, data = run.step_for(case.batch, case.padded)
+    assert data["backend"] == model_cases.provider_backend(provider, case.config)  # what an unmeasured row names
     if provider == model_cases.HF_SDPA:
         assert config is None and data["backend"] is None
         return
@@ -472,6 +473,17 @@ def test_model_providers_run_the_defaults_and_share_the_mlm_budget(provider):
     assert 0 < data["most_labelled"] == config.max_predictions_per_seq
     if provider == model_cases.APPLY:  # the head's fused loss reads the base's config: the budget reaches it
         assert vars(run.model)[fastbert.in_place.ACCELERATED_HEAD].config is config
+
+
+def test_model_rows_name_their_backend_measured_or_not(tmp_path):
+    """A model row the time budget skipped names the backend its provider would have run, as a measured row does:
+    the report labels it by that, not by the backend of rows measured before rows named one."""
+    _, rows = runner.run_suite("smoke", str(tmp_path), budget_s=0.0, progress=False)
+    skipped = [r for r in rows if r.get("op") == "model"]
+    assert skipped and all(r["status"] == "skipped" for r in skipped)
+    assert all(r["backend"] == {"fastbert-eager": "torch"}.get(r["provider"]) for r in skipped), skipped
+    labels = {report._model_provider(r) for r in skipped}
+    assert labels == {"fastbert-eager [torch]", "hf-sdpa", "hf-eager"}, labels
 
 
 def test_each_case_stands_from_its_newest_measuring_run():

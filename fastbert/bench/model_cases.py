@@ -143,11 +143,19 @@ def model_flops(config: fastbert.BertConfig, lengths: torch.Tensor, labelled: in
     return training_flops(config, lengths, labelled, objective)
 
 
+def provider_backend(provider: str, config: fastbert.BertConfig) -> str | None:
+    """The backend the provider's model runs fastbert's ops on (None: transformers' own model): a row names it
+    whether the provider's step was measured or not (skipped for the time budget, failed)."""
+    if provider in FASTBERT_MODELS or provider == APPLY:
+        return PROVIDER_BACKENDS.get(provider, config.backend)
+    return None
+
+
 def build_model(provider: str, config: fastbert.BertConfig, mode: str, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(0)
     head = "Model" if mode == "inference" else training_head(config)
     if provider in FASTBERT_MODELS:
-        config = config.replace(backend=PROVIDER_BACKENDS.get(provider, config.backend),
+        config = config.replace(backend=provider_backend(provider, config),
                                 unpad=config.unpad or provider == UNPAD)  # ModernBERT's is always True
         with torch.device(device):
             model = architectures.model_class(config, head)(config)

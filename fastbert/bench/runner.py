@@ -233,6 +233,8 @@ def run_suite(suite: str, out_dir: str, only: str | None = None, budget_s: float
     for item in bar:
         bar.set_postfix_str(f"{item.case.name} [{item.provider}]", refresh=False)
         base = {**common, **case_fields(item.case), "provider": item.provider}
+        if isinstance(item.case, model_cases.ModelCase):
+            base["backend"] = model_cases.provider_backend(item.provider, item.case.config)
         if budget_s is not None and budget_s - (time.monotonic() - start) < item.needs_s:
             rows.append({**base, "status": "skipped", "error": f"time budget of {budget_s:.0f} s spent"})
             continue
