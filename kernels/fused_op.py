@@ -75,6 +75,9 @@ class FusedOp:
         self.custom_op.register_autograd(backward, setup_context=setup_context)
         self._differentiable_apply = differentiable_function(self.custom_op, self.name, setup_context, backward).apply
         forward_function, setup_function, backward_function = self.function, setup_context, backward
+        # autograd tracks the tensors of a Function's tuple output, not those in a list (a Tensor[] return): a
+        # tuple inside, a list again outside
+        returns_list = isinstance(self.custom_op._opoverload._schema.returns[0].type, torch._C.ListType)
 
         name = self.name
 
@@ -85,14 +88,15 @@ class FusedOp:
             def forward(ctx, *args):
                 output = forward_function(*args)
                 setup_function(ctx, args, output)
-                return output
+                return tuple(output) if returns_list else output
 
             @staticmethod
             def backward(ctx, *grads):
                 return once_differentiable(name, backward_function(ctx, *grads), ctx, grads)
 
         EagerFunction.__name__ = EagerFunction.__qualname__ = f"{forward_function.__name__}_eager"
-        self._eager_apply = c_apply(EagerFunction)
+        apply = c_apply(EagerFunction)
+        self._eager_apply = (lambda *args: list(apply(*args))) if returns_list else apply
 
     def __call__(self, *args):
         if len(args) < self._arity:

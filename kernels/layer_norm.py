@@ -75,7 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.fused_op import as_dtype, backward_follows, fused_op
+from fastbert.kernels.fused_op import as_dtype, backward_follows, fused_op, register_no_backward
 from fastbert.kernels.launch import as_rows, cdiv, launch, next_power_of_2, row_strides
 from fastbert.kernels.matmul import sm_count
 from fastbert.kernels.numerics import INTERPRETER, cast, dropout_seed, keep_mask_rows
@@ -441,6 +441,9 @@ def layer_norm_infer(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     allocated (a list, so that no empty tensor stands for a summed not asked for: an allocation a call)."""
     y, _, summed = _forward(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, False, store_sum, False)
     return [y] if summed is None else [y, summed]
+
+
+register_no_backward(layer_norm_infer, "mean or rstd", "layer_norm_fwd, or layer_norm")
 
 
 def _sum_shape(x: torch.Tensor, store_sum: bool) -> tuple[int, ...]:

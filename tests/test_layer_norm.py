@@ -2,12 +2,15 @@
 reference with the tolerance rule (forward 2x PyTorch's own error in the same dtype, gradients 3x);
 dropout rate, reproducibility and forward/backward mask agreement; bitwise determinism; torch.compile;
 bad input; fp32, fp16 and bf16. Runs under Triton's interpreter on CPU (conftest sets TRITON_INTERPRET=1)."""
+import contextlib
+
 import pytest
 import torch
 
 from fastbert import ops, reference
 from fastbert.kernels import launch
 from fastbert.kernels import layer_norm as ln
+from fastbert.kernels.fused_op import always_custom_op
 from layer_norm_yardstick import backward_from_rounded_output
 from tolerance import GRADIENT_FACTOR, assert_within_rule, pytorch_in
 
@@ -338,6 +341,18 @@ def test_no_fp32_copy_of_16_bit_activations_under_cuda_autocast(device, monkeypa
                                                           backend="triton", save="input"))
     assert {_storage(x), _storage(residual)} <= {_storage(t) for t, _ in saved}
     assert not [t for t, _ in saved if t.numel() >= rows * hidden and t.dtype == torch.float32]
+
+
+@pytest.mark.parametrize("entrance", ["eager", "custom op"])
+def test_the_inference_op_refuses_a_backward(entrance, device):
+    """Called directly on inputs that require grad (layer_norm never does), the inference op's outputs raise at
+    backward, naming what to call, through either entrance, rather than leaving x without a gradient."""
+    x, weight, bias, residual, _ = _make_inputs((5, 64), torch.float32, device, with_residual=True)
+    x.requires_grad_()
+    with contextlib.nullcontext() if entrance == "eager" else always_custom_op():
+        y, summed = ln.layer_norm_infer(x, weight, bias, residual, None, 1e-12, 0.0, torch.float32, True)
+    with pytest.raises(RuntimeError, match="layer_norm_infer keeps no mean or rstd.*call layer_norm_fwd, or layer_"):
+        (y.sum() + summed.sum()).backward()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
