@@ -43,11 +43,12 @@ def make_step(case: memory_cases.MemoryCase, provider: str, batch: int,
     for inference; else the loss's forward under bf16 autocast, its backward, and the optimizer pretraining
     builds with the clipping and update of fastbert.train.step."""
     model = memory_cases.build_model(case, provider, device)
-    inputs = memory_cases.provider_inputs(case, provider, batch, device)
+    # the whole batch, held by the steps below as the plan holds it; the forward is given given_inputs' part
+    inputs = memory_cases.make_inputs(case, batch, device)
     if case.mode == "inference":
         def infer() -> None:
             with torch.no_grad():
-                model(**inputs)
+                model(**memory_cases.given_inputs(inputs, provider))
         return infer, model
     from fastbert.train.optim import build_optimizer
 
@@ -57,7 +58,7 @@ def make_step(case: memory_cases.MemoryCase, provider: str, batch: int,
 
     def train() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = default_loss(model, inputs)
+            loss = default_loss(model, memory_cases.given_inputs(inputs, provider))
         loss.backward()
         optimizer_step(model, optimizer, settings)
     return train, model

@@ -125,6 +125,23 @@ def test_plan_step_checks_its_arguments():
         plan_step(model, {**batch, "input_ids": torch.zeros(2, 16, dtype=torch.long)})
 
 
+def test_held_tensors_count_as_inputs_and_nothing_else():
+    """A tensor the caller holds beside the batch (an input one model drops and another reads) adds its bytes to
+    the inputs, the peak and the forward's end, exactly; one off the meta device is refused by name."""
+    config = BertConfig.tiny(backend="torch")
+    with torch.device("meta"):
+        model = BertForPreTraining(config)
+    batch = _pretraining_batch(config, 2, 16, device="meta")
+    mask = batch.pop("attention_mask")
+    alone, holding = plan_step(model, batch), plan_step(model, batch, held=[mask])
+    size = mask.numel() * mask.element_size()
+    assert holding.peak_breakdown["inputs"] - alone.peak_breakdown["inputs"] == size > 0
+    assert (holding.peak_bytes - alone.peak_bytes, holding.forward_end_bytes - alone.forward_end_bytes) == (size, size)
+    assert holding.saved_for_backward_bytes == alone.saved_for_backward_bytes
+    with pytest.raises(ValueError, match="held\\[0\\] is on cpu, expected the meta device"):
+        plan_step(model, batch, held=[torch.ones(2, 16)])
+
+
 def test_the_triton_path_is_not_planned_in_the_interpreter():
     """Under TRITON_INTERPRET=1 (this process) the kernels are interpreted ones, which read data: a plan of
     the Triton path says so instead of failing inside Triton."""

@@ -98,6 +98,23 @@ def _without_interpreter(code: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def test_every_provider_holds_the_same_batch():
+    """transformers' forward is not given the all-ones mask (it would read its data to drop it), but the caller
+    holds it all the same: each provider's plan counts the same inputs, so a peak compares the models alone."""
+    got = _without_interpreter("""
+        import json
+        from fastbert.bench import memory_cases
+        inputs = {}
+        for mode, optimizer in (("inference", None), ("finetune", "adamw")):
+            case = memory_cases.MemoryCase(mode, "tiny", 32, 4, optimizer)
+            for provider in case.providers:
+                inputs[f"{mode} {provider}"] = memory_cases.plan(case, provider, 4).peak_breakdown["inputs"]
+        print(json.dumps(inputs))
+    """)
+    assert len(got) == 6 and len(set(got[k] for k in got if k.startswith("inference"))) == 1, got
+    assert len(set(got[k] for k in got if k.startswith("finetune"))) == 1, got
+
+
 def test_encoder_saved_bytes_are_its_layers_and_what_the_encoder_keeps_itself():
     """Under full activation checkpointing the encoder's own forward keeps each layer's input (torch's
     checkpoint saves it there): those bytes are the encoder's too; the embeddings' and the heads' are not."""

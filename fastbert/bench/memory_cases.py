@@ -145,20 +145,21 @@ def make_inputs(case: MemoryCase, batch: int, device: str | torch.device = "meta
 
 
 def plan(case: MemoryCase, provider: str, batch: int):
-    """plan_step of the case's step at this batch: a fastbert.simulated.memory_plan.StepMemory."""
+    """plan_step of the case's step at this batch: a fastbert.simulated.memory_plan.StepMemory. Every provider
+    holds the whole batch: the mask transformers' forward is not given (given_inputs) is the caller's tensor
+    all the same, counted among the inputs as fastbert's is."""
     mode = "inference" if case.mode == "inference" else "train"
-    return plan_step(build_model(case, provider), provider_inputs(case, provider, batch), mode=mode,
-                     optimizer=case.optimizer, precision=case.precision)
+    inputs = make_inputs(case, batch)
+    given = given_inputs(inputs, provider)
+    return plan_step(build_model(case, provider), given, mode=mode, optimizer=case.optimizer,
+                     precision=case.precision, held=[t for name, t in inputs.items() if name not in given])
 
 
-def provider_inputs(case: MemoryCase, provider: str, batch: int, device: str | torch.device = "meta") -> dict:
-    """make_inputs as the provider's forward takes them. transformers reads an attention mask's data to drop an
-    all-ones one (which lets SDPA take its flash kernel); the sequences are full, so no mask is what it runs on
-    a GPU, and a meta tensor has no data to read."""
-    inputs = make_inputs(case, batch, device)
-    if provider != FASTBERT:
-        del inputs["attention_mask"]
-    return inputs
+def given_inputs(inputs: dict, provider: str) -> dict:
+    """The inputs the provider's forward is given. transformers reads an attention mask's data to drop an all-ones
+    one (which lets SDPA take its flash kernel); the sequences are full, so no mask is what it runs on a GPU, and a
+    meta tensor has no data to read."""
+    return inputs if provider == FASTBERT else {k: v for k, v in inputs.items() if k != "attention_mask"}
 
 
 # the container of the encoder's layers (device_fit.LAYER) in HF's layouts, which with full activation

@@ -9,7 +9,8 @@ compiled, so a BERT-large step plans in seconds of CPU (`fastbert bench --suite 
 --seq-length 512 --batch 32` plans one).
 
 The step is planned in its steady state: the optimizer state exists before it starts (as from the second
-step on), gradients do not (the previous step set them to None). The batch counts as the step's inputs.
+step on), gradients do not (the previous step set them to None). The batch counts as the step's inputs, and so
+do the tensors `held` beside it.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import contextlib
 import inspect
 import itertools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -61,7 +62,7 @@ class OptimizerSettings:
 def plan_step(model: nn.Module, batch: dict[str, torch.Tensor], *, mode: str = "train",
               optimizer: str | None = "adamw", precision: str = "bf16",
               loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None = None,
-              settings: OptimizerSettings = OptimizerSettings()) -> StepMemory:
+              settings: OptimizerSettings = OptimizerSettings(), held: Sequence[torch.Tensor] = ()) -> StepMemory:
     """Plan one step of `model` on `batch`, both on the meta device.
 
     model: a fastbert model (config.backend "auto" plans the paths the H100 runs, fastbert.paths; "triton" the
@@ -71,12 +72,15 @@ def plan_step(model: nn.Module, batch: dict[str, torch.Tensor], *, mode: str = "
     labels in "train" mode unless loss_fn computes the loss). mode: "train" (forward, backward, clipping, the
     optimizer step) or "inference" (a no_grad forward in eval mode). optimizer: "adamw", "lamb" or None
     (forward and backward only). loss_fn(model, batch) -> 0-d loss; default: the output's .loss (fastbert
-    models are called as pretraining calls them: return_logits=False, validate=False).
+    models are called as pretraining calls them: return_logits=False, validate=False). held: meta tensors the
+    caller keeps through the step beside the batch that the forward is not given (counted as inputs, as the batch
+    is): an input one model drops and another reads costs both the same.
 
     Raises ValueError naming a bad argument, a non-meta tensor, or an output without a loss; RuntimeError
     (from the tracker) when fastbert's Triton path is planned in a process with TRITON_INTERPRET=1.
     """
-    _check_arguments(model, batch, mode, optimizer, precision)
+    _check_arguments(model, batch, held, mode, optimizer, precision)
+    inputs = [*batch.values(), *held]
     autocast_dtype = torch.bfloat16 if precision == "bf16" else None
     loss_fn = loss_fn or default_loss
     with planned_gpu(), _weights_in(model, torch.bfloat16 if precision == "bf16-weights" else None), \
@@ -84,7 +88,7 @@ def plan_step(model: nn.Module, batch: dict[str, torch.Tensor], *, mode: str = "
         region = autocast(autocast_dtype) if autocast_dtype else contextlib.nullcontext()
         if mode == "inference":
             model.eval()
-            with torch.no_grad(), MemoryTracker([model], inputs=batch.values()) as tracker:
+            with torch.no_grad(), MemoryTracker([model], inputs=inputs) as tracker:
                 with region:
                     output = model(**batch, **_accepted(model, validate=False))
                 tracker.mark("forward")
@@ -92,7 +96,7 @@ def plan_step(model: nn.Module, batch: dict[str, torch.Tensor], *, mode: str = "
         else:
             model.train()
             opt = _steady_optimizer(model, optimizer, settings) if optimizer else None
-            with MemoryTracker([model], opt, inputs=batch.values()) as tracker:
+            with MemoryTracker([model], opt, inputs=inputs) as tracker:
                 with region:
                     loss = loss_fn(model, batch)
                 tracker.mark("forward")
@@ -131,14 +135,15 @@ def _accepted(model: nn.Module, **options) -> dict:
     return {name: value for name, value in options.items() if name in parameters or passes_on}
 
 
-def _check_arguments(model, batch, mode, optimizer, precision) -> None:
+def _check_arguments(model, batch, held, mode, optimizer, precision) -> None:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers(), batch.items()):
+    held = ((f"held[{i}]", tensor) for i, tensor in enumerate(held))
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers(), batch.items(), held):
         if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
             raise ValueError(f"{name} is on {tensor.device}, expected the meta device (build the model under "
                              "torch.device('meta') and the batch with device='meta')")
