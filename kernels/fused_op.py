@@ -65,7 +65,16 @@ class FusedOp:
                                        if argument.type.isSubtypeOf(any_tensor))
         self._eager_apply: Optional[Callable] = None  # the eager autograd.Function's apply, once registered
         self.name = name
-        self._differentiable_apply = differentiable_function(self.custom_op, name).apply
+        # a Tensor[] return: autograd tracks the tensors of a Function's tuple output, not those in a list, so the
+        # Functions below return a tuple, which `_returning` hands back as the op's list
+        returns = self.custom_op._opoverload._schema.returns
+        self._returns_list = len(returns) == 1 and isinstance(returns[0].type, torch._C.ListType)
+        self._differentiable_apply = self._returning(
+            differentiable_function(self.custom_op, name, returns_list=self._returns_list).apply)
+
+    def _returning(self, apply: Callable) -> Callable:
+        """A Function's apply, handing back a list where the op returns one (the Function a tuple)."""
+        return (lambda *args: list(apply(*args))) if self._returns_list else apply
 
     def register_fake(self, fake: Callable) -> Callable:
         self.custom_op.register_fake(fake)
@@ -73,11 +82,10 @@ class FusedOp:
 
     def register_autograd(self, backward: Callable, setup_context: Callable) -> None:
         self.custom_op.register_autograd(backward, setup_context=setup_context)
-        self._differentiable_apply = differentiable_function(self.custom_op, self.name, setup_context, backward).apply
+        self._differentiable_apply = self._returning(differentiable_function(
+            self.custom_op, self.name, setup_context, backward, self._returns_list).apply)
         forward_function, setup_function, backward_function = self.function, setup_context, backward
-        # autograd tracks the tensors of a Function's tuple output, not those in a list (a Tensor[] return): a
-        # tuple inside, a list again outside
-        returns_list = isinstance(self.custom_op._opoverload._schema.returns[0].type, torch._C.ListType)
+        returns_list = self._returns_list
 
         name = self.name
 
@@ -95,8 +103,7 @@ class FusedOp:
                 return once_differentiable(name, backward_function(ctx, *grads), ctx, grads)
 
         EagerFunction.__name__ = EagerFunction.__qualname__ = f"{forward_function.__name__}_eager"
-        apply = c_apply(EagerFunction)
-        self._eager_apply = (lambda *args: list(apply(*args))) if returns_list else apply
+        self._eager_apply = self._returning(c_apply(EagerFunction))
 
     def __call__(self, *args):
         if len(args) < self._arity:
@@ -175,18 +182,20 @@ def c_apply(function_class: type) -> Callable:
 
 
 def differentiable_function(custom_op, name: str, setup_context: Optional[Callable] = None,
-                            backward: Optional[Callable] = None) -> type:
+                            backward: Optional[Callable] = None, returns_list: bool = False) -> type:
     """custom_op as a new-style torch.autograd.Function (forward without ctx, setup_context apart), which
     torch.func's transforms accept: the registered setup_context and backward, none for an op without them
     (an inference op or a backward op, which the ops never differentiate). It has no forward-mode derivative:
     its jvp raises, rather than leaving the tangents out (a jvp Dynamo would refuse, but torch.compile traces the
     custom op instead). Called through Function.apply's Python layer (which hands it to torch.func), so only where
-    that is needed; the eager path keeps its old-style Function."""
+    that is needed; the eager path keeps its old-style Function. returns_list: the op returns a Tensor[], which
+    forward returns as a tuple (autograd tracks no tensor in a list)."""
 
     class DifferentiableFunction(torch.autograd.Function):
         @staticmethod
         def forward(*args):
-            return custom_op(*args)
+            output = custom_op(*args)
+            return tuple(output) if returns_list else output
 
         @staticmethod
         def setup_context(ctx, inputs, output):

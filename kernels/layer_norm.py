@@ -443,9 +443,6 @@ def layer_norm_infer(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     return [y] if summed is None else [y, summed]
 
 
-register_no_backward(layer_norm_infer, "mean or rstd", "layer_norm_fwd, or layer_norm")
-
-
 def _sum_shape(x: torch.Tensor, store_sum: bool) -> tuple[int, ...]:
     return tuple(x.shape) if store_sum else (0,)
 
@@ -455,6 +452,9 @@ def _(x, weight, bias, residual, seed, eps, dropout_p, out_dtype, store_sum):
     check_inputs(x, weight, bias, residual, out_dtype)
     y = x.new_empty(x.shape, dtype=out_dtype)
     return [y, x.new_empty(x.shape)] if store_sum else [y]
+
+
+register_no_backward(layer_norm_infer, "mean or rstd", "layer_norm_fwd, or layer_norm")
 
 
 @layer_norm_fwd.register_fake

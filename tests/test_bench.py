@@ -482,8 +482,10 @@ def test_model_rows_name_their_backend_measured_or_not(tmp_path):
     skipped = [r for r in rows if r.get("op") == "model"]
     assert skipped and all(r["status"] == "skipped" for r in skipped)
     assert all(r["backend"] == {"fastbert-eager": "torch"}.get(r["provider"]) for r in skipped), skipped
-    labels = {report._model_provider(r) for r in skipped}
-    assert labels == {"fastbert-eager [torch]", "hf-sdpa", "hf-eager"}, labels
+    # fastbert's own provider (a GPU suite's) runs "auto": labelled so, not by the rows before the field ("triton")
+    row = {"provider": model_cases.FASTBERT, "backend": model_cases.provider_backend(model_cases.FASTBERT,
+                                                                                   fastbert.BertConfig.tiny())}
+    assert report._model_provider(row) == "fastbert [auto]"
 
 
 def test_each_case_stands_from_its_newest_measuring_run():

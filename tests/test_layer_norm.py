@@ -343,16 +343,26 @@ def test_no_fp32_copy_of_16_bit_activations_under_cuda_autocast(device, monkeypa
     assert not [t for t, _ in saved if t.numel() >= rows * hidden and t.dtype == torch.float32]
 
 
-@pytest.mark.parametrize("entrance", ["eager", "custom op"])
+@pytest.mark.parametrize("entrance", ["eager", "custom op", "torch.func.grad"])
 def test_the_inference_op_refuses_a_backward(entrance, device):
-    """Called directly on inputs that require grad (layer_norm never does), the inference op's outputs raise at
-    backward, naming what to call, through either entrance, rather than leaving x without a gradient."""
+    """Called directly on inputs that require grad (layer_norm never does), the inference op's outputs (a list)
+    raise at backward, naming what to call, through every entrance, rather than leaving x a zero gradient or
+    none."""
     x, weight, bias, residual, _ = _make_inputs((5, 64), torch.float32, device, with_residual=True)
-    x.requires_grad_()
-    with contextlib.nullcontext() if entrance == "eager" else always_custom_op():
+
+    def loss(x):
         y, summed = ln.layer_norm_infer(x, weight, bias, residual, None, 1e-12, 0.0, torch.float32, True)
-    with pytest.raises(RuntimeError, match="layer_norm_infer keeps no mean or rstd.*call layer_norm_fwd, or layer_"):
-        (y.sum() + summed.sum()).backward()
+        return y.sum() + summed.sum()
+
+    refused = pytest.raises(RuntimeError, match="layer_norm_infer keeps no mean or rstd.*call layer_norm_fwd, or la")
+    if entrance == "torch.func.grad":
+        with refused:
+            torch.func.grad(loss)(x)
+        return
+    with contextlib.nullcontext() if entrance == "eager" else always_custom_op():
+        total = loss(x.requires_grad_())
+    with refused:
+        total.backward()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -239,6 +239,9 @@ def test_gpu_check_runs_the_plans_step_and_picks_a_batch_that_fits():
 
     torch.manual_seed(0)
     step, model = check.make_step(case, memory_cases.HF_SDPA, 2, torch.device("cpu"))
+    # the step holds the whole batch, as the plan does, the mask transformers is not given too
+    held = [cell.cell_contents for cell in step.__closure__ if isinstance(cell.cell_contents, dict)]
+    assert held and "attention_mask" in held[0]
     before = [p.detach().clone() for p in model.parameters()]
     step()  # a real step: the weights move and every gradient is cleared, as the plan's step does
     assert all(p.grad is None for p in model.parameters())

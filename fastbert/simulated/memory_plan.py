@@ -73,8 +73,8 @@ def plan_step(model: nn.Module, batch: dict[str, torch.Tensor], *, mode: str = "
     optimizer step) or "inference" (a no_grad forward in eval mode). optimizer: "adamw", "lamb" or None
     (forward and backward only). loss_fn(model, batch) -> 0-d loss; default: the output's .loss (fastbert
     models are called as pretraining calls them: return_logits=False, validate=False). held: meta tensors the
-    caller keeps through the step beside the batch that the forward is not given (counted as inputs, as the batch
-    is): an input one model drops and another reads costs both the same.
+    caller keeps alive through the step without passing them to the forward (an input one model drops and another
+    reads, so that it costs both the same); counted as inputs, like the batch.
 
     Raises ValueError naming a bad argument, a non-meta tensor, or an output without a loss; RuntimeError
     (from the tracker) when fastbert's Triton path is planned in a process with TRITON_INTERPRET=1.
@@ -142,8 +142,8 @@ def _check_arguments(model, batch, held, mode, optimizer, precision) -> None:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    held = ((f"held[{i}]", tensor) for i, tensor in enumerate(held))
-    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers(), batch.items(), held):
+    named_held = ((f"held[{i}]", tensor) for i, tensor in enumerate(held))
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers(), batch.items(), named_held):
         if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
             raise ValueError(f"{name} is on {tensor.device}, expected the meta device (build the model under "
                              "torch.device('meta') and the batch with device='meta')")
