@@ -145,18 +145,23 @@ def test_op_rows_are_compared_by_the_gpus_time_alone_where_measured():
            "0.093 ms (GPU 0.100 ms · 750 GB/s) |" in line
     assert line.endswith("| 0.37x | 2.00x |")  # medians 0.094 over 0.254 (eager has no GPU time); 0.1 over 0.05
     assert _distance(rows[0], 0.025) == "50.0 us (2.0x)"
-    # a model's inference row shows the GPU's time of a forward beside its wall time, which its figures keep
+    # a model's inference row shows the GPU's time of a forward beside its wall time, which its figures keep, and the
+    # host's where the row has it
     inference = {**_h100_row("model", {"batch": 32}, "fastbert", "inference", 5.9), "case": "inference/base",
                  "batch": 32, "tokens_per_s": 1e5, "sequences_per_s": 32 / 5.9e-3, "device_ms": 1.8, "backend": "auto"}
     line = next(line for line in report.model_section([inference]) if line.startswith("| inference/base"))
     assert line.endswith("| 5.9 (GPU 1.8) |")
+    line = next(line for line in report.model_section([{**inference, "host_ms": 4.1}])
+                if line.startswith("| inference/base"))
+    assert line.endswith("| 5.9 (GPU 1.8, host 4.1) |")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times a GPU (benchmarks/gpu_check.sh runs it)")
 def test_device_time_leaves_the_host_out():
     """device_time_ms times the GPU's work alone: a call of 2 ms of host work and a kernel of a few microseconds
     reads as the kernel; a GPU-bound copy reads no longer than do_bench's time of it and no shorter than its bytes
-    allow; a call that syncs has no GPU time alone."""
+    allow; a call that syncs has no GPU time alone. Its host_ms times the host's alone: the 2 ms, and a copy's
+    launch, not the copy."""
     device = torch.device("cuda")
     x = torch.ones(1 << 20, device=device)
 
@@ -166,12 +171,15 @@ def test_device_time_leaves_the_host_out():
 
     # bounds loose enough for the other test processes that gpu_check's tests stage runs on the same GPU
     assert time_ms(slow_host, device, warmup_ms=0, rep_ms=20, min_reps=5)["median_ms"] > 1.5
-    assert device_time_ms(slow_host, device, calls=5)["device_ms"] < 1.0
+    slow = device_time_ms(slow_host, device, calls=5)
+    assert slow["device_ms"] < 1.0 and slow["host_ms"] > 1.5  # and the host's time alone is the host's 2 ms
     big = torch.ones(1 << 26, device=device)  # 256 MiB, copied in about 0.2 ms
     out = torch.empty_like(big)
     wall = time_ms(lambda: out.copy_(big), device)["median_ms"]
-    alone = device_time_ms(lambda: out.copy_(big), device)["device_ms"]
+    copy = device_time_ms(lambda: out.copy_(big), device)
+    alone = copy["device_ms"]
     assert 2 * big.numel() * 4 / 6e12 * 1e3 < alone <= 2 * wall  # no GPU here copies 6 TB/s
+    assert copy["host_ms"] < alone / 2  # launching the copy does not wait for it
     assert device_time_ms(lambda: x.sum().item(), device, calls=3) == NO_DEVICE_TIME
 
 

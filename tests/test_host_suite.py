@@ -112,6 +112,43 @@ def test_the_quick_suite_writes_rows_perf_reads(tmp_path):
     assert section.count("| model/base") == 6 and "fastbert bench --suite host" in section
 
 
+def test_perf_md_sets_the_gpu_hosts_time_of_each_fastbert_call_beside_its_comparison():
+    """PERF.md's table of the host's time on a real GPU (the GPU suite's host_ms): the newest GPU's rows, each case
+    from its newest run (labelled by run), fastbert's providers beside PyTorch's op or transformers' model, judged by
+    issue 25's limits (1.5x for an op, 1x for a model); another GPU's rows and other providers are left out."""
+    import torch
+
+    from fastbert.bench.provenance import provenance
+
+    common = {**provenance(torch.device("cpu"), ["fastbert", "bench", "--suite", "gpu"]), "suite": "gpu",
+              "device": "NVIDIA H200", "status": "ok", "timer": "CUDA events"}
+    figures = [("2026-12-02", "layer_norm/rows=8", "layer_norm", "fwd", "fastbert", 0.012, 0.05),
+               ("2026-12-02", "layer_norm/rows=8", "layer_norm", "fwd", "torch", 0.010, 0.04),
+               ("2026-12-02", "inference/base", "model", "inference", "fastbert", 4.1, 1.8),
+               ("2026-12-02", "inference/base", "model", "inference", "fastbert-triton", 2.6, 2.0),
+               ("2026-12-02", "inference/base", "model", "inference", "hf-eager", 6.0, 2.5),
+               ("2026-12-02", "inference/base", "model", "inference", "hf-sdpa", 5.5, 2.2),
+               ("2026-12-01", "bias_gelu/rows=8", "bias_gelu", "fwd", "fastbert", 0.020, 0.03),
+               ("2026-12-01", "bias_gelu/rows=8", "bias_gelu", "fwd", "torch", 0.010, 0.03),
+               ("2026-12-01", "layer_norm/rows=8", "layer_norm", "fwd", "fastbert", 0.5, 0.05),
+               ("2026-12-01", "layer_norm/rows=8", "layer_norm", "fwd", "torch", 0.010, 0.04)]
+    rows = [{**common, "date": date, "case": case, "op": op, "direction": direction, "provider": provider,
+             "host_ms": host, "device_ms": device_ms, "median_ms": device_ms + host}
+            for date, case, op, direction, provider, host, device_ms in figures]
+    older_gpu = [{**row, "device": "NVIDIA H100 80GB HBM3", "date": "2026-11-27", "case": "dropout/rows=8"}
+                 for row in rows[:2]]
+    untimed = {**rows[1], "host_ms": None, "case": "dropout/rows=8"}  # a row of a run before host_ms
+    lines = host_report.gpu_host_lines([*rows, *older_gpu, untimed], report.provenance_line)
+    table = [line for line in lines if line.startswith("| ") and not line.startswith("| case")]
+    assert table == ["| layer_norm/rows=8 (a) | fwd | fastbert | 12.0 | 10.0 (torch) | 1.20 | yes | 50.0 |",
+                     "| inference/base (a) | inference | fastbert | 4,100.0 | 5,500.0 (hf-sdpa) | 0.75 | yes | 1,800.0 |",
+                     "| inference/base (a) | inference | fastbert-triton | 2,600.0 | 5,500.0 (hf-sdpa) | 0.47 | yes "
+                     "| 2,000.0 |",
+                     "| bias_gelu/rows=8 (b) | fwd | fastbert | 20.0 | 10.0 (torch) | 2.00 | **no** | 30.0 |"]
+    assert "NVIDIA H200 in 2 runs" in lines[-2]
+    assert host_report.gpu_host_lines([untimed], report.provenance_line)[-2].startswith("Not yet measured")
+
+
 @pytest.mark.parametrize("python_launch,triton_dir", [(False, None), (True, None), (False, GPU_ENVIRONMENT_TRITON_DIR)],
                          ids=["C launch", "Python launch", "Triton of the GPU runs"])
 def test_stubbed_launches_leave_nothing_behind(python_launch, triton_dir):

@@ -1,7 +1,10 @@
 """PERF.md's section on host time: the newest `fastbert bench --suite host` run, op by op and model by model, the
-newest `benchmarks/host_census.py` run, what those model calls do, counted, and the newest
-`benchmarks/host_instructions.py` run, the instructions each call executes."""
+newest `benchmarks/host_census.py` run, what those model calls do, counted, the newest
+`benchmarks/host_instructions.py` run, the instructions each call executes, and the host's time of the GPU suite's
+calls on a real GPU (their rows' host_ms)."""
 from __future__ import annotations
+
+from fastbert.bench.runs import newest_per_case, run_labels
 
 HOST_COMMAND = "fastbert bench --suite host --out benchmarks/results"
 # The done-when of issue 25: a fused op's host time at most this many times PyTorch's same job
@@ -73,15 +76,49 @@ def instruction_lines(rows: list[dict], provenance_line) -> list[str]:
     return out + ["", provenance_line(run), ""]
 
 
+GPU_HOST_COMMAND = "benchmarks/gpu_session.sh OUT"
+
+
+def gpu_host_lines(rows: list[dict], provenance_line) -> list[str]:
+    """The host's time per call on a GPU, from the GPU suite's rows that carry it (host_ms, fastbert/bench/timing.py's
+    device_time_ms) on the GPU that ran the newest, each case from its newest run: an op's fastbert paths beside
+    PyTorch's same job, a model's inference forward beside transformers', as the stand-in's rows above compare them."""
+    out = ["### Host time per call on a GPU", ""]
+    timed = [r for r in rows if r.get("suite") == "gpu" and r.get("host_ms") is not None]
+    if timed:
+        device = max(timed, key=lambda r: r["date"])["device"]
+        timed = newest_per_case([r for r in timed if r["device"] == device])
+    if not timed:
+        return out + [f"Not yet measured: the GPU suite's rows record it since 2026-12-01 (`{GPU_HOST_COMMAND}`).", ""]
+    out += ["What the host spends launching one call on a real GPU: the GPU suite's calls timed by the host's clock "
+            "while a sleep kernel holds the GPU, so that no call waits for it (host_ms, `fastbert/bench/timing.py`). "
+            f"The limit for an op is {OP_LIMIT}x PyTorch's same job; for a model, transformers' own time.", "",
+            "| case | direction | provider | host us | PyTorch / transformers host us | ratio | within | GPU us |",
+            "|---|---|---|---|---|---|---|---|"]
+    labels = run_labels(timed)
+    by_key = {(r["case"], r["direction"], r["provider"]): r for r in timed}
+    for (case, direction, provider), row in by_key.items():
+        other = next((by_key[(case, direction, p)] for p in COMPARISONS if (case, direction, p) in by_key), None)
+        if other is None or not provider.startswith("fastbert"):
+            continue
+        ratio = row["host_ms"] / other["host_ms"]
+        limit = OP_LIMIT if row["op"] != "model" else 1.0
+        label = f"{case} ({labels[row['date']]})" if labels else case
+        out.append(f"| {label} | {direction} | {provider} | {1e3 * row['host_ms']:,.1f} "
+                   f"| {1e3 * other['host_ms']:,.1f} ({other['provider']}) | {ratio:.2f} | {'yes' if ratio <= limit else '**no**'} "
+                   f"| {1e3 * row['device_ms']:,.1f} |")
+    return out + ["", provenance_line(timed), ""]
+
+
 def host_section(rows: list[dict], provenance_line) -> list[str]:
     """The section's lines: every op's and model's host microseconds per call, fastbert beside the comparison
     (PyTorch's same job for an op, transformers with SDPA for a model), their ratio and host syncs per call."""
-    out = ["## Host time per call (no GPU)", ""]
+    out = ["## Host time per call", ""]
     run = _newest(rows)
     if not run:
         return (out + [f"Not yet measured: `{HOST_COMMAND}`.", ""] + census_lines(rows, provenance_line)
-                + instruction_lines(rows, provenance_line))
-    out += ["What the host spends per call, measured without a GPU: fastbert's launchers run on CPU tensors with "
+                + instruction_lines(rows, provenance_line) + gpu_host_lines(rows, provenance_line))
+    out += ["What the host spends per call, measured without a GPU (the last table: on one): fastbert's launchers run on CPU tensors with "
             "every Triton launch stubbed (the steady path of a GPU launch up to the driver's launch call, which "
             "is not counted), PyTorch's ops and transformers' models run on the same CPU tensors at sizes where "
             "their arithmetic is small (`fastbert/bench/host_suite.py`). Thread CPU time, least mean of repeated "
@@ -126,4 +163,4 @@ def host_section(rows: list[dict], provenance_line) -> list[str]:
                    f"({other['provider']}) | {ratio:.2f} | {'yes' if ratio <= limit else '**no**'} "
                    f"| {row['host_syncs']} / {other['host_syncs']} |")
     return (out + ["", provenance_line(run), ""] + census_lines(rows, provenance_line)
-            + instruction_lines(rows, provenance_line))
+            + instruction_lines(rows, provenance_line) + gpu_host_lines(rows, provenance_line))

@@ -119,6 +119,11 @@ def _cell(row: dict | None, figure: str, chosen: bool = False) -> str:
     return timed + (" (auto)" if chosen else "")
 
 
+def _host(row: dict) -> str:
+    """", host X": the host's time of the call in ms (timing.device_time_ms), where the row has it."""
+    return "" if row.get("host_ms") is None else f", host {row['host_ms']:.1f}"
+
+
 def _providers(rows: list[dict]) -> list[str]:
     present = {r["provider"] for r in rows}
     return [p for p in PROVIDER_ORDER if p in present] + sorted(present - set(PROVIDER_ORDER))
@@ -206,7 +211,8 @@ def model_section(rows: list[dict], labels: dict | None = None) -> list[str]:
             peak = "-" if r.get("peak_mem_bytes") is None else f"{r['peak_mem_bytes'] / 2 ** 30:.2f}"
             lines.append(f"| {case} | {_model_provider(r)} | {r['batch']} | {r['tokens_per_s']:,.0f} | "
                          f"{r['sequences_per_s']:,.1f} | {mfu} | {peak} | {r['median_ms']:.1f}"
-                         + (f" (GPU {r['device_ms']:.1f})" if r.get("device_ms") is not None else "") + " |")
+                         + (f" (GPU {r['device_ms']:.1f}{_host(r)})" if r.get("device_ms") is not None else "")
+                         + " |")
         lines.append("")
     capacity = [r for r in rows if r["case"].startswith("capacity/")]
     if capacity:

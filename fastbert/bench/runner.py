@@ -12,8 +12,9 @@ Suites:
 Rows are written to the output file after every item, so an interrupted run keeps what it measured.
 Each row: provenance (device, versions, commit, date, command), suite, case, op, shape, dtype,
 provider, direction, status, and the figures (median_ms, p20_ms, p80_ms; for a GPU's op rows also device_ms,
-device_p20_ms and device_p80_ms, the GPU's time alone, which tflops and gbps are computed from; flops, tflops,
-bytes, gbps, their ratios to the measured peaks, peak memory; tokens/s, sequences/s and MFU for whole models).
+device_p20_ms and device_p80_ms, the GPU's time alone, which tflops and gbps are computed from, and host_ms, the
+host's; flops, tflops, bytes, gbps, their ratios to the measured peaks, peak memory; tokens/s, sequences/s and MFU
+for whole models).
 """
 from __future__ import annotations
 
@@ -308,11 +309,12 @@ def summary(rows: list[dict]) -> str:
 
     lines = [SMOKE_CAVEAT] if any(r.get("suite") == "smoke" for r in rows) else []
     lines += [f"{'case':<58} {'provider':<16} {'auto':<4} {'dir':<10} {'status':<7} {'ms':>9} {'GPU ms':>9} "
-              f"{'TFLOP/s':>8} {'GB/s':>8} {'peak MB':>9}"]
+              f"{'host ms':>9} {'TFLOP/s':>8} {'GB/s':>8} {'peak MB':>9}"]
     for r in rows:
         mem = r.get("peak_mem_extra_bytes") if r.get("peak_mem_bytes") is None else r.get("peak_mem_bytes")
         cells = [f"{r.get('median_ms', float('nan')):9.3f}", _fmt(r.get("device_ms"), 9, 3),
-                 _fmt(r.get("tflops"), 8, 1), _fmt(r.get("gbps"), 8, 0), _fmt(None if mem is None else mem / 2 ** 20, 9, 1)]
+                 _fmt(r.get("host_ms"), 9, 3), _fmt(r.get("tflops"), 8, 1), _fmt(r.get("gbps"), 8, 0),
+                 _fmt(None if mem is None else mem / 2 ** 20, 9, 1)]
         chosen = "*" if chosen_provider(r) == r["provider"] else ""
         lines.append(f"{r['case'][:58]:<58} {r['provider']:<16} {chosen:<4} {str(r.get('direction', '')):<10} "
                      f"{r['status']:<7} " + " ".join(cells))

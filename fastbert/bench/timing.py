@@ -5,6 +5,8 @@ median and 20th/80th percentiles. Peak memory: `torch.cuda.max_memory_allocated`
 `reset_peak_memory_stats`, minus what was allocated when the call started.
 GPU op rows add the GPU's time alone (`device_time_ms`): do_bench's events also time any host work of a call
 that outlasts the L2 flush before it, so a call whose host costs more than its kernels reads as the host's time.
+The same calls give the host's time alone (`host_ms`): while the GPU sleeps no call waits for it, so the host clock
+around one times what the host spends launching it, the figure the stand-in driver's host suite predicts.
 CPU: `time.perf_counter` around each call (CPU work is synchronous, so the host clock is the
 right clock) and the peak of the c10 CPU allocator's running total of live bytes, which it
 reports with every allocation and free while `torch.profiler` records memory.
@@ -26,8 +28,10 @@ logger = logging.getLogger("fastbert.bench")
 
 CUDA_TIMER = "CUDA events: triton.testing.do_bench, median after warm-up"
 DEVICE_TIMER = ("the GPU's time alone: CUDA events around each call, all enqueued while the GPU sleeps "
-                "(torch.cuda._sleep), each after an L2 flush; median of the calls")
-NO_DEVICE_TIME = {"device_ms": None, "device_p20_ms": None, "device_p80_ms": None}  # where none was measured
+                "(torch.cuda._sleep), each after an L2 flush; median of the calls. The host's time alone (host_ms): "
+                "time.perf_counter around each of those calls, which never wait for the sleeping GPU; median")
+NO_DEVICE_TIME = {"device_ms": None, "device_p20_ms": None, "device_p80_ms": None,
+                  "host_ms": None}  # where none was measured
 CPU_TIMER = "time.perf_counter per call, median after warm-up"
 CUDA_MEMORY_METER = "torch.cuda.max_memory_allocated after reset_peak_memory_stats"
 CPU_MEMORY_METER = "c10 CPU allocator's live-bytes total, reported per allocation to torch.profiler"
@@ -91,10 +95,11 @@ def device_time_ms(fn: Callable[[], object], device: torch.device, grad_to_none:
                    calls: int = 20) -> dict[str, float | None]:
     """Median, 20th and 80th percentile of the GPU's time for one call of fn on a CUDA device, the host's time
     left out (DEVICE_TIMER): a sleep kernel holds the GPU while the host enqueues every call, so no kernel waits
-    for the host that launches it. Each call follows an L2 flush, as in do_bench. That the GPU still slept when
-    the host had enqueued the last call is checked, not assumed (a sleep twice as long is tried once more). A
-    call that syncs with the host (CUDA's sync debug mode warns) has no such time: the figures are None then, as
-    where the check fails, and a warning says why."""
+    for the host that launches it. And host_ms, the median of the host's time of those calls, the GPU's left
+    out: none of them waits for the sleeping GPU. Each call follows an L2 flush, as in do_bench. That the GPU still
+    slept when the host had enqueued the last call is checked, not assumed (a sleep twice as long is tried once
+    more). A call that syncs with the host (CUDA's sync debug mode warns) has no such times: the figures are None
+    then, as where the check fails, and a warning says why."""
     import triton
 
     if _syncs(fn, grad_to_none):
@@ -111,11 +116,14 @@ def device_time_ms(fn: Callable[[], object], device: torch.device, grad_to_none:
         torch.cuda.synchronize(device)
         torch.cuda._sleep(int(longer * (2 * calls * host_ms + 1.0) * cycles_per_ms))
         slept.record()
+        host_times = []
         for start, end in zip(starts, ends):
             _clear_grads(grad_to_none)
             driver.clear_cache(cache)
             start.record()
+            began = time.perf_counter()
             fn()
+            host_times.append((time.perf_counter() - began) * 1e3)
             end.record()
         host_got_ahead = not slept.query()  # the GPU is still in the sleep
         torch.cuda.synchronize(device)
@@ -123,7 +131,7 @@ def device_time_ms(fn: Callable[[], object], device: torch.device, grad_to_none:
             times = [start.elapsed_time(end) for start, end in zip(starts, ends)]
             quintiles = statistics.quantiles(times, n=5)
             return {"device_ms": statistics.median(times), "device_p20_ms": quintiles[0],
-                    "device_p80_ms": quintiles[3]}
+                    "device_p80_ms": quintiles[3], "host_ms": statistics.median(host_times)}
     logger.warning("the GPU's time alone was not measured: the host enqueued %d calls more slowly than the GPU "
                    "slept, twice", calls)
     return dict(NO_DEVICE_TIME)
