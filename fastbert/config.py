@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from fastbert.bases import COMMON_CONFIG_DEFAULTS, ConfigBase
+from fastbert.outputs import FASTBERT_OUTPUTS
 from fastbert.ops import LAYER_NORM_SAVES
 
 # hidden_act -> the `approximate` argument of GELU ("none" = exact erf form)
@@ -42,8 +43,7 @@ class BertConfig(ConfigBase):
     model_type = BERT_MODEL_TYPE
     architecture = "BERT"  # the name messages use
     # transformers' Trainer leaves these outputs out of the predictions it gathers at evaluation
-    keys_to_ignore_at_inference = ["accuracy", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy",
-                                   "mlm_mask_accuracy", "mask_accuracy"]
+    keys_to_ignore_at_inference = list(FASTBERT_OUTPUTS)
 
     vocab_size: int = 30522  # WordPiece vocabulary size
     hidden_size: int = 768  # H: width of every token's hidden state

@@ -674,9 +674,9 @@ class BertPreTrainedModel(ModelBase):
         return new
 
     def _outputs(self, result, return_dict: bool | None):
-        """The ModelOutput, or its tuple where return_dict (default: config.return_dict) is False."""
+        """The ModelOutput, or transformers' tuple of it where return_dict (default: config.return_dict) is False."""
         return_dict = self.config.return_dict if return_dict is None else return_dict
-        return result if return_dict else result.to_tuple()
+        return result if return_dict else outputs.transformers_tuple(result)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):

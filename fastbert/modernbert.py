@@ -290,12 +290,16 @@ class ModernBertForMaskedLM(ModernBertPreTrainedModel, BertForMaskedLM):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 *, return_dict=None, **kwargs):
         """BertForMaskedLM's; with config.sparse_prediction and labels the logits are those of the labelled
-        tokens only, [N, vocab] (transformers' sparse_prediction; the loss is the same masked-only loss)."""
+        tokens only, [N, vocab] (transformers' sparse_prediction; the loss is the same masked-only loss): a token
+        labelled sparse_pred_ignore_index is left out of both (one labelled -100 only out of the loss)."""
         kwargs.pop("token_type_ids", None)
-        result = BertForMaskedLM.forward(self, input_ids, attention_mask, None, position_ids, inputs_embeds, labels,
-                                         return_dict=True, **kwargs)
-        if self.config.sparse_prediction and labels is not None and result.logits is not None:
-            result.logits = result.logits[labels != self.config.sparse_pred_ignore_index]  # [N, vocab]
+        sparse = self.config.sparse_prediction and labels is not None
+        kept = sparse and labels != self.config.sparse_pred_ignore_index  # transformers drops the rest before its loss
+        result = BertForMaskedLM.forward(self, input_ids, attention_mask, None, position_ids, inputs_embeds,
+                                         labels.masked_fill(~kept, -100) if sparse else labels, return_dict=True,
+                                         **kwargs)
+        if sparse and result.logits is not None:
+            result.logits = result.logits[kept]  # [N, vocab]
         return self._outputs(result, return_dict)
 
 

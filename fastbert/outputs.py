@@ -4,7 +4,8 @@ Each is a transformers `ModelOutput` where transformers imports (and fastbert.ba
 attribute access, `out["name"]`, `"name" in out`, iteration over the keys that are not None, item
 assignment, `out[i]` and `to_tuple()` over those fields, registered with torch's pytree (torch.export).
 fastbert adds the MLM/NSP losses and accuracies to the MLM and pretraining outputs; transformers'
-Trainer leaves them out of its predictions (BertConfig.keys_to_ignore_at_inference).
+Trainer leaves them out of its predictions (BertConfig.keys_to_ignore_at_inference), and a model's tuple
+(return_dict=False) leaves them out too: it holds transformers' fields in transformers' order (transformers_tuple).
 """
 from __future__ import annotations
 
@@ -15,6 +16,17 @@ import torch
 from fastbert.bases import OutputBase
 
 Tensor = torch.Tensor
+
+# the fields fastbert's outputs add to transformers' (the MLM and pretraining heads' losses and accuracies)
+FASTBERT_OUTPUTS = ("accuracy", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "mlm_mask_accuracy",
+                   "mask_accuracy")
+
+
+def transformers_tuple(output: OutputBase) -> tuple:
+    """What transformers' model returns with return_dict=False: its output's fields that are not None, in order,
+    without FASTBERT_OUTPUTS (`loss, logits = model(..., return_dict=False)` unpacks as it does with
+    transformers')."""
+    return tuple(value for name, value in output.items() if name not in FASTBERT_OUTPUTS)
 
 
 @dataclass

@@ -121,8 +121,13 @@ def test_pretraining_heads_without_logits_and_accuracies():
     expected_nsp = (full.seq_relationship_logits.argmax(-1) == inputs["next_sentence_label"]).float().mean()
     torch.testing.assert_close(out.nsp_accuracy, expected_nsp)
     torch.testing.assert_close(out.loss, out.mlm_loss + out.nsp_loss)
-    tuple_out = ours(**inputs, return_dict=False)
-    torch.testing.assert_close(tuple_out[0], out.loss)
+    # a tuple holds transformers' fields only (the losses and accuracies are fastbert's), the skipped logits not
+    loss, seq_relationship_logits = ours(**inputs, return_dict=False)
+    torch.testing.assert_close(loss, out.loss)
+    torch.testing.assert_close(seq_relationship_logits, out.seq_relationship_logits)
+    loss, prediction_logits, seq_relationship_logits = ours.eval()(**inputs, return_dict=False)
+    torch.testing.assert_close(prediction_logits, full.prediction_logits)
+    assert seq_relationship_logits.shape == (labels.shape[0], 2)
 
 
 def test_unpad_matches_padded():

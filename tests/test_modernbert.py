@@ -349,16 +349,21 @@ def test_packed_masked_lm_training_loss_equals_transformers_padded():
         torch.testing.assert_close(grads[name].grad, param.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"d {name}: {m}")
 
 
-def test_sparse_prediction_logits_of_the_labelled_tokens_as_transformers():
-    """sparse_prediction=True: with labels, transformers' logits are the labelled tokens' only, [N, vocab]."""
-    theirs = hf_model("ForMaskedLM", sparse_prediction=True)
+@pytest.mark.parametrize("ignore_index", [-100, 0])
+def test_sparse_prediction_logits_of_the_labelled_tokens_as_transformers(ignore_index):
+    """sparse_prediction=True: with labels, transformers' logits are the labelled tokens' only, [N, vocab], those
+    labelled sparse_pred_ignore_index left out of the logits and the loss (-100 stays out of the loss too)."""
+    theirs = hf_model("ForMaskedLM", sparse_prediction=True, sparse_pred_ignore_index=ignore_index)
     inputs = head_inputs(theirs.config, "ForMaskedLM")
-    inputs["labels"][0, ::2] = -100  # some real tokens unlabelled
-    labelled = int((inputs["labels"] != -100).sum())
+    inputs["labels"][0, ::2] = ignore_index  # some real tokens unlabelled
+    inputs["labels"][-1, :2] = -100  # with ignore_index 0: in the logits, out of the loss
+    kept = inputs["labels"] != ignore_index
+    labelled = int(kept.sum())
     ours = fastbert.from_hf(theirs)
     expected, actual = theirs(**inputs), ours(**inputs)
     assert expected.logits.shape == actual.logits.shape == (labelled, VOCAB)
-    torch.testing.assert_close(actual.logits, expected.logits, atol=1e-5, rtol=1e-5)
+    real = inputs["attention_mask"].bool()[kept]  # padding's logits differ by design (README, differences)
+    torch.testing.assert_close(actual.logits[real], expected.logits[real], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(actual.loss, expected.loss, atol=1e-5, rtol=1e-5)
     assert ours(**inputs, return_dict=False)[1].shape == (labelled, VOCAB)
     inputs.pop("labels")  # without labels every token's logits, as transformers
