@@ -85,6 +85,13 @@ def is_plain_linear(module: nn.Module) -> bool:
     return is_unhooked(module, nn.Linear)
 
 
+def is_plain_norm(module: nn.Module) -> bool:
+    """True for an nn.LayerNorm itself with no hooks: only then may a fused op read its weight and bias instead of
+    calling it. A hooked, wrapped or subclassed norm (PEFT's LN tuning wraps it) is called, as transformers calls
+    it."""
+    return is_unhooked(module, nn.LayerNorm)
+
+
 def weight_and_bias(module: nn.Module) -> tuple:
     """module's weight and bias (either may be None), read from its parameter dict. `module.weight` first fails
     the instance lookup, then runs nn.Module.__getattr__ (on Python 3.11 after building an AttributeError):
@@ -125,6 +132,15 @@ def run_dropout(dropout: nn.Module, hidden, config: BertConfig):
     it cannot read is called."""
     rate = dropout_rate(dropout)
     return dropout(hidden) if rate is None else ops.dropout(hidden, rate, backend=config.backend)
+
+
+def layer_norm(config: BertConfig, norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """norm(hidden): fastbert's fused op on a plain LayerNorm's parameters (is_plain_norm; no bias where it has
+    none), any other module called."""
+    if is_plain_norm(norm):
+        return ops.layer_norm(hidden, *weight_and_bias(norm), config.layer_norm_eps, backend=config.backend,
+                              save=config.layer_norm_backward)
+    return norm(hidden)
 
 
 def linear(dense: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -184,9 +200,7 @@ class BertEmbeddings(nn.Module):
             if token_type_ids is None:  # segment 0 everywhere, broadcast over the batch
                 token_type_ids = torch.zeros_like(position_ids[:1])
             embeds = embeds + self.token_type_embeddings(token_type_ids)
-        hidden = ops.layer_norm(embeds, *weight_and_bias(self.LayerNorm), self.config.layer_norm_eps,
-                                backend=self.config.backend, save=self.config.layer_norm_backward)
-        return run_dropout(self.dropout, hidden, self.config)
+        return run_dropout(self.dropout, layer_norm(self.config, self.LayerNorm, embeds), self.config)
 
 
 class SelfAttention(nn.Module):
@@ -253,6 +267,8 @@ class SelfAttention(nn.Module):
         backend = config.backend
         linears = self.linears()
         hidden_p = 0.0 if dropout is None else dropout_rate(dropout)
+        if not is_plain_norm(norm) or not (pre_norm is None or is_plain_norm(pre_norm)):
+            return None  # a norm to call
         norm_weight, norm_bias = weight_and_bias(norm)
         requires_grad = (hidden.requires_grad or norm_weight.requires_grad
                          or (norm_bias is not None and norm_bias.requires_grad))
@@ -345,15 +361,20 @@ class BertSelfAttention(SelfAttention):
         return self.query, self.key, self.value
 
 
-def add_and_norm(config: BertConfig, norm: nn.LayerNorm, projected, residual, dropout: nn.Module | None, **kwargs):
+def add_and_norm(config: BertConfig, norm: nn.Module, projected, residual, dropout: nn.Module | None,
+                 return_residual: bool = False):
     """norm(dropout(projected) + residual), one fused op: a sublayer's output after its projection. dropout:
-    the sublayer's Dropout module (its rate read now, dropout_rate), or None for no dropout. kwargs go to
-    ops.layer_norm (return_residual)."""
+    the sublayer's Dropout module (its rate read now, dropout_rate), or None for no dropout. return_residual:
+    (normed, summed), as ops.layer_norm's. A norm that is not plain (is_plain_norm) is called on the sum."""
+    if not is_plain_norm(norm):  # the modules called one by one, as transformers' forward calls them
+        summed = (projected if dropout is None else dropout(projected)) + residual
+        return (norm(summed), summed) if return_residual else norm(summed)
     rate = 0.0 if dropout is None else dropout_rate(dropout)
     if rate is None:  # a module fastbert cannot read: called, then no dropout in the fused op
         projected, rate = dropout(projected), 0.0
     return ops.layer_norm(projected, *weight_and_bias(norm), config.layer_norm_eps, residual=residual,
-                          dropout_p=rate, backend=config.backend, save=config.layer_norm_backward, **kwargs)
+                          dropout_p=rate, backend=config.backend, save=config.layer_norm_backward,
+                          return_residual=return_residual)
 
 
 class BertSelfOutput(nn.Module):
@@ -448,7 +469,7 @@ def fused_feed_forward_sublayer(config: BertConfig, up: nn.Module, down: nn.Modu
     that are not plain with biases, a dropout module to call, an op whose resolved path is not a Triton one, or no
     gradient wanted. The caller checks one_node_sublayers() and that the modules it bypasses are not hooked."""
     parameters = biased_linear_parameters((up, down))
-    if parameters is None:
+    if parameters is None or not is_plain_norm(norm):
         return None
     (up_weight, up_bias), (down_weight, down_bias) = parameters
     backend = config.backend
@@ -827,9 +848,7 @@ class BertPredictionHeadTransform(nn.Module):
 
 def gelu_dense_norm(config: BertConfig, dense: nn.Module, norm: nn.LayerNorm, hidden, approximate: str | None = None):
     """norm(gelu(dense(hidden))): the transform of the family's masked-LM heads (GELU's form as _gelu_linear)."""
-    hidden = _gelu_linear(dense, hidden, config, approximate)
-    return ops.layer_norm(hidden, norm.weight, norm.bias, config.layer_norm_eps, backend=config.backend,
-                          save=config.layer_norm_backward)
+    return layer_norm(config, norm, _gelu_linear(dense, hidden, config, approximate))
 
 
 def labelled_positions(labels, budget: int) -> torch.Tensor | None:

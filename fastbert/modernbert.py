@@ -23,16 +23,10 @@ from fastbert.config import GELU_APPROXIMATION
 from fastbert.family_config import ModernBertConfig
 from fastbert.modeling import (AttentionLayout, BertForMaskedLM, BertModel, BertPreTrainedModel, EncoderLayer,
                                HeadDropout, SelfAttention, VocabularyHead, _recompute, add_and_norm, dropout_rate,
-                               gelu_dense_norm, is_plain_linear, is_unhooked, linear, one_node_sublayers, run_dropout,
-                               run_layers, sequence_classification_loss, Submodule, token_classification_loss,
-                               weight_and_bias)
+                               gelu_dense_norm, is_plain_linear, is_unhooked, layer_norm, linear, one_node_sublayers,
+                               run_dropout, run_layers, sequence_classification_loss, Submodule,
+                               token_classification_loss, weight_and_bias)
 from fastbert.validation import check_on_device, key_padding_mask
-
-
-def layer_norm(config: ModernBertConfig, norm: nn.LayerNorm, hidden, **kwargs):
-    """norm(hidden) through fastbert's fused op (no bias where norm_bias is False)."""
-    return ops.layer_norm(hidden, *weight_and_bias(norm), config.layer_norm_eps, backend=config.backend,
-                          save=config.layer_norm_backward, **kwargs)
 
 
 class ModernBertEmbeddings(nn.Module):

@@ -113,6 +113,54 @@ def test_forward_hooks_and_module_swaps_are_honoured():
     torch.testing.assert_close(out, theirs(**batch()).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])  # triton: the one-node sublayers' paths too, in training
+@pytest.mark.parametrize("kind", ["fastbert", "apply"])
+def test_layer_norm_hooks_and_ln_tuning_are_honoured(kind, backend):
+    """A hooked or wrapped LayerNorm is called, never bypassed by the fused op that reads its weight: a forward hook
+    on each of BERT's three LayerNorms runs and changes the output as transformers' does, and PEFT's LN tuning (which
+    wraps them) trains the same parameters with the same gradients as on transformers' model."""
+    torch.manual_seed(0)
+    config = hf_config()
+    config.num_attention_heads = 1  # head dim 32, which the Triton attention takes
+    theirs = transformers.BertForSequenceClassification(config)
+    if kind == "fastbert":
+        ours = fastbert.from_hf(theirs, backend=backend)
+    else:
+        ours = transformers.BertForSequenceClassification(config)
+        ours.load_state_dict(theirs.state_dict())
+        fastbert.apply(ours, backend=backend)
+    inputs = {k: v for k, v in batch().items() if k != "labels"}
+    real = inputs["attention_mask"].bool()
+
+    def norms(model):
+        layer = model.bert.encoder.layer[0]
+        return model.bert.embeddings.LayerNorm, layer.attention.output.LayerNorm, layer.output.LayerNorm
+
+    calls = []
+
+    def shift(module, args, output):
+        calls.append(module)
+        return output + 0.5
+
+    for ours_norm, their_norm in zip(norms(ours), norms(theirs)):
+        handles = [ours_norm.register_forward_hook(shift), their_norm.register_forward_hook(shift)]
+        expected = theirs.bert(**inputs).last_hidden_state[real]
+        torch.testing.assert_close(ours.bert(**inputs).last_hidden_state[real], expected, atol=1e-5, rtol=1e-5)
+        assert calls[-2] is their_norm and calls[-1] is ours_norm
+        for handle in handles:
+            handle.remove()
+    tuned = [peft.get_peft_model(model, peft.LNTuningConfig(target_modules=["LayerNorm"])).train()
+             for model in (ours, theirs)]
+    for model in tuned:
+        model(**batch()).loss.backward()
+    trained = {name: p.grad for name, p in tuned[1].named_parameters() if p.requires_grad}
+    assert len(trained) == 10  # the weight and bias of each of the five LayerNorms
+    for name, param in tuned[0].named_parameters():
+        assert param.requires_grad == (name in trained), name
+        if param.requires_grad:
+            torch.testing.assert_close(param.grad, trained[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
 def test_plain_linear_check():
     linear = nn.Linear(4, 4)
     assert is_plain_linear(linear)
