@@ -111,34 +111,53 @@ def _accelerate_mlm_head(head: nn.Module) -> None:
     with torch.device("meta"):
         fast = architectures.MODEL_CLASSES[type(head).__name__](vars(base)[ACCELERATED].config)
     setattr(fast, prefix, base)  # transformers' base, whose forward is fastbert's
-    _take_modules(fast, head, skip=prefix)
+    taken = _take_modules(fast, head, skip=prefix)
     if {id(p) for p in fast.parameters()} != {id(p) for p in head.parameters()}:
         logger.info("fastbert.apply: the head of %s does not map onto fastbert's %s; its loss stays transformers'",
                     type(head).__name__, type(fast).__name__)
         return
     vars(head)[ACCELERATED_HEAD] = fast  # not a registered child: its modules already are head's
-    _replace_forward(head, _mlm_forward, head, fast)
+    output_class = _output_class(head)
+    output_fields = tuple(field.name for field in dataclasses.fields(output_class))
+    _replace_forward(head, _mlm_forward, head, fast, taken, output_class, output_fields)
 
 
-def _take_modules(fast: nn.Module, theirs: nn.Module, skip: str | None = None) -> None:
+def _take_modules(fast: nn.Module, theirs: nn.Module, skip: str | None = None) -> list[tuple[str, ...]]:
     """Put transformers' modules of `theirs` into fastbert's `fast` at the same paths: every leaf (weights, a
     Dropout, or whatever wrapper a tool put there), the parameters a module holds itself (BERT's and RoBERTa's
     head bias), ModernBERT's float attention_dropout. Paths under `skip` and paths transformers lacks are left
-    as they are (a weight left behind fails the caller's parameter check)."""
-    taken = [named for child, subtree in fast.named_children() if child != skip
-             for named in subtree.named_modules(prefix=child)]
-    for name, module in taken:
+    as they are (a weight left behind fails the caller's parameter check). Returns the paths of the leaves and
+    parameters taken, each as its attribute names (what _replaced_since reads)."""
+    modules = [named for child, subtree in fast.named_children() if child != skip
+               for named in subtree.named_modules(prefix=child)]
+    taken = []
+    for name, module in modules:
         source = _submodule(theirs, name)
         if source is None:
             continue
         if not module._modules:
             parent, _, attribute = name.rpartition(".")
             setattr(fast.get_submodule(parent), attribute, source)
+            taken.append(tuple(name.split(".")))
             continue
         for attribute in [a for a in module._parameters if isinstance(getattr(source, a, None), nn.Parameter)]:
             setattr(module, attribute, getattr(source, attribute))
+            taken.append((*name.split("."), attribute))
         if hasattr(module, "attention_dropout"):  # ModernBERT's attention: its rate is a float attribute
             module.attention_dropout = source.attention_dropout
+    return taken
+
+
+def _replaced_since(fast: nn.Module, theirs: nn.Module, taken: list[tuple[str, ...]]) -> bool:
+    """Whether a module or parameter _take_modules took from `theirs` into `fast` was replaced in `theirs` since
+    (or in a module above it there): identity checks only, which torch.compile traces and guards on."""
+    for path in taken:
+        ours, source = fast, theirs
+        for attribute in path:
+            ours, source = getattr(ours, attribute), getattr(source, attribute, None)
+        if source is not ours:
+            return True
+    return False
 
 
 def _replace_forward(module: nn.Module, function, *leading) -> None:
@@ -168,24 +187,29 @@ def _submodule(root: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
-def _mlm_forward(head: nn.Module, fast: nn.Module, signature: inspect.Signature, *args,
+def _mlm_forward(head: nn.Module, fast: nn.Module, taken: list[tuple[str, ...]], output_class: type,
+                 output_fields: tuple[str, ...], signature: inspect.Signature, *args,
                  return_logits: bool | None = None, **kwargs):
     """The MLM head model's forward (see the module docstring): transformers' own (its class's), or with labels
     in training mode (return_logits None) or with return_logits=False, fastbert's fused masked-only loss with no
-    logits, in transformers' output class (its tuple with return_dict=False)."""
+    logits, in transformers' output class (its tuple with return_dict=False). `taken`: the paths of the head's
+    modules and parameters fastbert's head `fast` holds (_take_modules); the output class and its fields are
+    read once, at apply, as torch.compile traces neither the import nor dataclasses.fields of a class."""
     arguments = _bound(signature, args, kwargs)
     labels = [arguments.get(name) for name in ("labels", "next_sentence_label") if name in signature.parameters]
     logits = return_logits if return_logits is not None else not head.training
     if logits or any(label is None for label in labels) or _hooked_head(head):
         return type(head).forward(head, **arguments)
-    _take_modules(fast, head, skip=head.base_model_prefix)  # what replaced them since (resize_token_embeddings)
+    # what replaced them since apply (resize_token_embeddings, a PEFT wrapper); taken only then, as changing
+    # modules while torch.compile traces this forward breaks its graph
+    if _replaced_since(fast, head, taken):
+        _take_modules(fast, head, skip=head.base_model_prefix)
     return_dict = arguments.pop("return_dict", None)
     num_items = arguments.pop("num_items_in_batch", None)
     result = fast(**arguments, return_logits=False, return_dict=True)
     if num_items is not None and type(head).__name__ in SUMMED_LOSS_HEADS:  # transformers' sum over num_items
         result.loss = result.loss * (labels[0] != -100).sum() / num_items
-    output_class = _output_class(head)
-    output = output_class(**{f.name: getattr(result, f.name, None) for f in dataclasses.fields(output_class)})
+    output = output_class(**{name: getattr(result, name, None) for name in output_fields})
     return_dict = head.config.return_dict if return_dict is None else return_dict
     return output if return_dict else output.to_tuple()
 

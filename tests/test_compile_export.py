@@ -1,6 +1,7 @@
 """torch.compile(fullgraph=True) and torch.export of BertModel (padded, unpad=True, packed inputs) and of
 the MLM heads with labels, with their default outputs; the static MLM loss (max_predictions_per_seq)
 equals the exact one and its graph reads nothing back to the host."""
+import copy
 import re
 
 import pytest
@@ -123,3 +124,34 @@ def test_static_label_budget_equals_the_exact_loss():
     unlabelled = torch.full_like(labels, -100)  # no label at all: loss and accuracy 0, never NaN
     out = static(**inputs, labels=unlabelled)
     assert out.mlm_loss.item() == 0 and out.mlm_accuracy.item() == 0
+
+
+@pytest.mark.parametrize("name", ["BertForMaskedLM", "BertForPreTraining"])
+def test_applied_transformers_mlm_heads_with_labels_compile_fullgraph(name):
+    """After fastbert.apply, transformers' MLM heads in training mode with labels (fastbert's fused masked-only
+    loss) compile fullgraph: their forward changes no module and imports nothing while no module of the head was
+    replaced since apply. Loss and gradients equal the eager applied model's and transformers' own."""
+    transformers = pytest.importorskip("transformers")
+    hf_config = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                        intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                        attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    theirs = getattr(transformers, name)(hf_config).train()
+    applied = fastbert.apply(copy.deepcopy(theirs))
+    inputs, labels = padded_batch()
+    inputs["labels"] = labels
+    if name == "BertForPreTraining":
+        inputs["next_sentence_label"] = torch.tensor([0, 1, 1])
+    expected = {"transformers'": theirs(**inputs).loss, "eager applied": applied(**inputs).loss}
+    for loss in expected.values():
+        loss.backward()
+    expected_grads = {"transformers'": {n: p.grad for n, p in theirs.named_parameters()},
+                      "eager applied": {n: p.grad.clone() for n, p in applied.named_parameters()}}
+    applied.zero_grad()
+    got = torch.compile(applied, backend="aot_eager", fullgraph=True)(**inputs).loss
+    got.backward()
+    for reference, loss in expected.items():
+        torch.testing.assert_close(got, loss, atol=1e-5, rtol=1e-4, msg=lambda m: f"{reference} loss: {m}")
+        for n, p in applied.named_parameters():
+            torch.testing.assert_close(p.grad, expected_grads[reference][n], atol=1e-5, rtol=1e-4,
+                                       msg=lambda m: f"{reference} {n}: {m}")
