@@ -17,7 +17,7 @@ from fastbert import auto, family, hub, modeling, modernbert
 from fastbert.bases import HAVE_TRANSFORMERS
 from fastbert.config import BertConfig
 from fastbert.family_config import FAMILY_CONFIGS
-from fastbert.hf import choose_layer_norm_backward, load_state
+from fastbert.hf import choose_layer_norm_backward, load_state, pooler_argument
 
 CONFIG_CLASSES = {cls.model_type: cls for cls in FAMILY_CONFIGS}
 MODEL_CLASSES = {**modeling.MODEL_CLASSES, **family.FAMILY_CLASSES, **modernbert.MODERNBERT_CLASSES}
@@ -68,8 +68,9 @@ def from_hf(hf_model, **config_overrides):
     if name not in MODEL_CLASSES:
         raise ValueError(f"from_hf supports {sorted(MODEL_CLASSES)}, got {name}")
     config = config_from_dict(hf_model.config.to_dict(), **config_overrides)
+    model_class = MODEL_CLASSES[name]
     with torch.device("meta"):
-        model = MODEL_CLASSES[name](config)
+        model = model_class(config, **pooler_argument(model_class, hf_model))
     reference = next(hf_model.parameters())
     state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
     load_state(model, state, f"{name} (transformers)", reference.dtype, reference.device)

@@ -11,6 +11,7 @@ transformers itself is needed only by `to_hf`.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -463,13 +464,21 @@ def _require_transformers():
     return transformers
 
 
+def pooler_argument(model_class: type, source) -> dict:
+    """{"add_pooling_layer": whether `source` (a model of either library) has a pooler} where model_class takes the
+    argument, else {}: a base model built without its pooler is copied without one."""
+    if "add_pooling_layer" not in inspect.signature(model_class).parameters:
+        return {}
+    return {"add_pooling_layer": getattr(source, "pooler", None) is not None}
+
+
 def to_hf(model):
     """The same model as a transformers object with identical weights (class chosen by name)."""
     transformers = _require_transformers()
     hf_class = getattr(transformers, type(model).__name__)
     values = model.config.to_dict()
     hf_config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
-    hf_model = hf_class(hf_config)
+    hf_model = hf_class(hf_config, **pooler_argument(hf_class, model))
     result = hf_model.load_state_dict(hf_state_dict(model), strict=False)
     missing = [k for k in result.missing_keys if k not in tied_keys(model)]
     if missing or result.unexpected_keys:

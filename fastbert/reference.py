@@ -90,8 +90,10 @@ def _key_mask_bias(attention_mask, dtype):
 
 
 def _zero_padded_queries(out, attention_mask):
-    """out [B, heads, S, d]: rows of padded query positions become zeros."""
-    return out * _QUERY_KEEP.get(attention_mask, out.dtype, lambda: attention_mask.to(out.dtype)[:, None, :, None])
+    """out [B, heads, S, d]: rows of padded query positions become zeros (any nonzero mask value is a token, as in
+    transformers' masks and the kernels: a mask of 2s keeps a row, it does not double it)."""
+    return out * _QUERY_KEEP.get(attention_mask, out.dtype,
+                                 lambda: attention_mask.to(torch.bool).to(out.dtype)[:, None, :, None])
 
 
 def relative_position_buckets(num_buckets: int = 32, max_distance: int = 128, device=None) -> torch.Tensor:

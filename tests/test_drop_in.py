@@ -361,3 +361,36 @@ def test_a_forward_reads_no_child_of_a_layer_through_nn_module_getattr(name, mon
     ours = {type(m) for layer in layers for m in layer.modules() if type(m).__module__.startswith("fastbert.")}
     assert len(layers) == config.num_hidden_layers and fallbacks
     assert not [(cls.__name__, attribute) for cls, attribute in fallbacks if cls in ours]
+
+
+@pytest.mark.parametrize("name", ["BertModel", "RobertaModel"])
+def test_a_base_model_without_its_pooler_is_copied_without_one(name):
+    """transformers' base model built with add_pooling_layer=False has no pooler and pooler_output None: from_hf's
+    copy has none either (not a pooler of random weights), nor has its to_hf."""
+    config_class = getattr(transformers, name.replace("Model", "Config"))
+    config = config_class(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=64, max_position_embeddings=20)
+    theirs = getattr(transformers, name)(config, add_pooling_layer=False).eval()
+    ours = fastbert.from_hf(theirs).eval()
+    ids = torch.randint(3, 120, (2, 7), generator=torch.Generator().manual_seed(0))
+    expected, actual = theirs(input_ids=ids), ours(input_ids=ids)
+    assert ours.pooler is None and actual.pooler_output is None and expected.pooler_output is None
+    torch.testing.assert_close(actual.last_hidden_state, expected.last_hidden_state, atol=1e-5, rtol=1e-5)
+    assert ours.to_hf().pooler is None
+    assert fastbert.from_hf(getattr(transformers, name)(config)).pooler is not None  # with one, copied with it
+
+
+def test_any_nonzero_mask_value_is_a_token_as_in_transformers():
+    """transformers attends wherever an integer attention_mask is nonzero: a mask of 0s and 2s gives the result of
+    0s and 1s, on fastbert's PyTorch path as on its kernels (it doubled the real rows' attention output)."""
+    theirs = tiny_hf()
+    ours = fastbert.from_hf(theirs).eval()
+    ids = torch.randint(1, 120, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    real = mask.bool()
+    with torch.no_grad():
+        expected = theirs(input_ids=ids, attention_mask=mask).last_hidden_state[real]
+        for twos in (mask * 2, (mask * 2).to(torch.uint8)):
+            actual = ours(input_ids=ids, attention_mask=twos).last_hidden_state[real]
+            torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
