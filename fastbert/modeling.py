@@ -1190,26 +1190,28 @@ class BertForSequenceClassification(BertPreTrainedModel):
 
 def sequence_classification_loss(config: BertConfig, logits, labels, validate: bool):
     """The loss transformers chooses by config.problem_type (set from the first labels it sees, as
-    transformers does): MSE for one label, cross entropy for integer labels, BCE-with-logits for float
-    multi-labels; None without labels. logits [B, num_labels]."""
+    transformers does): MSE for regression (one output, or one per label), cross entropy for int64 or int32
+    labels, BCE-with-logits for multi-labels; None without labels. logits [B, num_labels]."""
     if labels is None:
         return None
     num_labels = logits.shape[-1]
     if config.problem_type is None:
         if num_labels == 1:
             config.problem_type = "regression"
-        elif not labels.is_floating_point():
+        elif labels.dtype in (torch.long, torch.int):
             config.problem_type = "single_label_classification"
         else:
             config.problem_type = "multi_label_classification"
-    if config.problem_type == "regression":
+    if config.problem_type == "regression" and num_labels == 1:
         return F.mse_loss(logits.squeeze(-1), labels.to(logits.dtype).reshape(logits.shape[:1]))
     if config.problem_type == "single_label_classification":
         check_labels("labels", labels.reshape(-1), logits.shape[:1], num_labels, "num_labels", validate)
         return F.cross_entropy(logits, labels.reshape(-1))
     if tuple(labels.shape) != tuple(logits.shape):
         raise ValueError(f"labels has shape {tuple(labels.shape)}, expected {tuple(logits.shape)} "
-                         "for multi-label classification")
+                         f"for {config.problem_type.replace('_', ' ')} with {num_labels} labels")
+    if config.problem_type == "regression":
+        return F.mse_loss(logits, labels.to(logits.dtype))
     return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
 
 

@@ -94,11 +94,15 @@ def test_outputs_and_gradients_match_transformers(name):
 
 
 def test_regression_and_multilabel_heads():
+    """The loss of each problem type as transformers': regression of one output and of several (problem_type given),
+    and multi-labels (float labels)."""
     torch.manual_seed(0)
     inputs = make_batch("BertModel", torch.Generator().manual_seed(2))
-    for num_labels, labels in ((1, torch.tensor([0.5, -1.0, 2.0])),
-                               (3, torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0], [1.0, 1.0, 0.0]]))):
-        hf_model = transformers.BertForSequenceClassification(hf_config(num_labels=num_labels)).eval()
+    multi = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
+    for num_labels, labels, problem_type in ((1, torch.tensor([0.5, -1.0, 2.0]), None), (3, multi, None),
+                                             (3, multi * 2 - 0.5, "regression")):
+        hf_model = transformers.BertForSequenceClassification(
+            hf_config(num_labels=num_labels, problem_type=problem_type)).eval()
         ours = fastbert.from_hf(hf_model).eval()
         a, b = hf_model(**inputs, labels=labels), ours(**inputs, labels=labels)
         assert hf_model.config.problem_type == ours.config.problem_type
