@@ -24,10 +24,10 @@ HF_PACKED_ALIASES = {"cu_seq_lens_q": "cu_seqlens", "cu_seq_lens_k": "cu_seqlens
                      "max_length_k": "max_seqlen"}
 # transformers' BERT forward arguments that do not change an encoder's result: accepted and ignored
 IGNORED_HF_ARGUMENTS = ("use_cache", "cache_position", "num_items_in_batch", "output_router_logits")
-# transformers' arguments for features fastbert does not implement (a decoder, cross-attention, head
-# masking): accepted only when they ask for nothing
-UNSET_HF_ARGUMENTS = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values", "cache", "head_mask",
-                      "seq_idx")
+# transformers' arguments for features fastbert does not implement (a decoder, cross-attention): accepted only
+# when they ask for nothing. head_mask is not one: transformers 5's BERT no longer has it and ignores it in its
+# **kwargs, as fastbert then does (logged once, below)
+UNSET_HF_ARGUMENTS = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values", "cache", "seq_idx")
 # other keyword names a forward was given (transformers' BERT takes **kwargs and ignores them; clients such as
 # sentence-transformers rely on it): each logged once, so a typo is seen without breaking those clients
 _REPORTED_UNKNOWN: set[str] = set()
