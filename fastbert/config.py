@@ -22,7 +22,8 @@ from fastbert.outputs import FASTBERT_OUTPUTS
 from fastbert.ops import LAYER_NORM_SAVES
 
 # hidden_act -> the `approximate` argument of GELU ("none" = exact erf form)
-GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+GELU_APPROXIMATION = {"gelu": "none", "gelu_python": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh",
+                      "gelu_fast": "tanh"}
 BACKENDS = ("auto", "triton", "torch")
 # HF keys that change the architecture: a checkpoint that sets them otherwise must not load silently
 UNSUPPORTED_IF_NOT = {"position_embedding_type": "absolute", "is_decoder": False, "add_cross_attention": False}

@@ -66,11 +66,13 @@ def small_weight_layer_norms(model: torch.nn.Module) -> dict[str, int]:
     if kernel is None:
         return {}
     counts = {}
-    # modeling.py reads each LayerNorm as `<module>.LayerNorm.weight`, whatever class a tool put there
-    for name, weight in model.named_parameters():
-        if name.endswith("LayerNorm.weight"):
+    # every nn.LayerNorm, whatever the architecture names it (ModernBERT's mlp_norm, DistilBERT's sa_layer_norm)
+    # and whatever wraps it (PEFT's LN tuning holds the norm it tunes)
+    for name, module in model.named_modules():
+        weight = module.weight if isinstance(module, torch.nn.LayerNorm) else None
+        if weight is not None:
             whole = weight.full_tensor() if hasattr(weight, "full_tensor") else weight  # an FSDP2 shard
-            counts[name.removesuffix(".weight")] = int((whole.detach().abs() < kernel.MIN_WEIGHT).sum())
+            counts[name] = int((whole.detach().abs() < kernel.MIN_WEIGHT).sum())
     return {name: count for name, count in counts.items() if count > kernel.SIDE_COLUMNS}
 
 

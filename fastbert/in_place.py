@@ -208,7 +208,10 @@ def _mlm_forward(head: nn.Module, fast: nn.Module, taken: list[tuple[str, ...]],
     num_items = arguments.pop("num_items_in_batch", None)
     result = fast(**arguments, return_logits=False, return_dict=True)
     if num_items is not None and type(head).__name__ in SUMMED_LOSS_HEADS:  # transformers' sum over num_items
-        result.loss = result.loss * (labels[0] != -100).sum() / num_items
+        counted = labels[0] != -100  # the labels fastbert's mean is over: without sparse prediction's ignored
+        if getattr(head.config, "sparse_prediction", False):
+            counted &= labels[0] != head.config.sparse_pred_ignore_index
+        result.loss = result.loss * counted.sum() / num_items
     output = output_class(**{name: getattr(result, name, None) for name in output_fields})
     return_dict = head.config.return_dict if return_dict is None else return_dict
     return output if return_dict else output.to_tuple()

@@ -253,8 +253,8 @@ class SelfAttention(nn.Module):
             projected = [F.linear(hidden, weight, bias).view(*heads) for weight, bias in parameters]
         return projected if hidden.dim() == 2 else [t.transpose(1, 2) for t in projected]
 
-    def sublayer(self, hidden, layout: AttentionLayout, dense: nn.Module, norm: nn.LayerNorm,
-                 dropout: nn.Module | None, pre_norm: nn.LayerNorm | None = None, return_residual: bool = False):
+    def sublayer(self, hidden, layout: AttentionLayout, dense: nn.Module, norm: nn.Module,
+                 dropout: nn.Module | None, pre_norm: nn.Module | None = None, return_residual: bool = False):
         """norm(dropout(dense(self(x))) + hidden), the whole attention sublayer, as one autograd node
         (fastbert/sublayer.py), with x = hidden (post-LN) or pre_norm(hidden) (pre-LN; return_residual: the output
         is (normed, summed stream), as ops.layer_norm's); or None where that would not run the ops that calling them
@@ -368,7 +368,8 @@ def add_and_norm(config: BertConfig, norm: nn.Module, projected, residual, dropo
     (normed, summed), as ops.layer_norm's. A norm that is not plain (is_plain_norm) is called on the sum."""
     if not is_plain_norm(norm):  # the modules called one by one, as transformers' forward calls them
         summed = (projected if dropout is None else dropout(projected)) + residual
-        return (norm(summed), summed) if return_residual else norm(summed)
+        # the stream returned is not the tensor the norm's hooks saw: ModernBERT's MLP adds onto it in place
+        return (norm(summed), summed.clone()) if return_residual else norm(summed)
     rate = 0.0 if dropout is None else dropout_rate(dropout)
     if rate is None:  # a module fastbert cannot read: called, then no dropout in the fused op
         projected, rate = dropout(projected), 0.0
@@ -462,12 +463,13 @@ def one_node_sublayers(config: BertConfig, hidden) -> bool:
         eager_autograd())
 
 
-def fused_feed_forward_sublayer(config: BertConfig, up: nn.Module, down: nn.Module, norm: nn.LayerNorm,
+def fused_feed_forward_sublayer(config: BertConfig, up: nn.Module, down: nn.Module, norm: nn.Module,
                                 dropout: nn.Module, attended, recompute: bool):
     """norm(dropout(down(gelu(up(attended)))) + attended), the whole FFN sublayer, as one autograd node
     (fastbert/sublayer.py), or None where that would not run what fused_feed_forward and add_and_norm run: Linears
-    that are not plain with biases, a dropout module to call, an op whose resolved path is not a Triton one, or no
-    gradient wanted. The caller checks one_node_sublayers() and that the modules it bypasses are not hooked."""
+    that are not plain with biases, a norm that is not plain (is_plain_norm), a dropout module to call, an op whose
+    resolved path is not a Triton one, or no gradient wanted. The caller checks one_node_sublayers() and that the
+    modules it bypasses are not hooked."""
     parameters = biased_linear_parameters((up, down))
     if parameters is None or not is_plain_norm(norm):
         return None
@@ -846,7 +848,7 @@ class BertPredictionHeadTransform(nn.Module):
         return gelu_dense_norm(self.config, self.dense, self.LayerNorm, hidden)
 
 
-def gelu_dense_norm(config: BertConfig, dense: nn.Module, norm: nn.LayerNorm, hidden, approximate: str | None = None):
+def gelu_dense_norm(config: BertConfig, dense: nn.Module, norm: nn.Module, hidden, approximate: str | None = None):
     """norm(gelu(dense(hidden))): the transform of the family's masked-LM heads (GELU's form as _gelu_linear)."""
     return layer_norm(config, norm, _gelu_linear(dense, hidden, config, approximate))
 
@@ -1209,7 +1211,7 @@ def sequence_classification_loss(config: BertConfig, logits, labels, validate: b
         return F.cross_entropy(logits, labels.reshape(-1))
     if tuple(labels.shape) != tuple(logits.shape):
         raise ValueError(f"labels has shape {tuple(labels.shape)}, expected {tuple(logits.shape)} "
-                         f"for {config.problem_type.replace('_', ' ')} with {num_labels} labels")
+                         f"for {config.problem_type} with {num_labels} labels")
     if config.problem_type == "regression":
         return F.mse_loss(logits, labels.to(logits.dtype))
     return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))

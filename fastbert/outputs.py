@@ -25,7 +25,7 @@ FASTBERT_OUTPUTS = ("accuracy", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_acc
 def transformers_tuple(output: OutputBase) -> tuple:
     """What transformers' model returns with return_dict=False: its output's fields that are not None, in order,
     without FASTBERT_OUTPUTS (`loss, logits = model(..., return_dict=False)` unpacks as it does with
-    transformers')."""
+    transformers', where the logits were computed: an MLM head in training skips them unless return_logits)."""
     return tuple(value for name, value in output.items() if name not in FASTBERT_OUTPUTS)
 
 

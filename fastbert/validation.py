@@ -161,7 +161,7 @@ def packed_arguments(kwargs: dict) -> dict:
         elif name in UNSET_HF_ARGUMENTS:
             if value is not None:
                 raise ValueError(f"{name} is not supported: fastbert implements BERT's encoder (no decoder, "
-                                 "cross-attention, cache or head mask); pass None")
+                                 "cross-attention or cache); pass None")
         elif name == "is_causal":
             if value:
                 raise ValueError("is_causal=True is not supported: BERT's attention is bidirectional")

@@ -154,6 +154,8 @@ def test_op_rows_are_compared_by_the_gpus_time_alone_where_measured():
     line = next(line for line in report.model_section([{**inference, "host_ms": 4.1}])
                 if line.startswith("| inference/base"))
     assert line.endswith("| 5.9 (GPU 1.8, host 4.1) |")
+    header, row = runner.summary([{**inference, "host_ms": 4.1, "direction": "inference"}]).splitlines()
+    assert header.split()[6:9] == ["GPU", "ms", "host"] and row.split()[-5:-3] == ["1.800", "4.100"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times a GPU (benchmarks/gpu_check.sh runs it)")

@@ -396,3 +396,14 @@ def test_any_nonzero_mask_value_is_a_token_as_in_transformers():
         for twos in (mask * 2, (mask * 2).to(torch.uint8)):
             actual = ours(input_ids=ids, attention_mask=twos).last_hidden_state[real]
             torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_gelu_python_is_the_exact_gelu():
+    """transformers' hidden_act "gelu_python" is the exact (erf) GELU written in Python: fastbert takes it as "gelu"
+    (it was refused)."""
+    theirs = tiny_hf(hidden_act="gelu_python")
+    ours = fastbert.from_hf(theirs).eval()
+    ids = torch.randint(1, 120, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids).last_hidden_state, theirs(input_ids=ids).last_hidden_state,
+                                   atol=1e-5, rtol=1e-5)

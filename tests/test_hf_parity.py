@@ -108,6 +108,14 @@ def test_regression_and_multilabel_heads():
         assert hf_model.config.problem_type == ours.config.problem_type
         torch.testing.assert_close(b.loss, a.loss, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+    # integer labels of another dtype than int64 and int32 are multi-labels, by transformers' rule (whose BCE then
+    # refuses them)
+    hf_model = transformers.BertForSequenceClassification(hf_config(num_labels=3)).eval()
+    ours = fastbert.from_hf(hf_model).eval()
+    with pytest.raises(RuntimeError):
+        hf_model(**inputs, labels=multi.to(torch.int16))
+    ours(**inputs, labels=multi.to(torch.int16))
+    assert hf_model.config.problem_type == ours.config.problem_type == "multi_label_classification"
 
 
 def test_pretraining_heads_without_logits_and_accuracies():

@@ -161,3 +161,20 @@ def test_pretraining_resume_chooses_input_and_a_non_finite_stop_names_the_cure(d
     result = pretrain.train(pretrain_config(data, tmp_path, **options), overrides)
     assert result["step"] == 4 and result["skipped_steps"] == 0
     assert result["model"].config.layer_norm_backward == "input"
+
+
+@pytest.mark.parametrize("name,norm", [("ModernBertForMaskedLM", "model.layers.1.mlp_norm"),
+                                       ("DistilBertForMaskedLM", "distilbert.transformer.layer.0.sa_layer_norm")])
+def test_every_layer_norm_is_read_whatever_its_name(name, norm):
+    """The choice reads every nn.LayerNorm, not only those BERT names `LayerNorm`: ModernBERT's and DistilBERT's
+    norms with one small weight too many choose "input" too (their backward from the output would give NaN)."""
+    transformers = pytest.importorskip("transformers")
+    config_class = getattr(transformers, name.replace("ForMaskedLM", "Config"))
+    sizes = (dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+             if name.startswith("ModernBert") else dict(dim=32, hidden_dim=48, n_layers=2, n_heads=2))
+    torch.manual_seed(0)
+    model = getattr(transformers, name)(config_class(vocab_size=64, max_position_embeddings=32, **sizes))
+    assert fastbert.from_hf(model).config.layer_norm_backward == "output"
+    make_small(model.get_parameter(f"{norm}.weight"), SIDE_COLUMNS + 1)
+    assert fastbert.from_hf(model).config.layer_norm_backward == "input"

@@ -366,6 +366,13 @@ def test_sparse_prediction_logits_of_the_labelled_tokens_as_transformers(ignore_
     torch.testing.assert_close(actual.logits[real], expected.logits[real], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(actual.loss, expected.loss, atol=1e-5, rtol=1e-5)
     assert ours(**inputs, return_dict=False)[1].shape == (labelled, VOCAB)
+    # under Trainer's gradient accumulation (num_items_in_batch: its count of labels other than -100), the fused loss
+    # of transformers' model after fastbert.apply sums over the same tokens as transformers'
+    applied = fastbert.apply(copy.deepcopy(theirs)).train()
+    items = torch.tensor(int((inputs["labels"] != -100).sum()) + 5)
+    torch.testing.assert_close(applied(**inputs, num_items_in_batch=items).loss,
+                               theirs.train()(**inputs, num_items_in_batch=items).loss, atol=1e-5, rtol=1e-5)
+    theirs.eval()
     inputs.pop("labels")  # without labels every token's logits, as transformers
     assert theirs(**inputs).logits.shape == ours(**inputs).logits.shape == (len(LENGTHS), SEQ, VOCAB)
 
@@ -679,3 +686,36 @@ def test_position_ids_other_than_offsets_are_an_error_naming_them(native):
         for wrong in (rows * 2, rows.flip(-1)):
             with pytest.raises(ValueError, match="position_ids"):
                 model(**inputs, position_ids=wrong)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_hooked_norms_are_called_and_keep_what_they_saw(backend):
+    """A forward hook on each of ModernBERT's norms (the embeddings', a pre-LayerNorm, the MLP's, the final one)
+    runs and changes the output as on transformers' model; a hook that keeps its norm's input finds it unchanged
+    after the forward, though the stream beside the MLP's norm is added onto in place in inference."""
+    theirs = hf_model(**TRITON_SIZES)
+    ours = fastbert.from_hf(theirs, backend=backend).eval()
+    inputs = padded_batch(theirs.config)
+    real = inputs["attention_mask"].bool()
+
+    def norms(model):
+        return (model.embeddings.norm, model.layers[1].attn_norm, model.layers[2].mlp_norm, model.final_norm)
+
+    kept = []
+
+    def shift(module, args, output):
+        kept.append((args[0], args[0].clone()))
+        return output + 0.5
+
+    with torch.no_grad():
+        for ours_norm, their_norm in zip(norms(ours), norms(theirs)):
+            handles = [ours_norm.register_forward_hook(shift), their_norm.register_forward_hook(shift)]
+            expected = theirs(**inputs).last_hidden_state[real]
+            exact = theirs.double()(**inputs).last_hidden_state[real]
+            theirs.float()
+            actual = ours(**inputs).last_hidden_state[real]
+            seen, copy_when_seen = kept[-1]  # what our norm's hook kept, after our forward
+            assert torch.equal(seen, copy_when_seen)
+            assert_within_rule("hooked norm's output", actual, expected, exact, FORWARD_FACTOR)
+            for handle in handles:
+                handle.remove()
