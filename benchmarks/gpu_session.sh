@@ -15,7 +15,9 @@
 #                    timed only, to stay in the stage's limit), with check/paths.json,
 #                    and each case's host CPU time per step and its Python functions by own time (cProfile)
 #   rows/            every rows file the run wrote, for benchmarks/results/ (then `python benchmarks/choose_paths.py`,
-#                    which writes check/paths.json's choices, and `python benchmarks/make_perf.py`)
+#                    which writes check/paths.json's choices, and `python benchmarks/make_perf.py`); their op and
+#                    inference rows carry host_ms, the host's time of a call on this GPU's machine (PERF.md's
+#                    "Host time per call on a GPU")
 # About 9 minutes with the defaults, inside a device call's 10 (the machine's start-up not included): the stages'
 # limits are gpu_check's variables, set here unless the environment sets them (FASTBERT_CHECK_TESTS_S 195,
 # FASTBERT_CHECK_MODELS_S 170, FASTBERT_CHECK_OPS_S 70), and FASTBERT_PROFILE_S (100) for the profile (seven cases,
