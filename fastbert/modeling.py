@@ -1066,10 +1066,11 @@ class BertForPreTraining(MLMHeadMixin, BertPreTrainedModel):
                          output_hidden_states=output_hidden_states, output_attentions=output_attentions,
                          return_dict=True, validate=validate, **kwargs)
         sequence_output = base.last_hidden_state
-        check_labels("labels", labels, sequence_output.shape[:2], self.config.vocab_size, "vocab_size", validate)
+        labels = check_labels("labels", labels, sequence_output.shape[:2], self.config.vocab_size, "vocab_size",
+                              validate)
         check_label_budget(labels, self.config.max_predictions_per_seq, validate)
-        check_labels("next_sentence_label", next_sentence_label, base.pooler_output.shape[:1], 2, "2 classes",
-                     validate)
+        next_sentence_label = check_labels("next_sentence_label", next_sentence_label, base.pooler_output.shape[:1],
+                                           2, "2 classes", validate)
         head = self.cls.predictions
         mlm_loss = mlm_accuracy = mlm_mask_accuracy = nsp_loss = nsp_accuracy = None
         if labels is not None:
@@ -1111,7 +1112,8 @@ class BertForMaskedLM(MLMHeadMixin, BertPreTrainedModel):
                             inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states,
                             output_attentions=output_attentions, return_dict=True, validate=validate, **kwargs)
         sequence_output = base.last_hidden_state
-        check_labels("labels", labels, sequence_output.shape[:2], self.config.vocab_size, "vocab_size", validate)
+        labels = check_labels("labels", labels, sequence_output.shape[:2], self.config.vocab_size, "vocab_size",
+                              validate)
         check_label_budget(labels, self.config.max_predictions_per_seq, validate)
         head = self.vocabulary_head()
         loss = accuracy = mask_accuracy = None
@@ -1140,7 +1142,7 @@ class BertForNextSentencePrediction(BertPreTrainedModel):
                          output_hidden_states=output_hidden_states, output_attentions=output_attentions,
                          return_dict=True, validate=validate, **kwargs)
         logits = self.cls.seq_relationship(base.pooler_output)  # [B, 2]
-        check_labels("labels", labels, logits.shape[:1], 2, "2 classes", validate)
+        labels = check_labels("labels", labels, logits.shape[:1], 2, "2 classes", validate)
         loss = F.cross_entropy(logits, labels) if labels is not None else None
         result = outputs.NextSentencePredictorOutput(loss=loss, logits=logits, hidden_states=base.hidden_states,
                                                      attentions=base.attentions)
@@ -1207,8 +1209,8 @@ def sequence_classification_loss(config: BertConfig, logits, labels, validate: b
     if config.problem_type == "regression" and num_labels == 1:
         return F.mse_loss(logits.squeeze(-1), labels.to(logits.dtype).reshape(logits.shape[:1]))
     if config.problem_type == "single_label_classification":
-        check_labels("labels", labels.reshape(-1), logits.shape[:1], num_labels, "num_labels", validate)
-        return F.cross_entropy(logits, labels.reshape(-1))
+        return F.cross_entropy(logits, check_labels("labels", labels, logits.shape[:1], num_labels, "num_labels",
+                                                    validate))
     if tuple(labels.shape) != tuple(logits.shape):
         raise ValueError(f"labels has shape {tuple(labels.shape)}, expected {tuple(logits.shape)} "
                          f"for {config.problem_type} with {num_labels} labels")
@@ -1246,7 +1248,7 @@ def token_classification_loss(logits, labels, attention_mask, validate: bool):
     """Cross entropy of logits [B, S, num_labels] over labels [B, S] (-100 ignored), padding never a token
     whatever its label; None without labels."""
     num_labels = logits.shape[-1]
-    check_labels("labels", labels, logits.shape[:2], num_labels, "num_labels", validate)
+    labels = check_labels("labels", labels, logits.shape[:2], num_labels, "num_labels", validate)
     if labels is None:
         return None
     mask = key_padding_mask(attention_mask, validate=False)
@@ -1339,7 +1341,7 @@ class BertForMultipleChoice(BertPreTrainedModel):
                          flat(inputs_embeds), output_hidden_states=output_hidden_states,
                          output_attentions=output_attentions, return_dict=True, validate=validate, **kwargs)
         logits = self.classifier(self.dropout(base.pooler_output)).view(-1, num_choices)  # [B, C]
-        check_labels("labels", labels, logits.shape[:1], num_choices, "num_choices", validate)
+        labels = check_labels("labels", labels, logits.shape[:1], num_choices, "num_choices", validate)
         loss = F.cross_entropy(logits, labels) if labels is not None else None
         result = outputs.MultipleChoiceModelOutput(loss=loss, logits=logits, hidden_states=base.hidden_states,
                                                    attentions=base.attentions)

@@ -11,6 +11,7 @@ fastbert's key padding mask.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable
 
 import torch
@@ -135,15 +136,20 @@ def check_model_inputs(config, input_ids, attention_mask, token_type_ids, positi
 
 
 def check_labels(name: str, labels: torch.Tensor | None, shape: tuple[int, ...], limit: int, limit_name: str,
-                 validate: bool) -> None:
-    """Integer class labels of the given shape, each in [0, limit) or -100 (ignored)."""
+                 validate: bool) -> torch.Tensor | None:
+    """Integer class labels, each in [0, limit) or -100 (ignored), returned in `shape`: labels of another shape with
+    as many elements are read in order, as transformers' heads read labels.view(-1) (flattened [B*S] token labels,
+    [B, 1] sentence labels)."""
     if labels is None:
-        return
+        return None
     _check_integer(name, labels)
     if tuple(labels.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(labels.shape)}, expected {tuple(shape)}")
+        if labels.numel() != math.prod(shape):
+            raise ValueError(f"{name} has shape {tuple(labels.shape)}, expected {tuple(shape)} (or as many elements)")
+        labels = labels.reshape(shape)
     if validate:
         _check_range(name, labels, limit, limit_name, ignore=IGNORE_INDEX)
+    return labels
 
 
 def packed_arguments(kwargs: dict) -> dict:

@@ -285,3 +285,20 @@ def test_an_untied_mlm_heads_bias_loads_and_saves_as_transformers(tmp_path):
     back = transformers.BertForMaskedLM.from_pretrained(tmp_path / "ours").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["BertForPreTraining", "BertForMaskedLM", "BertForNextSentencePrediction",
+                                  "BertForSequenceClassification", "BertForTokenClassification"])
+def test_labels_in_another_layout_are_read_in_order_as_transformers(name):
+    """transformers' heads read labels.view(-1): flattened token labels [B*S] and sentence labels [B, 1] give
+    the loss of [B, S] and [B]; a wrong element count stays an error naming the shape fastbert expects."""
+    torch.manual_seed(0)
+    theirs = getattr(transformers, name)(hf_config()).eval()
+    ours = fastbert.from_hf(theirs).eval()
+    inputs = make_batch(name, torch.Generator().manual_seed(6))
+    for key in ("labels", "next_sentence_label"):
+        if key in inputs:
+            inputs[key] = inputs[key].reshape(-1) if inputs[key].dim() == 2 else inputs[key][:, None]
+    torch.testing.assert_close(ours(**inputs).loss, theirs(**inputs).loss, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="labels has shape"):
+        ours(**{**inputs, "labels": inputs["labels"][:-1]})
