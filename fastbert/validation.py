@@ -93,7 +93,8 @@ def _check_range(name: str, tensor: torch.Tensor, limit: int, limit_name: str, i
 def check_model_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                        validate: bool, packed: bool = False) -> tuple[int, int]:
     """Check BertModel's inputs; return (batch, seqlen). Packed inputs ([1, T], `packed`) may be longer
-    than max_position_embeddings: their positions restart with each sequence."""
+    than max_position_embeddings: their positions restart with each sequence; so may inputs with position_ids,
+    which must each be below it, as transformers reads them."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
     if input_ids is not None:
@@ -108,7 +109,7 @@ def check_model_inputs(config, input_ids, attention_mask, token_type_ids, positi
         shape = tuple(inputs_embeds.shape[:2])
     if shape[1] == 0:
         raise ValueError(f"sequences must hold at least one token, got input shape {shape}")
-    if shape[1] > config.max_sequence_length and not packed:
+    if shape[1] > config.max_sequence_length and not packed and position_ids is None:  # given ones are checked below
         offset = config.position_offset
         offset = f" less the {offset} positions before the first token" if offset else ""
         raise ValueError(f"sequence length {shape[1]} is longer than max_position_embeddings "

@@ -407,3 +407,19 @@ def test_gelu_python_is_the_exact_gelu():
     with torch.no_grad():
         torch.testing.assert_close(ours(input_ids=ids).last_hidden_state, theirs(input_ids=ids).last_hidden_state,
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_a_sequence_longer_than_the_position_table_runs_with_position_ids_inside_it():
+    """transformers' BERT runs a sequence longer than max_position_embeddings when its position_ids stay inside
+    the table (they index it): so does fastbert; without position_ids the length is refused, naming the limit."""
+    theirs = tiny_hf()  # max_position_embeddings 16
+    ours = fastbert.from_hf(theirs).eval()
+    ids = torch.randint(1, 120, (2, 20), generator=torch.Generator().manual_seed(0))
+    positions = (torch.arange(20) % 16)[None, :]
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids, position_ids=positions).last_hidden_state,
+                                   theirs(input_ids=ids, position_ids=positions).last_hidden_state, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"sequence length 20 is longer than max_position_embeddings \(16\)"):
+        ours(input_ids=ids)
+    with pytest.raises(ValueError, match="position_ids"):
+        ours(input_ids=ids, position_ids=torch.arange(20)[None, :])
