@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from fastbert import architectures
-from fastbert.hf import choose_layer_norm_backward
+from fastbert.hf import choose_layer_norm_backward, pooler_argument
 
 logger = logging.getLogger("fastbert")
 
@@ -236,7 +236,7 @@ def _output_class(head: nn.Module) -> type:
 def _accelerate(bert: nn.Module, fast_class: type, config_overrides: dict) -> None:
     config = architectures.config_from_dict(bert.config.to_dict(), **config_overrides)
     with torch.device("meta"):
-        fast = fast_class(config, add_pooling_layer=getattr(bert, "pooler", None) is not None)
+        fast = fast_class(config, **pooler_argument(fast_class, bert))
     fast.train(bert.training)  # before taking transformers' leaves, which keep their own modes
     before = {id(p) for p in bert.parameters()}
     _take_modules(fast, bert)

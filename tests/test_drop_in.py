@@ -417,8 +417,9 @@ def test_a_sequence_longer_than_the_position_table_runs_with_position_ids_inside
     ids = torch.randint(1, 120, (2, 20), generator=torch.Generator().manual_seed(0))
     positions = (torch.arange(20) % 16)[None, :]
     with torch.no_grad():
-        torch.testing.assert_close(ours(input_ids=ids, position_ids=positions).last_hidden_state,
-                                   theirs(input_ids=ids, position_ids=positions).last_hidden_state, atol=1e-5, rtol=1e-5)
+        expected = theirs(input_ids=ids, position_ids=positions).last_hidden_state
+        torch.testing.assert_close(ours(input_ids=ids, position_ids=positions).last_hidden_state, expected,
+                                   atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"sequence length 20 is longer than max_position_embeddings \(16\)"):
         ours(input_ids=ids)
     with pytest.raises(ValueError, match="position_ids"):

@@ -20,6 +20,16 @@ CENSUS_COLUMNS = (("python_calls", "Python calls"), ("c_calls", "calls into C"),
                   ("python_nodes", "of them Python"), ("view_nodes", "of them views"), ("host_syncs", "syncs"))
 
 
+def _comparison(by_key: dict, case: str, direction: str) -> dict | None:
+    """The row a fastbert row of (case, direction) is judged against: PyTorch's same job or transformers' model."""
+    return next((by_key[(case, direction, p)] for p in COMPARISONS if (case, direction, p) in by_key), None)
+
+
+def _within(row: dict, ratio: float) -> str:
+    """Whether a fastbert row's ratio to its comparison holds issue 25's limit: OP_LIMIT for an op, 1 for a model."""
+    return "yes" if ratio <= (OP_LIMIT if row["op"] != "model" else 1.0) else "**no**"
+
+
 def _newest(rows: list[dict], suite: str = "host") -> list[dict]:
     runs: dict[str, list[dict]] = {}
     for row in rows:
@@ -98,14 +108,13 @@ def gpu_host_lines(rows: list[dict], provenance_line) -> list[str]:
     labels = run_labels(timed)
     by_key = {(r["case"], r["direction"], r["provider"]): r for r in timed}
     for (case, direction, provider), row in by_key.items():
-        other = next((by_key[(case, direction, p)] for p in COMPARISONS if (case, direction, p) in by_key), None)
+        other = _comparison(by_key, case, direction)
         if other is None or not provider.startswith("fastbert"):
             continue
         ratio = row["host_ms"] / other["host_ms"]
-        limit = OP_LIMIT if row["op"] != "model" else 1.0
         label = f"{case} ({labels[row['date']]})" if labels else case
         out.append(f"| {label} | {direction} | {provider} | {1e3 * row['host_ms']:,.1f} "
-                   f"| {1e3 * other['host_ms']:,.1f} ({other['provider']}) | {ratio:.2f} | {'yes' if ratio <= limit else '**no**'} "
+                   f"| {1e3 * other['host_ms']:,.1f} ({other['provider']}) | {ratio:.2f} | {_within(row, ratio)} "
                    f"| {1e3 * row['device_ms']:,.1f} |")
     return out + ["", provenance_line(timed), ""]
 
@@ -118,9 +127,9 @@ def host_section(rows: list[dict], provenance_line) -> list[str]:
     if not run:
         return (out + [f"Not yet measured: `{HOST_COMMAND}`.", ""] + census_lines(rows, provenance_line)
                 + instruction_lines(rows, provenance_line) + gpu_host_lines(rows, provenance_line))
-    out += ["What the host spends per call, measured without a GPU (the last table: on one): fastbert's launchers run on CPU tensors with "
-            "every Triton launch stubbed (the steady path of a GPU launch up to the driver's launch call, which "
-            "is not counted), PyTorch's ops and transformers' models run on the same CPU tensors at sizes where "
+    out += ["What the host spends per call, measured without a GPU (the last table: on one): fastbert's launchers "
+            "run on CPU tensors with every Triton launch stubbed (the steady path of a GPU launch up to the "
+            "driver's launch call, which is not counted), PyTorch's ops and transformers' models run on the same CPU tensors at sizes where "
             "their arithmetic is small (`fastbert/bench/host_suite.py`). Thread CPU time, least mean of repeated "
             "groups of calls (40 groups of 50 calls an op, 50 of 5 a model), the providers of a case taking turns "
             "(the speed of a shared machine drifts from minute to minute; rows of runs before 2026-11-26T23:16 "
@@ -151,16 +160,15 @@ def host_section(rows: list[dict], provenance_line) -> list[str]:
     for (case, direction, provider), row in by_key.items():
         if provider not in FASTBERT_PROVIDERS:
             continue
-        other = next((by_key[(case, direction, p)] for p in COMPARISONS if (case, direction, p) in by_key), None)
+        other = _comparison(by_key, case, direction)
         if other is None:
             continue
         custom = by_key.get((case, direction, "fastbert-custom-op"))
         custom_us = f"{custom['host_us']:.1f}" if custom else "-"
         ratio = row["host_us"] / other["host_us"]
-        limit = OP_LIMIT if row["op"] != "model" else 1.0
         label = case if provider == "fastbert" else f"{case} [{provider}]"
         out.append(f"| {label} | {direction} | {row['host_us']:.1f} | {custom_us} | {other['host_us']:.1f} "
-                   f"({other['provider']}) | {ratio:.2f} | {'yes' if ratio <= limit else '**no**'} "
+                   f"({other['provider']}) | {ratio:.2f} | {_within(row, ratio)} "
                    f"| {row['host_syncs']} / {other['host_syncs']} |")
     return (out + ["", provenance_line(run), ""] + census_lines(rows, provenance_line)
             + instruction_lines(rows, provenance_line) + gpu_host_lines(rows, provenance_line))
