@@ -32,7 +32,7 @@ class RobertaModel(BertModel):
 
 
 class RobertaLMHead(nn.Module):
-    """dense -> GELU -> layer_norm -> decoder (its bias is the head's `bias`), transformers' names."""
+    """dense -> GELU -> layer_norm -> decoder (its bias tied to the head's `bias`), transformers' names."""
 
     def __init__(self, config):
         super().__init__()
@@ -40,8 +40,7 @@ class RobertaLMHead(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
-        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
-        self.decoder.bias = self.bias
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))  # the decoder's bias when tied (tie_weights)
 
     def vocabulary_head(self) -> VocabularyHead:
         # transformers' RobertaLMHead and MPNetLMHead call the exact (erf) GELU whatever hidden_act says
@@ -64,6 +63,7 @@ class RobertaForMaskedLM(BertForMaskedLM):
     _tied_weights_keys = {"lm_head.decoder.weight": "roberta.embeddings.word_embeddings.weight",
                           "lm_head.decoder.bias": "lm_head.bias"}
     decoder_path, bias_path = "lm_head.decoder", "lm_head.bias"
+    output_embeddings_bring_bias = False  # transformers' RoBERTa sets the decoder alone
 
     def __init__(self, config):
         BertPreTrainedModel.__init__(self, config)
@@ -406,6 +406,7 @@ class MPNetForMaskedLM(MPNetPreTrainedModel, RobertaForMaskedLM):
     base_model_class = MPNetModel
     _tied_weights_keys = {"lm_head.decoder.weight": "mpnet.embeddings.word_embeddings.weight",
                           "lm_head.decoder.bias": "lm_head.bias"}
+    output_embeddings_bring_bias = True  # transformers' MPNet, unlike RoBERTa, sets the head's bias too
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 **kwargs):

@@ -158,16 +158,11 @@ def normalize_keys(state: dict[str, torch.Tensor], tied: bool = True) -> dict[st
         elif key.endswith(".beta"):
             key = key[: -len("beta")] + "bias"
         out[key] = value
-    if "cls.predictions.decoder.bias" in out:
-        # the bias transformers' logits add: its decoder's, tied to cls.predictions.bias, or with untied weights a
-        # parameter of its own (cls.predictions.bias then unused), which is what fastbert's head bias must hold
-        bias = out.pop("cls.predictions.decoder.bias")
-        if tied:
-            out.setdefault("cls.predictions.bias", bias)
-        else:
-            out["cls.predictions.bias"] = bias
-    if tied:
+    if tied:  # the decoder's copies of the word embeddings and of the head's bias (older checkpoints hold both)
         out.pop("cls.predictions.decoder.weight", None)
+        bias = out.pop("cls.predictions.decoder.bias", None)
+        if bias is not None:
+            out.setdefault("cls.predictions.bias", bias)
     return out
 
 
@@ -372,9 +367,6 @@ def hf_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor] | None 
             continue
         seen.add(identity)
         out[key] = value.to("cpu").contiguous()
-    if "cls.predictions.bias" in out and not getattr(model.config, "tie_word_embeddings", True):
-        # transformers' untied BERT head adds its decoder's own bias (normalize_keys): written as that too
-        out["cls.predictions.decoder.bias"] = out["cls.predictions.bias"].clone()
     return out
 
 

@@ -675,22 +675,18 @@ class BertPreTrainedModel(ModelBase):
         new.weight.requires_grad_(old.weight.requires_grad)
         self.set_input_embeddings(new)
         if isinstance(self, MLMHeadMixin):
-            untied = not self.config.tie_word_embeddings
-            if untied:  # the trained decoder's rows stay; new rows from its own, as transformers'
+            if not self.config.tie_word_embeddings:  # the trained decoder's rows stay; new rows from its own
                 old_decoder = self.get_output_embeddings()
-                old_bias = getattr(old_decoder, "bias", None)  # the family's decoders own one
+                old_bias = getattr(old_decoder, "bias", None)  # None: a decoder set without one
                 decoder = nn.Linear(old.embedding_dim, size, bias=old_bias is not None, device=old.weight.device,
                                     dtype=old.weight.dtype)
                 resize_rows(decoder.weight, old_decoder.weight, mean_resizing, std)
                 if old_bias is not None:
                     resize_rows(decoder.bias, old_bias, mean_resizing, 0.0)
                 decoder._is_hf_initialized = True  # its rows are set: a later post_init keeps them
-                _set_path(self, self.decoder_path, decoder)
-            # the head's bias where the logits read it (tied; BERT's, beside a decoder without one); an untied
-            # decoder's own bias came with it above, and the unused head bias beside it (RoBERTa's) stays as it
-            # is, as transformers leaves it
-            if not untied or not self.vocabulary_head().bias_in_decoder:
-                self.resize_output_bias(size, mean_resizing and untied)
+                self.set_output_embeddings(decoder)  # as transformers': BERT's and MPNet's heads take its bias
+            else:
+                self.resize_output_bias(size)
         new._is_hf_initialized = True
         self.config.vocab_size = self.vocab_size = size
         self.tie_weights()
@@ -937,18 +933,20 @@ class VocabularyHead:
 
 
 class BertLMPredictionHead(nn.Module):
-    """transform -> decoder tied to the word embeddings, with its own bias."""
+    """transform -> decoder tied to the word embeddings, with a bias tied to the head's `bias`: transformers' module
+    and parameter names, so that state dicts load strictly either way. With tie_word_embeddings=False the decoder's
+    bias is a parameter of its own, as in transformers, and the head's `bias` is unused."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
         self.transform = BertPredictionHeadTransform(config)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def vocabulary_head(self) -> VocabularyHead:
-        # a decoder with a bias of its own (transformers', after fastbert.apply) adds that one, as transformers'
-        # logits do (the head's bias, tied, unless tie_word_embeddings is False); fastbert's adds the head's
+        # the logits add the decoder's bias, as transformers' forward calls the decoder; a decoder set without
+        # one (set_output_embeddings) adds the head's
         if getattr(self.decoder, "bias", None) is not None:
             return VocabularyHead(self.config, self.transform, self.decoder, self.decoder.bias, bias_in_decoder=True)
         return VocabularyHead(self.config, self.transform, self.decoder, self.bias)
@@ -995,8 +993,10 @@ class MLMHeadMixin:
     """The tied MLM decoder as transformers' output embeddings; its module and bias are at decoder_path and
     bias_path (the architecture's names)."""
 
-    _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight"}
+    _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+                          "cls.predictions.decoder.bias": "cls.predictions.bias"}
     decoder_path, bias_path = "cls.predictions.decoder", "cls.predictions.bias"
+    output_embeddings_bring_bias = True  # set_output_embeddings makes the new decoder's bias the head's (BERT's)
 
     def vocabulary_head(self) -> VocabularyHead:
         return self.cls.predictions.vocabulary_head()
@@ -1006,15 +1006,15 @@ class MLMHeadMixin:
 
     def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
         _set_path(self, self.decoder_path, new_embeddings)
-        if getattr(new_embeddings, "bias", None) is not None:
+        if self.output_embeddings_bring_bias and getattr(new_embeddings, "bias", None) is not None:
             _set_path(self, self.bias_path, new_embeddings.bias)
 
-    def resize_output_bias(self, size: int, mean: bool) -> None:
-        """The decoder's bias at `size` entries, its old ones kept, new ones their mean (mean) or zero
-        (resize_token_embeddings)."""
+    def resize_output_bias(self, size: int) -> None:
+        """The tied decoder's bias at `size` entries, its old ones kept, new ones zero (resize_token_embeddings, as
+        transformers')."""
         old = self.get_parameter(self.bias_path)
         bias = old.new_zeros(size)
-        resize_rows(bias, old, mean, 0.0)
+        resize_rows(bias, old, False, 0.0)
         bias = nn.Parameter(bias, requires_grad=old.requires_grad)
         _set_path(self, self.bias_path, bias)
         decoder = self.get_output_embeddings()

@@ -267,9 +267,8 @@ def test_outputs_behave_as_transformers_model_outputs():
 
 def test_an_untied_mlm_heads_bias_loads_and_saves_as_transformers(tmp_path):
     """transformers 5's BertLMPredictionHead adds its decoder's own bias: tied to cls.predictions.bias, or with
-    tie_word_embeddings=False a separate parameter (cls.predictions.bias then unused). fastbert's head adds
-    cls.predictions.bias: it must hold the decoder's bias of an untied checkpoint, and a checkpoint fastbert writes
-    must give transformers that bias back."""
+    tie_word_embeddings=False a separate parameter (cls.predictions.bias then unused). fastbert's head must add the
+    decoder's bias of an untied checkpoint, and a checkpoint fastbert writes must give transformers that bias back."""
     torch.manual_seed(0)
     hf = transformers.BertForMaskedLM(hf_config(tie_word_embeddings=False)).eval()
     with torch.no_grad():
@@ -285,6 +284,29 @@ def test_an_untied_mlm_heads_bias_loads_and_saves_as_transformers(tmp_path):
     back = transformers.BertForMaskedLM.from_pretrained(tmp_path / "ours").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("name", ["BertForPreTraining", "BertForMaskedLM"])
+def test_mlm_state_dicts_load_strictly_both_ways(name, tied):
+    """transformers' state_dict() holds cls.predictions.decoder.bias beside cls.predictions.bias (one tied
+    parameter, or two with tie_word_embeddings=False): a strict load_state_dict works from either library's object
+    into the other's, with or without assign=True, and the logits stay transformers'."""
+    torch.manual_seed(0)
+    theirs = getattr(transformers, name)(hf_config(tie_word_embeddings=tied)).eval()
+    with torch.no_grad():
+        for bias in (theirs.cls.predictions.decoder.bias, theirs.cls.predictions.bias):
+            bias.normal_()  # untied: two values, of which the logits add the decoder's
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    logits = lambda model: model(input_ids=ids)[0]  # noqa: E731  (prediction_logits / logits)
+    for assign in (False, True):
+        ours = getattr(fastbert, name)(fastbert.BertConfig(**theirs.config.to_dict())).eval()
+        ours.load_state_dict(theirs.state_dict(), assign=assign)
+        back = getattr(transformers, name)(theirs.config).eval()
+        back.load_state_dict(ours.state_dict(), assign=assign)
+        with torch.no_grad():
+            torch.testing.assert_close(logits(ours), logits(theirs), rtol=0, atol=1e-5)
+            torch.testing.assert_close(logits(back), logits(theirs), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", ["BertForPreTraining", "BertForMaskedLM", "BertForNextSentencePrediction",
