@@ -315,7 +315,8 @@ class SelfAttention(nn.Module):
                  and relative_bias is None)
         q_like = hidden.reshape(*hidden.shape[:2], heads, config.head_dim).transpose(1, 2) if plain else hidden
         norm_weights = (norm_weight,) if pre_norm is None else (norm_weight, pre_weight)
-        if (ops.resolve_backend(backend, q_like, op="attention" if plain else None) != "triton"
+        if (ops.resolve_backend(backend, q_like, op="attention" if plain else None,
+                                kernel_fits=config.head_dim in ops.ATTENTION_HEAD_DIMS) != "triton"
                 or ops.resolve_backend(backend, hidden, *norm_weights, op="layer_norm") != "triton"):
             return None
         return attention_sublayer(hidden, parameters, relative_bias, (

@@ -28,7 +28,8 @@ from torch.utils.checkpoint import checkpoint
 
 from fastbert import paths, reference
 from fastbert.kernels.arguments import (CROSS_ENTROPY_REDUCTIONS, check_cross_entropy_options,
-                                       check_cross_entropy_shapes, check_relative_bias, check_rotary_window)
+                                       check_cross_entropy_shapes, check_max_seqlen, check_relative_bias,
+                                       check_rotary_window)
 
 BACKENDS = ("auto", "triton", "torch")
 GELU_APPROXIMATIONS = ("none", "tanh")
@@ -47,6 +48,8 @@ except Exception as exc:  # ImportError, or a broken install raising anything el
 KERNEL_FILES = ("layer_norm", "bias_gelu", "ffn", "qkv", "attention", "mlm_loss", "dropout")
 KERNELS = {} if TRITON_IMPORT_ERROR else {
     name: importlib.import_module(f"fastbert.kernels.{name}") for name in KERNEL_FILES}
+# the head dims the Triton attention takes; "auto" runs the reference for others (resolve_backend's kernel_fits)
+ATTENTION_HEAD_DIMS = KERNELS["attention"].SUPPORTED_HEAD_DIMS if KERNELS else ()
 
 
 def interpreter_enabled() -> bool:
@@ -118,12 +121,15 @@ def _backend_from_environment() -> str:
     return "" if value is None else os.environ.decodevalue(value)
 
 
-def resolve_backend(backend: str | None, *tensors: torch.Tensor | None, op: str | None = None) -> str:
+def resolve_backend(backend: str | None, *tensors: torch.Tensor | None, op: str | None = None,
+                    kernel_fits: bool = True) -> str:
     """Return the path to run for these tensors: "triton", "torch", or, for "auto" on a GPU where
     fastbert.paths' table chooses it, "cublas_then_bias_gelu" (op linear_bias_gelu and the FFNs) or
     "cublas_forward" (op qkv_projection); raise if the request cannot run. op: the fastbert.paths op whose
     measurements "auto" reads on a GPU (the tensors as paths.SIZES takes them, the op's input first); None:
-    "auto" means the kernel there. Runs on every op call: a few attribute reads."""
+    "auto" means the kernel there. kernel_fits False: the kernel does not take these shapes (an attention head
+    dim outside ATTENTION_HEAD_DIMS), so "auto" runs the reference, and "triton" is left to the kernel's check
+    to refuse. Runs on every op call: a few attribute reads."""
     if backend is None or backend == "auto":
         env = _backend_from_environment()
         if env in ("triton", "torch"):
@@ -137,7 +143,8 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor | None, op: str 
             capability = paths.planned_capability() if devices == "meta" else None
             # CPU tensors of a host-time measurement that stand for a GPU's take its recorded choices
             recorded = _STUBBED_AUTO[0] if devices == "other" else None
-            if TRITON_IMPORT_ERROR is not None or not (devices == "cuda" or capability or recorded is not None):
+            if (TRITON_IMPORT_ERROR is not None or not kernel_fits
+                    or not (devices == "cuda" or capability or recorded is not None)):
                 return "torch"
             if op is None:
                 return "triton"
@@ -222,8 +229,17 @@ def _layer_norm_inputs(x, weight, bias, residual):
 
 
 def _check_last_dim(name: str, tensor: torch.Tensor, size: int, what: str) -> None:
+    if tensor.dim() == 0:
+        raise ValueError(f"{name} is a 0-d tensor, expected a last dimension of {size} ({what})")
     if tensor.shape[-1] != size:
         raise ValueError(f"{name} has last dimension {tensor.shape[-1]}, expected {size} ({what})")
+
+
+def _check_vector(name: str, tensor: torch.Tensor | None, size: int, what: str) -> None:
+    """A bias: a tensor [size]."""
+    if not isinstance(tensor, torch.Tensor) or tensor.shape != (size,):
+        shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor
+        raise ValueError(f"{name} has shape {shape!r}, expected ({size},) ({what})")
 
 
 def _check_dropout(dropout_p: float, name: str = "dropout_p") -> None:
@@ -233,6 +249,8 @@ def _check_dropout(dropout_p: float, name: str = "dropout_p") -> None:
 
 def _layer_norm_argument_error(x, weight, bias, eps, residual, dropout_p, save, return_residual):
     """Raise ValueError for the first argument of `layer_norm` it does not take."""
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension [..., H], got a 0-d tensor")
     hidden = x.shape[-1]
     _check_last_dim("weight", weight, hidden, "x's hidden size")
     if bias is not None:
@@ -264,7 +282,7 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
     kernels/layer_norm.py); "input" keeps x and the residual (with return_residual: summed instead),
     exact for any weight. Raises ValueError naming a bad argument.
     """
-    hidden = x.shape[-1]
+    hidden = x.shape[-1] if x.dim() else -1  # 0-d: no weight fits, and the error below says why
     # one condition for the arguments that pass (every call of every layer), the messages for those that do not
     if not (weight.dim() == 1 and weight.shape[0] == hidden
             and (bias is None or (bias.dim() == 1 and bias.shape[0] == hidden))
@@ -283,7 +301,9 @@ def layer_norm(x, weight, bias, eps=1e-12, residual=None, dropout_p=0.0, trainin
 def bias_gelu(x, bias, approximate="none", backend=None):
     """gelu(x + bias); x [..., N], bias [N]; approximate "none" (exact erf) or "tanh". Returns the dtype
     x + bias has (autocast does not touch it)."""
-    _check_last_dim("bias", bias, x.shape[-1], "x's last dimension")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension [..., N], got a 0-d tensor")
+    _check_vector("bias", bias, x.shape[-1], "x's last dimension")
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
     if resolve_backend(backend, x, bias, op="bias_gelu") == "triton":
@@ -301,7 +321,7 @@ def linear_bias_gelu(x, weight, bias, approximate="none", backend=None):
     bias + GELU kernel ("cublas_then_bias_gelu"), where fastbert.paths measured it faster.
     """
     _check_last_dim("weight", weight, x.shape[-1], "x's last dimension")
-    _check_last_dim("bias", bias, weight.shape[0], "weight's output size")
+    _check_vector("bias", bias, weight.shape[0], "weight's output size")
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
     path = resolve_backend(backend, x, weight, bias, op="linear_bias_gelu")
@@ -320,8 +340,8 @@ def qkv_projection(x, weight, bias, num_heads, backend=None):
     hidden = x.shape[-1]
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be [B, S, H] or [T, H], got shape {tuple(x.shape)}")
-    if num_heads <= 0 or hidden % num_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be positive and divide the hidden size {hidden}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0 or hidden % num_heads:
+        raise ValueError(f"num_heads ({num_heads!r}) must be a positive int that divides the hidden size {hidden}")
     if weight.shape != (3 * hidden, hidden):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {(3 * hidden, hidden)}")
     if bias is not None and bias.shape != (3 * hidden,):
@@ -366,7 +386,7 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
     # SDPA is a candidate path only for plain dense attention (fastbert.paths)
     plain = attention_mask is None and relative_bias is None and rotary_base is None and window is None
     if resolve_backend(backend, q, k, v, attention_mask, relative_bias, relative_buckets,
-                       op="attention" if plain else None) == "triton":
+                       op="attention" if plain else None, kernel_fits=q.shape[-1] in ATTENTION_HEAD_DIMS) == "triton":
         q, k, v = _matmul_inputs(q, k, v)
         kernel = KERNELS["attention"]
         kernel.check_limits(q, k, v, attention_mask, None, q.shape[2], None, relative_bias, relative_buckets,
@@ -394,16 +414,20 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None,
     """Attention over packed sequences: q, k, v [T, heads, d]; cu_seqlens int32 [B+1] (0, ..., T);
     max_seqlen the longest sequence. Each token attends to the tokens of its own sequence only.
     relative_bias, relative_buckets, rotary_base, window as in `attention`, with the positions inside each
-    sequence."""
+    sequence. cu_seqlens' values are not checked (reading them would wait for the GPU; the models check theirs):
+    rows past cu_seqlens[-1] belong to no sequence, and the kernels leave them and their gradients unwritten,
+    as flash-attn's varlen attention does (the reference writes zeros)."""
     if q.dim() != 3 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"q, k, v must share one [T, heads, d] shape, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be int32 [B+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    check_max_seqlen(max_seqlen, q.shape[0])
     _check_dropout(dropout_p)
     check_relative_bias(relative_bias, relative_buckets, q.shape[1], q.device)
     check_rotary_window(rotary_base, window, q.shape[-1])
-    if resolve_backend(backend, q, k, v, cu_seqlens, relative_bias, relative_buckets) == "triton":
+    if resolve_backend(backend, q, k, v, cu_seqlens, relative_bias, relative_buckets,
+                       kernel_fits=q.shape[-1] in ATTENTION_HEAD_DIMS) == "triton":
         q, k, v = _matmul_inputs(q, k, v)
         kernel = KERNELS["attention"]
         kernel.check_limits(q, k, v, None, cu_seqlens, max_seqlen, None, relative_bias, relative_buckets,
@@ -450,10 +474,10 @@ def _check_feed_forward_args(x, w1, b1, w2, b2, approximate, gated, residual) ->
                          f"so they must be even")
     inner = w1.shape[0] // 2 if gated else w1.shape[0]
     if b1 is not None:
-        _check_last_dim("b1", b1, w1.shape[0], "w1's output size")
+        _check_vector("b1", b1, w1.shape[0], "w1's output size")
     _check_last_dim("w2", w2, inner, "w1's output size halved (I)" if gated else "w1's output size")
     if b2 is not None:
-        _check_last_dim("b2", b2, w2.shape[0], "w2's output size")
+        _check_vector("b2", b2, w2.shape[0], "w2's output size")
     if residual is not None and residual.shape != (*x.shape[:-1], w2.shape[0]):
         raise ValueError(f"residual has shape {tuple(residual.shape)}, expected the output's "
                          f"{(*x.shape[:-1], w2.shape[0])} (x's leading dimensions, w2's output size)")

@@ -41,6 +41,15 @@ def check_rotary_window(rotary_base, window, head_dim: int) -> None:
         raise ValueError(f"window must be an int >= 0 (keys with |i - j| <= window), got {window!r}")
 
 
+def check_max_seqlen(max_seqlen, tokens: int) -> None:
+    """max_seqlen of packed sequences: an int >= 0, >= 1 when there are tokens. That it reaches the longest
+    sequence is not checked: that would read cu_seqlens, waiting for the GPU."""
+    if (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, torch.SymInt)) or max_seqlen < 0
+            or (max_seqlen == 0 and tokens > 0)):
+        raise ValueError(f"max_seqlen must be an int >= the longest sequence (>= 1 when there are tokens), "
+                         f"got {max_seqlen!r}")
+
+
 CROSS_ENTROPY_REDUCTIONS = ("mean", "sum")
 
 

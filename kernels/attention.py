@@ -102,7 +102,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.kernels.arguments import check_relative_bias, check_rotary_window
+from fastbert.kernels.arguments import check_max_seqlen, check_relative_bias, check_rotary_window
 from fastbert.kernels.fused_op import backward_follows, fused_op, register_no_backward
 from fastbert.kernels.launch import cdiv, launch, next_power_of_2, placeholders
 from fastbert.kernels.numerics import INTERPRETER, cast, dot, dot_accumulate, dot_precision, dropout_seed
@@ -732,10 +732,8 @@ def check_limits(q, k, v, key_mask, cu_seqlens, max_seqlen, seed, relative_bias,
     for name, size in (("number of heads", heads), ("batch size (number of sequences)", batch)):
         if size > MAX_GRID_AXIS:
             raise ValueError(f"{name} is {size}; the Triton attention supports at most {MAX_GRID_AXIS}")
-    if varlen and (not isinstance(max_seqlen, (int, torch.SymInt)) or max_seqlen < 0
-                   or (max_seqlen == 0 and q.shape[0] > 0)):
-        raise ValueError(f"max_seqlen must be an int >= the longest sequence (>= 1 when there are tokens), "
-                         f"got {max_seqlen!r}")
+    if varlen:
+        check_max_seqlen(max_seqlen, q.shape[0])
     if relative_bias is not None and (rotary_base is not None or window is not None):
         given = " and ".join(f"{name}={value!r}" for name, value in (("rotary_base", _float_or_none(rotary_base)),
                                                                       ("window", window)) if value is not None)
@@ -900,7 +898,8 @@ def _launch_meta(q, key_mask, cu_seqlens, max_seqlen, seed, dropout_p, scale, re
         batch, heads, seqlen, _ = q.shape
     unread = placeholders(q.device)
     mask, lo, hi, stride_mb, stride_ms = _mask_and_bounds(q, None if varlen else key_mask, unread)
-    pointers = (mask, lo, hi, unread[torch.int32] if cu_seqlens is None else cu_seqlens,
+    # the kernels read cu_seqlens[b] at offset b: a strided view (x[::2]) is copied, never read past its elements
+    pointers = (mask, lo, hi, unread[torch.int32] if cu_seqlens is None else cu_seqlens.contiguous(),
                 unread[torch.int64] if seed is None else seed,
                 _bias_by_distance(relative_bias, relative_buckets, unread),
                 _inv_freq(q, rotary_base, unread))

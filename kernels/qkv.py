@@ -87,8 +87,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num
     hidden = x.shape[-1]
     if x.dtype not in DTYPES:
         raise ValueError(f"x has dtype {x.dtype}; supported dtypes are {DTYPES}")
-    if num_heads <= 0 or hidden % num_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be positive and divide the hidden size {hidden}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0 or hidden % num_heads:
+        raise ValueError(f"num_heads ({num_heads!r}) must be a positive int that divides the hidden size {hidden}")
     if weight.shape != (3 * hidden, hidden):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {(3 * hidden, hidden)}")
     if bias is not None and bias.shape != (3 * hidden,):

@@ -285,6 +285,23 @@ def test_varlen_equals_padded(device, dropout_p, dtype):
         assert torch.equal(a, b)
 
 
+def test_a_strided_cu_seqlens_is_read_by_its_strides(device):
+    """cu_seqlens as a strided view (every other element of a buffer) gives the contiguous one's results, forward
+    and backward: the kernels read it at offset b, so a view was read past its elements (wrong rows, or on other
+    values an out-of-bounds read)."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(10, 2, 32, device=device, requires_grad=True) for _ in range(3))
+    contiguous = torch.tensor([0, 3, 10], dtype=torch.int32, device=device)
+    strided = torch.tensor([0, 99, 3, 99, 10, 99], dtype=torch.int32, device=device)[::2]
+    assert strided.stride() == (2,) and torch.equal(strided, contiguous)
+    dout = torch.randn(10, 2, 32, device=device)
+    results = [run(lambda q, k, v, cu=cu: attn.attention_varlen(q, k, v, cu, 7), (q, k, v), dout)
+               for cu in (contiguous, strided)]
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(a, b)
+
+
 def test_torch_compile_traces_without_graph_breaks(device):
     torch.manual_seed(0)
     q, k, v = make_qkv(2, 2, 19, 32, torch.float32, device, "qkv_buffer")

@@ -61,6 +61,18 @@ def test_unknown_backend():
                                       ), ["target", "float32"]),
     (lambda: ops.linear_cross_entropy(torch.zeros(3, 8), torch.zeros(10, 8), None, torch.zeros(3, dtype=torch.long),
                                       reduction="none"), ["reduction", "none"]),
+    # on the reference path too, where PyTorch's own errors named none of them, or broadcast silently
+    (lambda: ops.attention_varlen(torch.zeros(4, 2, 8), torch.zeros(4, 2, 8), torch.zeros(4, 2, 8),
+                                  torch.tensor([0, 4], dtype=torch.int32), -1), ["max_seqlen", "-1"]),
+    (lambda: ops.attention_varlen(torch.zeros(4, 2, 8), torch.zeros(4, 2, 8), torch.zeros(4, 2, 8),
+                                  torch.tensor([0, 4], dtype=torch.int32), 4.0), ["max_seqlen", "4.0"]),
+    (lambda: ops.bias_gelu(torch.zeros(4, 8), torch.zeros(4, 8)), ["bias", "(4, 8)", "(8,)"]),
+    (lambda: ops.bias_gelu(torch.zeros(()), torch.zeros(1)), ["x", "0-d"]),
+    (lambda: ops.layer_norm(torch.zeros(()), torch.ones(1), None), ["x", "0-d"]),
+    (lambda: ops.linear_bias_gelu(torch.zeros(2, 8), torch.zeros(4, 8), None), ["bias", "None", "(4,)"]),
+    (lambda: ops.feed_forward(torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(2, 4), torch.zeros(8, 4), None),
+     ["b1", "(2, 4)", "(4,)"]),
+    (lambda: ops.qkv_projection(torch.zeros(2, 3, 8), torch.zeros(24, 8), None, 2.0), ["num_heads", "2.0", "int"]),
 ])
 def test_argument_errors_name_the_argument(call, words):
     with pytest.raises(ValueError) as info:
@@ -200,3 +212,31 @@ def test_inference_standing_for_a_gpu_projects_qkv_with_one_gemm():
     with fastbert.paths.planned_architecture(90), torch.no_grad(), counter:
         assert model(ids).last_hidden_state.shape == (2, 8, config.hidden_size)
     assert counter.cats == 2 * config.num_hidden_layers
+
+
+@pytest.mark.parametrize("unpad", [False, True], ids=["padded", "unpadded"])
+def test_auto_runs_the_reference_attention_for_a_head_dim_the_kernel_does_not_take(unpad, monkeypatch):
+    """The Triton attention takes head dims 32, 64 and 128. For another (48 here), "auto" on a GPU (meta tensors of
+    a memory plan standing for an H100's) runs the reference attention in a model's forward, and a training step
+    leaves the attention sublayer's one node (whose kernel would refuse it) for the per-op path; both raised the
+    kernel's head-dim error. "triton", asked for, still refuses it by name."""
+    calls = []
+    monkeypatch.setattr(reference, "attention", lambda *args, _run=reference.attention: calls.append(1) or _run(*args))
+    config = fastbert.BertConfig.tiny(hidden_size=96, num_attention_heads=2, intermediate_size=128, unpad=unpad)
+    assert config.head_dim not in ops.ATTENTION_HEAD_DIMS
+    with torch.device("meta"):
+        model = fastbert.BertModel(config)
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    mask = torch.ones(2, 16, dtype=torch.long, device="meta")
+    with fastbert.paths.planned_architecture(90):
+        with torch.no_grad():
+            assert model(input_ids=ids, attention_mask=mask).last_hidden_state.shape == (2, 16, 96)
+        assert len(calls) == config.num_hidden_layers
+        attention = model.encoder.layer[0].attention
+        hidden = torch.empty(2, 16, 96, device="meta", requires_grad=True)
+        layout = fastbert.modeling.AttentionLayout(attention_mask=mask)
+        output = attention.output
+        assert attention.self.sublayer(hidden, layout, output.dense, output.LayerNorm, output.dropout) is None
+        q = torch.empty(2, 2, 16, config.head_dim, device="meta")
+        with pytest.raises(ValueError, match="head dim.*48"):
+            ops.attention(q, q, q, mask, backend="triton")

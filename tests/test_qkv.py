@@ -326,7 +326,7 @@ def test_bad_inputs(device):
     x, weight, bias = _inputs((2, 7, 384), torch.float32, device, seed=3)
     with pytest.raises(ValueError, match="x must be"):
         kernel.qkv_projection(x[None], weight, bias, 6)
-    with pytest.raises(ValueError, match=r"num_heads \(5\) must be positive and divide"):
+    with pytest.raises(ValueError, match=r"num_heads \(5\) must be a positive int that divides"):
         kernel.qkv_projection(x, weight, bias, 5)
     with pytest.raises(ValueError, match="weight has shape"):
         kernel.qkv_projection(x, weight[:384], bias, 6)
