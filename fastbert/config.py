@@ -289,6 +289,12 @@ class BertConfig(ConfigBase):
     # that declares aliases gets transformers' lookup back (__init_subclass__).
     __getattribute__ = object.__getattribute__
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """The architecture's own spelling of a field (hf_names) sets that field, as transformers' attribute_map
+        does: `--model.norm_eps` and replace(norm_eps=...) set ModernBERT's layer_norm_eps, never a stray attribute
+        that config.json would then write and the model never read."""
+        super().__setattr__(type(self).hf_names.get(name, name), value)
+
     def __getattr__(self, name: str):
         """Only reached for names the instance lacks: the architecture's own spelling of a field (hf_names)."""
         if name in type(self).hf_names:

@@ -162,3 +162,16 @@ def test_overrides_follow_transformers(tmp_path):
         BertConfig(max_predictions_per_seq=-1)
     written = BertConfig.from_json(path, backend="torch", unpad=True, max_predictions_per_seq=20).to_dict()
     assert not {"backend", "unpad", "max_predictions_per_seq"} & set(written)
+
+
+def test_an_architectures_own_spelling_sets_the_field():
+    """transformers' attribute_map sets a field through its alias: ModernBERT's norm_eps is layer_norm_eps,
+    DistilBERT's dropout hidden_dropout_prob. replace(), --model.<name> (update_known) and attribute assignment set
+    the field the model reads; they set a stray attribute, which config.json wrote and the model never read."""
+    from fastbert.family_config import DistilBertConfig, ModernBertConfig
+    config = ModernBertConfig.tiny().replace(norm_eps=0.5, attention_dropout=0.25)
+    assert config.layer_norm_eps == 0.5 and config.attention_probs_dropout_prob == 0.25
+    assert "norm_eps" not in vars(config) and config.to_dict()["norm_eps"] == 0.5
+    distilbert = DistilBertConfig()
+    distilbert.dropout = 0.3
+    assert distilbert.hidden_dropout_prob == 0.3 and distilbert.to_dict()["dropout"] == 0.3

@@ -6,6 +6,7 @@ The tasks are learnable from word identity (plus position for tagging and SQuAD)
 H=32 model trained from scratch with a large learning rate gets them in a few hundred steps.
 """
 import json
+import math
 import os
 import random
 
@@ -283,3 +284,22 @@ def test_bad_input_names_file_and_line(tmp_path, tiny_model, capsys):
     argv = ["finetune", "--task", "classification", "--model", tiny_model, "--train", str(dev), "--no-progress"]
     assert fastbert.cli.main(argv) == 2
     assert f"{dev}: no records" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("evaluated", [True, False], ids=["with-eval", "without-eval"])
+def test_a_run_that_diverges_saves_nothing_and_fails(tmp_path, tiny_model, capsys, evaluated):
+    """A learning rate that makes the weights NaN: the evaluation still scores (NaN logits pick class 0, the
+    majority), so it was kept as the best epoch, saved, and the command exited 0. Now nothing is written to --out
+    and the command fails naming the options to change; an unfinite weight decay is refused before any work."""
+    write_sentiment(tmp_path / "train.tsv", 40, seed=13)
+    out = tmp_path / "out"
+    argv = ["finetune", "--task", "classification", "--model", tiny_model, "--train", str(tmp_path / "train.tsv"),
+            *(["--eval", str(tmp_path / "train.tsv")] if evaluated else []), "--out", str(out), "--max-steps", "3",
+            "--backend", "torch", "--no-progress", "--learning-rate", "1e12"]
+    assert fastbert.cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "fine-tuning diverged by step" in err and "Lower --learning-rate (it is 1e+12)" in err
+    assert not out.exists()
+    for name, value in (("weight_decay", math.inf), ("weight_decay", -1.0), ("max_grad_norm", 0.0)):
+        with pytest.raises(ValueError, match=f"{name} must be"):
+            finetune(FinetuneConfig("classification", tiny_model, str(tmp_path / "train.tsv"), **{name: value}))

@@ -185,11 +185,33 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(data, tmp_path, monkeypa
     (["--model.hidden_sise", "8"], "no field 'hidden_sise'"),
     (["--seq-lengths", "128,512"], "must be in [5, 128], the longest sequence the model's max_position_embeddings"),
     (["--batch-size", "8", "--micro-batch-size", "3"], "must divide"),
+    # infinities passed the > 0 / >= 0 checks: a traceback (--warmup), a run that trained nothing (--eps)
+    (["--warmup", "inf"], "--warmup must be finite and >= 0, got inf"),
+    (["--eps", "inf"], "--eps must be finite and > 0, got inf"),
+    (["--weight-decay", "inf"], "--weight-decay must be finite and >= 0, got inf"),
+    (["--lr", "inf"], "--lr must be finite and > 0, got inf"),
 ])
 def test_bad_options_are_clear_errors(tmp_path, capsys, argv, message):
     assert pretrain.main(argv + ["--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "fastbert pretrain: error: " in err and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"lr": "1e-3"}, "--lr must be a number, got '1e-3'"),
+    ({"steps": "3"}, "--steps must be an integer, got '3'"),
+    ({"steps": 3.0}, "--steps must be an integer, got 3.0"),
+    ({"seq_lengths": 16}, "--seq-lengths must be a string, got 16"),
+    ({"whole_word_masking": "false"}, "--whole-word-masking must be true or false, got 'false'"),
+])
+def test_config_file_values_of_another_type_are_clear_errors(tmp_path, capsys, values, message):
+    """--config's JSON values are not typed by argparse: a string for a number was a traceback, and "false" for a
+    switch turned it on."""
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(values))
+    assert pretrain.main(["--config", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
 
 
 def test_missing_phase_data_is_a_clear_error(data, tmp_path, capsys):

@@ -5,6 +5,7 @@ or checkpoints silently."""
 import json
 import logging
 import os
+import re
 import random
 
 import numpy as np
@@ -325,6 +326,12 @@ def test_modernbert_preset_pretrains_and_resumes_bitwise(data, tmp_path):
     assert type(result["model"]) is ModernBertForMaskedLM and result["model"].config.pad_token_id == 0
     assert result["model"].config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
     assert pretrain.train(config(data, parts, stop_at=2, model="modernbert-base"), overrides)["stopped"]
+    # ModernBERT's own fields are the run's too, under either spelling (norm_eps is its config.json's layer_norm_eps):
+    # a resume that changes one is refused naming it, where it went on with other numbers
+    for change, named in (({"local_attention": 4}, "--model.local_attention: checkpoint 8, now 4"),
+                          ({"norm_eps": 0.5}, "--model.layer_norm_eps: checkpoint 1e-05, now 0.5")):
+        with pytest.raises(ValueError, match=re.escape(named)):
+            pretrain.train(config(data, parts, model="modernbert-base"), {**overrides, **change})
     pretrain.train(config(data, parts, model="modernbert-base"), overrides)
     strip = [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in records(whole)]
     assert [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in records(parts)] == strip

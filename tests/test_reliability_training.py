@@ -181,6 +181,20 @@ def test_a_changed_learning_rate_or_length_is_honoured_and_logged(data, resumabl
     assert json.load(open(resumable / "config.json"))["lr"] == 0.002
 
 
+def test_a_longer_run_that_would_go_back_a_phase_is_refused(data, tmp_path, capsys):
+    """Stopped in phase 2 (step 4 of 6, phases ending at step 3), resumed with --steps 12: phase 1 would now end at
+    step 6, so steps 5 and 6 would read phase 1's examples again from its start, and the length go back to 16. It is
+    refused naming the options, nothing touched; with phase fractions that end phase 1 by step 4 it resumes."""
+    out = tmp_path / "run"
+    pretrain.train(config(data, out, stop_at=4), SMALL)
+    assert pretrain.main(cli(data, out, "--steps", "12")) == 2
+    err = capsys.readouterr().err
+    assert "with --steps 12 and --phase-fractions '0.5,0.5': step 5 would fall in phase 1 (length 16)" in err
+    assert checkpoint_steps(out) == [4] and not (out / "previous").exists()
+    assert pretrain.main(cli(data, out, "--steps", "12", "--phase-fractions", "0.25,0.75")) == 0
+    assert [(r["step"], r["seq_length"]) for r in losses(out)][3:6] == [(4, 32), (5, 32), (6, 32)]
+
+
 def test_two_runs_cannot_share_a_run_directory(data, tmp_path, capsys):
     out = tmp_path / "run"
     with output_lock(str(out)):  # as another run holds it

@@ -10,11 +10,13 @@ docs/finetuning.md gives the command for each task family.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from fastbert.command import run_command
 from fastbert.finetune.readers import TABLE_FORMATS
 from fastbert.finetune.train import PAPER_LEARNING_RATES, PRECISIONS, TASKS, FinetuneConfig, finetune
+from fastbert.train.pretrain import TrainingError
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -109,11 +111,16 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
 
-    def run() -> None:
-        result = finetune(config_from_args(args))
+    def run() -> int:
+        try:
+            result = finetune(config_from_args(args))
+        except TrainingError as exc:  # the run went wrong, not the user's input
+            logging.getLogger("fastbert").error("%s", exc)
+            return 1
         if result["best"] is not None:
             print(f"best (epoch {result['best']['epoch']}): "
                   + ", ".join(f"{k} {v:.4f}" for k, v in result["best"].items() if k not in ("epoch", "step")))
+        return 0
 
     return run_command("finetune", run)
 

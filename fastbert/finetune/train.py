@@ -34,6 +34,7 @@ from fastbert.finetune.loading import checkpoint_directory, load_config, load_ta
 from fastbert.finetune.squad import QuestionAnsweringTask
 from fastbert.finetune.tasks import ChoiceTask, Columns, SequenceTask, Task, TokenTask
 from fastbert.train.optim import build_optimizer, linear_warmup_decay
+from fastbert.train.pretrain import TrainingError
 from fastbert.train.run import compute_dtype
 
 TASKS = ("classification", "regression", "token-classification", "question-answering", "multiple-choice")
@@ -99,6 +100,10 @@ class FinetuneConfig:
             raise ValueError(f"max_steps must be a positive integer, got {self.max_steps}")
         if not 0 < self.learning_rate < math.inf:
             raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if not 0 < self.max_grad_norm < math.inf:
+            raise ValueError(f"max_grad_norm must be a positive finite number, got {self.max_grad_norm}")
         if not 0 <= self.warmup_proportion < 1:
             raise ValueError(f"warmup_proportion must be in [0, 1), got {self.warmup_proportion}")
         if not 0 <= self.dropout < 1:
@@ -257,6 +262,7 @@ def train_loop(cfg: FinetuneConfig, model, task: Task, train_inputs: list[dict],
                disable=not cfg.progress)
     step, seen, started = 0, 0, time.perf_counter()
     unshown, unshown_loss = 0, torch.zeros((), device=device)  # steps since the bar showed the loss, their sum
+    trained_loss = torch.zeros((), device=device)  # every step's: read only before a save (a host sync)
     for epoch in range(cfg.epochs):
         order = torch.randperm(len(train_inputs), generator=generator).tolist()
         for batch in batches(train_inputs, cfg.batch_size, task.packer.pad_id, order):
@@ -271,6 +277,7 @@ def train_loop(cfg: FinetuneConfig, model, task: Task, train_inputs: list[dict],
             step += 1
             seen += len(batch["input_ids"])
             unshown, unshown_loss = unshown + 1, unshown_loss + loss.detach().float()
+            trained_loss += loss.detach().float()
             # reading the loss is a host sync: only every LOSS_SHOWN_EVERY steps, and only when it is shown
             if not bar.disable and (unshown == LOSS_SHOWN_EVERY or step == total_steps):
                 bar.set_postfix(loss=f"{unshown_loss.item() / unshown:.4f}", lr=f"{schedule.get_last_lr()[0]:.2e}",
@@ -287,10 +294,24 @@ def train_loop(cfg: FinetuneConfig, model, task: Task, train_inputs: list[dict],
                 f"{k} {v:.4f}" for k, v in scores.items() if k not in ("epoch", "step")))
             sign = -1 if metric in LOWER_IS_BETTER else 1
             if best is None or sign * scores[metric] > sign * best[metric]:
+                check_finite(cfg, trained_loss, scores, step)
                 best = scores
                 save_best(predictions)
                 logger.info(f"best {metric} so far (kept for {cfg.out})")
         if step >= total_steps:
             break
     bar.close()
+    check_finite(cfg, trained_loss, None, step)
     return step, history, best
+
+
+def check_finite(cfg: FinetuneConfig, trained_loss: torch.Tensor, scores: dict | None, step: int) -> None:
+    """Raise TrainingError (nothing is saved) when a training step's loss or the evaluation loss (scores) is not
+    finite: the weights may then be NaN, whose logits still score (argmax picks class 0)."""
+    evaluated = None if scores is None else scores.get("loss")
+    if math.isfinite(trained_loss.item()) and (evaluated is None or math.isfinite(evaluated)):
+        return
+    where = "a training step's loss" if evaluated is None or math.isfinite(evaluated) else "the evaluation loss"
+    raise TrainingError(f"fine-tuning diverged by step {step}: {where} is not finite, so the weights may be NaN; "
+                        f"nothing was saved to {cfg.out}. Lower --learning-rate (it is {cfg.learning_rate:g}) or "
+                        f"--weight-decay (it is {cfg.weight_decay:g}), or check the data")

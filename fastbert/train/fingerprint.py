@@ -7,6 +7,7 @@ digest per phase dataset (its index.json, which names each shard's sha256, and i
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 
@@ -43,11 +44,19 @@ def dataset_digest(directory: str) -> str:
     return digest.hexdigest()
 
 
+def model_fields(config) -> tuple[str, ...]:
+    """The config fields a resume compares: MODEL_FIELDS, then the architecture's own (its config class's
+    defaults: ModernBERT's local_attention, layer_types, mlp_dropout, ...; DistilBERT's sinusoidal_pos_embds)."""
+    return MODEL_FIELDS + tuple(name for name in type(config).defaults if name not in MODEL_FIELDS)
+
+
 def fingerprint(cfg, config, phases, dtype) -> dict:
     """The run's fingerprint (JSON-able): cfg a PretrainConfig, config its BertConfig, phases run.Phase."""
     options = {name: getattr(cfg, name) for name in EXACT_OPTIONS + CHANGEABLE_OPTIONS}
     options.update(seq_lengths=[p.seq_length for p in phases], precision=str(dtype).removeprefix("torch."))
-    return {"options": options, "model": {name: getattr(config, name) for name in MODEL_FIELDS},
+    # as run.json will read back (tuples as lists), so that an unchanged value compares equal
+    model = json.loads(json.dumps({name: getattr(config, name) for name in model_fields(config)}))
+    return {"options": options, "model": model,
             "data": {str(p.seq_length): dataset_digest(p.dataset.directory) for p in phases}}
 
 
@@ -59,8 +68,9 @@ def check_resume(saved: dict, current: dict, checkpoint: str, accept_changes: bo
         return f"--{name.replace('_', '-')}"
 
     shapes, exact = [], []
-    for name in MODEL_FIELDS:
-        was, now = saved["model"].get(name, RECORDED_LATER.get(name)), current["model"][name]
+    for name, now in current["model"].items():
+        # a field a checkpoint did not record (written before the architecture's own fields were): not compared
+        was = saved["model"].get(name, RECORDED_LATER.get(name, now))
         if was != now:
             (shapes if name in SHAPE_FIELDS else exact).append(f"--model.{name}: checkpoint {was!r}, now {now!r}")
     for name in EXACT_OPTIONS:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 
 from fastbert.config import ACTIVATION_CHECKPOINTING
@@ -35,6 +36,12 @@ DEMO_OPTIONS = {"steps": 1400, "lr": 1.5e-3, "warmup": 0.02, "beta2": 0.98, "seq
 DEMO_MODEL = {"intermediate_size": 256, "num_attention_heads": 4, "hidden_dropout_prob": 0.0,
               "attention_probs_dropout_prob": 0.0}
 DEMO_MODEL_HELP = "the tiny model with 4 heads, FFN 256, no dropout"
+
+
+# the types PretrainConfig's fields are annotated with: as isinstance reads them (an int is a float too, as in JSON),
+# and in words
+FIELD_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"), "str": (str, "a string"),
+               "bool": (bool, "true or false")}
 
 
 @dataclass
@@ -77,15 +84,21 @@ class PretrainConfig:
     progress: bool = True  # progress bar on rank 0
 
     def validate(self) -> None:
+        for field in dataclasses.fields(self):  # --config's JSON values too, which argparse never typed
+            value, (kind, words) = getattr(self, field.name), FIELD_TYPES[field.type]
+            if not isinstance(value, kind) or (isinstance(value, bool) and field.type != "bool"):
+                raise ValueError(f"--{field.name.replace('_', '-')} must be {words}, got {value!r}")
         checks = [("steps", self.steps >= 1, ">= 1"), ("batch_size", self.batch_size >= 1, ">= 1"),
-                  ("lr", self.lr > 0, "> 0"), ("warmup", self.warmup >= 0, ">= 0"),
-                  ("weight_decay", self.weight_decay >= 0, ">= 0"), ("eps", self.eps > 0, "> 0"),
+                  ("lr", 0 < self.lr < math.inf, "finite and > 0"), ("warmup", 0 <= self.warmup < math.inf,
+                                                                        "finite and >= 0"),
+                  ("weight_decay", 0 <= self.weight_decay < math.inf, "finite and >= 0"),
+                  ("eps", 0 < self.eps < math.inf, "finite and > 0"),
                   ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"), ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
-                  ("max_grad_norm", self.max_grad_norm >= 0, ">= 0"),
+                  ("max_grad_norm", 0 <= self.max_grad_norm < math.inf, "finite and >= 0 (0: no clipping)"),
                   ("log_every", self.log_every >= 1, ">= 1"), ("save_every", self.save_every >= 1, ">= 1"),
                   ("keep_checkpoints", self.keep_checkpoints >= 2, ">= 2"),
                   ("max_bad_steps", self.max_bad_steps >= 1, ">= 1"), ("stop_at", self.stop_at >= 0, ">= 0"),
-                  ("peak_tflops", self.peak_tflops >= 0, ">= 0"), ("prefetch", self.prefetch >= 1, ">= 1"),
+                  ("peak_tflops", 0 <= self.peak_tflops < math.inf, "finite and >= 0"), ("prefetch", self.prefetch >= 1, ">= 1"),
                   ("threads", self.threads >= 0, ">= 0"),
                   ("optimizer", self.optimizer in OPTIMIZERS, f"one of {OPTIMIZERS}"),
                   ("objective", self.objective in OBJECTIVES, f"one of {OBJECTIVES}"),

@@ -242,7 +242,14 @@ def restore(run: Run) -> Progress:
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, run.scheduler.lr_lambdas[0], last_epoch=step - 1)
     progress = Progress(step, saved["data"]["position"], saved["skipped_steps"], saved["bad_steps_in_row"],
                         saved.get("metrics_window", {}))
-    if run.phase_of(step) != saved["data"]["phase"]:  # saved at a phase boundary
+    phase, saved_phase = run.phase_of(step), saved["data"]["phase"]
+    if phase < saved_phase:  # a longer --steps (or other --phase-fractions) moves the phase ends later
+        raise ValueError(
+            f"cannot resume from {run.resume} with --steps {cfg.steps} and --phase-fractions {cfg.phase_fractions!r}: "
+            f"step {step + 1} would fall in phase {phase + 1} (length {run.phases[phase].seq_length}), which the "
+            f"checkpoint's run has finished (it is in phase {saved_phase + 1}), so phase {phase + 1}'s examples would "
+            f"be read again from the start; keep that phase's end at step {step} or earlier with --phase-fractions")
+    if phase != saved_phase:  # saved at a phase boundary (or the phases end sooner now): the next phase's start
         progress.position = 0
     states = saved["rng"]
     if len(states) == env.world_size:
