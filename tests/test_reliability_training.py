@@ -254,12 +254,23 @@ def test_a_full_tmpfs_during_a_save_keeps_the_previous_checkpoint_and_says_so(da
         assert pretrain.main(argv) == 0 and checkpoint_steps(disk / "run") == [4, 6]
 
 
-@pytest.mark.parametrize("file", ["trainer.pt", "model/model.safetensors", "run.json"])
-def test_a_damaged_newest_checkpoint_names_the_file_and_the_previous_one(data, tmp_path, capsys, file):
+def zero_inside(data: bytes) -> bytes:
+    """4 KiB zeroed in the middle, the size kept: a torn page, which torch.load and safetensors read."""
+    middle = len(data) // 2
+    return data[:middle] + bytes(4096) + data[middle + 4096:]
+
+
+@pytest.mark.parametrize("file,damage", [("trainer.pt", lambda data: data[:300]),
+                                         ("model/model.safetensors", lambda data: data[:300]),
+                                         ("run.json", lambda data: data[:300]),
+                                         ("trainer.pt", zero_inside), ("model/model.safetensors", zero_inside)],
+                         ids=["trainer-truncated", "model-truncated", "run-truncated", "trainer-torn",
+                              "model-torn"])
+def test_a_damaged_newest_checkpoint_names_the_file_and_the_previous_one(data, tmp_path, capsys, file, damage):
     argv = cli(data, tmp_path, "--save-every", "2")
     assert pretrain.main([*argv, "--stop-at", "4"]) == 0
     damaged = tmp_path / "checkpoints" / "step_00000004" / file
-    damaged.write_bytes(damaged.read_bytes()[:300])  # truncated
+    damaged.write_bytes(damage(damaged.read_bytes()))
     capsys.readouterr()
     assert pretrain.main(argv) == 2
     err = capsys.readouterr().err
@@ -268,6 +279,15 @@ def test_a_damaged_newest_checkpoint_names_the_file_and_the_previous_one(data, t
     assert f"; resume from the previous one with --resume {previous}, or start afresh with --resume never" in err
     assert "Traceback" not in err
     assert pretrain.main([*argv, "--resume", str(previous)]) == 0 and checkpoint_steps(tmp_path)[-1] == 6
+
+
+def test_a_checkpoint_without_digests_resumes_unchecked(data, tmp_path):
+    """Checkpoints written before fastbert recorded digests.json resume as before."""
+    argv = cli(data, tmp_path, "--save-every", "2")
+    assert pretrain.main([*argv, "--stop-at", "4"]) == 0
+    (tmp_path / "checkpoints" / "step_00000004" / "digests.json").unlink()
+    assert pretrain.main(argv) == 0 and checkpoint_steps(tmp_path)[-1] == 6
+    assert (tmp_path / "checkpoints" / "step_00000006" / "digests.json").is_file()
 
 
 def test_a_second_ctrl_c_stops_at_once_with_a_message_not_a_traceback(data, tmp_path, capsys, monkeypatch):

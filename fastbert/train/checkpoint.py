@@ -16,6 +16,7 @@ checkpoint a run was explicitly resumed from.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from fastbert.files import replaced_file, writing
 
 CHECKPOINT_DIR = "checkpoints"
 RUN_FILE = "run.json"  # what a checkpoint's run was: its options, model and data (state.py writes it)
+DIGESTS_FILE = "digests.json"  # the sha256 of each of the checkpoint's other files, written after them
 PREVIOUS_DIR = "previous"
 _NAME = re.compile(r"^step_(\d{8,})$")
 TMP_PREFIX = ".tmp-"
@@ -55,6 +57,44 @@ def damaged(path: str, file: str, exc: BaseException) -> ValueError:
     reason = str(exc).split(". ")[0]  # torch's adds paragraphs of advice
     return ValueError(f"the checkpoint {path} is damaged: {file} cannot be read ({type(exc).__name__}: {reason}); "
                       f"{instead}, or start afresh with --resume never")
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_digests(directory: str) -> None:
+    """digests.json: the sha256 of every file under `directory` (paths relative to it)."""
+    digests = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            digests[os.path.relpath(path, directory)] = _sha256(path)
+    digests.pop(DIGESTS_FILE, None)
+    with open(os.path.join(directory, DIGESTS_FILE), "w", encoding="utf-8") as f:
+        json.dump(dict(sorted(digests.items())), f, indent=1)
+
+
+def verify_digests(path: str) -> None:
+    """Raise damaged() for a file of the checkpoint at `path` that is missing or whose sha256 is not the one
+    written with it: a torn page, a bad disk or a copy cut short that kept the size, which torch.load and
+    safetensors read without complaint. A checkpoint written before fastbert recorded digests is read unchecked."""
+    file = os.path.join(path, DIGESTS_FILE)
+    if not os.path.isfile(file):
+        return
+    try:
+        with open(file, encoding="utf-8") as f:
+            digests = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise damaged(path, file, exc) from None
+    for name, digest in digests.items():
+        target = os.path.join(path, name)
+        try:
+            if _sha256(target) != digest:
+                raise ValueError("its sha256 is not the one written with it: its bytes changed after the save")
+        except (OSError, ValueError) as exc:
+            raise damaged(path, target, exc) from None
 
 
 def checkpoint_name(step: int) -> str:
@@ -155,6 +195,7 @@ def save_checkpoint(root: str, step: int, write: Callable[[str], None], keep: in
     with writing(final, [tmp], need, kept):
         os.makedirs(tmp, exist_ok=True)
         write(tmp)
+        write_digests(tmp)
         _fsync_tree(tmp)
     if os.path.exists(final):  # the same step saved again (a resumed run stopped at once): replace it
         shutil.rmtree(final)

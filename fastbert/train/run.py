@@ -306,6 +306,8 @@ def _prepare_directory(cfg: PretrainConfig, model_overrides: dict, out: str, res
     """Refuse a resume that would not continue its run (fingerprint.check_resume); move aside what belongs
     to another run line; write config.json."""
     from fastbert.train.fingerprint import check_resume
+    if resume:
+        checkpoint.verify_digests(resume)  # before anything reads it, or is moved aside for it
     saved = checkpoint.read_run_file(resume) if resume else None
     if saved is not None:
         check_resume(saved["fingerprint"], current, resume, cfg.accept_changes)
