@@ -942,7 +942,10 @@ class BertLMPredictionHead(nn.Module):
         super().__init__()
         self.config = config
         self.transform = BertPredictionHeadTransform(config)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # zeros, tied to `bias` by tie_weights: an nn.Linear's own bias would draw (and waste) random numbers, and
+        # with them change every weight a seeded model initialises after it
+        self.decoder.bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def vocabulary_head(self) -> VocabularyHead:
