@@ -83,7 +83,7 @@ def test_prepare_data_bad_corpus_is_a_clear_error(tmp_path, capsys, case):
     expected = {"missing": "does not exist", "empty": "contains no text", "undecodable": "c.txt:2: byte 4 of the "
                 "line is not valid UTF-8", "single_document": "at least 2"}[case]
     assert expected in err.splitlines()[-1]
-    assert not os.path.exists(tmp_path / "out" / "seq128")
+    assert not os.path.exists(tmp_path / "out")  # nothing left of a new --out (the one document: its tokenizer was)
 
 
 # examples -------------------------------------------------------------------------------------------

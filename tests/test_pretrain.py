@@ -190,6 +190,9 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(data, tmp_path, monkeypa
     (["--eps", "inf"], "--eps must be finite and > 0, got inf"),
     (["--weight-decay", "inf"], "--weight-decay must be finite and >= 0, got inf"),
     (["--lr", "inf"], "--lr must be finite and > 0, got inf"),
+    (["--phase-fractions", "nan,1", "--seq-lengths", "16,32"], "--phase-fractions 'nan,1' must be 2 non-negative"),
+    (["--mask-prob", "0"], "--mask-prob must be in (0, 1), got 0.0"),
+    (["--model.type_vocab_size", "1"], "--model.type_vocab_size 1 cannot hold --objective mlm+nsp's second"),
 ])
 def test_bad_options_are_clear_errors(tmp_path, capsys, argv, message):
     assert pretrain.main(argv + ["--out", str(tmp_path)]) == 2
@@ -212,6 +215,13 @@ def test_config_file_values_of_another_type_are_clear_errors(tmp_path, capsys, v
     assert pretrain.main(["--config", str(path), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_an_out_that_is_a_file_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("kept")
+    assert pretrain.main(["--out", str(tmp_path / "a-file")]) == 2
+    assert f"--out {tmp_path / 'a-file'} is a file; the run writes a directory there" in capsys.readouterr().err
+    assert (tmp_path / "a-file").read_text() == "kept"
 
 
 def test_missing_phase_data_is_a_clear_error(data, tmp_path, capsys):

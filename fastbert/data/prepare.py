@@ -204,9 +204,15 @@ def prepare_dataset(corpus: list[str], out: str, **options) -> dict[int, str]:
     options = PrepareOptions(corpus, out, **options)
     options.validate()
     plan = plan_chunks(options.corpus, options.chunk_bytes)
+    created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
-    with output_lock(os.path.join(out, "prepare"), wait=True):
-        return _build(options, plan)
+    try:
+        with output_lock(os.path.join(out, "prepare"), wait=True):
+            return _build(options, plan)
+    except ValueError:  # bad input found while building (a corpus of one document, a tokenizer file that is not)
+        if created:  # what this call began there (the tokenizer it trained) goes with it
+            shutil.rmtree(out, ignore_errors=True)
+        raise
 
 
 def _build(options: PrepareOptions, plan: list[list[Segment]]) -> dict[int, str]:

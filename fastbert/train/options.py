@@ -94,6 +94,7 @@ class PretrainConfig:
                   ("weight_decay", 0 <= self.weight_decay < math.inf, "finite and >= 0"),
                   ("eps", 0 < self.eps < math.inf, "finite and > 0"),
                   ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"), ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
+                  ("mask_prob", 0 < self.mask_prob < 1, "in (0, 1)"),
                   ("max_grad_norm", 0 <= self.max_grad_norm < math.inf, "finite and >= 0 (0: no clipping)"),
                   ("log_every", self.log_every >= 1, ">= 1"), ("save_every", self.save_every >= 1, ">= 1"),
                   ("keep_checkpoints", self.keep_checkpoints >= 2, ">= 2"),

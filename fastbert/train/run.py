@@ -50,7 +50,7 @@ def plan_phases(cfg: PretrainConfig, max_positions: int, world_size: int) -> lis
         fractions = [0.9, 0.1] if len(lengths) == 2 else [1.0]
     else:
         raise ValueError(f"--phase-fractions is needed for {len(lengths)} phases ({lengths}): one share per phase")
-    if len(fractions) != len(lengths) or any(f < 0 for f in fractions) or abs(sum(fractions) - 1) > 1e-6:
+    if len(fractions) != len(lengths) or not all(0 <= f <= 1 for f in fractions) or abs(sum(fractions) - 1) > 1e-6:
         raise ValueError(f"--phase-fractions {cfg.phase_fractions!r} must be {len(lengths)} non-negative numbers "
                          f"summing to 1, one per phase of --seq-lengths {lengths}")
     for length in lengths:
@@ -336,6 +336,9 @@ def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
                          "accumulation")
     config = model_config(cfg, dict(model_overrides))
     trained_class = model_class(config, cfg.objective)
+    if cfg.objective == MLM_NSP and config.type_vocab_size == 1:  # found by the first forward, after the set-up
+        raise ValueError("--model.type_vocab_size 1 cannot hold --objective mlm+nsp's second segments (token type 1): "
+                         "give 2 or more, or --objective mlm")
     # RoBERTa's positions start after the padding index: 514 of them hold 512 tokens
     phases = plan_phases(cfg, config.max_sequence_length, env.world_size)
     sharded = env.distributed and cfg.distributed == "fsdp"
@@ -353,6 +356,8 @@ def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
                          f"[PAD] id {dataset.special_ids['pad']}")
 
     out = cfg.out or os.path.join("runs", cfg.run_name or default_run_name(cfg))
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out} is a file; the run writes a directory there")
     resume = _resume_point(cfg, os.path.join(out, checkpoint.CHECKPOINT_DIR))
     recorded = cfg
     if cfg.micro_batch_size == AUTO_MICRO_BATCH:
