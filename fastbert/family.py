@@ -290,6 +290,7 @@ class DistilBertModel(DistilBertPreTrainedModel, BertModel):
     encoder_class = Transformer
     encoder_name = "transformer"
     has_pooler = False
+    has_cross_attentions = False
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, position_ids=None, **kwargs):
         """transformers' DistilBertModel arguments (no token types); the rest as BertModel.forward."""
@@ -395,6 +396,7 @@ class MPNetPreTrainedModel(BertPreTrainedModel):
 
 class MPNetModel(MPNetPreTrainedModel, BertModel):
     encoder_class = MPNetEncoder
+    has_cross_attentions = False
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
         """transformers' MPNetModel arguments (no token types); the rest as BertModel.forward."""

@@ -274,4 +274,4 @@ def _forward(fast: nn.Module, hf_config, signature: inspect.Signature, *args, **
     # transformers' own output class: its heads also read the decoder fields (BertLMHeadModel: cache), None here
     return BaseModelOutputWithPoolingAndCrossAttentions(
         last_hidden_state=result.last_hidden_state, pooler_output=result.pooler_output,
-        hidden_states=result.hidden_states, attentions=result.attentions)
+        hidden_states=result.hidden_states, attentions=result.attentions, cross_attentions=result.cross_attentions)

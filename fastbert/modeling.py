@@ -757,6 +757,8 @@ class BertModel(BertPreTrainedModel):
     encoder_class = BertEncoder
     encoder_name = "encoder"
     has_pooler = True  # a [CLS] pooler (when add_pooling_layer); DistilBERT and ELECTRA have none
+    # transformers' output has cross_attentions, () for an encoder, with output_attentions (not DistilBERT's, MPNet's)
+    has_cross_attentions = True
 
     def embed(self, input_ids, token_type_ids, position_ids, inputs_embeds):
         """The embeddings' output, projected to hidden_size where the tables are narrower (ELECTRA)."""
@@ -806,7 +808,8 @@ class BertModel(BertPreTrainedModel):
             last_hidden_state=hidden,
             pooler_output=self.pool(hidden),
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
-            attentions=tuple(all_probs) if all_probs is not None else None)
+            attentions=tuple(all_probs) if all_probs is not None else None,
+            cross_attentions=() if output_attentions and self.has_cross_attentions else None)
         return self._outputs(result, return_dict)
 
     def _forward_packed(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,

@@ -35,6 +35,7 @@ class BaseModelOutputWithPoolingAndCrossAttentions(OutputBase):
     pooler_output: Tensor | None = None  # [B, H]
     hidden_states: tuple[Tensor, ...] | None = None  # embeddings + each layer, each [B, S, H]
     attentions: tuple[Tensor, ...] | None = None  # each [B, heads, S, S]
+    cross_attentions: tuple[Tensor, ...] | None = None  # () with output_attentions: an encoder attends to no other
 
 
 @dataclass

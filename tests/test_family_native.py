@@ -122,6 +122,32 @@ def test_untied_masked_lm_heads_both_ways(arch, tmp_path):
     assert_same_state(converted.to_hf(), theirs)
 
 
+@pytest.mark.parametrize("applied", [False, True], ids=["fastbert", "applied"])
+@pytest.mark.parametrize("arch", ["bert", *PREFIXES])
+def test_base_outputs_have_transformers_fields_and_tuples(arch, applied):
+    """With output_attentions, transformers' BERT, RoBERTa-type and ELECTRA base models return cross_attentions=()
+    (an encoder attends to no other sequence), DistilBERT's and MPNet's none: fastbert's and an applied model's
+    outputs have the same fields, and their return_dict=False tuples the same length, where `outputs[-1]` or a
+    count of the fields read another entry."""
+    import copy
+    if arch == "bert":
+        theirs = transformers.BertModel(transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                                                                num_attention_heads=2, intermediate_size=37)).eval()
+    else:
+        theirs = hf_model(arch, "Model")
+    ours = fastbert.apply(copy.deepcopy(theirs)) if applied else fastbert.from_hf(theirs)
+    ids = torch.randint(3, 60, (2, 6), generator=torch.Generator().manual_seed(0))
+    for flags in (dict(output_attentions=True), dict(output_attentions=True, output_hidden_states=True),
+                  dict(output_hidden_states=True)):
+        with torch.no_grad():
+            expected, actual = (model.eval()(input_ids=ids, **flags) for model in (theirs, ours))
+            expected_tuple, actual_tuple = (model(input_ids=ids, **flags, return_dict=False) for model in (theirs, ours))
+        assert list(actual.keys()) == list(expected.keys())
+        assert [type(value) for value in actual_tuple] == [type(value) for value in expected_tuple]
+        if "cross_attentions" in expected:
+            assert actual.cross_attentions == expected.cross_attentions == ()
+
+
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("arch", PREFIXES)
 def test_state_dicts_load_strictly_both_ways(arch, tied):
