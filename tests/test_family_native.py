@@ -141,7 +141,8 @@ def test_base_outputs_have_transformers_fields_and_tuples(arch, applied):
                   dict(output_hidden_states=True)):
         with torch.no_grad():
             expected, actual = (model.eval()(input_ids=ids, **flags) for model in (theirs, ours))
-            expected_tuple, actual_tuple = (model(input_ids=ids, **flags, return_dict=False) for model in (theirs, ours))
+            expected_tuple, actual_tuple = (model(input_ids=ids, **flags, return_dict=False)
+                                            for model in (theirs, ours))
         assert list(actual.keys()) == list(expected.keys())
         assert [type(value) for value in actual_tuple] == [type(value) for value in expected_tuple]
         if "cross_attentions" in expected:

@@ -301,7 +301,11 @@ def train_loop(cfg: FinetuneConfig, model, task: Task, train_inputs: list[dict],
         if step >= total_steps:
             break
     bar.close()
-    check_finite(cfg, trained_loss, None, step)
+    if evaluation is None:  # the last weights are what is saved
+        check_finite(cfg, trained_loss, None, step)
+    elif not math.isfinite(trained_loss.item()):  # after the best epoch, whose model was saved before
+        logger.warning(f"fine-tuning diverged after the best epoch ({best['epoch']}): a later step's loss is not "
+                       f"finite; that epoch's model is kept. Lower --learning-rate (it is {cfg.learning_rate:g})")
     return step, history, best
 
 

@@ -89,8 +89,8 @@ class PretrainConfig:
             if not isinstance(value, kind) or (isinstance(value, bool) and field.type != "bool"):
                 raise ValueError(f"--{field.name.replace('_', '-')} must be {words}, got {value!r}")
         checks = [("steps", self.steps >= 1, ">= 1"), ("batch_size", self.batch_size >= 1, ">= 1"),
-                  ("lr", 0 < self.lr < math.inf, "finite and > 0"), ("warmup", 0 <= self.warmup < math.inf,
-                                                                        "finite and >= 0"),
+                  ("lr", 0 < self.lr < math.inf, "finite and > 0"),
+                  ("warmup", 0 <= self.warmup < math.inf, "finite and >= 0"),
                   ("weight_decay", 0 <= self.weight_decay < math.inf, "finite and >= 0"),
                   ("eps", 0 < self.eps < math.inf, "finite and > 0"),
                   ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"), ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
@@ -99,7 +99,8 @@ class PretrainConfig:
                   ("log_every", self.log_every >= 1, ">= 1"), ("save_every", self.save_every >= 1, ">= 1"),
                   ("keep_checkpoints", self.keep_checkpoints >= 2, ">= 2"),
                   ("max_bad_steps", self.max_bad_steps >= 1, ">= 1"), ("stop_at", self.stop_at >= 0, ">= 0"),
-                  ("peak_tflops", 0 <= self.peak_tflops < math.inf, "finite and >= 0"), ("prefetch", self.prefetch >= 1, ">= 1"),
+                  ("peak_tflops", 0 <= self.peak_tflops < math.inf, "finite and >= 0"),
+                  ("prefetch", self.prefetch >= 1, ">= 1"),
                   ("threads", self.threads >= 0, ">= 0"),
                   ("optimizer", self.optimizer in OPTIMIZERS, f"one of {OPTIMIZERS}"),
                   ("objective", self.objective in OBJECTIVES, f"one of {OBJECTIVES}"),
