@@ -303,3 +303,26 @@ def test_a_run_that_diverges_saves_nothing_and_fails(tmp_path, tiny_model, capsy
     for name, value in (("weight_decay", math.inf), ("weight_decay", -1.0), ("max_grad_norm", 0.0)):
         with pytest.raises(ValueError, match=f"{name} must be"):
             finetune(FinetuneConfig("classification", tiny_model, str(tmp_path / "train.tsv"), **{name: value}))
+
+
+def test_a_run_that_diverges_after_its_best_epoch_keeps_that_epochs_model(tmp_path, tiny_model, monkeypatch, caplog):
+    """Every training loss of the second epoch NaN (so are the weights then): the first epoch's model, saved as the
+    best before, is kept and the run ends with a warning; the check before a save refuses nothing it should keep."""
+    forward = fastbert.BertForSequenceClassification.forward
+
+    def nan_in_the_second_epoch(self, *args, **kwargs):
+        output = forward(self, *args, **kwargs)
+        if self.training:
+            calls = nan_in_the_second_epoch.calls = getattr(nan_in_the_second_epoch, "calls", 0) + 1
+            if calls > 5:  # 40 examples in batches of 8: five steps an epoch
+                output.loss = output.loss * float("nan")
+        return output
+
+    monkeypatch.setattr(fastbert.BertForSequenceClassification, "forward", nan_in_the_second_epoch)
+    write_sentiment(tmp_path / "train.tsv", 40, seed=14)
+    best, out = run(tmp_path, tiny_model, "classification", tmp_path / "train.tsv", tmp_path / "train.tsv",
+                    batch_size=8, epochs=2)
+    assert best["epoch"] == 1 and math.isfinite(best["loss"])
+    assert "fine-tuning diverged after the best epoch (1)" in caplog.text
+    weights = fastbert.BertForSequenceClassification.from_pretrained(out).state_dict()
+    assert all(torch.isfinite(value).all() for value in weights.values())
