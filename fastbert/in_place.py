@@ -63,6 +63,11 @@ def apply(model: nn.Module, **config_overrides) -> nn.Module:
     """
     from fastbert.modeling import BertPreTrainedModel
 
+    dispatched = next((name for name, m in model.named_modules() if "_hf_hook" in vars(m)), None)
+    if dispatched is not None:
+        raise ValueError(f"fastbert.apply: {type(model).__name__} was dispatched by accelerate (device_map, offloading; "
+                         f"a hook on {dispatched or 'the model'}): apply replaces the modules that carry those hooks, "
+                         "so they would no longer move weights or activations; load the model on one device, then apply")
     bases = _transformers_bases()
     found = [(m, bases[type(m)]) for m in model.modules() if type(m) in bases]
     if not found and not any(isinstance(m, BertPreTrainedModel) for m in model.modules()):
@@ -106,6 +111,11 @@ def _accelerate_mlm_head(head: nn.Module) -> None:
     the same name built around transformers' modules (its base: transformers' base, accelerated; its head's
     leaves and the parameters its modules hold themselves: transformers'), called by the head's forward where
     it may (_mlm_forward). A head whose parameters do not map onto fastbert's keeps transformers' forward."""
+    from fastbert.modeling import has_own_forward
+
+    if has_own_forward(head):  # set by code apply does not know: replacing it would stop it running
+        logger.info("fastbert.apply: %s has a forward of its own; its loss stays transformers'", type(head).__name__)
+        return
     prefix = head.base_model_prefix
     base = getattr(head, prefix)
     with torch.device("meta"):
@@ -243,6 +253,7 @@ def _accelerate(bert: nn.Module, fast_class: type, config_overrides: dict) -> No
     if {id(p) for p in fast.parameters()} != before:
         raise ValueError(f"fastbert.apply: the parameters of {type(bert).__name__} do not map one to one onto "
                          f"fastbert's {fast_class.__name__}; it is left unchanged")
+    _refuse_lost_hooks(bert, {id(m) for m in fast.modules()})
     if "layer_norm_backward" not in config_overrides:
         choose_layer_norm_backward(fast, config)  # the weights are transformers', already loaded
     # transformers' position_ids / token_type_ids buffers (non-persistent: in no state_dict), which clients read
@@ -252,17 +263,51 @@ def _accelerate(bert: nn.Module, fast_class: type, config_overrides: dict) -> No
     for name, child in fast.named_children():  # embeddings, encoder / transformer, pooler: fastbert's modules
         setattr(bert, name, child)
     vars(bert)[ACCELERATED] = fast  # not a registered child: its modules already are bert's
-    _replace_forward(bert, _forward, fast, bert.config)
+    _replace_forward(bert, _forward, fast, bert)
 
 
-def _forward(fast: nn.Module, hf_config, signature: inspect.Signature, *args, **kwargs):
+def _follow_replaced_child(fast: nn.Module, bert: nn.Module, name: str) -> None:
+    """fast's child `name` becomes bert's, which code replaced since apply. An encoder fastbert does not run (its
+    layers take fastbert's layout) is a ValueError naming it."""
+    child = bert._modules.get(name)
+    if name == getattr(fast, "encoder_name", None) and not isinstance(child, fast.encoder_class):
+        raise ValueError(f"{type(bert).__name__}.{name} was replaced by a {type(child).__name__} after fastbert.apply; "
+                         f"fastbert's forward runs its own {fast.encoder_class.__name__} (whose layers it calls with "
+                         "its layout), so put the layers in that encoder's `layer` list instead")
+    fast._modules[name] = child
+
+
+def _refuse_lost_hooks(bert: nn.Module, kept: set[int]) -> None:
+    """ValueError (`bert` left unchanged) naming a module of `bert` that apply would replace (kept: the ids of the
+    modules fastbert's model takes) and whose forward hooks, or forward of its own, would then no longer run. The
+    base model's own hooks stay: apply replaces its forward only."""
+    from fastbert.modeling import has_own_forward
+
+    for name, module in bert.named_modules():
+        if id(module) in kept:
+            continue
+        hooked = module is not bert and (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                                         or module._backward_pre_hooks)
+        if hooked or has_own_forward(module):
+            raise ValueError(f"fastbert.apply: {type(bert).__name__}.{name or 'forward'} has "
+                             f"{'hooks' if hooked else 'a forward of its own'}, which would no longer run: apply "
+                             "replaces that module with fastbert's (the Linears, LayerNorms and embeddings inside stay, "
+                             "with their hooks); remove them, apply, then hook fastbert's module; it is left unchanged")
+
+
+def _forward(fast: nn.Module, bert: nn.Module, signature: inspect.Signature, *args, **kwargs):
     """fastbert's BertModel.forward called with the arguments of transformers' forward (`signature`: bound to it,
     so a positional argument means what it means there and a wrong call is its TypeError), with the defaults
     read from transformers' config, which clients change at run time (sentence-transformers sets
     output_hidden_states), and the vocabulary size, which transformers' resize_token_embeddings changes there
-    (the input check reads fastbert's config)."""
+    (the input check reads fastbert's config). A child of `bert` replaced since apply (a pooler of one's own, None,
+    new embeddings) is the one run, as in transformers' forward."""
     from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
+    hf_config, children = bert.config, bert._modules
+    for name, child in fast._modules.items():  # identity checks, which torch.compile guards on
+        if children.get(name) is not child:
+            _follow_replaced_child(fast, bert, name)
     arguments = _bound(signature, args, kwargs)
     for name in ("output_hidden_states", "output_attentions", "return_dict"):
         if arguments.get(name) is None:

@@ -73,10 +73,19 @@ class Submodule:
 
 
 def is_unhooked(module: nn.Module, cls: type) -> bool:
-    """True for an instance of `cls` itself (not a subclass or a wrapper) with no hooks, module or global:
-    only then may a fused op bypass its forward. Runs several times a layer: short-circuits, no tuple."""
+    """True for an instance of `cls` itself (not a subclass or a wrapper) with no hooks, module or global, and no
+    forward of its own (accelerate's hooks replace an instance's forward): only then may a fused op bypass its
+    forward. Runs several times a layer: short-circuits, no tuple."""
     return type(module) is cls and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                                        or module._backward_pre_hooks or any(_GLOBAL_HOOKS))
+                                        or module._backward_pre_hooks or any(_GLOBAL_HOOKS)
+                                        or has_own_forward(module))
+
+
+def has_own_forward(module: nn.Module) -> bool:
+    """Whether the instance holds a forward other than its class's (accelerate's hooks set one; removing them sets
+    the class's back, bound)."""
+    forward = module.__dict__.get("forward")
+    return forward is not None and getattr(forward, "__func__", None) is not type(module).forward
 
 
 def is_plain_linear(module: nn.Module) -> bool:
@@ -357,6 +366,11 @@ class BertSelfAttention(SelfAttention):
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
+        # transformers' attributes, which head-pruning scripts and attention visualisers read (fastbert reads config)
+        self.num_attention_heads = config.num_attention_heads
+        self.attention_head_size = config.head_dim
+        self.all_head_size = config.num_attention_heads * config.head_dim
+        self.scaling = config.head_dim ** -0.5
 
     def linears(self):
         return self.query, self.key, self.value
@@ -578,11 +592,19 @@ def run_layers(owner: nn.Module, layers, hidden, layout: AttentionLayout, output
     if not (owner.training and torch.is_grad_enabled()):
         checkpointing = "none"  # no backward: nothing to keep
     for layer in layers:
-        if checkpointing == "full":
-            # Layer inputs are kept, activations recomputed in the backward (see _recompute on dropout).
-            hidden, probs = recompute(layer, hidden, layout, output_attentions)
-        else:
-            hidden, probs = layer(hidden, layout, output_attentions, checkpointing)
+        try:
+            if checkpointing == "full":
+                # Layer inputs are kept, activations recomputed in the backward (see _recompute on dropout).
+                hidden, probs = recompute(layer, hidden, layout, output_attentions)
+            else:
+                hidden, probs = layer(hidden, layout, output_attentions, checkpointing)
+        except TypeError as exc:  # a layer that takes other arguments (transformers' BertLayer put in the list)
+            if isinstance(layer, EncoderLayer):
+                raise
+            raise TypeError(f"encoder layer {list(layers).index(layer)} is a {type(layer).__name__}, which fastbert's "
+                            f"encoder cannot call: it calls its layers as (hidden, layout, output_attentions, "
+                            f"checkpointing); put fastbert's {getattr(owner, 'layer_class', EncoderLayer).__name__} "
+                            "there") from exc
         if output_hidden_states:
             all_hidden.append(hidden if kept is None or len(all_hidden) in kept else None)
         if output_attentions:

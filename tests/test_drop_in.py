@@ -423,3 +423,93 @@ def test_a_sequence_longer_than_the_position_table_runs_with_position_ids_inside
         ours(input_ids=ids)
     with pytest.raises(ValueError, match="position_ids"):
         ours(input_ids=ids, position_ids=torch.arange(20)[None, :])
+
+
+def _same_outputs(ours, theirs, **inputs):
+    with torch.no_grad():
+        expected, actual = theirs(**inputs), ours(**inputs)
+    for name in ("last_hidden_state", "pooler_output", "logits"):
+        assert (actual.get(name) is None) == (expected.get(name) is None), name
+        if expected.get(name) is not None:
+            torch.testing.assert_close(actual[name], expected[name], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("applied", [False, True], ids=["fastbert", "applied"])
+def test_a_module_whose_forward_was_replaced_is_called(applied):
+    """accelerate's hooks replace a module's forward on the instance: transformers' forward calls the module, so
+    the replacement runs. The fused paths read a plain Linear's or LayerNorm's weights instead of calling it, and
+    read these too: a scaled Linear and LayerNorm changed transformers' outputs and not fastbert's."""
+    accelerate_hooks = pytest.importorskip("accelerate.hooks")
+
+    class Halve(accelerate_hooks.ModelHook):
+        def post_forward(self, module, output):
+            return output * 0.5
+
+    theirs = tiny_hf().eval()
+    ours = fastbert.apply(copy.deepcopy(theirs)) if applied else fastbert.from_hf(theirs).eval()
+    for model in (theirs, ours):
+        layer = model.encoder.layer[0]
+        accelerate_hooks.add_hook_to_module(layer.intermediate.dense, Halve())
+        layer.output.LayerNorm.forward = lambda x, norm=layer.output.LayerNorm: torch.nn.LayerNorm.forward(norm, x) + 1
+        assert "forward" in vars(layer.intermediate.dense)
+    ids = torch.randint(1, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    _same_outputs(ours, theirs, input_ids=ids)
+
+
+def test_apply_refuses_hooks_it_would_drop_and_accelerates_dispatch():
+    """apply replaces transformers' containers (embeddings, encoder, its layers and their sublayers, pooler) with
+    fastbert's: a forward hook on one of them, or accelerate's dispatch hooks (device_map, offloading), would stop
+    running without a word. They are refused by name, the model left unchanged; hooks on the Linears, LayerNorms
+    and embeddings inside, which stay, are kept (tests/test_clients_peft.py)."""
+    accelerate_hooks = pytest.importorskip("accelerate.hooks")
+    theirs = tiny_hf()
+    handle = theirs.encoder.layer[1].attention.register_forward_hook(lambda module, args, output: None)
+    with pytest.raises(ValueError, match=r"BertModel\.encoder\.layer\.1\.attention has hooks, which would no longer"):
+        fastbert.apply(theirs)
+    assert type(theirs.encoder).__module__.startswith("transformers")  # left as it was
+    handle.remove()
+    accelerate_hooks.add_hook_to_module(theirs.embeddings, accelerate_hooks.ModelHook())
+    with pytest.raises(ValueError, match="dispatched by accelerate .* a hook on embeddings"):
+        fastbert.apply(theirs)
+    accelerate_hooks.remove_hook_from_module(theirs.embeddings)
+    theirs.forward = lambda *args, forward=theirs.forward, **kwargs: forward(*args, **kwargs)  # apply would replace it
+    with pytest.raises(ValueError, match=r"BertModel\.forward has a forward of its own"):
+        fastbert.apply(theirs)
+    del theirs.forward
+    assert fastbert.apply(theirs) is theirs
+
+
+def test_children_replaced_after_apply_are_the_ones_run():
+    """transformers' forward reads bert.embeddings and bert.pooler at each call: a pooler of one's own, None, or
+    new embeddings set after apply are run (they were ignored: fastbert's model kept the old ones). A transformers
+    layer in the encoder's list is a TypeError naming it, where it failed deep inside with another message."""
+    from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer
+
+    theirs = tiny_hf("BertForSequenceClassification", num_labels=3).eval()
+    ours = fastbert.apply(copy.deepcopy(theirs))
+    ids = torch.randint(1, 100, (2, 7), generator=torch.Generator().manual_seed(0))  # no padding: every row real
+
+    class MeanPooler(torch.nn.Module):
+        def forward(self, hidden):
+            return hidden.mean(1)
+
+    torch.manual_seed(3)
+    embeddings = BertEmbeddings(theirs.config).eval()
+    for child, value in (("pooler", MeanPooler()), ("embeddings", embeddings), ("pooler", None)):
+        for model in (theirs, ours):
+            setattr(model.bert, child, copy.deepcopy(value))
+        _same_outputs(ours.bert, theirs.bert, input_ids=ids)
+        if value is not None:  # transformers' classifier reads outputs[1]: no pooler is its IndexError
+            _same_outputs(ours, theirs, input_ids=ids)
+    ours.bert.encoder.layer.append(BertLayer(theirs.config))
+    with pytest.raises(TypeError, match="encoder layer 2 is a BertLayer, which fastbert's encoder cannot call"):
+        ours(input_ids=ids)
+
+
+def test_self_attention_has_transformers_attributes():
+    """Head-pruning scripts and attention visualisers read them."""
+    theirs = tiny_hf()
+    for ours in (fastbert.from_hf(theirs), fastbert.apply(copy.deepcopy(theirs))):
+        for name in ("num_attention_heads", "attention_head_size", "all_head_size", "scaling"):
+            assert getattr(ours.encoder.layer[0].attention.self, name) == getattr(
+                theirs.encoder.layer[0].attention.self, name), name

@@ -395,7 +395,7 @@ def test_torch_compile_traces_the_choice(monkeypatch):
 def test_the_cublas_form_through_ops_matches_the_reference(gated, monkeypatch, device):
     """Where the table chooses "cublas_then_bias_gelu", ops runs the FFN (and linear_bias_gelu) as cuBLAS's GEMM and
     the Triton elementwise kernel: here forced, on the interpreter, bf16, against float64 with the tolerance rule."""
-    monkeypatch.setattr(ops, "resolve_backend", lambda backend, *tensors, op=None: "cublas_then_bias_gelu")
+    monkeypatch.setattr(ops, "resolve_backend", lambda backend, *tensors, op=None, **kw: "cublas_then_bias_gelu")
 
     def epilogue(*args, **kwargs):
         raise AssertionError("the epilogue matmul ran where the cuBLAS form was chosen")

@@ -217,7 +217,7 @@ def test_cublas_form_through_ops(layout, has_bias, dtype, device, monkeypatch):
     the reference's, no Triton projection launched) and this module's backward: attention's one-buffer gradients
     read in place (no gather; autograd's unbind backward would stack them), gradients laid out otherwise
     gathered; both within the tolerance rule against float64; with a bias and without (ModernBERT's)."""
-    monkeypatch.setattr(ops, "resolve_backend", lambda backend, *tensors, op=None: "cublas_forward")
+    monkeypatch.setattr(ops, "resolve_backend", lambda backend, *tensors, op=None, **kw: "cublas_forward")
 
     def no_kernel_forward(*args):
         raise AssertionError("the Triton projection ran where the cuBLAS form was chosen")

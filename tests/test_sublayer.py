@@ -109,8 +109,8 @@ def _qkv_on_torch_path():
     shape (fastbert/paths.json); every other op to its kernel."""
     resolve = ops.resolve_backend
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ops, "resolve_backend", lambda backend, *tensors, op=None:
-                      "torch" if op == "qkv_projection" else resolve(backend, *tensors, op=op))
+        patch.setattr(ops, "resolve_backend", lambda backend, *tensors, op=None, **kw:
+                      "torch" if op == "qkv_projection" else resolve(backend, *tensors, op=op, **kw))
         yield
 
 
@@ -155,9 +155,9 @@ def test_the_node_resolves_the_qkv_projection_as_the_ops_one_by_one_do(device):
     ops run one by one and raise its error, which the node's form, casting, would not."""
     resolve, chosen = ops.resolve_backend, []
 
-    def by_direction(backend, *tensors, op=None):  # PyTorch's path in training, the kernel's in inference
+    def by_direction(backend, *tensors, op=None, **kw):  # PyTorch's path in training, the kernel's in inference
         if op != "qkv_projection":
-            return resolve(backend, *tensors, op=op)
+            return resolve(backend, *tensors, op=op, **kw)
         chosen.append("torch" if paths.backward_follows(tensors) else "triton")
         return chosen[-1]
 
@@ -383,8 +383,8 @@ def plan(per_op):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fused_op, "_dispatch_modes", lambda: 0)
         if qkv_path == "torch":  # as test_qkv_on_the_torch_path_is_in_the_node_with_the_per_op_results
-            patch.setattr(ops, "resolve_backend", lambda backend, *tensors, op=None:
-                          "torch" if op == "qkv_projection" else resolve(backend, *tensors, op=op))
+            patch.setattr(ops, "resolve_backend", lambda backend, *tensors, op=None, **kw:
+                          "torch" if op == "qkv_projection" else resolve(backend, *tensors, op=op, **kw))
         nodes = []
         patch.setattr(sublayer, "_APPLY", lambda *args, real=sublayer._APPLY: nodes.append(1) or real(*args))
         if per_op:
