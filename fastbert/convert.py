@@ -5,12 +5,14 @@ files), and with --check compare fastbert on DST against transformers' class on 
 batch. The class is config.json's architectures entry: fastbert's own (BertForMaskedLM, RobertaModel,
 ElectraForPreTraining, ...), or for a head fastbert has only through `fastbert.apply`
 (RobertaForSequenceClassification, ...) transformers' class, whose check runs it accelerated in place.
-A SRC that cannot be copied faithfully (missing, unreadable or incomplete weights, a config of an
-architecture fastbert does not build, DST equal to SRC) is an error and DST is left as it was; DST is
-written aside and renamed into place."""
+A SRC that cannot be copied faithfully (missing, unreadable or incomplete weights, weights the class has no
+place for when config.json names no class that holds them, a config of an architecture fastbert does not build,
+DST equal to SRC) is an error and DST is left as it was; DST is written aside and renamed into place. A base
+model saved without its pooler is copied without one."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -51,12 +53,17 @@ def _transformers_class(name: str) -> type | None:
     return getattr(transformers, name, None)
 
 
-def load_source(name: str, src: str):
+def _takes_add_pooling_layer(name: str) -> bool:
+    """Whether fastbert's class `name` is a base model built with or without its pooler (BertModel, RobertaModel)."""
+    return name in MODEL_CLASSES and "add_pooling_layer" in inspect.signature(MODEL_CLASSES[name]).parameters
+
+
+def load_source(name: str, src: str, **arguments):
     """(model, loading info) of class `name` from SRC: fastbert's class, or transformers' (family heads)."""
     if name in MODEL_CLASSES:
-        return load_checkpoint(MODEL_CLASSES[name], src, "SRC")
+        return load_checkpoint(MODEL_CLASSES[name], src, "SRC", **arguments)
     try:
-        return _transformers_class(name).from_pretrained(src, output_loading_info=True)
+        return _transformers_class(name).from_pretrained(src, output_loading_info=True, **arguments)
     except weight_errors() as exc:
         raise ValueError(f"SRC {src}: transformers cannot load the weights as {name} ({type(exc).__name__}: "
                          f"{str(exc).strip()[:500]}); the files are damaged or do not match config.json") from None
@@ -113,6 +120,15 @@ def convert(src: str, dst: str, model_class: str | None = None, check: bool = Fa
     name = model_class or model_class_name(src, load_config(src, "SRC"))
     model, info = load_source(name, src)
     missing = sorted(info["missing_keys"])
+    if missing and all(key.startswith("pooler.") for key in missing) and _takes_add_pooling_layer(name):
+        model, info = load_source(name, src, add_pooling_layer=False)  # a base model saved without its pooler
+        missing = sorted(info["missing_keys"])
+    unexpected = sorted(info["unexpected_keys"])
+    if unexpected and model_class is None:  # a head config.json's architectures does not name would be dropped
+        raise ValueError(f"SRC {src} holds {len(unexpected)} tensors that {name} has no place for "
+                         f"({', '.join(unexpected[:4])}{', ...' if len(unexpected) > 4 else ''}): config.json names no "
+                         "architecture that holds them; give the class with --model-class (BertModel to drop them), "
+                         "so nothing was written")
     if missing:
         raise ValueError(f"SRC {src} has no weights for {len(missing)} tensors of {name} "
                          f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): "

@@ -295,6 +295,13 @@ def _resolve_dtype(kwargs: dict) -> torch.dtype | None:
     return value
 
 
+def _config_dtype(config) -> torch.dtype | None:
+    """config.json's dtype (or torch_dtype, its old name) as a floating torch dtype, or None where it names none."""
+    value = getattr(config, "dtype", None)
+    value = getattr(torch, value, None) if isinstance(value, str) else value
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else None
+
+
 def _resolve_device(device_map) -> torch.device | None:
     """transformers' device_map=, for the one-device forms fastbert implements."""
     if isinstance(device_map, dict) and set(device_map) == {""}:
@@ -328,6 +335,11 @@ def load_pretrained(cls, name_or_path, *model_args, config=None, output_loading_
         kwargs.pop(key, None)
     dtype = _resolve_dtype(kwargs)
     device = _resolve_device(device_map)
+    built = {}  # the model's own arguments transformers' from_pretrained passes on (BertModel's add_pooling_layer)
+    if "add_pooling_layer" in kwargs:
+        if "add_pooling_layer" not in inspect.signature(cls).parameters:
+            raise TypeError(f"{cls.__name__}.from_pretrained got add_pooling_layer, which {cls.__name__} does not take")
+        built["add_pooling_layer"] = kwargs.pop("add_pooling_layer")
     if name_or_path is None and (config is None or state_dict is None):  # transformers' path-less form
         raise ValueError(f"{cls.__name__}.from_pretrained(None, ...) needs config= and state_dict=, got "
                          f"config={type(config).__name__}, state_dict={type(state_dict).__name__}")
@@ -343,9 +355,14 @@ def load_pretrained(cls, name_or_path, *model_args, config=None, output_loading_
     source = "the state_dict given" if path is None else os.path.join(path, "config.json") + " and its weights"
     if state_dict is None:
         state_dict = read_state_dict(path, use_safetensors)
+    if dtype is None:  # "auto", as transformers reads it: config.json's dtype, else the weights' own
+        dtype = _config_dtype(config)
     with torch.device("meta"):
-        model = cls(config)
+        model = cls(config, **built)
     info = load_state(model, state_dict, source, dtype, device, ignore_mismatched_sizes)
+    floating = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if floating is not None:
+        model.config.dtype = floating  # what the model holds, as transformers' loader records it
     if "layer_norm_backward" not in kwargs:
         choose_layer_norm_backward(model, model.config)
     model.config.name_or_path = model.name_or_path = "" if name_or_path is None else os.fspath(name_or_path)

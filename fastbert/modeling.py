@@ -724,8 +724,9 @@ class BertPreTrainedModel(ModelBase):
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """Load an HF BERT checkpoint: a local directory or a hub id (through the HF cache, offline included).
 
-        Takes transformers' keyword arguments: config=, dtype= / torch_dtype= ("auto", the default, keeps
-        the checkpoint's), device_map= (one device), output_loading_info= (transformers' dict of sets),
+        Takes transformers' keyword arguments: config=, dtype= / torch_dtype= ("auto", the default: config.json's
+        dtype, else the weights'), device_map= (one device), add_pooling_layer= (base models),
+        output_loading_info= (transformers' dict of sets),
         state_dict= (with a None path: config= and state_dict= only), ignore_mismatched_sizes= (tensors of
         other shapes initialised anew; without it a RuntimeError), the hub arguments (revision, cache_dir,
         token, local_files_only, subfolder, force_download); any other keyword overrides a config field

@@ -68,6 +68,16 @@ def test_bad_sizes_and_a_training_model_are_refused():
         CapturedForward(model, batch_sizes=(0, 4), length_buckets=(16,))
     with pytest.raises(ValueError, match="eval mode"):
         CapturedForward(model.train(), length_buckets=(16,))(**batch())
+    # a mask or token types of another shape than input_ids: copied into the padded buffer, they broadcast (a [1, S]
+    # mask over every row) or were cut, where the plain forward refuses them
+    forward, inputs = CapturedForward(model.eval(), length_buckets=(16,)), batch()
+    ids = inputs["input_ids"]
+    for name, bad in (("attention_mask", torch.ones(1, ids.shape[1], dtype=torch.long)),
+                      ("attention_mask", torch.ones(ids.shape[0], ids.shape[1] - 2, dtype=torch.long)),
+                      ("attention_mask", torch.ones(ids.shape[1], dtype=torch.long)),
+                      ("token_type_ids", torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.long))):
+        with pytest.raises(ValueError, match=rf"{name} has shape \({', '.join(map(str, bad.shape))},?\), expected"):
+            forward(**{**inputs, name: bad})
 
 
 def _bert_with_hidden_states():

@@ -234,6 +234,25 @@ def test_hub_id_resolves_through_the_cache_offline(tmp_path, monkeypatch):
         fastbert.BertModel.from_pretrained(str(tmp_path / "no" / "such" / "dir"))
 
 
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])
+def test_dtype_auto_reads_the_config_first_as_transformers(tmp_path, key):
+    """transformers' dtype="auto" (the default) takes config.json's dtype (torch_dtype, its old name, too) and only
+    without one the weights' own: fp16 weights under a float32 config load in fp32 in both libraries, where fastbert
+    kept fp16; the loaded config says the dtype the model holds."""
+    tiny_hf().save_pretrained(tmp_path / "src")
+    fastbert.BertForPreTraining.from_pretrained(tmp_path / "src", dtype=torch.float16).save_pretrained(tmp_path / "half")
+    config = json.loads((tmp_path / "half" / "config.json").read_text())
+    config.pop("dtype", None)
+    (tmp_path / "half" / "config.json").write_text(json.dumps({**config, key: "float32"}))
+    for dtype in (None, "auto"):
+        arguments = {} if dtype is None else {"dtype": dtype}
+        ours = fastbert.BertForPreTraining.from_pretrained(tmp_path / "half", **arguments)
+        theirs = transformers.BertForPreTraining.from_pretrained(tmp_path / "half", **arguments)
+        assert ours.dtype == theirs.dtype == torch.float32 and ours.config.dtype == torch.float32
+    (tmp_path / "half" / "config.json").write_text(json.dumps(config))  # no dtype: the weights' own
+    assert fastbert.BertForPreTraining.from_pretrained(tmp_path / "half").dtype == torch.float16
+
+
 def test_dtype_device_map_and_refused_loader_arguments(tmp_path):
     tiny_hf().save_pretrained(tmp_path / "src")
     written = (tmp_path / "src" / "config.json").read_text()

@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+import fastbert
 from fastbert import cli
 
 transformers = pytest.importorskip("transformers")
@@ -100,3 +101,39 @@ def test_convert_refuses_to_write_over_its_source(tmp_path, capsys):
     before = {p.name: p.read_bytes() for p in src.iterdir()}
     assert cli.main(["convert", str(src), str(src) + "/"]) == 2
     assert "DST" in capsys.readouterr().err and {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
+def test_convert_refuses_to_drop_a_head_that_config_json_does_not_name(tmp_path, capsys):
+    """A classifier checkpoint whose config.json lost its architectures converted as BertModel (the default class)
+    and dropped the classifier with a warning, --check printing OK: now refused naming the tensors, unless the
+    class is given."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=90, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=48, max_position_embeddings=40, num_labels=3)
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "src")
+    values = json.loads((tmp_path / "src" / "config.json").read_text())
+    del values["architectures"]
+    (tmp_path / "src" / "config.json").write_text(json.dumps(values))
+    assert cli.main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "holds 2 tensors that BertModel has no place for (classifier.bias, classifier.weight)" in err
+    assert not (tmp_path / "dst").exists()
+    argv = ["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--model-class", "BertForSequenceClassification"]
+    assert cli.main([*argv, "--check"]) == 0
+
+
+def test_a_base_model_saved_without_its_pooler_converts_and_loads_without_one(tmp_path, capsys):
+    """transformers' BertModel(add_pooling_layer=False) checkpoint: convert refused it (the pooler's weights
+    missing), and from_pretrained(add_pooling_layer=False), which transformers takes, was a TypeError."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=90, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=48, max_position_embeddings=40)
+    transformers.BertModel(config, add_pooling_layer=False).save_pretrained(tmp_path / "src")
+    assert cli.main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--check"]) == 0
+    assert "OK" in capsys.readouterr().out
+    for source in ("src", "dst"):
+        model, info = fastbert.BertModel.from_pretrained(tmp_path / source, add_pooling_layer=False,
+                                                         output_loading_info=True)
+        assert model.pooler is None and not info["missing_keys"] and not info["unexpected_keys"]
+    with pytest.raises(TypeError, match="BertForMaskedLM does not take"):
+        fastbert.BertForMaskedLM.from_pretrained(tmp_path / "src", add_pooling_layer=False)
