@@ -11,8 +11,8 @@ CHECKPOINT_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json
                        "pytorch_model.bin.index.json")
 # the files of a tokenizer, fetched too for the commands that tokenize (finetune, embed, convert): BERT's and
 # the family's (byte-level BPE's vocab.json + merges.txt, XLM-R's and CamemBERT's SentencePiece model)
-TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "sentencepiece.bpe.model", "spiece.model")
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "sentencepiece.bpe.model", "spiece.model")
 
 
 def resolve(name_or_path: str | os.PathLike, cache_dir=None, revision=None, subfolder: str = "", token=None,

@@ -137,3 +137,11 @@ def test_a_base_model_saved_without_its_pooler_converts_and_loads_without_one(tm
         assert model.pooler is None and not info["missing_keys"] and not info["unexpected_keys"]
     with pytest.raises(TypeError, match="BertForMaskedLM does not take"):
         fastbert.BertForMaskedLM.from_pretrained(tmp_path / "src", add_pooling_layer=False)
+
+
+def test_convert_copies_added_tokens(tmp_path):
+    """added_tokens.json is a tokenizer file transformers reads beside vocab.txt: DST lost the added tokens."""
+    src = small_checkpoint(tmp_path / "src")
+    (src / "added_tokens.json").write_text(json.dumps({"[NEW]": 89}))
+    assert cli.main(["convert", str(src), str(tmp_path / "dst")]) == 0
+    assert (tmp_path / "dst" / "added_tokens.json").read_text() == (src / "added_tokens.json").read_text()

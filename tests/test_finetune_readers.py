@@ -186,3 +186,21 @@ def test_pair_truncation_longest_first(packer):
     cls, sep = VOCAB.index("[CLS]"), VOCAB.index("[SEP]")
     assert packed["input_ids"] == [cls, 1, 2, 3, sep, 7, 8, sep]
     assert packed["token_type_ids"] == [0, 0, 0, 0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("settings", [{"strip_accents": False}, {"tokenize_chinese_chars": False},
+                                      {"do_lower_case": False}, {}], ids=["accents", "chinese", "cased", "added"])
+def test_a_bert_vocab_with_transformers_settings_tokenizes_as_transformers(tmp_path, settings):
+    """A checkpoint with vocab.txt (no tokenizer.json) and tokenizer_config.json's settings or added_tokens.json:
+    fastbert read do_lower_case alone, so accents, CJK characters and an added token split otherwise than in
+    transformers' AutoTokenizer (what embed and finetune feed the model); convert left added_tokens.json out."""
+    transformers = pytest.importorskip("transformers")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "cafe", "café", "naive", "東", "##京", "京", "hello",
+             "world", "[", "]", "new", "##w", "Hello"]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer", **settings}))
+    (tmp_path / "added_tokens.json").write_text(json.dumps({"[NEW]": len(vocab)}))
+    text = "Hello café naive 東京 [NEW] world"
+    expected = transformers.AutoTokenizer.from_pretrained(tmp_path)(text)["input_ids"]
+    assert tokenizer_for(str(tmp_path)).encode(text).ids == expected
+    assert len(vocab) in expected  # the added token is one id in both

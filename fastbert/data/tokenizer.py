@@ -109,10 +109,15 @@ def load_tokenizer(path: str, lowercase: bool = True):
     except Exception as exc:  # tokenizers raises plain Exception for a file it cannot parse
         kind = "tokenizer.json" if path.endswith(".json") else "vocab.txt (one token per line, UTF-8)"
         raise ValueError(f"{path}: not a valid {kind} ({exc}); the file is damaged or of another kind") from None
+    check_special_tokens(tokenizer, path)
+    return tokenizer
+
+
+def check_special_tokens(tokenizer, path: str) -> None:
+    """ValueError naming `path` when the tokenizer lacks one of BERT's special tokens."""
     missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
     if missing:
         raise ValueError(f"tokenizer {path!r} lacks the special tokens {missing} that BERT pretraining needs")
-    return tokenizer
 
 
 def vocabulary(tokenizer) -> list[str]:

@@ -9,17 +9,20 @@ sequence, not to max_seq_length.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 
 import torch
 
-from fastbert.data.tokenizer import load_tokenizer, save_tokenizer
+from fastbert.data.tokenizer import check_special_tokens, load_tokenizer, save_tokenizer
 from fastbert.validation import IGNORE_INDEX
 
 # files an HF tokenizer directory may hold besides tokenizer.json / vocab.txt; copied to the output
 TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+# what transformers' BERT tokenizer reads beside vocab.txt: its settings, and tokens added to the vocabulary
+BERT_TOKENIZER_SETTINGS = ("tokenizer_config.json", "added_tokens.json")
 # the family's tokenizer files that transformers' AutoTokenizer reads when there is no tokenizer.json:
 # byte-level BPE (RoBERTa), SentencePiece (XLM-R, CamemBERT), WordPiece with its own template (MPNet)
 VOCABULARY_FILES = ("vocab.json", "sentencepiece.bpe.model", "spiece.model", "vocab.txt")
@@ -104,6 +107,13 @@ def _bert_tokenizer(model_dir: str, path: str | None, lowercase: bool | None):
         else:
             raise ValueError(f"--model {model_dir} has no tokenizer.json or vocab.txt; pass --tokenizer "
                              "(fastbert prepare-data writes both into its output directory)")
+        # the directory's vocab.txt beside transformers' settings (strip_accents, tokenize_chinese_chars) or added
+        # tokens: read as transformers' AutoTokenizer reads them, where it is installed
+        if (lowercase is None and path.endswith("vocab.txt") and importlib.util.find_spec("transformers") is not None
+                and any(os.path.isfile(os.path.join(model_dir, name)) for name in BERT_TOKENIZER_SETTINGS)):
+            tokenizer = _auto_tokenizer(model_dir, "--model")
+            check_special_tokens(tokenizer, path)
+            return tokenizer
     if lowercase is None:
         lowercase = True
         config = os.path.join(model_dir, "tokenizer_config.json")
