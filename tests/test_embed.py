@@ -125,7 +125,10 @@ def test_bad_input(tmp_path, capsys):
     for options, message in ((["--layers", "-8"], "layer -8 is outside the model's hidden states: 0 (embeddings) "
                                                   "to 6, or -1 to -7"),
                              (["--layers", "x"], "--layers must be comma-separated integers"),
-                             (["--max-seq-length", "600"], "--max-seq-length 600 is longer than the model's")):
+                             (["--max-seq-length", "600"], "--max-seq-length 600 is longer than the model's"),
+                             # an empty list failed inside torch (a traceback with --combine sum), 0 read as 128
+                             (["--layers=,", "--combine", "sum"], "--layers names no layer, got ','"),
+                             (["--max-seq-length", "0"], "--max-seq-length must be a positive integer, got 0")):
         argv = ["embed", "--model", MINILM, "--input", str(path), "--out", str(tmp_path / "o.npy"), *options]
         assert fastbert.cli.main(argv) == 2
         assert message in capsys.readouterr().err

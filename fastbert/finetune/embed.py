@@ -198,6 +198,10 @@ def run(args: argparse.Namespace) -> None:
         layers = [int(x) for x in args.layers.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--layers must be comma-separated integers, got {args.layers!r}") from None
+    if not layers and not args.pooled:
+        raise ValueError(f"--layers names no layer, got {args.layers!r}")
+    if args.max_seq_length is not None and args.max_seq_length < 1:
+        raise ValueError(f"--max-seq-length must be a positive integer, got {args.max_seq_length}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {args.batch_size}")
     if os.path.isdir(args.out):
@@ -212,7 +216,7 @@ def run(args: argparse.Namespace) -> None:
     if args.pooled and any(k.startswith("pooler.") for k in info["missing_keys"]):
         raise ValueError(f"--pooled: the checkpoint {args.model} has no pooler weights")
     positions = config.max_sequence_length  # RoBERTa's 514 positions hold 512 tokens
-    max_seq_length = args.max_seq_length or min(128, positions)
+    max_seq_length = min(128, positions) if args.max_seq_length is None else args.max_seq_length
     if max_seq_length > positions:
         raise ValueError(f"--max-seq-length {max_seq_length} is longer than the model's {positions} positions "
                          f"(max_position_embeddings {config.max_position_embeddings})")
