@@ -102,7 +102,8 @@ class CapturedForward:
         for name, tensor in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
             # copied into the corner of a padded buffer, another shape would broadcast or be cut, not be refused
             if tensor is not None and tensor.shape != input_ids.shape:
-                raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected input_ids' {tuple(input_ids.shape)}")
+                raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected input_ids' "
+                                 f"{tuple(input_ids.shape)}")
         given = {"input_ids": input_ids, "attention_mask": attention_mask if attention_mask is not None
                  else torch.ones_like(input_ids), "token_type_ids": token_type_ids}
         given = {name: tensor for name, tensor in given.items() if tensor is not None}

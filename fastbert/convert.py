@@ -6,9 +6,9 @@ batch. The class is config.json's architectures entry: fastbert's own (BertForMa
 ElectraForPreTraining, ...), or for a head fastbert has only through `fastbert.apply`
 (RobertaForSequenceClassification, ...) transformers' class, whose check runs it accelerated in place.
 A SRC that cannot be copied faithfully (missing, unreadable or incomplete weights, weights the class has no
-place for when config.json names no class that holds them, a config of an architecture fastbert does not build,
-DST equal to SRC) is an error and DST is left as it was; DST is written aside and renamed into place. A base
-model saved without its pooler is copied without one."""
+place for when config.json's architectures names no class fastbert runs, a config of an architecture fastbert
+does not build, DST equal to SRC) is an error and DST is left as it was; DST is written aside and renamed into
+place. A base model saved without its pooler is copied without one."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +23,7 @@ import torch
 from fastbert.architectures import MODEL_CLASSES, model_class
 from fastbert.command import run_command
 from fastbert.files import output_lock, replaced_directory
+from fastbert.hf import CheckpointError, read_state_dict
 from fastbert.finetune.loading import checkpoint_directory, load_checkpoint, load_config, weight_errors
 from fastbert.hub import TOKENIZER_FILES
 
@@ -58,10 +59,12 @@ def _takes_add_pooling_layer(name: str) -> bool:
     return name in MODEL_CLASSES and "add_pooling_layer" in inspect.signature(MODEL_CLASSES[name]).parameters
 
 
-def load_source(name: str, src: str, **arguments):
-    """(model, loading info) of class `name` from SRC: fastbert's class, or transformers' (family heads)."""
+def load_source(name: str, src: str, state: dict, **arguments):
+    """(model, loading info) of class `name` from SRC (its tensors `state`, read once) in the dtype they are stored
+    in (dtype="auto" would take config.json's): fastbert's class, or transformers' (family heads)."""
+    arguments["dtype"] = next((t.dtype for t in state.values() if t.is_floating_point()), None)
     if name in MODEL_CLASSES:
-        return load_checkpoint(MODEL_CLASSES[name], src, "SRC", **arguments)
+        return load_checkpoint(MODEL_CLASSES[name], src, "SRC", state_dict=state, **arguments)
     try:
         return _transformers_class(name).from_pretrained(src, output_loading_info=True, **arguments)
     except weight_errors() as exc:
@@ -117,18 +120,26 @@ def convert(src: str, dst: str, model_class: str | None = None, check: bool = Fa
                                 or os.listdir(dst) and not os.path.isfile(os.path.join(dst, "config.json"))):
         raise ValueError(f"DST {dst} exists and is not a checkpoint directory; it would be replaced as a whole, "
                          "so choose a new or empty one")
-    name = model_class or model_class_name(src, load_config(src, "SRC"))
-    model, info = load_source(name, src)
+    config = load_config(src, "SRC")
+    name = model_class or model_class_name(src, config)
+    try:
+        state = read_state_dict(src)
+    except CheckpointError as exc:
+        raise ValueError(f"SRC {src}: {exc}") from None
+    model, info = load_source(name, src, state)
     missing = sorted(info["missing_keys"])
     if missing and all(key.startswith("pooler.") for key in missing) and _takes_add_pooling_layer(name):
-        model, info = load_source(name, src, add_pooling_layer=False)  # a base model saved without its pooler
+        model, info = load_source(name, src, state, add_pooling_layer=False)  # a base model saved without its pooler
         missing = sorted(info["missing_keys"])
     unexpected = sorted(info["unexpected_keys"])
-    if unexpected and model_class is None:  # a head config.json's architectures does not name would be dropped
+    # a class config.json's architectures does not name is a guess (the base model), and a head it has no place for
+    # would be dropped; a checkpoint that names its class (bert-base-uncased: BertForMaskedLM beside its NSP
+    # weights) is copied as that class
+    if unexpected and model_class is None and name not in (getattr(config, "architectures", None) or []):
         raise ValueError(f"SRC {src} holds {len(unexpected)} tensors that {name} has no place for "
-                         f"({', '.join(unexpected[:4])}{', ...' if len(unexpected) > 4 else ''}): config.json names no "
-                         "architecture that holds them; give the class with --model-class (BertModel to drop them), "
-                         "so nothing was written")
+                         f"({', '.join(unexpected[:4])}{', ...' if len(unexpected) > 4 else ''}): config.json's "
+                         "architectures names no class fastbert runs, so it was a guess; give the class that holds "
+                         f"them with --model-class (or {name} to drop them), so nothing was written")
     if missing:
         raise ValueError(f"SRC {src} has no weights for {len(missing)} tensors of {name} "
                          f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): "

@@ -163,6 +163,8 @@ def normalize_keys(state: dict[str, torch.Tensor], tied: bool = True) -> dict[st
         bias = out.pop("cls.predictions.decoder.bias", None)
         if bias is not None:
             out.setdefault("cls.predictions.bias", bias)
+    elif "cls.predictions.bias" in out:  # transformers 4 linked the decoder's bias to the head's and saved that one
+        out.setdefault("cls.predictions.decoder.bias", out["cls.predictions.bias"])
     return out
 
 
@@ -281,7 +283,8 @@ def _initialise_missing(model: torch.nn.Module, missing: list[str], dtype, devic
 
 
 def _resolve_dtype(kwargs: dict) -> torch.dtype | None:
-    """transformers' dtype= / torch_dtype=: None or "auto" keep the checkpoint's dtype."""
+    """transformers' dtype= / torch_dtype= as a torch dtype; None for "auto" (or none given), which
+    load_pretrained reads as transformers does: config.json's dtype, else the weights'."""
     dtype, legacy = kwargs.pop("dtype", None), kwargs.pop("torch_dtype", None)
     if dtype is not None and legacy is not None and dtype != legacy:
         raise ValueError(f"dtype={dtype!r} and torch_dtype={legacy!r} disagree; pass one (torch_dtype is its old name)")

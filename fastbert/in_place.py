@@ -65,9 +65,10 @@ def apply(model: nn.Module, **config_overrides) -> nn.Module:
 
     dispatched = next((name for name, m in model.named_modules() if "_hf_hook" in vars(m)), None)
     if dispatched is not None:
-        raise ValueError(f"fastbert.apply: {type(model).__name__} was dispatched by accelerate (device_map, offloading; "
-                         f"a hook on {dispatched or 'the model'}): apply replaces the modules that carry those hooks, "
-                         "so they would no longer move weights or activations; load the model on one device, then apply")
+        raise ValueError(f"fastbert.apply: {type(model).__name__} was dispatched by accelerate (device_map, "
+                         f"offloading; a hook on {dispatched or 'the model'}): apply replaces the modules that carry "
+                         "those hooks, so they would no longer move weights or activations; load the model on one "
+                         "device, then apply")
     bases = _transformers_bases()
     found = [(m, bases[type(m)]) for m in model.modules() if type(m) in bases]
     if not found and not any(isinstance(m, BertPreTrainedModel) for m in model.modules()):
@@ -291,8 +292,9 @@ def _refuse_lost_hooks(bert: nn.Module, kept: set[int]) -> None:
         if hooked or has_own_forward(module):
             raise ValueError(f"fastbert.apply: {type(bert).__name__}.{name or 'forward'} has "
                              f"{'hooks' if hooked else 'a forward of its own'}, which would no longer run: apply "
-                             "replaces that module with fastbert's (the Linears, LayerNorms and embeddings inside stay, "
-                             "with their hooks); remove them, apply, then hook fastbert's module; it is left unchanged")
+                             "replaces that module with fastbert's (the Linears, LayerNorms and embeddings inside "
+                             "stay, with their hooks); remove them, apply, then hook fastbert's module; it is left "
+                             "unchanged")
 
 
 def _forward(fast: nn.Module, bert: nn.Module, signature: inspect.Signature, *args, **kwargs):

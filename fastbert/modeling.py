@@ -599,8 +599,8 @@ def run_layers(owner: nn.Module, layers, hidden, layout: AttentionLayout, output
             else:
                 hidden, probs = layer(hidden, layout, output_attentions, checkpointing)
         except TypeError as exc:  # a layer that takes other arguments (transformers' BertLayer put in the list)
-            if isinstance(layer, EncoderLayer):
-                raise
+            if any(isinstance(module, EncoderLayer) for module in layer.modules()):
+                raise  # raised inside fastbert's layer, or a wrapper of one (torch.compile's, a checkpoint wrapper)
             raise TypeError(f"encoder layer {list(layers).index(layer)} is a {type(layer).__name__}, which fastbert's "
                             f"encoder cannot call: it calls its layers as (hidden, layout, output_attentions, "
                             f"checkpointing); put fastbert's {getattr(owner, 'layer_class', EncoderLayer).__name__} "
@@ -908,7 +908,8 @@ def _rows(tensor, index, positions: int):
 class VocabularyHead:
     """A masked-LM head whatever its module names (the family's one implementation): `transform` [N, H] ->
     [N, H'], then the decoder to the vocabulary plus `bias`. bias_in_decoder: decoder(x) already adds the
-    bias (RoBERTa's decoder.bias is the head's bias; DistilBERT's and ELECTRA's decoders own theirs)."""
+    bias (the decoder's own bias, which BERT's and RoBERTa's heads tie to theirs unless tie_word_embeddings is
+    False; DistilBERT's, ELECTRA's and ModernBERT's decoders own theirs)."""
     config: BertConfig
     transform: object  # callable
     decoder: nn.Module  # Linear H' -> V, its weight tied to the word embeddings
@@ -959,6 +960,13 @@ class VocabularyHead:
         return loss, ((logits.argmax(dim=-1) == targets) & (targets != IGNORE_INDEX)).sum()
 
 
+def _decoder_bias_from_head(state_dict, prefix, *args) -> None:
+    """A state dict of BertLMPredictionHead as fastbert wrote it before its decoder had a bias (and transformers 4's
+    saved files) holds the head's bias alone, which is what its logits added: the decoder's bias is that one."""
+    if prefix + "decoder.bias" not in state_dict and prefix + "bias" in state_dict:
+        state_dict[prefix + "decoder.bias"] = state_dict[prefix + "bias"]
+
+
 class BertLMPredictionHead(nn.Module):
     """transform -> decoder tied to the word embeddings, with a bias tied to the head's `bias`: transformers' module
     and parameter names, so that state dicts load strictly either way. With tie_word_embeddings=False the decoder's
@@ -973,6 +981,7 @@ class BertLMPredictionHead(nn.Module):
         # with them change every weight a seeded model initialises after it
         self.decoder.bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self._register_load_state_dict_pre_hook(_decoder_bias_from_head)
 
     def vocabulary_head(self) -> VocabularyHead:
         # the logits add the decoder's bias, as transformers' forward calls the decoder; a decoder set without
@@ -1048,7 +1057,7 @@ class MLMHeadMixin:
         bias = nn.Parameter(bias, requires_grad=old.requires_grad)
         _set_path(self, self.bias_path, bias)
         decoder = self.get_output_embeddings()
-        if getattr(decoder, "bias", None) is old:  # RoBERTa's decoder adds the head's bias itself
+        if getattr(decoder, "bias", None) is old:  # the decoder adds the head's bias itself (tied)
             decoder.bias = bias
 
 

@@ -240,7 +240,8 @@ def test_dtype_auto_reads_the_config_first_as_transformers(tmp_path, key):
     without one the weights' own: fp16 weights under a float32 config load in fp32 in both libraries, where fastbert
     kept fp16; the loaded config says the dtype the model holds."""
     tiny_hf().save_pretrained(tmp_path / "src")
-    fastbert.BertForPreTraining.from_pretrained(tmp_path / "src", dtype=torch.float16).save_pretrained(tmp_path / "half")
+    half = fastbert.BertForPreTraining.from_pretrained(tmp_path / "src", dtype=torch.float16)
+    half.save_pretrained(tmp_path / "half")
     config = json.loads((tmp_path / "half" / "config.json").read_text())
     config.pop("dtype", None)
     (tmp_path / "half" / "config.json").write_text(json.dumps({**config, key: "float32"}))

@@ -122,6 +122,19 @@ def test_convert_refuses_to_drop_a_head_that_config_json_does_not_name(tmp_path,
     assert cli.main([*argv, "--check"]) == 0
 
 
+def test_a_checkpoint_that_names_its_class_is_copied_as_that_class(tmp_path):
+    """bert-base-uncased's config.json names BertForMaskedLM while its weights also hold the pooler and the NSP head:
+    the class named is what is copied (the weights it has no place for left, as transformers leaves them)."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=90, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=48, max_position_embeddings=40)
+    transformers.BertForPreTraining(config).save_pretrained(tmp_path / "src")
+    values = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**values, "architectures": ["BertForMaskedLM"]}))
+    assert cli.main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--check"]) == 0
+    assert json.loads((tmp_path / "dst" / "config.json").read_text())["architectures"] == ["BertForMaskedLM"]
+
+
 def test_a_base_model_saved_without_its_pooler_converts_and_loads_without_one(tmp_path, capsys):
     """transformers' BertModel(add_pooling_layer=False) checkpoint: convert refused it (the pooler's weights
     missing), and from_pretrained(add_pooling_layer=False), which transformers takes, was a TypeError."""
@@ -145,3 +158,15 @@ def test_convert_copies_added_tokens(tmp_path):
     (src / "added_tokens.json").write_text(json.dumps({"[NEW]": 89}))
     assert cli.main(["convert", str(src), str(tmp_path / "dst")]) == 0
     assert (tmp_path / "dst" / "added_tokens.json").read_text() == (src / "added_tokens.json").read_text()
+
+
+def test_convert_keeps_the_dtype_the_weights_are_stored_in(tmp_path):
+    """A config.json whose dtype is not its weights' (fp32 tensors under "dtype": "bfloat16", as checkpoints saved
+    after a cast of the config alone have it): dtype="auto" loads in the config's, and convert wrote bf16, rounding
+    every weight; it copies them as stored."""
+    from safetensors.torch import load_file
+    src = small_checkpoint(tmp_path / "src")
+    edit_config(src, dtype="bfloat16")
+    assert cli.main(["convert", str(src), str(tmp_path / "dst")]) == 0
+    written, stored = (load_file(path / "model.safetensors") for path in (tmp_path / "dst", src))
+    assert all(written[key].dtype == torch.float32 and torch.equal(written[key], stored[key]) for key in stored)

@@ -505,6 +505,18 @@ def test_children_replaced_after_apply_are_the_ones_run():
     with pytest.raises(TypeError, match="encoder layer 2 is a BertLayer, which fastbert's encoder cannot call"):
         ours(input_ids=ids)
 
+    class Wrapper(torch.nn.Module):  # around fastbert's layer: a TypeError inside it keeps its own message
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, *args):
+            raise TypeError("the wrapper's own")
+
+    ours.bert.encoder.layer[2] = Wrapper(ours.bert.encoder.layer[0])
+    with pytest.raises(TypeError, match="^the wrapper's own$"):
+        ours(input_ids=ids)
+
 
 def test_self_attention_has_transformers_attributes():
     """Head-pruning scripts and attention visualisers read them."""

@@ -258,7 +258,7 @@ def test_damaged_weights_of_a_family_head_are_a_message(tmp_path, capsys):
     weights.write_bytes(weights.read_bytes()[:-100])
     assert cli.main(["convert", src, str(tmp_path / "dst"), "--check"]) == 2
     err = capsys.readouterr().err
-    assert f"SRC {src}: transformers cannot load the weights as RobertaForSequenceClassification" in err, err
+    assert f"SRC {src}: {weights}: cannot read the weights" in err, err  # read once, by fastbert, for its dtype
     assert "Traceback" not in err and not (tmp_path / "dst").exists()
     write_pairs(tmp_path / "train.tsv", 4, seed=0)
     argv = ["finetune", "--task", "classification", "--model", src, "--train", str(tmp_path / "train.tsv"),

@@ -305,10 +305,22 @@ def test_a_run_that_diverges_saves_nothing_and_fails(tmp_path, tiny_model, capsy
             finetune(FinetuneConfig("classification", tiny_model, str(tmp_path / "train.tsv"), **{name: value}))
 
 
-def test_a_run_that_diverges_after_its_best_epoch_keeps_that_epochs_model(tmp_path, tiny_model, monkeypatch, caplog):
+@pytest.mark.parametrize("weak_first_epoch", [False, True], ids=["strong-first", "weak-first"])
+def test_a_run_that_diverges_after_its_best_epoch_keeps_that_epochs_model(tmp_path, tiny_model, monkeypatch, caplog,
+                                                                          weak_first_epoch):
     """Every training loss of the second epoch NaN (so are the weights then): the first epoch's model, saved as the
-    best before, is kept and the run ends with a warning; the check before a save refuses nothing it should keep."""
-    forward = fastbert.BertForSequenceClassification.forward
+    best before, is kept and the run stops with a warning, also where the NaN model's class-0 predictions would
+    score above a weak first epoch (it was then saved as the best, or the run failed and discarded the first)."""
+    from fastbert.finetune import train as finetune_train
+    forward, evaluate = fastbert.BertForSequenceClassification.forward, finetune_train.evaluate
+
+    def scored_low_first(*args, **kwargs):
+        scores, predictions = evaluate(*args, **kwargs)
+        scored_low_first.calls = getattr(scored_low_first, "calls", 0) + 1
+        return {**scores, "accuracy": 0.0} if scored_low_first.calls == 1 else scores, predictions
+
+    if weak_first_epoch:
+        monkeypatch.setattr(finetune_train, "evaluate", scored_low_first)
 
     def nan_in_the_second_epoch(self, *args, **kwargs):
         output = forward(self, *args, **kwargs)
@@ -323,6 +335,6 @@ def test_a_run_that_diverges_after_its_best_epoch_keeps_that_epochs_model(tmp_pa
     best, out = run(tmp_path, tiny_model, "classification", tmp_path / "train.tsv", tmp_path / "train.tsv",
                     batch_size=8, epochs=2)
     assert best["epoch"] == 1 and math.isfinite(best["loss"])
-    assert "fine-tuning diverged after the best epoch (1)" in caplog.text
+    assert "the best epoch's model (epoch 1) is kept and training stops" in caplog.text
     weights = fastbert.BertForSequenceClassification.from_pretrained(out).state_dict()
     assert all(torch.isfinite(value).all() for value in weights.values())

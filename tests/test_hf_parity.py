@@ -309,6 +309,27 @@ def test_mlm_state_dicts_load_strictly_both_ways(name, tied):
             torch.testing.assert_close(logits(back), logits(theirs), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_state_dict_without_the_decoder_bias_loads_with_the_heads(tied, tmp_path):
+    """fastbert's state dicts before its decoder had a bias, and transformers 4's files (which linked the decoder's
+    bias to the head's and saved that), hold cls.predictions.bias alone, the bias their logits added: it loads
+    strictly into the decoder's too (a missing key before), and from a file (the decoder's bias left at zeros)."""
+    torch.manual_seed(0)
+    model = fastbert.BertForMaskedLM(fastbert.BertConfig(**hf_config(tie_word_embeddings=tied).to_dict())).eval()
+    with torch.no_grad():
+        model.cls.predictions.bias.normal_()
+        model.cls.predictions.decoder.bias.copy_(model.cls.predictions.bias)
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    expected = model(input_ids=ids).logits
+    old = {k: v for k, v in model.state_dict().items() if k != "cls.predictions.decoder.bias"}
+    fresh = fastbert.BertForMaskedLM(model.config).eval()
+    fresh.load_state_dict(old)
+    model.save_pretrained(tmp_path, state_dict=old)
+    for loaded in (fresh, fastbert.BertForMaskedLM.from_pretrained(tmp_path)):
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", ["BertForPreTraining", "BertForMaskedLM", "BertForNextSentencePrediction",
                                   "BertForSequenceClassification", "BertForTokenClassification"])
 def test_labels_in_another_layout_are_read_in_order_as_transformers(name):

@@ -594,3 +594,33 @@ def test_the_demo_learns(tmp_path, monkeypatch, capsys):
         f.write("sentence\tlabel\nany of the module\ta\n")
     assert finetune_cli.main(command[2:] + ["--max-steps", "1", "--no-progress"]) == 0
     assert os.path.isfile(os.path.join("finetuned", "config.json"))
+
+
+# DDP on one gloo process: wrap() is told there are two ranks, so that it wraps
+UNTIED_UNDER_DDP = textwrap.dedent("""
+    import os, torch, torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from fastbert import BertConfig, BertForPreTraining
+    from fastbert.train import distributed
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, tie_word_embeddings=False)
+    model = distributed.wrap(BertForPreTraining(config), "ddp", distributed.Dist(world_size=2), None)
+    ids = torch.randint(5, 100, (2, 8))
+    for step in range(2):
+        model(input_ids=ids, labels=ids, next_sentence_label=torch.zeros(2, dtype=torch.long)).loss.backward()
+    print("two steps")
+    dist.destroy_process_group()
+""")
+
+
+def test_ddp_trains_an_untied_mlm_head(tmp_path):
+    """With tie_word_embeddings=False the head's own bias is unused (the logits add the decoder's, as in
+    transformers): DDP waited for its gradient and failed the second step ("Expected to have finished reduction")."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run([sys.executable, "-c", UNTIED_UNDER_DDP], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PORT": str(port)})
+    assert run.returncode == 0 and "two steps" in run.stdout, run.stderr[-2000:]

@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> None:
     texts = read_texts(args.input, args.text_column, args.text_pair_column, args.format)
     config = load_config(args.model)
     tokenizer = tokenizer_for(args.model, args.tokenizer, args.lowercase, config.model_type)
-    model, info = load_checkpoint(architectures.model_class(config, "Model"), args.model,
+    model, info = load_checkpoint(architectures.model_class(config, "Model"), args.model, dtype=torch.float32,
                                   **({"backend": args.backend} if args.backend else {}))
     if args.pooled and any(k.startswith("pooler.") for k in info["missing_keys"]):
         raise ValueError(f"--pooled: the checkpoint {args.model} has no pooler weights")
@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> None:
     packer = Packer(tokenizer, max_seq_length, token_types=config.type_vocab_size > 1)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with output_lock(args.out):
-        features, tokens = embed(model.float().to(device), packer, texts, layers, args.combine, args.pooled,
+        features, tokens = embed(model.to(device), packer, texts, layers, args.combine, args.pooled,
                                  args.per, args.sequence_pool, args.batch_size, out=args.out)
         if features.ndim == 2 and os.path.exists(tokens_path(args.out)):  # a per-token run's: not these features'
             os.remove(tokens_path(args.out))

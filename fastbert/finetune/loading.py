@@ -103,7 +103,9 @@ def load_task_model(config, head: str, path: str, dropout: float, backend: str |
     if config.model_type == "bert":
         overrides = dict(overrides, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
                          classifier_dropout=None, **({"backend": backend} if backend else {}))
-        return load_checkpoint(architectures.model_class(config, head), path, **overrides)[0]
+        # fp32, the dtype fine-tuning trains in, read from the weights as stored (dtype="auto" would round them to
+        # config.json's dtype first)
+        return load_checkpoint(architectures.model_class(config, head), path, dtype=torch.float32, **overrides)[0]
     from fastbert.in_place import apply
 
     cls = transformers_class(config, head)
@@ -117,7 +119,7 @@ def load_task_model(config, head: str, path: str, dropout: float, backend: str |
     for name, value in overrides.items():
         setattr(hf_config, name, value)
     try:
-        model = cls.from_pretrained(path, config=hf_config)
+        model = cls.from_pretrained(path, config=hf_config, dtype=torch.float32)
     except weight_errors() as exc:
         raise ValueError(f"--model {path}: transformers cannot load the weights as {cls.__name__} "
                          f"({type(exc).__name__}: {str(exc).strip()[:500]})") from None

@@ -219,7 +219,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
                 + (f"; {len(evaluation[0])} eval examples" if evaluation else ""))
 
     model = load_task_model(config, task.head, model_dir, cfg.dropout, cfg.backend, **task.model_overrides())
-    model = model.float().to(device).train()
+    model = model.to(device).train()
 
     def save(directory: str, predictions) -> None:
         model.save_pretrained(directory)
@@ -292,30 +292,41 @@ def train_loop(cfg: FinetuneConfig, model, task: Task, train_inputs: list[dict],
             history.append(scores)
             logger.info(f"epoch {epoch + 1}, step {step}: " + ", ".join(
                 f"{k} {v:.4f}" for k, v in scores.items() if k not in ("epoch", "step")))
+            # NaN weights still score (argmax picks class 0), maybe above the best: judged before the scores are
+            diverged = divergence(trained_loss, scores)
+            if diverged and best is None:
+                raise diverged_error(cfg, diverged, step)
+            if diverged:
+                logger.warning(f"fine-tuning diverged by step {step} ({diverged}); the best epoch's model (epoch "
+                               f"{best['epoch']}) is kept and training stops. Lower --learning-rate (it is "
+                               f"{cfg.learning_rate:g})")
+                break
             sign = -1 if metric in LOWER_IS_BETTER else 1
             if best is None or sign * scores[metric] > sign * best[metric]:
-                check_finite(cfg, trained_loss, scores, step)
                 best = scores
                 save_best(predictions)
                 logger.info(f"best {metric} so far (kept for {cfg.out})")
         if step >= total_steps:
             break
     bar.close()
-    if evaluation is None:  # the last weights are what is saved
-        check_finite(cfg, trained_loss, None, step)
-    elif not math.isfinite(trained_loss.item()):  # after the best epoch, whose model was saved before
-        logger.warning(f"fine-tuning diverged after the best epoch ({best['epoch']}): a later step's loss is not "
-                       f"finite; that epoch's model is kept. Lower --learning-rate (it is {cfg.learning_rate:g})")
+    diverged = divergence(trained_loss, None) if evaluation is None else None  # the last weights are what is saved
+    if diverged:
+        raise diverged_error(cfg, diverged, step)
     return step, history, best
 
 
-def check_finite(cfg: FinetuneConfig, trained_loss: torch.Tensor, scores: dict | None, step: int) -> None:
-    """Raise TrainingError (nothing is saved) when a training step's loss or the evaluation loss (scores) is not
-    finite: the weights may then be NaN, whose logits still score (argmax picks class 0)."""
-    evaluated = None if scores is None else scores.get("loss")
-    if math.isfinite(trained_loss.item()) and (evaluated is None or math.isfinite(evaluated)):
-        return
-    where = "a training step's loss" if evaluated is None or math.isfinite(evaluated) else "the evaluation loss"
-    raise TrainingError(f"fine-tuning diverged by step {step}: {where} is not finite, so the weights may be NaN; "
-                        f"nothing was saved to {cfg.out}. Lower --learning-rate (it is {cfg.learning_rate:g}) or "
-                        f"--weight-decay (it is {cfg.weight_decay:g}), or check the data")
+def divergence(trained_loss: torch.Tensor, scores: dict | None) -> str | None:
+    """What is not finite (a training step's loss, or the evaluation loss in scores), or None. Reads the loss: a
+    host sync, once an epoch."""
+    if not math.isfinite(trained_loss.item()):
+        return "a training step's loss is not finite"
+    if scores is not None and not math.isfinite(scores.get("loss", 0.0)):
+        return "the evaluation loss is not finite"
+    return None
+
+
+def diverged_error(cfg: FinetuneConfig, what: str, step: int) -> TrainingError:
+    """The error of a run that diverged before any model was worth saving (nothing is saved)."""
+    return TrainingError(f"fine-tuning diverged by step {step}: {what}, so the weights may be NaN; nothing was saved "
+                         f"to {cfg.out}. Lower --learning-rate (it is {cfg.learning_rate:g}) or --weight-decay (it is "
+                         f"{cfg.weight_decay:g}), or check the data")

@@ -68,7 +68,10 @@ def wrap(model: torch.nn.Module, strategy: str, env: Dist, param_dtype: torch.dt
         return model
     if strategy == "ddp":
         device_ids = [env.device.index] if env.device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        # an untied MLM head's own bias is unused, as in transformers (the logits add the decoder's): DDP must not
+        # wait for its gradient, which never comes
+        untied = not getattr(model.config, "tie_word_embeddings", True)
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=untied)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in model.bert.encoder.layer:
