@@ -235,8 +235,8 @@ resolved, gates, real_resolve = collections.Counter(), collections.Counter(), op
 real_gate = fastbert.modeling.one_node_sublayers
 nodes, real_node = [], fastbert.sublayer._APPLY  # the attention sublayers run as one node
 fastbert.sublayer._APPLY = lambda *args: nodes.append(1) or real_node(*args)
-def spy(backend, *tensors, op=None):
-    path = real_resolve(backend, *tensors, op=op)
+def spy(backend, *tensors, op=None, **kw):
+    path = real_resolve(backend, *tensors, op=op, **kw)
     resolved[str(op), path] += 1
     return path
 def gate(config, hidden):

@@ -15,7 +15,7 @@ from tolerance import GRADIENT_FACTOR, assert_within_rule
 
 import fastbert
 from fastbert.kernels.layer_norm import MIN_WEIGHT, SIDE_COLUMNS
-from fastbert.train import pretrain
+from fastbert.train import checkpoint, pretrain
 from tests.test_pretrain import config as pretrain_config
 from tests.test_pretrain import data  # noqa: F401  (the module's dataset fixture)
 
@@ -153,6 +153,8 @@ def test_pretraining_resume_chooses_input_and_a_non_finite_stop_names_the_cure(d
     weights = load_file(weights_file)
     make_small(weights[f"{NORM}.weight"], SIDE_COLUMNS + 1)
     save_file(weights, weights_file, metadata={"format": "pt"})
+    # the checkpoint a run that trained these weights writes: its digests are of them
+    checkpoint.write_digests(os.path.join(tmp_path, "checkpoints", "step_00000001"))
     with pytest.raises(pretrain.TrainingError) as error:
         pretrain.train(pretrain_config(data, tmp_path, **options), {**overrides, "layer_norm_backward": "output"})
     assert (f"in LayerNorm {NORM} ({SIDE_COLUMNS + 1}), which the LayerNorm backward from the output cannot recover "

@@ -219,7 +219,7 @@ def test_auto_runs_the_reference_attention_for_a_head_dim_the_kernel_does_not_ta
     """The Triton attention takes head dims 32, 64 and 128. For another (48 here), "auto" on a GPU (meta tensors of
     a memory plan standing for an H100's) runs the reference attention in a model's forward, and a training step
     leaves the attention sublayer's one node (whose kernel would refuse it) for the per-op path; both raised the
-    kernel's head-dim error. "triton", asked for, still refuses it by name."""
+    kernel's head-dim error. "triton", asked for, stays the kernel, whose check refuses it by name."""
     calls = []
     monkeypatch.setattr(reference, "attention", lambda *args, _run=reference.attention: calls.append(1) or _run(*args))
     config = fastbert.BertConfig.tiny(hidden_size=96, num_attention_heads=2, intermediate_size=128, unpad=unpad)
@@ -238,5 +238,6 @@ def test_auto_runs_the_reference_attention_for_a_head_dim_the_kernel_does_not_ta
         output = attention.output
         assert attention.self.sublayer(hidden, layout, output.dense, output.LayerNorm, output.dropout) is None
         q = torch.empty(2, 2, 16, config.head_dim, device="meta")
+        assert ops.resolve_backend("triton", q, kernel_fits=False) == "triton"  # asked for: the kernel's check refuses
         with pytest.raises(ValueError, match="head dim.*48"):
-            ops.attention(q, q, q, mask, backend="triton")
+            ops.KERNELS["attention"].check_limits(q, q, q, mask, None, 16, None, None, None)

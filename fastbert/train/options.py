@@ -44,6 +44,11 @@ FIELD_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"), 
                "bool": (bool, "true or false")}
 
 
+# the options that take one of a few values
+CHOICES = {"optimizer": OPTIMIZERS, "objective": OBJECTIVES, "device": DEVICES, "precision": PRECISIONS,
+           "activation_checkpointing": ACTIVATION_CHECKPOINTING, "distributed": distributed.STRATEGIES}
+
+
 @dataclass
 class PretrainConfig:
     run_name: str = ""  # directory name under ./runs/; "" = "<model>-<data>"
@@ -86,9 +91,12 @@ class PretrainConfig:
     def validate(self) -> None:
         for field in dataclasses.fields(self):  # --config's JSON values too, which argparse never typed
             value, (kind, words) = getattr(self, field.name), FIELD_TYPES[field.type]
+            if field.name in CHOICES:  # its check below names the values it takes
+                continue
             if not isinstance(value, kind) or (isinstance(value, bool) and field.type != "bool"):
                 raise ValueError(f"--{field.name.replace('_', '-')} must be {words}, got {value!r}")
-        checks = [("steps", self.steps >= 1, ">= 1"), ("batch_size", self.batch_size >= 1, ">= 1"),
+        choices = [(name, getattr(self, name) in values, f"one of {values}") for name, values in CHOICES.items()]
+        checks = [*choices, ("steps", self.steps >= 1, ">= 1"), ("batch_size", self.batch_size >= 1, ">= 1"),
                   ("lr", 0 < self.lr < math.inf, "finite and > 0"),
                   ("warmup", 0 <= self.warmup < math.inf, "finite and >= 0"),
                   ("weight_decay", 0 <= self.weight_decay < math.inf, "finite and >= 0"),
@@ -101,14 +109,7 @@ class PretrainConfig:
                   ("max_bad_steps", self.max_bad_steps >= 1, ">= 1"), ("stop_at", self.stop_at >= 0, ">= 0"),
                   ("peak_tflops", 0 <= self.peak_tflops < math.inf, "finite and >= 0"),
                   ("prefetch", self.prefetch >= 1, ">= 1"),
-                  ("threads", self.threads >= 0, ">= 0"),
-                  ("optimizer", self.optimizer in OPTIMIZERS, f"one of {OPTIMIZERS}"),
-                  ("objective", self.objective in OBJECTIVES, f"one of {OBJECTIVES}"),
-                  ("device", self.device in DEVICES, f"one of {DEVICES}"),
-                  ("precision", self.precision in PRECISIONS, f"one of {PRECISIONS}"),
-                  ("activation_checkpointing", self.activation_checkpointing in ACTIVATION_CHECKPOINTING,
-                   f"one of {ACTIVATION_CHECKPOINTING}"),
-                  ("distributed", self.distributed in distributed.STRATEGIES, f"one of {distributed.STRATEGIES}")]
+                  ("threads", self.threads >= 0, ">= 0")]
         for name, ok, limit in checks:
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')} must be {limit}, got {getattr(self, name)!r}")
