@@ -438,7 +438,21 @@ def test_every_task_family(checkpoints, task, tmp_path):
     head = {"regression": "ForSequenceClassification", "token-classification": "ForTokenClassification",
             "question-answering": "ForQuestionAnswering", "multiple-choice": "ForMultipleChoice"}[task]
     assert json.loads(open(os.path.join(out, "config.json")).read())["architectures"] == [PREFIX[arch] + head]
-    assert len(open(os.path.join(out, "predictions.jsonl")).read().splitlines()) == 6
+    predictions = [json.loads(line)["prediction"] for line in open(os.path.join(out, "predictions.jsonl"))]
+    assert len(predictions) == 6
+    if task == "token-classification":  # transformers' tokenizer splits the words as fine-tuning read them
+        from fastbert.finetune.readers import read_conll
+        tokenizer = transformers.AutoTokenizer.from_pretrained(out)  # RoBERTa's: add_prefix_space written for it
+        model = transformers.AutoModelForTokenClassification.from_pretrained(out).eval()
+        for sentence, predicted in zip(read_conll(str(tmp_path / f"dev-{name}")), predictions):
+            encoded = tokenizer(sentence.words, is_split_into_words=True, return_tensors="pt")
+            with torch.no_grad():
+                labels = model(**encoded).logits[0].argmax(-1).tolist()
+            first = {}  # each word's first piece
+            for position, word in enumerate(encoded.word_ids()):
+                if word is not None:
+                    first.setdefault(word, model.config.id2label[labels[position]])
+            assert [first[w] for w in range(len(sentence.words))] == predicted
 
 
 # ---------------------------------------------------------------------------------------------------- embed

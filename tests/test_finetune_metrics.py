@@ -65,3 +65,12 @@ def test_entity_scores():
     assert scores["f1"] == pytest.approx(200 / 3)
     assert scores["accuracy"] == pytest.approx(100 * 4 / 5)
     assert metrics.entity_scores([["O"]], [["B-PER"]])["f1"] == 0.0
+
+
+def test_squad_drops_gold_answers_that_normalise_to_nothing_as_the_official_script():
+    """evaluate-v2.0.py keeps the gold answers that normalise to something, and scores a question left with none
+    against no answer: golds ["the", "cat"] are ["cat"] (an empty prediction scored 100 against "the"), and ["The"]
+    is no answer (which "a" matches)."""
+    assert metrics.squad_scores([""], [["the", "cat"]]) == {"exact_match": 0.0, "f1": 0.0}
+    assert metrics.squad_scores(["a"], [["The"]]) == {"exact_match": 100.0, "f1": 100.0}
+    assert metrics.squad_scores(["the cat"], [["the", "cat"]]) == {"exact_match": 100.0, "f1": 100.0}

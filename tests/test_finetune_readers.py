@@ -204,3 +204,12 @@ def test_a_bert_vocab_with_transformers_settings_tokenizes_as_transformers(tmp_p
     expected = transformers.AutoTokenizer.from_pretrained(tmp_path)(text)["input_ids"]
     assert tokenizer_for(str(tmp_path)).encode(text).ids == expected
     assert len(vocab) in expected  # the added token is one id in both
+
+
+def test_conll_columns_are_split_at_spaces_and_tabs_only(tmp_path):
+    """A word holding a non-breaking or other Unicode space (str.split() splits there) is one word: its first part
+    was read as the word and the rest dropped without a message."""
+    path = tmp_path / "ner.txt"
+    path.write_text("New\u00a0York B-LOC\nis\tO\n10\u202f000 O\n\n", encoding="utf-8")
+    (sentence,) = read_conll(str(path))
+    assert sentence.words == ["New\u00a0York", "is", "10\u202f000"] and sentence.tags == ["B-LOC", "O", "O"]

@@ -123,10 +123,11 @@ def _bert_tokenizer(model_dir: str, path: str | None, lowercase: bool | None):
     return load_tokenizer(path, lowercase)
 
 
-def save_tokenizer_files(tokenizer, model_dir: str, out: str, model_type: str = "bert") -> None:
+def save_tokenizer_files(tokenizer, model_dir: str, out: str, model_type: str = "bert",
+                         settings: dict | None = None) -> None:
     """The tokenizer into out (BERT's: tokenizer.json and vocab.txt; the family's: tokenizer.json) with the
-    source directory's tokenizer_config.json and special_tokens_map.json, so that transformers'
-    AutoTokenizer loads the same tokenizer from out."""
+    source directory's tokenizer_config.json (`settings` written into it) and special_tokens_map.json, so that
+    transformers' AutoTokenizer loads the same tokenizer from out."""
     if model_type == "bert":
         save_tokenizer(tokenizer, out)
     else:  # a byte-level or SentencePiece vocabulary has no vocab.txt form
@@ -135,6 +136,14 @@ def save_tokenizer_files(tokenizer, model_dir: str, out: str, model_type: str = 
         source = os.path.join(model_dir, name)
         if os.path.isfile(source) and os.path.abspath(source) != os.path.abspath(os.path.join(out, name)):
             shutil.copyfile(source, os.path.join(out, name))
+    if settings:
+        config = os.path.join(out, "tokenizer_config.json")
+        values = {}
+        if os.path.isfile(config):
+            with open(config, encoding="utf-8") as f:
+                values = json.load(f)
+        with open(config, "w", encoding="utf-8") as f:
+            json.dump({**values, **settings}, f, indent=2)
 
 
 def read_template(tokenizer, pair: bool) -> list[tuple[int | None, int, int]]:

@@ -103,7 +103,10 @@ def squad_f1(prediction: str, gold: str) -> float:
 
 
 def squad_scores(predictions: list[str], golds: list[list[str]]) -> dict[str, float]:
-    """exact_match and f1 in percent, each question scored against its best gold answer ([""] = none)."""
+    """exact_match and f1 in percent, each question scored against its best gold answer ([""] = none). As the
+    official evaluate-v2.0.py: a gold answer that normalises to nothing (an article, punctuation) is dropped, and a
+    question left with none is scored against no answer."""
+    golds = [[g for g in gold if normalize_answer(g)] or [""] for gold in golds]
     exact = [max(squad_exact(p, g) for g in gold) for p, gold in zip(predictions, golds)]
     overlap = [max(squad_f1(p, g) for g in gold) for p, gold in zip(predictions, golds)]
     return {"exact_match": 100.0 * float(np.mean(exact)), "f1": 100.0 * float(np.mean(overlap))}

@@ -15,9 +15,11 @@ import csv
 import io
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 TABLE_FORMATS = ("csv", "tsv", "jsonl")
+COLUMN_SEPARATOR = re.compile(r"[ \t]+")  # between CoNLL's columns
 
 
 class DataError(ValueError):
@@ -141,7 +143,10 @@ def read_conll(path: str) -> list[TaggedSentence]:
             raise DataError(path, number, f"a tab-separated field holds several words ({text.strip()[:60]!r}): "
                                           "this is a table, not CoNLL (one word and its tag per line); for one "
                                           "label per sentence use --task classification")
-        fields = text.split()
+        # CoNLL's columns are split at spaces and tabs only: str.split() also splits a word at a non-breaking or
+        # other Unicode space (New\u00a0York), whose first part was then the word and the rest dropped
+        line = text.strip(" \t\r\n")
+        fields = COLUMN_SEPARATOR.split(line) if line else []
         if not fields or fields[0] == "-DOCSTART-":
             if current is not None:
                 sentences.append(current)

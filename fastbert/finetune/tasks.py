@@ -76,6 +76,10 @@ class Task:
     def model_overrides(self) -> dict:
         return {}
 
+    def tokenizer_settings(self) -> dict:
+        """tokenizer_config.json entries the output needs for transformers' tokenizer to split as features() does."""
+        return {}
+
     def features(self, examples: list) -> tuple[list[dict], list]:
         """(model inputs, metadata) per feature; metadata is what predict() needs besides logits."""
         raise NotImplementedError
@@ -209,15 +213,23 @@ class TokenTask(Task):
         return {"num_labels": len(self.labels), "id2label": dict(enumerate(self.labels)),
                 "label2id": dict(self.label_ids)}
 
+    def tokenizer_settings(self) -> dict:
+        # transformers' RoBERTa-type tokenizer takes split words (a pipeline's, is_split_into_words) as these
+        # features do only with add_prefix_space: without it a sentence's first word splits otherwise
+        return {"add_prefix_space": True} if self._byte_level() else {}
+
+    def _byte_level(self) -> bool:
+        from tokenizers.pre_tokenizers import ByteLevel
+
+        return isinstance(self.packer.tokenizer.pre_tokenizer, ByteLevel)
+
     def features(self, examples):
         ids = self.label_ids
         budget = self.packer.max_seq_length - self.packer.special_tokens(pair=False)
         first = self.packer.start(0)  # position of the first word piece, after [CLS] / <s>
-        from tokenizers.pre_tokenizers import ByteLevel
-
         tokenizer = self.packer.tokenizer
         words = [s.words for s in examples]
-        if isinstance(tokenizer.pre_tokenizer, ByteLevel):
+        if self._byte_level():
             # byte-level BPE (RoBERTa) carries a word's leading space in its first piece ("Ġsaw"): words read
             # one by one get it as in running text (transformers' add_prefix_space=True for split words)
             words = [[" " + w for w in sentence] for sentence in words]

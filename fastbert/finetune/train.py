@@ -223,7 +223,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
 
     def save(directory: str, predictions) -> None:
         model.save_pretrained(directory)
-        save_tokenizer_files(tokenizer, model_dir, directory, config.model_type)
+        save_tokenizer_files(tokenizer, model_dir, directory, config.model_type, task.tokenizer_settings())
         with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=2)
         if predictions is not None:
