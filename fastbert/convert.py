@@ -12,7 +12,6 @@ place. A base model saved without its pooler is copied without one."""
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ import torch
 from fastbert.architectures import MODEL_CLASSES, model_class
 from fastbert.command import run_command
 from fastbert.files import output_lock, replaced_directory
-from fastbert.hf import CheckpointError, read_state_dict
+from fastbert.hf import CheckpointError, read_state_dict, takes_add_pooling_layer
 from fastbert.finetune.loading import checkpoint_directory, load_checkpoint, load_config, weight_errors
 from fastbert.hub import TOKENIZER_FILES
 
@@ -52,11 +51,6 @@ def _transformers_class(name: str) -> type | None:
     except ImportError:
         return None
     return getattr(transformers, name, None)
-
-
-def _takes_add_pooling_layer(name: str) -> bool:
-    """Whether fastbert's class `name` is a base model built with or without its pooler (BertModel, RobertaModel)."""
-    return name in MODEL_CLASSES and "add_pooling_layer" in inspect.signature(MODEL_CLASSES[name]).parameters
 
 
 def load_source(name: str, src: str, state: dict, **arguments):
@@ -128,7 +122,8 @@ def convert(src: str, dst: str, model_class: str | None = None, check: bool = Fa
         raise ValueError(f"SRC {src}: {exc}") from None
     model, info = load_source(name, src, state)
     missing = sorted(info["missing_keys"])
-    if missing and all(key.startswith("pooler.") for key in missing) and _takes_add_pooling_layer(name):
+    pooler_optional = name in MODEL_CLASSES and takes_add_pooling_layer(MODEL_CLASSES[name])
+    if missing and all(key.startswith("pooler.") for key in missing) and pooler_optional:
         model, info = load_source(name, src, state, add_pooling_layer=False)  # a base model saved without its pooler
         missing = sorted(info["missing_keys"])
     unexpected = sorted(info["unexpected_keys"])

@@ -340,7 +340,7 @@ def load_pretrained(cls, name_or_path, *model_args, config=None, output_loading_
     device = _resolve_device(device_map)
     built = {}  # the model's own arguments transformers' from_pretrained passes on (BertModel's add_pooling_layer)
     if "add_pooling_layer" in kwargs:
-        if "add_pooling_layer" not in inspect.signature(cls).parameters:
+        if not takes_add_pooling_layer(cls):
             raise TypeError(f"{cls.__name__}.from_pretrained got add_pooling_layer, which {cls.__name__} does not take")
         built["add_pooling_layer"] = kwargs.pop("add_pooling_layer")
     if name_or_path is None and (config is None or state_dict is None):  # transformers' path-less form
@@ -481,9 +481,14 @@ def _require_transformers():
 def pooler_argument(model_class: type, source) -> dict:
     """{"add_pooling_layer": whether `source` (a model of either library) has a pooler} where model_class takes the
     argument, else {}: a base model built without its pooler is copied without one."""
-    if "add_pooling_layer" not in inspect.signature(model_class).parameters:
+    if not takes_add_pooling_layer(model_class):
         return {}
     return {"add_pooling_layer": getattr(source, "pooler", None) is not None}
+
+
+def takes_add_pooling_layer(model_class: type) -> bool:
+    """Whether model_class is a base model built with or without its pooler (BertModel, RobertaModel)."""
+    return "add_pooling_layer" in inspect.signature(model_class).parameters
 
 
 def to_hf(model):

@@ -282,19 +282,16 @@ def _refuse_lost_hooks(bert: nn.Module, kept: set[int]) -> None:
     """ValueError (`bert` left unchanged) naming a module of `bert` that apply would replace (kept: the ids of the
     modules fastbert's model takes) and whose forward hooks, or forward of its own, would then no longer run. The
     base model's own hooks stay: apply replaces its forward only."""
-    from fastbert.modeling import has_own_forward
+    from fastbert.modeling import has_hooks, has_own_forward
 
     for name, module in bert.named_modules():
-        if id(module) in kept:
+        if id(module) in kept or not has_hooks(module) or module is bert and not has_own_forward(module):
             continue
-        hooked = module is not bert and (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                                         or module._backward_pre_hooks)
-        if hooked or has_own_forward(module):
-            raise ValueError(f"fastbert.apply: {type(bert).__name__}.{name or 'forward'} has "
-                             f"{'hooks' if hooked else 'a forward of its own'}, which would no longer run: apply "
-                             "replaces that module with fastbert's (the Linears, LayerNorms and embeddings inside "
-                             "stay, with their hooks); remove them, apply, then hook fastbert's module; it is left "
-                             "unchanged")
+        raise ValueError(f"fastbert.apply: {type(bert).__name__}.{name or 'forward'} has "
+                         f"{'a forward of its own' if has_own_forward(module) else 'hooks'}, which would no longer "
+                         "run: apply replaces that module with fastbert's (the Linears, LayerNorms and embeddings "
+                         "inside stay, with their hooks); remove them, apply, then hook fastbert's module; it is "
+                         "left unchanged")
 
 
 def _forward(fast: nn.Module, bert: nn.Module, signature: inspect.Signature, *args, **kwargs):

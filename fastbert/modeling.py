@@ -74,16 +74,21 @@ class Submodule:
 
 def is_unhooked(module: nn.Module, cls: type) -> bool:
     """True for an instance of `cls` itself (not a subclass or a wrapper) with no hooks, module or global, and no
-    forward of its own (accelerate's hooks replace an instance's forward): only then may a fused op bypass its
-    forward. Runs several times a layer: short-circuits, no tuple."""
-    return type(module) is cls and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                                        or module._backward_pre_hooks or any(_GLOBAL_HOOKS)
-                                        or has_own_forward(module))
+    forward of its own: only then may a fused op bypass its forward. Runs several times a layer: short-circuits,
+    no tuple."""
+    return type(module) is cls and not (any(_GLOBAL_HOOKS) or has_hooks(module))
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether calling `module` would run more than its class's forward: hooks of its own, or a forward set on the
+    instance (accelerate's hooks set one; removing them sets the class's back, bound). Global hooks are not
+    counted: they run on any module, fastbert's too."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or "forward" in module.__dict__ and has_own_forward(module))
 
 
 def has_own_forward(module: nn.Module) -> bool:
-    """Whether the instance holds a forward other than its class's (accelerate's hooks set one; removing them sets
-    the class's back, bound)."""
+    """Whether the instance holds a forward other than its class's."""
     forward = module.__dict__.get("forward")
     return forward is not None and getattr(forward, "__func__", None) is not type(module).forward
 
