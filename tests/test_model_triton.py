@@ -68,7 +68,8 @@ def test_triton_model_matches_reference(unpad, device, monkeypatch):
 def test_triton_model_bf16_within_the_rule(unpad, device):
     """The model in bf16 on the kernels against the same weights in float64 on the reference: every
     hidden state, the logits, both losses and every parameter's gradient are within DESIGN.md's rule
-    (2x, gradients 3x, the error of the reference path run in bf16, as tolerance.pytorch_in models it)."""
+    (2x, gradients 3x, the error of the reference path run in bf16, as tolerance.pytorch_in models it; the
+    kernels' model runs its PyTorch ops under the same model, so that the two differ by the kernels alone)."""
     torch.manual_seed(0)
     exact = fastbert.BertForPreTraining(CONFIG.replace(unpad=unpad)).to(device).double().train()
     in_bf16 = copy.deepcopy(exact).to(torch.bfloat16)
@@ -78,7 +79,7 @@ def test_triton_model_bf16_within_the_rule(unpad, device):
     real = inputs["attention_mask"].bool()
     outputs = []
     for model in (kernels, in_bf16, exact):
-        with pytorch_in(torch.bfloat16) if model is in_bf16 else contextlib.nullcontext():
+        with pytorch_in(torch.bfloat16) if model is not exact else contextlib.nullcontext():
             outputs.append(model(**inputs, return_logits=True, output_hidden_states=True))
             outputs[-1].loss.backward()
     for layer, states in enumerate(zip(*(out.hidden_states for out in outputs))):
@@ -87,7 +88,7 @@ def test_triton_model_bf16_within_the_rule(unpad, device):
         values = [getattr(out, name) for out in outputs]
         if name == "prediction_logits":
             values = [value[real] for value in values]
-        assert_within_rule(name, *values, FORWARD_FACTOR)
+        assert_within_rule(name, *values, FORWARD_FACTOR, dtype=torch.bfloat16)  # the MLM loss comes in fp32
     parameters = [dict(model.named_parameters()) for model in (kernels, in_bf16)]
     for name, param in exact.named_parameters():
         assert_within_rule(f"d {name}", parameters[0][name].grad, parameters[1][name].grad, param.grad,

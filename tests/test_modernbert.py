@@ -461,8 +461,8 @@ def assert_triton_within_the_rule(exact, inputs, dtype):
     assert vars(kernels)[ACCELERATED].config.backend == "triton"
     mask = inputs["attention_mask"]
     real = mask.bool()
-    out, grads = run(kernels, inputs, mask)
-    with pytorch_in(dtype):
+    with pytorch_in(dtype):  # both: the two models differ by the kernels alone
+        out, grads = run(kernels, inputs, mask)
         torch_out, torch_grads = run(in_dtype, inputs, mask)
     exact_out, exact_grads = run(exact, inputs, mask)
     assert len(out.hidden_states) == exact.config.num_hidden_layers + 1
@@ -523,7 +523,7 @@ def test_triton_masked_lm_training_loss_within_the_rule(dtype, device):
     inputs = to_device(head_inputs(exact.config, "ForMaskedLM"), device)
     outputs = []
     for model in (kernels, in_dtype, exact):
-        with pytorch_in(dtype) if model is in_dtype else contextlib.nullcontext():
+        with pytorch_in(dtype) if model is not exact else contextlib.nullcontext():
             outputs.append(model(**inputs))
             outputs[-1].loss.backward()
     assert outputs[0].logits is None  # the training path materialises no [B, S, V] logits
