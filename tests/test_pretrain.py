@@ -113,6 +113,37 @@ def test_resume_is_exact_and_checkpoints_are_pruned(data, tmp_path):
     assert f"--model {os.path.join(parts, 'checkpoints', 'step_00000006', 'model')} " in again["report"][1]
 
 
+def as_before_the_decoder_had_its_bias(step_directory):
+    """Rewrite an untied run's trainer.pt as fastbert wrote it before its MLM decoder had a bias of its own: no
+    parameter names, and the head's bias (which the logits added then) in the place of the decoder's."""
+    from fastbert.train import state
+    file = os.path.join(step_directory, state.TRAINER_FILE)
+    trainer = torch.load(file, weights_only=False)
+    names = trainer.pop("parameter_names")
+    optimizer = trainer["optimizer"]
+    exempt = optimizer["param_groups"][1]["params"]
+    decoder, head = (exempt[names[1].index(name)] for name in ("cls.predictions.decoder.bias", "cls.predictions.bias"))
+    assert head not in optimizer["state"]  # unused when untied: no gradient, no moments
+    optimizer["state"][head] = optimizer["state"].pop(decoder)
+    exempt.remove(decoder)
+    torch.save(trainer, file)
+    checkpoint.write_digests(step_directory)
+
+
+def test_an_untied_run_saved_before_the_decoder_had_its_bias_resumes_exactly(data, tmp_path):
+    """Its optimizer state had one parameter fewer, which torch refused ("a parameter group that doesn't match
+    the size of optimizer's group"): the head bias's moments are the decoder bias's now."""
+    untied = {**SMALL, "tie_word_embeddings": False}
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    pretrain.train(config(data, whole), untied)
+    first = pretrain.train(config(data, parts, stop_at=3), untied)
+    as_before_the_decoder_had_its_bias(first["checkpoint"])
+    pretrain.train(config(data, parts), untied)
+    assert losses(parts) == losses(whole)
+    final = [read_state_dict(os.path.join(run, "checkpoints", "step_00000006", "model")) for run in (whole, parts)]
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+
+
 def test_a_checkpoint_is_written_while_the_loop_goes_on(data, tmp_path, monkeypatch):
     """A save costs the loop the copy of the state to host memory, nothing more: the files of step s's
     checkpoint are written only once step s + 2 has begun (a save that wrote in the loop would wait for
@@ -193,6 +224,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(data, tmp_path, monkeypa
     (["--phase-fractions", "nan,1", "--seq-lengths", "16,32"], "--phase-fractions 'nan,1' must be 2 non-negative"),
     (["--mask-prob", "0"], "--mask-prob must be in (0, 1), got 0.0"),
     (["--model.type_vocab_size", "1"], "--model.type_vocab_size 1 cannot hold --objective mlm+nsp's second"),
+    (["--model.type_vocab_size", "0"], "--model.type_vocab_size 0 cannot hold --objective mlm+nsp's second"),
 ])
 def test_bad_options_are_clear_errors(tmp_path, capsys, argv, message):
     assert pretrain.main(argv + ["--out", str(tmp_path)]) == 2
@@ -222,6 +254,17 @@ def test_an_out_that_is_a_file_is_a_clear_error(tmp_path, capsys):
     assert pretrain.main(["--out", str(tmp_path / "a-file")]) == 2
     assert f"--out {tmp_path / 'a-file'} is a file; the run writes a directory there" in capsys.readouterr().err
     assert (tmp_path / "a-file").read_text() == "kept"
+
+
+def test_an_out_holding_a_model_is_refused_untouched(data, tmp_path, capsys):
+    """A model directory as --out: the run wrote its own config.json over the model's and exited 0."""
+    model_directory = tmp_path / "model"
+    BertForPreTraining(BertConfig(vocab_size=120, **SMALL)).save_pretrained(model_directory)
+    before = (model_directory / "config.json").read_text()
+    assert pretrain.main(["--data", data, "--out", str(model_directory), "--model", "tiny", "--steps", "1",
+                          "--seq-lengths", "16", "--phase-fractions", "1", "--device", "cpu"]) == 2
+    assert "holds a model (model.safetensors), not a pretraining run" in capsys.readouterr().err
+    assert (model_directory / "config.json").read_text() == before and not (model_directory / "checkpoints").exists()
 
 
 def test_missing_phase_data_is_a_clear_error(data, tmp_path, capsys):

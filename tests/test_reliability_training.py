@@ -147,13 +147,17 @@ def cli(data, out, *extra):
     (["--model.hidden_dropout_prob", "0.2"], "--model.hidden_dropout_prob: checkpoint 0.1, now 0.2"),
     (["--model.hidden_size", "64"], "the model differs in shape (--model.hidden_size: checkpoint 32, now 64)"),
     (["--model.num_hidden_layers", "2"], "--model.num_hidden_layers: checkpoint 1, now 2"),
+    # a tied checkpoint holds no decoder to load (an untied resume trained uninitialised memory: NaN)
+    (["--model.tie_word_embeddings", "false"], "--model.tie_word_embeddings: checkpoint True, now False"),
 ])
 def test_a_resume_that_would_not_continue_the_run_is_refused_naming_the_option(data, resumable, capsys, change,
                                                                                message):
+    options = (resumable / "config.json").read_text()
     assert pretrain.main(cli(data, resumable, *change)) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert checkpoint_steps(resumable) == [2] and not (resumable / "previous").exists()  # nothing touched
+    assert (resumable / "config.json").read_text() == options
 
 
 def test_a_resume_on_other_data_is_refused(data, other_data, resumable, capsys):

@@ -24,14 +24,13 @@ CHANGEABLE_OPTIONS = ("steps", "lr", "warmup", "max_grad_norm", "phase_fractions
                       "save_every", "keep_checkpoints", "max_bad_steps", "stop_at", "activation_checkpointing",
                       "distributed", "device", "prefetch", "threads", "progress", "peak_tflops")
 # config fields that shape the weights: a checkpoint with others cannot be loaded at all (model_type: the
-# architecture, whose weights have other names)
+# architecture, whose weights have other names; tie_word_embeddings: a tied checkpoint has no decoder of its own)
 SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
-                "max_position_embeddings",
-                "type_vocab_size")
+                "max_position_embeddings", "type_vocab_size", "tie_word_embeddings")
 MODEL_FIELDS = SHAPE_FIELDS + ("num_attention_heads", "hidden_act", "hidden_dropout_prob",
                                "attention_probs_dropout_prob", "layer_norm_eps", "pad_token_id")
 # what a checkpoint written before a field was recorded ran with
-RECORDED_LATER = {"objective": MLM_NSP, "model_type": "bert"}
+RECORDED_LATER = {"objective": MLM_NSP, "model_type": "bert", "tie_word_embeddings": True}
 
 
 def dataset_digest(directory: str) -> str:

@@ -133,11 +133,20 @@ def _norms(params: list, weights: list[torch.Tensor], update: list[torch.Tensor]
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on weight matrices only: biases and LayerNorm parameters (DistilBERT's *layer_norm) are
     exempt, as in BERT."""
+    params = dict(model.named_parameters())
+    decay, exempt = param_group_names(model)
+    return [{"params": [params[name] for name in decay], "weight_decay": weight_decay},
+            {"params": [params[name] for name in exempt], "weight_decay": 0.0}]
+
+
+def param_group_names(model: torch.nn.Module) -> list[list[str]]:
+    """The names of param_groups' parameters, group by group, in the optimizer's order (a checkpoint records
+    them, so that its optimizer state maps onto another layout's parameters by name)."""
     decay, exempt = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (exempt if name.endswith("bias") or "LayerNorm" in name or "layer_norm" in name else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": exempt, "weight_decay": 0.0}]
+            (exempt if name.endswith("bias") or "LayerNorm" in name or "layer_norm" in name else decay).append(name)
+    return [decay, exempt]
 
 
 def build_optimizer(model: torch.nn.Module, name: str, lr: float, betas: tuple[float, float], eps: float,

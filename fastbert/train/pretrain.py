@@ -29,7 +29,7 @@ from fastbert.hf import small_weight_layer_norms, small_weights_text
 from fastbert.train import checkpoint, distributed, state
 from fastbert.train.metrics import MetricsLog, Window, measure_peak_flops
 from fastbert.train.options import PretrainConfig, parse_args
-from fastbert.train.run import Run, build_run
+from fastbert.train.run import Run, build_run, write_run_config
 from fastbert.train.step import HostStats, host_stats, train_step
 
 __all__ = ["PretrainConfig", "TrainingError", "train", "main"]
@@ -187,6 +187,7 @@ def train(cfg: PretrainConfig, model_overrides: dict | None = None) -> dict:
     budget = run.model.config.max_predictions_per_seq  # the loop sets it per batch; the returned model keeps this
     try:
         progress = state.restore(run) if run.resume else state.start(run)
+        write_run_config(run)
         if progress.step >= cfg.steps:  # the result is the finished run's: its model and how to fine-tune it
             report = [f"the run in {run.out} is already complete at step {progress.step}; use --run-name or --out "
                       "to start a new one", _finetune_hint(run, os.path.join(run.resume, state.MODEL_DIR))]

@@ -24,6 +24,7 @@ from fastbert.train.options import AUTO_MICRO_BATCH, PRESETS, PretrainConfig, pa
 
 logger = logging.getLogger("fastbert.train")
 METRICS_FILE = "metrics.jsonl"
+RUN_CONFIG_FILE = "config.json"  # the run's options (write_run_config)
 
 
 @dataclass
@@ -310,7 +311,10 @@ def _prepare_directory(cfg: PretrainConfig, model_overrides: dict, out: str, res
         checkpoint.verify_digests(resume)  # before anything reads it, or is moved aside for it
     saved = checkpoint.read_run_file(resume) if resume else None
     if saved is not None:
-        check_resume(saved["fingerprint"], current, resume, cfg.accept_changes)
+        recorded = saved["fingerprint"]
+        # a field the fingerprint recorded later (tie_word_embeddings): an older run.json has it where its run set it
+        recorded = {**recorded, "model": {**saved.get("model_overrides", {}), **recorded["model"]}}
+        check_resume(recorded, current, resume, cfg.accept_changes)
     elif resume and env.is_main:
         logger.warning(f"{resume} records no fingerprint of its run (an older fastbert wrote it): resuming unchecked")
     if env.is_main:
@@ -318,8 +322,28 @@ def _prepare_directory(cfg: PretrainConfig, model_overrides: dict, out: str, res
         os.makedirs(out, exist_ok=True)
         checkpoint.remove_incomplete(root)
         checkpoint.set_aside(out, os.path.join(out, METRICS_FILE), resume)
-        write_text(os.path.join(out, "config.json"),
-                   json.dumps({**dataclasses.asdict(cfg), "model_overrides": model_overrides}, indent=2))
+
+
+def write_run_config(run: Run) -> None:
+    """The run's options into config.json (rank 0), once a resume has loaded: a refused one leaves the
+    directory's as it was."""
+    if run.env.is_main:
+        write_text(os.path.join(run.out, RUN_CONFIG_FILE),
+                   json.dumps({**dataclasses.asdict(run.cfg), "model_overrides": run.model_overrides}, indent=2))
+
+
+def _refuse_model_directory(out: str) -> None:
+    """ValueError where --out holds a model (HF config.json, weights) rather than a run: the run's config.json
+    would replace the model's."""
+    try:
+        with open(os.path.join(out, RUN_CONFIG_FILE), encoding="utf-8") as f:
+            options = json.load(f)
+    except (OSError, ValueError):
+        options = {}
+    weights = [name for name in os.listdir(out) if name.endswith((".safetensors", ".bin"))]
+    if weights or isinstance(options, dict) and options and "model_overrides" not in options:
+        raise ValueError(f"--out {out} holds a model ({', '.join(weights) or RUN_CONFIG_FILE}), not a pretraining "
+                         f"run: the run would write its own {RUN_CONFIG_FILE} there; choose another --out")
 
 
 def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
@@ -336,9 +360,9 @@ def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
                          "accumulation")
     config = model_config(cfg, dict(model_overrides))
     trained_class = model_class(config, cfg.objective)
-    if cfg.objective == MLM_NSP and config.type_vocab_size == 1:  # found by the first forward, after the set-up
-        raise ValueError("--model.type_vocab_size 1 cannot hold --objective mlm+nsp's second segments (token type 1): "
-                         "give 2 or more, or --objective mlm")
+    if cfg.objective == MLM_NSP and config.type_vocab_size < 2:  # found by the first forward, after the set-up
+        raise ValueError(f"--model.type_vocab_size {config.type_vocab_size} cannot hold --objective mlm+nsp's second "
+                         "segments (token type 1): give 2 or more, or --objective mlm")
     # RoBERTa's positions start after the padding index: 514 of them hold 512 tokens
     phases = plan_phases(cfg, config.max_sequence_length, env.world_size)
     sharded = env.distributed and cfg.distributed == "fsdp"
@@ -358,6 +382,8 @@ def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
     out = cfg.out or os.path.join("runs", cfg.run_name or default_run_name(cfg))
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out} is a file; the run writes a directory there")
+    if os.path.isdir(out):
+        _refuse_model_directory(out)
     resume = _resume_point(cfg, os.path.join(out, checkpoint.CHECKPOINT_DIR))
     recorded = cfg
     if cfg.micro_batch_size == AUTO_MICRO_BATCH:

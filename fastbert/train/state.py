@@ -31,6 +31,7 @@ from fastbert.data.examples import MLM_NSP
 from fastbert.hf import choose_layer_norm_backward
 from fastbert.train import checkpoint, distributed
 from fastbert.train.checkpoint import RUN_FILE
+from fastbert.train.optim import param_group_names
 from fastbert.train.run import Run, checkpoint_objective
 
 # the weights BertForPreTraining has and the masked-LM model has not: what a resume across objectives
@@ -124,7 +125,7 @@ class Saver:
                    "rng": rngs, "skipped_steps": progress.skipped, "bad_steps_in_row": progress.bad_in_row,
                    "metrics_window": progress.window, "world_size": env.world_size,
                    "data": {"position": progress.position, "phase": run.phase_of(max(progress.step - 1, 0))},
-                   "config": dataclasses.asdict(run.cfg)}
+                   "config": dataclasses.asdict(run.cfg), "parameter_names": param_group_names(run.model)}
         record = {"step": progress.step, "fingerprint": run.fingerprint, "options": dataclasses.asdict(run.cfg),
                   "model_overrides": run.model_overrides}
 
@@ -232,7 +233,9 @@ def restore(run: Run) -> Progress:
     else:
         _load_weights(run, os.path.join(run.resume, MODEL_DIR), heads_change)
         if same_optimizer:
-            _load_optimizer_state(run.optimizer, saved["optimizer"])
+            names = param_group_names(run.model)
+            _load_optimizer_state(run.optimizer, _by_name(saved["optimizer"], _saved_names(saved, names), names,
+                                                          run))
     if "layer_norm_backward" not in run.model_overrides:  # --model.layer_norm_backward wins
         choose_layer_norm_backward(run.model, run.model.config, log=run.env.is_main)
     run.scaler.load_state_dict(saved["scaler"])
@@ -311,6 +314,52 @@ def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
     for group, rate in zip(optimizer.param_groups, rates):
         group["lr"] = rate
+
+
+DECODER_BIAS = ".decoder.bias"  # an MLM decoder's own bias (cls.predictions.decoder.bias, lm_head.decoder.bias)
+
+
+def _saved_names(saved: dict, names: list[list[str]]) -> list[list[str]]:
+    """The names of the parameters in the saved optimizer state, group by group (`names`: this run's). A
+    checkpoint records them; one written before it did has this run's parameters, but where its MLM decoder was
+    untied and had no bias of its own (fastbert before 336e7d0)."""
+    if "parameter_names" in saved:
+        return saved["parameter_names"]
+    sizes = [len(group["params"]) for group in saved["optimizer"]["param_groups"]]
+    if sizes == [len(group) for group in names]:
+        return names
+    return [[name for name in group if not name.endswith(DECODER_BIAS)] for group in names]
+
+
+def _by_name(state: dict, saved_names: list[list[str]], names: list[list[str]], run: Run) -> dict:
+    """The optimizer state `state` (indexed by the saved parameters' positions) indexed by this run's. An MLM
+    decoder's bias the checkpoint lacks takes the moments of the head's bias, which the logits added then as the
+    decoder's bias does now; any other parameter the checkpoint has no moments for starts from fresh ones, with
+    a warning. ValueError where the groups do not line up at all."""
+    if saved_names == names:
+        return state
+    sizes = [len(group["params"]) for group in state["param_groups"]]
+    if sizes != [len(group) for group in saved_names] or len(saved_names) != len(names):
+        raise ValueError(f"the optimizer state in {run.resume} does not fit this model (parameter groups of "
+                         f"{sizes} parameters, this model's of {[len(group) for group in names]}): resume with "
+                         "another --optimizer and --accept-changes to start fresh moments, or start a new run")
+    saved_ids = dict(zip((name for group in saved_names for name in group),
+                         (i for group in state["param_groups"] for i in group["params"])))
+    moments, groups, fresh, index = {}, [], [], 0
+    for group, group_names in zip(state["param_groups"], names):
+        groups.append({**group, "params": list(range(index, index + len(group_names)))})
+        for name in group_names:
+            source = name if name in saved_ids else name.replace(DECODER_BIAS, ".bias")
+            if source not in saved_ids:
+                fresh.append(name)
+            elif saved_ids[source] in state["state"]:  # a copy: the head's bias keeps its own
+                moments[index] = {key: value.clone() if isinstance(value, torch.Tensor) else value
+                                  for key, value in state["state"][saved_ids[source]].items()}
+            index += 1
+    if fresh:
+        run.warning(f"the checkpoint {run.resume} holds no optimizer state for {', '.join(fresh)}: "
+                    "they start from fresh moments")
+    return {"state": moments, "param_groups": groups}
 
 
 def _load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
