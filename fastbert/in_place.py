@@ -58,8 +58,11 @@ def apply(model: nn.Module, **config_overrides) -> nn.Module:
     config_overrides set fastbert's switches (backend="triton", unpad=True) or other config fields;
     layer_norm_backward is "input" where a LayerNorm's weights need it (fastbert.hf.choose_layer_norm_backward)
     unless given here.
-    Calling it again changes nothing. Raises TypeError when `model` holds no such model, and ValueError for
-    a variant fastbert does not implement (a decoder, relative_key positions in a BERT config), naming the field.
+    Calling it again accelerates nothing twice: it sets the switches given (FASTBERT_FIELDS: backend, unpad,
+    max_predictions_per_seq, ...) on the config the accelerated models (or fastbert's own) run with; any other
+    field is a ValueError, as it shaped modules already built. Raises TypeError when `model` holds no such
+    model, and ValueError for a variant fastbert does not implement (a decoder, relative_key positions in a
+    BERT config), naming the field.
     """
     from fastbert.modeling import BertPreTrainedModel
 
@@ -78,10 +81,28 @@ def apply(model: nn.Module, **config_overrides) -> nn.Module:
     for base, fast_class in found:
         if ACCELERATED not in vars(base):
             _accelerate(base, fast_class, config_overrides)
+        elif config_overrides:
+            _set_switches(vars(base)[ACCELERATED].config, config_overrides)
+    if not found and config_overrides:  # fastbert's own models
+        for config in {id(m.config): m.config for m in model.modules() if isinstance(m, BertPreTrainedModel)}.values():
+            _set_switches(config, config_overrides)
     for head in model.modules():
         if _is_transformers_mlm_head(head) and ACCELERATED_HEAD not in vars(head):
             _accelerate_mlm_head(head)
     return model
+
+
+def _set_switches(config, overrides: dict) -> None:
+    """fastbert's switches in `overrides` set on `config`, which a built model's forward reads (checked on a copy
+    first, so that a bad value changes nothing); any other field shaped the modules already built: ValueError."""
+    from fastbert.config import FASTBERT_FIELDS
+
+    built = sorted(set(overrides) - set(FASTBERT_FIELDS))
+    if built:
+        raise ValueError(f"fastbert.apply: the model is accelerated already and {built} shaped the modules it "
+                         f"built; a second call sets only fastbert's switches ({', '.join(FASTBERT_FIELDS)})")
+    config.replace(**overrides)
+    config.update_known(overrides, "fastbert.apply")
 
 
 def fastbert_config(model: nn.Module):

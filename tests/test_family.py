@@ -111,6 +111,25 @@ def test_apply_twice_changes_nothing_and_shares_parameters(arch):
     assert after.keys() == before.keys() and all(after[n] is p for n, p in before.items())
 
 
+def test_apply_again_sets_switches_and_refuses_other_fields():
+    """A second call's switches were ignored without a word (unpad stayed False)."""
+    model = hf_model("roberta", "ForSequenceClassification")
+    expected = model(**padded_batch(model.config)).logits
+    fastbert.apply(model)
+    fastbert.apply(model, unpad=True, backend="torch")
+    config = vars(model.base_model)[ACCELERATED].config
+    assert config.unpad is True and config.backend == "torch"
+    torch.testing.assert_close(model(**padded_batch(model.config)).logits, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"accelerated already and \['hidden_size'\] shaped the modules"):
+        fastbert.apply(model, hidden_size=64, unpad=False)
+    with pytest.raises(ValueError, match="backend"):
+        fastbert.apply(model, backend="cuda", unpad=False)
+    assert config.unpad is True and config.backend == "torch"  # a refused call changes nothing
+    ours = fastbert.BertModel(fastbert.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                  num_attention_heads=2, intermediate_size=64))
+    assert fastbert.apply(ours, unpad=True) is ours and ours.config.unpad is True
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_hidden_states_attentions_inputs_embeds_and_no_mask_equal_transformers(arch):
     """transformers' eager attention returns the probabilities (MPNet's with its relative-position bias)."""
