@@ -96,9 +96,14 @@ class CamembertForMaskedLM(RobertaForMaskedLM):
 # ELECTRA: BERT's modules; embeddings of embedding_size projected by BertModel.embeddings_project; no pooler --
 
 class ElectraModel(BertModel):
+    """Embeddings (projected where embedding_size differs from hidden_size) and L encoder layers, with no pooler:
+    transformers' ElectraModel. Layouts as BertModel's."""
     config_class = ElectraConfig
     base_model_prefix = "electra"
     has_pooler = False
+
+    def __init__(self, config: ElectraConfig):  # transformers' signature: no add_pooling_layer, there is no pooler
+        super().__init__(config)
 
 
 class ElectraGeneratorPredictions(nn.Module):
@@ -287,10 +292,15 @@ class DistilBertPreTrainedModel(BertPreTrainedModel):
 
 
 class DistilBertModel(DistilBertPreTrainedModel, BertModel):
+    """Embeddings (no token types) and L transformer blocks, with no pooler: transformers' DistilBertModel.
+    Layouts as BertModel's."""
     encoder_class = Transformer
     encoder_name = "transformer"
     has_pooler = False
     has_cross_attentions = False
+
+    def __init__(self, config: DistilBertConfig):  # transformers' signature: no add_pooling_layer, there is no pooler
+        super().__init__(config)
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, position_ids=None, **kwargs):
         """transformers' DistilBertModel arguments (no token types); the rest as BertModel.forward."""

@@ -1173,6 +1173,9 @@ class BertForMaskedLM(MLMHeadMixin, BertPreTrainedModel):
 
 
 class BertForNextSentencePrediction(BertPreTrainedModel):
+    """BertModel -> the pooled [CLS] -> 2 logits (is sentence B the one that followed A?), the paper's NSP head alone;
+    labels [B] (0: B follows A, 1: a random sentence) give their cross entropy."""
+
     def __init__(self, config: BertConfig):
         super().__init__(config)
         self.bert = BertModel(config)

@@ -226,3 +226,12 @@ def test_gradient_checkpointing_enable_reaches_fastbert(arch):
     grads = dict(ours.named_parameters())
     for name, param in theirs.named_parameters():
         torch.testing.assert_close(grads[name].grad, param.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"d {name}: {m}")
+
+
+@pytest.mark.parametrize("name", ["RobertaModel", "XLMRobertaModel", "CamembertModel", "ElectraModel",
+                                  "DistilBertModel", "MPNetModel"])
+def test_base_models_take_add_pooling_layer_where_transformers_does(name):
+    """DistilBERT's and ELECTRA's took BertModel's add_pooling_layer, and had no pooler to add."""
+    import transformers
+    from fastbert.hf import takes_add_pooling_layer
+    assert takes_add_pooling_layer(getattr(fastbert, name)) == takes_add_pooling_layer(getattr(transformers, name))
