@@ -169,7 +169,8 @@ def test_prepare_data_end_to_end(tmp_path):
         assert dataset.vocabulary()[:5] == list(SPECIAL_TOKENS) and dataset.vocab_size <= 120
         assert max(len(dataset[i][0]) for i in range(len(dataset))) <= length
         assert dataset.metadata["documents"] == 11
-    assert sorted(os.listdir(out)) == ["seq24", "seq48", "tokenizer.json", "vocab.txt"]  # no lock file beside
+    # no lock file beside
+    assert sorted(os.listdir(out)) == ["prepare-data.json", "seq24", "seq48", "tokenizer.json", "vocab.txt"]
     # a given vocab.txt is used as it is
     again = tmp_path / "again"
     assert prepare.main(["--corpus", path, "--out", str(again), "--tokenizer", str(out / "vocab.txt"),
@@ -178,6 +179,102 @@ def test_prepare_data_end_to_end(tmp_path):
     assert first.vocabulary() == second.vocabulary() and len(first) == len(second)
     # existing output made with other options is not overwritten silently
     assert prepare.main(["--corpus", path, "--out", str(out), "--max-seq-length", "24"]) == 2
+
+
+def prepare_data(capsys, corpus_path, out, *options):
+    """`fastbert prepare-data` on a small corpus: (exit code, stderr)."""
+    rc = prepare.main(["--corpus", corpus_path, "--out", str(out), "--max-seq-length", "24", "--workers", "1",
+                       *options])
+    return rc, capsys.readouterr().err
+
+
+def test_prepare_data_refuses_an_out_holding_other_files(tmp_path, capsys):
+    path = write_corpus(tmp_path / "c.txt")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "vocab.txt").write_text("my precious vocab\n")
+    (mine / "notes.md").write_text("notes\n")
+    rc, err = prepare_data(capsys, path, mine, "--vocab-size", "120")
+    assert rc == 2 and f"--out {mine} holds files that `fastbert prepare-data` did not write (notes.md, vocab.txt;" \
+        in err.splitlines()[-1]
+    assert sorted(os.listdir(mine)) == ["notes.md", "vocab.txt"]
+    assert (mine / "vocab.txt").read_text() == "my precious vocab\n"  # nothing written
+    # a stray tokenizer.json is not taken for the tokenizer of datasets that are not there
+    assert prepare_data(capsys, path, tmp_path / "data", "--vocab-size", "120")[0] == 0
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "tokenizer.json").write_text((tmp_path / "data" / "tokenizer.json").read_text())
+    rc, err = prepare_data(capsys, path, stray, "--vocab-size", "120")
+    assert rc == 2 and f"--out {stray} holds files" in err and "(tokenizer.json;" in err
+    assert os.listdir(stray) == ["tokenizer.json"]
+    # an empty directory is taken; so is a prepare-data output whose first run stopped before its datasets
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    one = write_corpus(tmp_path / "one.txt", documents=1)
+    assert prepare_data(capsys, one, empty, "--vocab-size", "120")[0] == 2
+    assert "tokenizer.json" in os.listdir(empty)  # the directory was the user's: what the run wrote stays
+    assert prepare_data(capsys, path, empty, "--vocab-size", "120")[0] == 0
+
+
+def test_prepare_data_out_below_a_file_names_the_flag_and_the_file(tmp_path, capsys):
+    path = write_corpus(tmp_path / "c.txt")
+    rc, err = prepare_data(capsys, path, tmp_path / "c.txt" / "sub")
+    assert rc == 2 and err.splitlines()[-1] == \
+        f"fastbert prepare-data: error: --out {tmp_path / 'c.txt' / 'sub'}: {tmp_path / 'c.txt'} is a file, so no " \
+        "directory can be made below it"
+    rc, err = prepare_data(capsys, path, tmp_path / "c.txt")
+    assert rc == 2 and f"--out {tmp_path / 'c.txt'} is a file; --out names the output directory" in err
+
+
+def test_prepare_data_says_a_given_tokenizer_ignores_cased_and_vocab_size(tmp_path, capsys):
+    path = write_corpus(tmp_path / "c.txt")
+    assert prepare_data(capsys, path, tmp_path / "data", "--vocab-size", "120")[0] == 0
+    given = tmp_path / "data" / "tokenizer.json"  # lower-cases: a tokenizer.json keeps its own normaliser
+    size = len(ShardedDataset(str(tmp_path / "data" / "seq24")).vocabulary())
+    rc, err = prepare_data(capsys, path, tmp_path / "k1", "--tokenizer", str(given), "--cased", "--vocab-size", "999")
+    assert rc == 0
+    assert f"tokenizer: {given} ({size} tokens) (ignored with --tokenizer {given}: --vocab-size 999, --cased)" in err
+    # options the tokenizer does follow are not named: a vocab.txt is read cased with --cased
+    rc, err = prepare_data(capsys, path, tmp_path / "k2", "--tokenizer", str(tmp_path / "data" / "vocab.txt"),
+                           "--cased", "--vocab-size", str(size))
+    assert rc == 0 and "ignored" not in err
+    assert json.loads((tmp_path / "k2" / "tokenizer.json").read_text())["normalizer"]["lowercase"] is False
+
+
+def test_prepare_data_reports_a_smaller_vocabulary_and_an_identical_rerun_hears_nothing(tmp_path, capsys):
+    path = write_corpus(tmp_path / "c.txt")
+    rc, err = prepare_data(capsys, path, tmp_path / "data", "--vocab-size", "500")
+    size = len(ShardedDataset(str(tmp_path / "data" / "seq24")).vocabulary())
+    assert rc == 0 and size < 500
+    assert f"vocabulary: {size} tokens (fewer than --vocab-size 500: the text it was trained on has no more)" in err
+    rc, err = prepare_data(capsys, path, tmp_path / "data", "--vocab-size", "500")
+    assert rc == 0 and "as for this directory's other datasets" in err and "ignored" not in err
+    rc, err = prepare_data(capsys, path, tmp_path / "data", "--vocab-size", "600")  # another size is still named
+    assert rc == 0 and "(ignored here, for a new --out: --vocab-size 600)" in err
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--dupe-factor", "0", "--dupe-factor must be >= 1, got 0"),
+    ("--chunk-bytes", "1", "--chunk-bytes must be >= 1024, got 1"),
+    ("--vocab-sample-bytes", "10", "--vocab-sample-bytes must be >= 1024, got 10"),
+    ("--workers", "0", "--workers must be >= 1, got 0"),
+    ("--vocab-size", "5", "--vocab-size must be larger than the 5 special tokens, got 5"),
+    ("--short-seq-prob", "nan", "--short-seq-prob must be in [0, 1], got nan"),
+    ("--max-seq-length", "4", "--max-seq-length must be in [5, 65535], got 4"),
+])
+def test_prepare_data_limits_name_the_flags(tmp_path, capsys, option, value, message):
+    path = write_corpus(tmp_path / "c.txt")
+    rc, err = prepare_data(capsys, path, tmp_path / "data", option, value)
+    assert rc == 2 and err.splitlines()[-1] == f"fastbert prepare-data: error: {message}"
+    assert not os.path.exists(tmp_path / "data")
+
+
+def test_a_tokenizer_directory_is_named_as_a_directory(tmp_path, capsys):
+    path = write_corpus(tmp_path / "c.txt")
+    assert prepare_data(capsys, path, tmp_path / "data", "--vocab-size", "120")[0] == 0
+    rc, err = prepare_data(capsys, path, tmp_path / "again", "--tokenizer", str(tmp_path / "data"))
+    assert rc == 2 and f"tokenizer file '{tmp_path / 'data'}' is a directory; give a tokenizer.json or vocab.txt " \
+        f"file, such as {tmp_path / 'data' / 'tokenizer.json'}" in err
 
 
 def test_chunks_end_at_document_boundaries_and_cut_only_long_documents(tmp_path):

@@ -127,7 +127,7 @@ def test_prepare_data_mlm_writes_packed_examples_of_its_own_identity(data, nsp_d
     # the objective is the dataset's identity: the other one into the same directory names both
     with pytest.raises(ValueError, match="objective: 'mlm' then, 'mlm\\+nsp' now"):
         prepare.prepare_dataset([corpus], data, vocab_size=120, max_seq_lengths=(32,))
-    with pytest.raises(ValueError, match="dupe_factor must be 1 with objective 'mlm', got 2"):
+    with pytest.raises(ValueError, match="--dupe-factor must be 1 with --objective mlm, got 2"):
         prepare.prepare_dataset([corpus], data, max_seq_lengths=(32,), objective=MLM, dupe_factor=2)
 
 

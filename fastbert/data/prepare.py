@@ -25,12 +25,14 @@ The output depends on the corpus, the chunk size, the seed and the other options
 of workers, and is the same byte for byte on every run.
 
 Re-running: a directory has one tokenizer, which later runs reuse (another sequence length, a resumed
-run). Shards are built in data/.partial-seqN/, each finished one recorded there, so a run that was
-interrupted or killed continues where it stopped when started again with the same options; the
-directory becomes data/seqN/ when complete. A dataset already made with the same options is left as it
-is; one made with other options needs --overwrite. A lock (fastbert.files.lock_path of data/prepare, in
-the user's cache) makes a second process wait for the first: two `fastbert pretrain` runs share the
-built-in corpus's cache that way.
+run); data/prepare-data.json, written with it, marks the directory as this command's and records the
+vocabulary size asked for. An existing --out holding other files is refused: a user's vocab.txt is never
+replaced, nor a stray tokenizer.json taken for the directory's. Shards are built in data/.partial-seqN/,
+each finished one recorded there, so a run that was interrupted or killed continues where it stopped when
+started again with the same options; the directory becomes data/seqN/ when complete. A dataset already
+made with the same options is left as it is; one made with other options needs --overwrite. A lock
+(fastbert.files.lock_path of data/prepare, in the user's cache) makes a second process wait for the
+first: two `fastbert pretrain` runs share the built-in corpus's cache that way.
 """
 from __future__ import annotations
 
@@ -61,6 +63,9 @@ DEFAULT_VOCAB_SIZE = 30522
 DEFAULT_CHUNK_BYTES = 32 << 20
 DEFAULT_VOCAB_SAMPLE_BYTES = 1 << 30
 PLAN_FILE = "plan.json"  # in a partial dataset directory: what its finished shards were built from
+# in the output directory, written with its tokenizer: marks the directory as prepare-data's (its datasets may
+# not exist yet) and records what the tokenizer was asked for, which a rerun compares its options with
+TOKENIZER_RECORD = "prepare-data.json"
 
 
 def dataset_dir(out: str, max_seq_length: int) -> str:
@@ -111,6 +116,19 @@ class VocabularySample:
             yield from self._chunk(segments)
 
 
+def _lowercases(tokenizer) -> bool:
+    """Whether the tokenizer's normaliser lower-cases (a tokenizer.json may have none, or a sequence of them)."""
+    return tokenizer.normalizer is not None and tokenizer.normalizer.normalize_str("A") == "a"
+
+
+def _ignored(tokenizer, size: int, vocab_size: int | None, lowercase: bool, asked: int | None = None) -> str:
+    """The note naming the options that a tokenizer made elsewhere does not follow: only what the caller asked
+    for and does not get, so a rerun with the same options hears nothing of them."""
+    ignored = [f"--vocab-size {vocab_size}"] * (vocab_size not in (None, size, asked)) + \
+        ["--cased"] * (_lowercases(tokenizer) and not lowercase)
+    return ", ".join(ignored)
+
+
 def directory_tokenizer(out: str, tokenizer_path: str | None, vocab_size: int | None, lowercase: bool,
                         plan: list[list[Segment]], sample_bytes: int, encoding_errors: str):
     """The tokenizer of `out`: the one it holds (a directory has one, so that all its datasets share the
@@ -122,23 +140,67 @@ def directory_tokenizer(out: str, tokenizer_path: str | None, vocab_size: int | 
             raise ValueError(f"--tokenizer {tokenizer_path} differs from {existing}, which the datasets in {out} "
                              "use; one directory holds the datasets of one tokenizer: choose a new --out")
         size = len(vocabulary(tokenizer))
-        # only what the caller asked for and does not get: a rerun with the same options hears nothing of them
-        lowercased = (json.loads(tokenizer.to_str()).get("normalizer") or {}).get("lowercase", True)
-        ignored = [f"--vocab-size {vocab_size}"] * (vocab_size not in (None, size)) + \
-            ["--cased"] * (lowercased and not lowercase)
-        note = f" (ignored here, for a new --out: {', '.join(ignored)})" if ignored else ""
+        try:  # the size asked for when it was trained: an identical rerun is not told that its option was ignored
+            with open(os.path.join(out, TOKENIZER_RECORD), encoding="utf-8") as f:
+                asked = json.load(f).get("vocab_size")
+        except (OSError, ValueError, AttributeError):  # none (a directory from before the record), or damaged
+            asked = None
+        ignored = _ignored(tokenizer, size, vocab_size, lowercase, asked)
+        note = f" (ignored here, for a new --out: {ignored})" if ignored else ""
         logger.info(f"tokenizer: {existing} ({size} tokens), as for this directory's other datasets{note}")
         return tokenizer
     if tokenizer_path:
-        logger.info(f"tokenizer: {tokenizer_path}")
         tokenizer = load_tokenizer(tokenizer_path, lowercase)
+        size = len(vocabulary(tokenizer))
+        # a given tokenizer is used as it is: --vocab-size trains nothing, and a tokenizer.json keeps its own case
+        ignored = _ignored(tokenizer, size, vocab_size, lowercase)
+        note = f" (ignored with --tokenizer {tokenizer_path}: {ignored})" if ignored else ""
+        logger.info(f"tokenizer: {tokenizer_path} ({size} tokens){note}")
+        asked = None
     else:
-        vocab_size = vocab_size or DEFAULT_VOCAB_SIZE
+        asked = vocab_size = vocab_size or DEFAULT_VOCAB_SIZE
         logger.info(f"tokenizer: training WordPiece (vocabulary {vocab_size}) on up to "
                     f"{sample_bytes / 2**20:.0f} MiB of the corpus")
         tokenizer = train_wordpiece(VocabularySample(plan, sample_bytes, encoding_errors), vocab_size, lowercase)
+        size = len(vocabulary(tokenizer))
+        if size < vocab_size:  # WordPiece stops when the text holds no more words and pieces to add
+            logger.info(f"vocabulary: {size} tokens (fewer than --vocab-size {vocab_size}: the text it was trained "
+                        "on has no more)")
+    # the record first: a tokenizer.json without it would make the directory look like someone else's
+    write_text(os.path.join(out, TOKENIZER_RECORD), json.dumps({"vocab_size": asked}) + "\n")
     save_tokenizer(tokenizer, out)
     return tokenizer
+
+
+def is_prepared_directory(out: str) -> bool:
+    """Whether `out` is a prepare-data output: its tokenizer record, a dataset (seqN/index.json) or a dataset
+    being built (.partial-seqN/plan.json; a directory from before the record has one of those two)."""
+    if os.path.isfile(os.path.join(out, TOKENIZER_RECORD)):
+        return True
+    for name in os.listdir(out):
+        if re.fullmatch(r"seq\d+", name) and os.path.isfile(os.path.join(out, name, "index.json")) or \
+                re.fullmatch(r"\.partial-seq\d+", name) and os.path.isfile(os.path.join(out, name, PLAN_FILE)):
+            return True
+    return False
+
+
+def check_output_directory(out: str) -> None:
+    """ValueError, before anything is written, for an --out that is a file or below one, or an existing
+    directory holding other files than prepare-data's: its vocab.txt would be replaced, its tokenizer.json
+    taken for the tokenizer of datasets that are not there."""
+    existing = os.path.normpath(out)
+    while existing not in ("", os.sep) and not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if existing and not os.path.isdir(existing):
+        if existing == os.path.normpath(out):
+            raise ValueError(f"--out {out} is a file; --out names the output directory")
+        raise ValueError(f"--out {out}: {existing} is a file, so no directory can be made below it")
+    if os.path.isdir(out) and os.listdir(out) and not is_prepared_directory(out):
+        names = sorted(os.listdir(out))
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise ValueError(f"--out {out} holds files that `fastbert prepare-data` did not write ({shown}; no "
+                         f"{TOKENIZER_RECORD} or seqN/ dataset): it writes its own tokenizer.json and vocab.txt "
+                         "there; choose a new or empty --out (a tokenizer of yours: pass it with --tokenizer)")
 
 
 # the command ----------------------------------------------------------------------------------------------
@@ -161,26 +223,29 @@ class PrepareOptions:
     overwrite: bool = False  # replace datasets that were made with other options
 
     def validate(self) -> None:
-        for name, low in (("dupe_factor", 1), ("chunk_bytes", 1024), ("vocab_sample_bytes", 1024)):
-            if getattr(self, name) < low:
-                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        # named by the flag the user typed (the Python API's keywords are the same words with underscores)
+        for name, value, low in (("--dupe-factor", self.dupe_factor, 1), ("--chunk-bytes", self.chunk_bytes, 1024),
+                                 ("--vocab-sample-bytes", self.vocab_sample_bytes, 1024)):
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
         if self.workers is not None and self.workers < 1:
-            raise ValueError(f"workers must be >= 1, got {self.workers}")
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.vocab_size is not None and self.vocab_size <= len(SPECIAL_TOKENS):
-            raise ValueError(f"vocab_size must be larger than the {len(SPECIAL_TOKENS)} special tokens, "
+            raise ValueError(f"--vocab-size must be larger than the {len(SPECIAL_TOKENS)} special tokens, "
                              f"got {self.vocab_size}")
         if not 0.0 <= self.short_seq_prob <= 1.0:
-            raise ValueError(f"short_seq_prob must be in [0, 1], got {self.short_seq_prob}")
+            raise ValueError(f"--short-seq-prob must be in [0, 1], got {self.short_seq_prob}")
         for length in self.max_seq_lengths:
             if not 5 <= length <= 65535:
-                raise ValueError(f"max_seq_length must be in [5, 65535], got {length}")
+                raise ValueError(f"--max-seq-length must be in [5, 65535], got {length}")
         if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+            raise ValueError(f"--objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.objective == MLM and self.dupe_factor != 1:
-            raise ValueError(f"dupe_factor must be 1 with objective {MLM!r}, got {self.dupe_factor}: full sentences "
-                             "are packed the same way every pass, and the masks are drawn anew every epoch anyway")
+            raise ValueError(f"--dupe-factor must be 1 with --objective {MLM}, got {self.dupe_factor}: full "
+                             "sentences are packed the same way every pass, and the masks are drawn anew every "
+                             "epoch anyway")
         if self.encoding_errors not in ENCODING_ERRORS:
-            raise ValueError(f"encoding_errors must be one of {ENCODING_ERRORS}, got {self.encoding_errors!r}")
+            raise ValueError(f"--encoding-errors must be one of {ENCODING_ERRORS}, got {self.encoding_errors!r}")
 
     def recorded(self, plan: list[list[Segment]]) -> dict:
         """What index.json records of the options that decide the data, and a rerun compares."""
@@ -203,6 +268,7 @@ def prepare_dataset(corpus: list[str], out: str, **options) -> dict[int, str]:
     is written, and OSError for a failed write (the datasets already there stay as they were)."""
     options = PrepareOptions(corpus, out, **options)
     options.validate()
+    check_output_directory(out)
     plan = plan_chunks(options.corpus, options.chunk_bytes)
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)

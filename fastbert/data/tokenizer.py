@@ -98,6 +98,11 @@ def _add_post_processor(tokenizer) -> None:
 
 def load_tokenizer(path: str, lowercase: bool = True):
     """A tokenizers.Tokenizer from a tokenizer.json, or from a BERT vocab.txt (one token per line)."""
+    if os.path.isdir(path):  # a model's or a prepare-data output's: name the file in it that would be read
+        inside = [os.path.join(path, name) for name in ("tokenizer.json", "vocab.txt")
+                  if os.path.isfile(os.path.join(path, name))]
+        raise ValueError(f"tokenizer file {path!r} is a directory; give a tokenizer.json or vocab.txt file"
+                         + (f", such as {inside[0]}" if inside else ""))
     if not os.path.isfile(path):
         raise ValueError(f"tokenizer file {path!r} does not exist")
     tk = _tokenizers()
