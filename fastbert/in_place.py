@@ -193,22 +193,44 @@ def _replaced_since(fast: nn.Module, theirs: nn.Module, taken: list[tuple[str, .
 
 
 def _replace_forward(module: nn.Module, function, *leading) -> None:
-    """module.forward becomes function(*leading, signature, ...), keeping the signature of the forward it replaces
-    (transformers'), which code reads: Trainer keeps the dataset columns a forward names, sentence-transformers
-    passes the features it names."""
+    """module.forward becomes function(*leading, parameters, ...) (the ForwardParameters of the forward it replaces,
+    transformers'), keeping that forward's signature, which code reads: Trainer keeps the dataset columns a
+    forward names, sentence-transformers passes the features it names."""
     signature = inspect.signature(module.forward)
-    forward = functools.partial(function, *leading, signature)
+    forward = functools.partial(function, *leading, ForwardParameters(signature, type(module).__name__))
     forward.__signature__ = signature
     module.forward = forward
 
 
-def _bound(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
-    """The arguments of a call by their names in `signature` (what **kwargs took merged in): positional ones mean
-    what they mean there, and a call it does not take is its TypeError."""
-    arguments = signature.bind(*args, **kwargs).arguments
-    for name, parameter in signature.parameters.items():
-        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-            arguments.update(arguments.pop(name, {}))
+class ForwardParameters:
+    """A forward's parameters, read once at apply, for _bound: torch.compile refuses inspect.Signature.bind on a
+    call whose keyword dict its caller changed (transformers' heads pop return_dict before calling the base)."""
+    __slots__ = ("owner", "positional", "names", "any_keyword")
+
+    def __init__(self, signature: inspect.Signature, owner: str):
+        kinds = {name: parameter.kind for name, parameter in signature.parameters.items()}
+        if inspect.Parameter.VAR_POSITIONAL in kinds.values():
+            raise ValueError(f"fastbert.apply: {owner}.forward takes *args, which fastbert cannot name")
+        self.owner = owner
+        self.positional = tuple(name for name, kind in kinds.items()
+                                if kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+        self.names = frozenset(name for name, kind in kinds.items() if kind is not inspect.Parameter.VAR_KEYWORD)
+        self.any_keyword = inspect.Parameter.VAR_KEYWORD in kinds.values()
+
+
+def _bound(parameters: ForwardParameters, args: tuple, kwargs: dict) -> dict:
+    """The arguments of a call by their names (what **kwargs took merged in): positional ones mean what they mean
+    in the forward replaced, and a call it does not take is the TypeError Python's would be."""
+    if len(args) > len(parameters.positional):
+        raise TypeError(f"{parameters.owner}.forward() takes {len(parameters.positional)} positional arguments but "
+                        f"{len(args)} were given")
+    arguments = dict(zip(parameters.positional, args))
+    for name, value in kwargs.items():
+        if name in arguments:
+            raise TypeError(f"{parameters.owner}.forward() got multiple values for argument '{name}'")
+        if not parameters.any_keyword and name not in parameters.names:
+            raise TypeError(f"{parameters.owner}.forward() got an unexpected keyword argument '{name}'")
+        arguments[name] = value
     return arguments
 
 
@@ -220,15 +242,15 @@ def _submodule(root: nn.Module, path: str) -> nn.Module | None:
 
 
 def _mlm_forward(head: nn.Module, fast: nn.Module, taken: list[tuple[str, ...]], output_class: type,
-                 output_fields: tuple[str, ...], signature: inspect.Signature, *args,
+                 output_fields: tuple[str, ...], parameters: ForwardParameters, *args,
                  return_logits: bool | None = None, **kwargs):
     """The MLM head model's forward (see the module docstring): transformers' own (its class's), or with labels
     in training mode (return_logits None) or with return_logits=False, fastbert's fused masked-only loss with no
     logits, in transformers' output class (its tuple with return_dict=False). `taken`: the paths of the head's
     modules and parameters fastbert's head `fast` holds (_take_modules); the output class and its fields are
     read once, at apply, as torch.compile traces neither the import nor dataclasses.fields of a class."""
-    arguments = _bound(signature, args, kwargs)
-    labels = [arguments.get(name) for name in ("labels", "next_sentence_label") if name in signature.parameters]
+    arguments = _bound(parameters, args, kwargs)
+    labels = [arguments.get(name) for name in ("labels", "next_sentence_label") if name in parameters.names]
     logits = return_logits if return_logits is not None else not head.training
     if logits or any(label is None for label in labels) or _hooked_head(head):
         return type(head).forward(head, **arguments)
@@ -315,9 +337,9 @@ def _refuse_lost_hooks(bert: nn.Module, kept: set[int]) -> None:
                          "left unchanged")
 
 
-def _forward(fast: nn.Module, bert: nn.Module, signature: inspect.Signature, *args, **kwargs):
-    """fastbert's BertModel.forward called with the arguments of transformers' forward (`signature`: bound to it,
-    so a positional argument means what it means there and a wrong call is its TypeError), with the defaults
+def _forward(fast: nn.Module, bert: nn.Module, parameters: ForwardParameters, *args, **kwargs):
+    """fastbert's BertModel.forward called with the arguments of transformers' forward (`parameters`: its, so a
+    positional argument means what it means there and a wrong call is its TypeError), with the defaults
     read from transformers' config, which clients change at run time (sentence-transformers sets
     output_hidden_states), and the vocabulary size, which transformers' resize_token_embeddings changes there
     (the input check reads fastbert's config). A child of `bert` replaced since apply (a pooler of one's own, None,
@@ -328,7 +350,7 @@ def _forward(fast: nn.Module, bert: nn.Module, signature: inspect.Signature, *ar
     for name, child in fast._modules.items():  # identity checks, which torch.compile guards on
         if children.get(name) is not child:
             _follow_replaced_child(fast, bert, name)
-    arguments = _bound(signature, args, kwargs)
+    arguments = _bound(parameters, args, kwargs)
     for name in ("output_hidden_states", "output_attentions", "return_dict"):
         if arguments.get(name) is None:
             arguments[name] = getattr(hf_config, name)

@@ -332,10 +332,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_x = torch.zeros_like(x) if needs_grad else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if needs_grad else None
         grad_b = torch.zeros(vocab, dtype=torch.float32, device=x.device) if needs_grad and bias is not None else None
-        for start in range(0, rows, CROSS_ENTROPY_CHUNK_ROWS):
-            xs = x[start:start + CROSS_ENTROPY_CHUNK_ROWS]
-            ts = target[start:start + CROSS_ENTROPY_CHUNK_ROWS]
-            vs = valid[start:start + CROSS_ENTROPY_CHUNK_ROWS]
+        # one chunk while torch.compile or torch.export traces: a loop over the rows would fix their number in the
+        # graph (a recompile for each batch shape, an exported program that runs at the traced shape alone)
+        step = CROSS_ENTROPY_CHUNK_ROWS
+        chunks = [(0, rows)] if torch.compiler.is_compiling() else [(i, i + step) for i in range(0, rows, step)]
+        for start, end in chunks:
+            xs, ts, vs = x[start:end], target[start:end], valid[start:end]
             logits = F.linear(xs, weight, bias).float()  # [n, V]
             log_probs = torch.log_softmax(logits, dim=-1)
             safe_t = torch.where(vs, ts, 0).long()
@@ -350,7 +352,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_logits.sub_(label_smoothing / vocab)
                 grad_logits.scatter_add_(1, safe_t[:, None], torch.full_like(nll[:, None], label_smoothing - 1.0))
                 grad_logits.mul_((vs.float() * scale)[:, None])
-                grad_x[start:start + CROSS_ENTROPY_CHUNK_ROWS] = (grad_logits.to(weight.dtype) @ weight).to(x.dtype)
+                grad_x[start:end] = (grad_logits.to(weight.dtype) @ weight).to(x.dtype)
                 grad_w += grad_logits.t() @ xs.float()
                 if grad_b is not None:
                     grad_b += grad_logits.sum(dim=0)

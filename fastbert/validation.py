@@ -174,7 +174,7 @@ def packed_arguments(kwargs: dict) -> dict:
                 raise ValueError("is_causal=True is not supported: BERT's attention is bidirectional")
         elif name not in IGNORED_HF_ARGUMENTS and name not in _REPORTED_UNKNOWN:
             unknown.append(name)
-    if unknown:
+    if unknown and not torch.compiler.is_compiling():  # a traced graph cannot log (fullgraph=True failed on it)
         _REPORTED_UNKNOWN.update(unknown)
         logger.warning("forward() ignored keyword argument(s) %s, as transformers' BERT does (they change "
                        "nothing; a misspelt argument name would be among them)", unknown)

@@ -155,3 +155,50 @@ def test_applied_transformers_mlm_heads_with_labels_compile_fullgraph(name):
         for n, p in applied.named_parameters():
             torch.testing.assert_close(p.grad, expected_grads[reference][n], atol=1e-5, rtol=1e-4,
                                        msg=lambda m: f"{reference} {n}: {m}")
+
+
+def hf_bert(name):
+    transformers = pytest.importorskip("transformers")
+    hf_config = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                        intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                        attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    return getattr(transformers, name)(hf_config)
+
+
+@pytest.mark.parametrize("which", ["fastbert", "applied"])
+def test_an_exported_mlm_loss_runs_at_other_batch_shapes(which):
+    """The reference loss's chunk loop over the rows fixed their number in the graph: the exported program failed
+    at any other batch shape (a guard on batch x length), and torch.compile recompiled for each."""
+    model = (fastbert.BertForMaskedLM(config()) if which == "fastbert"
+             else fastbert.apply(hf_bert("BertForMaskedLM"))).train()
+    inputs, labels = padded_batch()
+    batch, length = torch.export.Dim("batch", max=64), torch.export.Dim("length", max=16)
+    dims = {"input_ids": {0: batch, 1: length}, "attention_mask": {0: batch, 1: length},
+            "labels": {0: batch, 1: length}}
+    exported = torch.export.export(model, (), {**inputs, "labels": labels}, dynamic_shapes=dims).module()
+    other, other_labels = padded_batch(lengths=(7, 3), labelled_per_row=3)
+    torch.testing.assert_close(exported(**other, labels=other_labels).loss, model(**other, labels=other_labels).loss,
+                               atol=1e-6, rtol=1e-5)
+
+
+def test_applied_heads_compile_fullgraph_with_return_dict_false():
+    """transformers' heads pop return_dict from their kwargs before calling the base model, and torch.compile
+    refused inspect.Signature.bind on that dict ("mapping proxy affected by dictionary mutation")."""
+    theirs = hf_bert("BertForSequenceClassification").eval()
+    applied = fastbert.apply(copy.deepcopy(theirs))
+    inputs, _ = padded_batch()
+    got = torch.compile(applied, backend="aot_eager", fullgraph=True)(**inputs, return_dict=False)
+    assert isinstance(got, tuple) and len(got) == 1
+    torch.testing.assert_close(got[0], theirs(**inputs).logits, atol=1e-5, rtol=1e-4)
+    with pytest.raises(TypeError, match="got multiple values for argument 'input_ids'"):
+        applied.bert(inputs["input_ids"], input_ids=inputs["input_ids"])
+
+
+def test_an_unknown_keyword_compiles_fullgraph():
+    """An argument transformers' BERT ignores is ignored with a warning in eager mode; the warning (a logger call)
+    made a fullgraph compile fail, where transformers' model compiles."""
+    model = fastbert.BertModel(config()).eval()
+    inputs, _ = padded_batch()
+    got = torch.compile(model, backend="aot_eager", fullgraph=True)(**inputs, an_argument_no_test_passed_before=None)
+    torch.testing.assert_close(got.last_hidden_state, model(**inputs).last_hidden_state, atol=1e-5, rtol=1e-5)

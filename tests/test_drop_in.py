@@ -265,7 +265,7 @@ def test_applied_forward_keeps_the_signature_of_transformers_forward(arch):
     mask = batch["attention_mask"].bool()
     with torch.no_grad():
         torch.testing.assert_close(ours(*positional)[0][mask], theirs(*positional)[0][mask], atol=1e-5, rtol=1e-5)
-    with pytest.raises(TypeError, match="too many positional arguments"):
+    with pytest.raises(TypeError, match=r"forward\(\) takes \d+ positional arguments but \d+ were given"):
         ours(*[None] * (len(named) + 1))  # more than transformers' forward takes
 
 
