@@ -27,9 +27,12 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         print(usage())
         return 0
+    if not argv:  # a usage error, as argparse treats a missing required argument: usage on stderr, exit 2
+        print(f"fastbert: no command given\n\n{usage()}", file=sys.stderr)
+        return 2
     if argv[0] == "--version":
         from fastbert import __version__
         print(f"fastbert {__version__}")

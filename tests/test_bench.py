@@ -532,3 +532,38 @@ def test_layer_norm_weights_of_the_op_cases_are_a_models(case):
     inputs = case.make_inputs(torch.device("cpu"))
     weight = inputs["weight" if case.op == "layer_norm" else "ln_weight"]
     assert weight.abs().min() >= MIN_WEIGHT
+
+
+def test_bench_only_that_is_no_regex_or_selects_nothing_is_a_message_before_any_work(tmp_path, capsys):
+    """--only is compiled up front (re.error is not a ValueError: it was a traceback), and one that selects no
+    item is refused rather than a run of the two peak rows alone that exits 0."""
+    from fastbert.cli import main
+    for only, message in (("[", "--only '[': not a regular expression (unterminated character set at position 0)"),
+                          ("zzzznomatch", "--only 'zzzznomatch' matches no item of the smoke suite")):
+        assert main(["bench", "--only", only, "--out", str(tmp_path / "out"), "--quiet", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert f"fastbert bench: error: {message}" in err and "Traceback" not in err, err
+        assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("budget", ["-5", "0", "nan", "inf"])
+def test_bench_budget_must_be_a_finite_positive_time(tmp_path, capsys, budget):
+    """0 or less skipped every item and exited 0; NaN (every comparison false) and inf meant no budget at all."""
+    from fastbert.cli import main
+    assert main(["bench", "--budget", budget, "--out", str(tmp_path / "out"), "--quiet", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"--budget must be a finite number of seconds > 0, got {float(budget)}" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_out_that_is_or_is_under_a_file_names_out_and_the_file(tmp_path, capsys):
+    """Not os.makedirs's bare "[Errno 17] File exists", and the file is left as it was."""
+    from fastbert.cli import main
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me\n")
+    for out, message in ((notes, f"--out {notes} is a file"),
+                         (notes / "sub", f"--out {notes / 'sub'}: {notes} is a file")):
+        assert main(["bench", "--only", "^layer_norm/.* torch$", "--out", str(out), "--quiet", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert f"fastbert bench: error: {message}" in err and "Errno" not in err and "Traceback" not in err, err
+    assert notes.read_text() == "keep me\n"

@@ -35,6 +35,16 @@ def test_one_sequence_length_is_one_phase():
         run.plan_phases(options.PretrainConfig(seq_lengths="16,32,64"), 128, 1)
 
 
+def test_no_command_is_usage_on_stderr_and_exit_2(capsys):
+    """As argparse does for a missing required argument (and `fastbert nope`); --help alone is exit 0, on stdout."""
+    assert cli.main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "fastbert: no command given" in captured.err and "usage: fastbert" in captured.err
+    assert "Traceback" not in captured.err
+    assert cli.main(["--help"]) == 0
+    assert "usage: fastbert" in capsys.readouterr().out
+
+
 def test_run_command_reports_user_errors_through_the_fastbert_logger(capsys):
     def body():
         logging.getLogger("fastbert.data").info("progress line")
@@ -141,7 +151,7 @@ def test_learning_rate_is_any_positive_number(rate, ok):
         config.validate()
         assert config.learning_rate == float(rate)
     else:
-        with pytest.raises(ValueError, match="learning_rate must be a positive number"):
+        with pytest.raises(ValueError, match="--learning-rate must be a positive number"):
             config.validate()
 
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
+import re
 import sys
 
 from fastbert.command import run_command
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, command: list[str]) -> int:
     suite = "smoke" if args.smoke or args.suite is None else args.suite
+    check_options(args, suite)
     if suite == "compile":
         return _compile(args, command)
     if suite == "memory":
@@ -86,10 +89,37 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     return 1 if any(r["status"] == "error" for r in rows) else 0
 
 
+def check_options(args: argparse.Namespace, suite: str) -> None:
+    """Refuse, before anything is measured or written, what would otherwise fail mid-run with a traceback or a
+    bare errno (an --only that is not a regular expression, an --out under a file) or be silently taken (a
+    --budget that is no time at all, an --only for the data suite, which has no items to select)."""
+    if args.only is not None:
+        try:
+            re.compile(args.only)
+        except re.error as exc:  # not a ValueError: it would be a traceback, once per suite module compiling it
+            raise ValueError(f"--only {args.only!r}: not a regular expression ({exc})") from None
+        if suite == "data":
+            raise ValueError(f"--only {args.only!r}: --suite data has no items to select; it runs whole")
+    # 0 or less skips every item and NaN compares false (no budget at all); inf is no budget either: leave it out
+    if args.budget is not None and not (math.isfinite(args.budget) and args.budget > 0):
+        raise ValueError(f"--budget must be a finite number of seconds > 0, got {args.budget}")
+    # os.makedirs would say only "[Errno 17] File exists", naming neither --out nor which part is the file
+    existing = os.path.abspath(args.out)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = "is a file" if os.path.isfile(existing) else "is not a directory"
+        raise ValueError(f"--out {args.out} {what}; --out names the directory of the results file"
+                         if existing == os.path.abspath(args.out) else f"--out {args.out}: {existing} {what}")
+
+
 def _compile(args, command: list[str]) -> int:
     from fastbert.bench import compile_audit
+    from fastbert.bench.runner import check_selection
 
     jobs = compile_audit.every_job(None if args.triton is None else [None, *args.triton])
+    check_selection(args.only, [f"{job.target} {case.name}" for job in jobs
+                                for case in compile_audit.selected_cases(job.target, job.dtype, None)], "compile")
     path, rows = compile_audit.run_compile_suite(args.out, jobs, args.only, progress=not args.no_progress,
                                                  command=command)
     if not args.quiet:
@@ -103,6 +133,7 @@ def _compile(args, command: list[str]) -> int:
 
 def _memory(args, command: list[str]) -> int:
     from fastbert.bench import memory_cases
+    from fastbert.bench.runner import check_selection
 
     user = (args.model, args.seq_length, args.batch)
     if any(v is not None for v in user):
@@ -111,6 +142,8 @@ def _memory(args, command: list[str]) -> int:
         case = memory_cases.user_case(*user)
         print(memory_cases.plan_table(case, memory_cases.row_figures(case, memory_cases.FASTBERT)))
         return 0
+    check_selection(args.only, [f"{case.name} {provider}" for case in memory_cases.memory_cases()
+                                for provider in case.providers], "memory")
     path, rows = memory_cases.run_memory_suite(args.out, args.only, progress=not args.no_progress, command=command)
     if not args.quiet:
         print(memory_cases.summary(rows))

@@ -98,6 +98,24 @@ def work_items(suite: str) -> list[WorkItem]:
     return sorted(items, key=lambda item: item.priority)  # stable: case order kept within a priority
 
 
+def selected_items(suite: str, only: str | None) -> list[WorkItem]:
+    """The suite's work items whose "case provider" `only` (a regular expression; None or "": all) matches."""
+    items = work_items(suite)
+    names = [f"{item.case.name} {item.provider}" for item in items]
+    check_selection(only, names, suite)
+    return [item for item, name in zip(items, names) if not only or re.search(only, name)]
+
+
+def check_selection(only: str | None, names: list[str], suite: str) -> None:
+    """Refuse an --only that selects none of a suite's items (names: what it is matched against), before anything
+    is measured or written: otherwise the run measures nothing (the smoke suite: its two peak rows, which are not
+    items) and exits 0 as if it had."""
+    if only and not any(re.search(only, name) for name in names):
+        raise ValueError(f"--only {only!r} matches no item of the {suite} suite (it is searched for in each of "
+                         f"its {len(names)} item names, e.g. {names[0]!r})" if names else
+                         f"--only {only!r} matches no item of the {suite} suite: it has none")
+
+
 # The GPU suite's order, what a short budget keeps first: what users compare first (BERT-base training and
 # inference, fastbert against transformers' SDPA, then against SDPA + torch.compile), then every op's
 # providers, then the other models and providers, then the ops' compiles. kind -> (priority, needs_s).
@@ -199,6 +217,11 @@ def run_suite(suite: str, out_dir: str, only: str | None = None, budget_s: float
     if suite not in SUITES:
         raise ValueError(f"suite must be one of {SUITES}, got {suite!r}")
     device = suite_device(suite)
+    if suite == "host":
+        from fastbert.bench import host_suite
+        check_selection(only, [f"{case.name} {provider}" for case in host_suite.host_cases()
+                               for provider in case.providers], suite)
+    items = [] if suite in ("data", "host") else selected_items(suite, only)
     budget_s = (GPU_BUDGET_S if suite == "gpu" else None) if budget_s is None else budget_s
     common = {**provenance(device, command), "suite": suite, "timer": timer_name(device),
               "memory_meter": memory_meter_name(device)}
@@ -216,10 +239,6 @@ def run_suite(suite: str, out_dir: str, only: str | None = None, budget_s: float
                 for row in host_suite.measure(quick, progress, only)]
         write_rows(path, rows)
         return path, rows
-    items = work_items(suite)
-    if only:
-        pattern = re.compile(only)
-        items = [i for i in items if pattern.search(f"{i.case.name} {i.provider}")]
     start = time.monotonic()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = [{**common, "status": "ok", **r} for r in measure_peaks(device, dtype, quick=suite == "smoke")]
