@@ -260,6 +260,16 @@ def move_into_place(partial: str, path: str) -> None:
     _remove(old)
 
 
+def check_output_parent(out: str, flag: str = "--out") -> None:
+    """ValueError naming `flag` when a directory above `out` is a file: nothing can be created there, found before
+    the work rather than as a bare [Errno 17] or [Errno 20] when the output is written."""
+    parent = os.path.dirname(os.path.normpath(out))
+    while parent and not os.path.exists(parent):  # a path through a file does not exist either
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        raise ValueError(f"{flag} {out}: {parent} is a file, so nothing can be written under it")
+
+
 def write_text(path: str, text: str) -> None:
     """A whole text file, replaced atomically."""
     with replaced_file(path, len(text.encode("utf-8"))) as partial, open(partial, "w", encoding="utf-8") as f:

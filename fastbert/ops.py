@@ -174,6 +174,14 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor | None, op: str 
     return backend
 
 
+def check_backend(backend: str | None, device: torch.device | str) -> None:
+    """Raise now what resolve_backend raises at the first op of a model on `device` asked for `backend`
+    (FASTBERT_BACKEND included), so that a command refuses it with its other options, before any work. The model's
+    tensors are stood in for by an empty one that resolve_backend tells apart as it tells theirs: a CPU one for
+    any device but CUDA, a meta one (a memory plan's stand-in for CUDA) for CUDA, which leaves the GPU untouched."""
+    resolve_backend(backend, torch.empty(0, device="meta" if torch.device(device).type == "cuda" else "cpu"))
+
+
 # Custom ops are invisible to autocast, so the Triton path casts each kernel's inputs as autocast would
 # cast the PyTorch op the kernel replaces (PyTorch's autocast op lists): matmuls (linear, the projections,
 # the MLM decoder) and scaled_dot_product_attention run in the autocast dtype on every device; x + bias,

@@ -220,8 +220,8 @@ def test_prepare_data_out_below_a_file_names_the_flag_and_the_file(tmp_path, cap
     path = write_corpus(tmp_path / "c.txt")
     rc, err = prepare_data(capsys, path, tmp_path / "c.txt" / "sub")
     assert rc == 2 and err.splitlines()[-1] == \
-        f"fastbert prepare-data: error: --out {tmp_path / 'c.txt' / 'sub'}: {tmp_path / 'c.txt'} is a file, so no " \
-        "directory can be made below it"
+        f"fastbert prepare-data: error: --out {tmp_path / 'c.txt' / 'sub'}: {tmp_path / 'c.txt'} is a file, so " \
+        "nothing can be written under it"
     rc, err = prepare_data(capsys, path, tmp_path / "c.txt")
     assert rc == 2 and f"--out {tmp_path / 'c.txt'} is a file; --out names the output directory" in err
 

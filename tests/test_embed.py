@@ -128,7 +128,42 @@ def test_bad_input(tmp_path, capsys):
                              (["--max-seq-length", "600"], "--max-seq-length 600 is longer than the model's"),
                              # an empty list failed inside torch (a traceback with --combine sum), 0 read as 128
                              (["--layers=,", "--combine", "sum"], "--layers names no layer, got ','"),
-                             (["--max-seq-length", "0"], "--max-seq-length must be a positive integer, got 0")):
+                             (["--max-seq-length", "0"], "--max-seq-length must be at least 4 (a pair's 3 special "
+                                                         "tokens and one token of text), got 0")):
         argv = ["embed", "--model", MINILM, "--input", str(path), "--out", str(tmp_path / "o.npy"), *options]
         assert fastbert.cli.main(argv) == 2
         assert message in capsys.readouterr().err
+
+
+def test_out_naming_the_input_is_refused(tmp_path, capsys):
+    """--out equal to --input replaced the input text with the .npy; an --input named as --out's tokens file
+    (OUT's stem + .tokens.jsonl) was replaced by the tokens, or removed by a per-sequence run. Both are refused,
+    naming the two, and the input is left as it was."""
+    source = tmp_path / "input.txt"
+    tokens_input = tmp_path / "features.tokens.jsonl"
+    for path in (source, tokens_input):
+        path.write_text("hello world\n")
+    same = os.path.join(str(tmp_path), ".", "input.txt")  # the same file, spelt apart
+    cases = ((source, same, f"is the --input file {source}"),
+             (tokens_input, str(tmp_path / "features.npy"),
+              f"puts its tokens in {tmp_path / 'features.tokens.jsonl'} (a per-sequence run removes that file), "
+              f"which is the --input file {tokens_input}"))
+    for input_path, out, message in cases:
+        for per in ("token", "sequence"):
+            argv = ["embed", "--model", MINILM, "--input", str(input_path), "--out", out, "--per", per]
+            assert fastbert.cli.main(argv) == 2
+            err = capsys.readouterr().err
+            assert f"--out {out} " in err and message in err, err
+            assert input_path.read_text() == "hello world\n"
+    assert sorted(os.listdir(tmp_path)) == ["features.tokens.jsonl", "input.txt"]
+
+
+def test_max_seq_length_below_the_templates_minimum_is_refused_before_the_input(tmp_path, capsys):
+    """--max-seq-length was checked against 1 up front, while the real limit, the Packer's (a pair's special tokens
+    and one token of text: 4 for BERT), was found only after the input was read and the model loaded."""
+    argv = ["embed", "--model", MINILM, "--input", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x.npy"),
+            "--max-seq-length", "3"]
+    assert fastbert.cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--max-seq-length must be at least 4 (a pair's 3 special tokens and one token of text), got 3" in err, err
+    assert "missing.txt" not in err, err

@@ -286,6 +286,77 @@ def test_bad_input_names_file_and_line(tmp_path, tiny_model, capsys):
     assert f"{dev}: no records" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("changes, message", [
+    (dict(learning_rate=math.nan), "--learning-rate must be a positive number, got nan"),
+    (dict(batch_size=0), "--batch-size must be a positive integer, got 0"),
+    (dict(weight_decay=-1.0), "--weight-decay must be a finite number >= 0, got -1.0"),
+    (dict(warmup_proportion=1.0), "--warmup-proportion must be in [0, 1), got 1.0"),
+    (dict(max_seq_length=3), "--max-seq-length must be at least 4, got 3"),
+    (dict(max_seq_length=100), "--max-seq-length 100 is longer than the 64 tokens"),
+    (dict(metric="pearson"), "--metric 'pearson' is not one of classification's"),
+    (dict(task="question-answering", doc_stride=0), "--doc-stride must be a positive integer, got 0"),
+    (dict(task="question-answering", max_seq_length=8, max_query_length=8),
+     "--max-seq-length (8) leaves no room for the context after a question of --max-query-length (8) tokens"),
+])
+def test_limits_are_named_by_their_flags(tmp_path, tiny_model, changes, message):
+    """The checks of the options named the dataclass field (learning_rate must be a positive number, got nan), not
+    the flag typed; each is named by its flag now, and refused before the training file (missing here) is read."""
+    values = dict(task="classification", model=tiny_model, train=str(tmp_path / "missing.tsv"),
+                  out=str(tmp_path / "out"), **FAST)
+    with pytest.raises(ValueError) as error:
+        finetune(FinetuneConfig(**{**values, **changes}))
+    assert message in str(error.value) and "missing.tsv" not in str(error.value)
+
+
+def test_a_bert_tokenizer_directory_is_read_as_a_model_directorys(tmp_path, tiny_model, capsys):
+    """--tokenizer DIR for a BERT model: the help says a directory is taken, but it was refused as "tokenizer file
+    DIR does not exist". It is read as the model directory's tokenizer is: tokenizer.json, else vocab.txt with
+    tokenizer_config.json's do_lower_case (here false, where the model directory's tokenizer lower-cases)."""
+    from fastbert.finetune.encoding import tokenizer_for
+
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    (tokenizer_dir / "vocab.txt").write_text(open_text(tiny_model, "vocab.txt"))
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": False}))
+    assert tokenizer_for(tiny_model).encode("Great", add_special_tokens=False).tokens == ["great"]
+    assert tokenizer_for(tiny_model, str(tokenizer_dir)).encode("Great", add_special_tokens=False).tokens == ["[UNK]"]
+    write_sentiment(tmp_path / "train.tsv", 8, seed=3)
+    argv = ["finetune", "--task", "classification", "--model", tiny_model, "--train", str(tmp_path / "train.tsv"),
+            "--out", str(tmp_path / "out"), "--max-steps", "1", "--backend", "torch", "--device", "cpu",
+            "--no-progress", "--tokenizer", str(tokenizer_dir)]
+    assert fastbert.cli.main(argv) == 0
+    assert open_text(tmp_path / "out", "vocab.txt") == open_text(tokenizer_dir, "vocab.txt")
+    (tmp_path / "empty").mkdir()
+    assert fastbert.cli.main([*argv[:-1], str(tmp_path / "empty")]) == 2
+    assert f"--tokenizer {tmp_path / 'empty'} has no tokenizer.json or vocab.txt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["finetune", "embed"])
+def test_a_pretraining_run_directory_as_model_names_its_newest_model(tmp_path, tiny_model, capsys, command):
+    """--model RUN_DIR, a `fastbert pretrain` run directory rather than one of its checkpoints' models: its
+    config.json (the run's options) was read as a BERT config and, after the data was tokenised, the weights were
+    "not found" with no flag named. Now it is refused first, naming the newest model inside it."""
+    from fastbert.train.checkpoint import CHECKPOINT_DIR, checkpoint_name
+
+    run_dir = tmp_path / "run"
+    for step in (1, 2):
+        model = run_dir / CHECKPOINT_DIR / checkpoint_name(step) / "model"
+        model.mkdir(parents=True)
+        (model / "config.json").write_text(open_text(tiny_model, "config.json"))
+    (run_dir / "config.json").write_text(json.dumps({"run_name": "", "out": str(run_dir), "data": "data", "steps": 2}))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 2, "loss": 9.5}) + "\n")
+    missing = str(tmp_path / "missing.txt")
+    argv = {"finetune": ["--task", "classification", "--train", missing, "--out", str(tmp_path / "out"),
+                         "--no-progress"],
+            "embed": ["--input", missing, "--out", str(tmp_path / "x.npy")]}[command]
+    tokenizer = os.path.join(tiny_model, "vocab.txt")
+    assert fastbert.cli.main([command, "--model", str(run_dir), "--tokenizer", tokenizer, *argv]) == 2
+    err = capsys.readouterr().err
+    newest = run_dir / CHECKPOINT_DIR / checkpoint_name(2) / "model"
+    assert f"--model {run_dir} is a `fastbert pretrain` run directory" in err and f"(newest: {newest})" in err, err
+    assert "missing.txt" not in err, err
+
+
 @pytest.mark.parametrize("evaluated", [True, False], ids=["with-eval", "without-eval"])
 def test_a_run_that_diverges_saves_nothing_and_fails(tmp_path, tiny_model, capsys, evaluated):
     """A learning rate that makes the weights NaN: the evaluation still scores (NaN logits pick class 0, the
@@ -301,7 +372,8 @@ def test_a_run_that_diverges_saves_nothing_and_fails(tmp_path, tiny_model, capsy
     assert "fine-tuning diverged by step" in err and "Lower --learning-rate (it is 1e+12)" in err
     assert not out.exists()
     for name, value in (("weight_decay", math.inf), ("weight_decay", -1.0), ("max_grad_norm", 0.0)):
-        with pytest.raises(ValueError, match=f"{name} must be"):
+        flag = "--weight-decay" if name == "weight_decay" else name  # max_grad_norm has no flag
+        with pytest.raises(ValueError, match=f"{flag} must be"):
             finetune(FinetuneConfig("classification", tiny_model, str(tmp_path / "train.tsv"), **{name: value}))
 
 

@@ -118,3 +118,11 @@ def test_answer_text_comes_from_the_original_context(packer):
 def test_query_room_is_checked(packer):
     with pytest.raises(ValueError, match="leaves no room for the context"):
         QuestionAnsweringTask(packer, max_query_length=5)
+
+
+@pytest.mark.parametrize("threshold", [float("nan"), float("inf"), float("-inf")])
+def test_a_null_score_threshold_must_be_finite(packer, threshold):
+    """--null-score-diff-threshold nan was taken: null - best > nan is never true, so a v2.0 model never answered
+    "no answer" (inf means the same, -inf always no answer)."""
+    with pytest.raises(ValueError, match=f"--null-score-diff-threshold must be a finite number, got {threshold}"):
+        QuestionAnsweringTask(packer, null_score_diff_threshold=threshold)

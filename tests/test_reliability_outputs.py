@@ -102,6 +102,54 @@ def test_finetune_interrupted_or_concurrent_leaves_the_previous_output(tmp_path,
     assert digest(tmp_path / "out") == before
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.parametrize("command", ["finetune", "embed"])
+@pytest.mark.parametrize("backend, environment", [("triton", None), ("auto", "triton"), (None, "bogus")])
+def test_a_backend_the_device_cannot_run_is_refused_before_the_data(tmp_path, tiny_model, capsys, monkeypatch,
+                                                                    command, backend, environment):
+    """--backend triton without CUDA (or FASTBERT_BACKEND=triton, which "auto" follows) was a RuntimeError traceback
+    at the first forward, exit 1, once the data and the model were read; a bad FASTBERT_BACKEND was refused as late.
+    Both are now refused with the other options: the missing data file is never reached."""
+    from fastbert import ops
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter would run the kernels on CPU
+    if environment is None:
+        monkeypatch.delenv("FASTBERT_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("FASTBERT_BACKEND", environment)
+    missing = str(tmp_path / "missing.txt")
+    argv = {"finetune": ["--task", "classification", "--train", missing, "--out", str(tmp_path / "out"),
+                         "--no-progress"],
+            "embed": ["--input", missing, "--out", str(tmp_path / "x.npy")]}[command]
+    argv = [command, "--model", tiny_model, "--device", "cpu", *argv, *(["--backend", backend] if backend else [])]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "missing.txt" not in err, err
+    if environment == "bogus":
+        assert "FASTBERT_BACKEND must be 'auto', 'triton' or 'torch', got 'bogus'" in err, err
+    else:
+        named = "--backend triton" if backend == "triton" else "FASTBERT_BACKEND=triton (which --backend auto follows)"
+        assert f"{named} cannot run on the device here, cpu" in err, err
+        assert ops.TRITON_IMPORT_ERROR is not None or "TRITON_INTERPRET=1" in err, err
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+@pytest.mark.parametrize("command", ["finetune", "embed"])
+def test_an_out_under_a_file_is_refused_before_the_data(tmp_path, tiny_model, capsys, command):
+    """--out under a file was a bare "[Errno 17] File exists" naming no flag, once the data and the model were
+    loaded; now it names --out and the file, before the data is read, and the file is left as it was."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a user's file")
+    out = str(notes / "sub" / ("x.npy" if command == "embed" else "out"))
+    missing = str(tmp_path / "missing.txt")
+    argv = {"finetune": ["--task", "classification", "--train", missing, "--no-progress"],
+            "embed": ["--input", missing]}[command]
+    assert cli.main([command, "--model", tiny_model, "--out", out, "--backend", "torch", *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: {notes} is a file" in err and "missing.txt" not in err, err
+    assert notes.read_text() == "a user's file" and sorted(os.listdir(tmp_path)) == ["notes.txt"]
+
+
 def test_an_output_lock_lives_in_the_cache_and_is_shared_through_symlinks(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTBERT_CACHE", str(tmp_path / "cache"))
     (tmp_path / "outputs").mkdir()

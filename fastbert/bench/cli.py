@@ -9,6 +9,7 @@ import re
 import sys
 
 from fastbert.command import run_command
+from fastbert.files import check_output_parent
 from fastbert.files import cache_dir
 
 logger = logging.getLogger("fastbert.bench")
@@ -104,13 +105,9 @@ def check_options(args: argparse.Namespace, suite: str) -> None:
     if args.budget is not None and not (math.isfinite(args.budget) and args.budget > 0):
         raise ValueError(f"--budget must be a finite number of seconds > 0, got {args.budget}")
     # os.makedirs would say only "[Errno 17] File exists", naming neither --out nor which part is the file
-    existing = os.path.abspath(args.out)
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        what = "is a file" if os.path.isfile(existing) else "is not a directory"
-        raise ValueError(f"--out {args.out} {what}; --out names the directory of the results file"
-                         if existing == os.path.abspath(args.out) else f"--out {args.out}: {existing} {what}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out} is a file; --out names the directory of the results file")
+    check_output_parent(args.out)
 
 
 def _compile(args, command: list[str]) -> int:

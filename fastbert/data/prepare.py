@@ -56,7 +56,8 @@ from fastbert.data.sharding import ShardParams, build_shards, marker_path
 from fastbert.data.shards import VOCAB_FILE, read_index, write_index
 from fastbert.data.tokenizer import (SPECIAL_TOKENS, load_tokenizer, save_tokenizer, train_wordpiece, vocabulary,
                                      write_vocab)
-from fastbert.files import cache_dir, move_into_place, output_lock, remove_leftovers, write_text, writing
+from fastbert.files import (cache_dir, check_output_parent, move_into_place, output_lock, remove_leftovers, write_text,
+                            writing)
 
 logger = logging.getLogger("fastbert.data")
 DEFAULT_VOCAB_SIZE = 30522
@@ -188,13 +189,9 @@ def check_output_directory(out: str) -> None:
     """ValueError, before anything is written, for an --out that is a file or below one, or an existing
     directory holding other files than prepare-data's: its vocab.txt would be replaced, its tokenizer.json
     taken for the tokenizer of datasets that are not there."""
-    existing = os.path.normpath(out)
-    while existing not in ("", os.sep) and not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if existing and not os.path.isdir(existing):
-        if existing == os.path.normpath(out):
-            raise ValueError(f"--out {out} is a file; --out names the output directory")
-        raise ValueError(f"--out {out}: {existing} is a file, so no directory can be made below it")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out} is a file; --out names the output directory")
+    check_output_parent(out)
     if os.path.isdir(out) and os.listdir(out) and not is_prepared_directory(out):
         names = sorted(os.listdir(out))
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

@@ -27,9 +27,9 @@ import torch
 
 from fastbert.captured import CapturedForward, length_buckets
 from fastbert.command import run_command
-from fastbert.files import output_lock, preallocate, replaced_files
+from fastbert.files import check_output_parent, output_lock, preallocate, replaced_files
 from fastbert.finetune.encoding import Packer, collate, tokenizer_for
-from fastbert.finetune.loading import checkpoint_directory, load_checkpoint, load_config, resolve_device
+from fastbert.finetune.loading import check_backend, checkpoint_directory, load_checkpoint, load_config, resolve_device
 from fastbert.finetune.readers import TABLE_FORMATS, DataError, read_table, read_text
 
 PAIR_SEPARATOR = " ||| "
@@ -154,6 +154,10 @@ def tokens_path(out: str) -> str:
     return os.path.splitext(out)[0] + ".tokens.jsonl"
 
 
+def _same_file(a: str, b: str) -> bool:
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastbert embed", description=__doc__.split("\n")[0].split(": ", 1)[1],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -200,27 +204,36 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"--layers must be comma-separated integers, got {args.layers!r}") from None
     if not layers and not args.pooled:
         raise ValueError(f"--layers names no layer, got {args.layers!r}")
-    if args.max_seq_length is not None and args.max_seq_length < 1:
-        raise ValueError(f"--max-seq-length must be a positive integer, got {args.max_seq_length}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {args.batch_size}")
     if os.path.isdir(args.out):
         raise ValueError(f"--out {args.out} is a directory; --out names the .npy file to write")
+    check_output_parent(args.out)
+    # the features replace what is at --out, and the tokens (or, per sequence, the removal of a stale tokens file)
+    # what is beside it: never the input
+    if _same_file(args.out, args.input):
+        raise ValueError(f"--out {args.out} is the --input file {args.input}: the features would replace it; "
+                         "choose another --out")
+    if _same_file(tokens_path(args.out), args.input):
+        raise ValueError(f"--out {args.out} puts its tokens in {tokens_path(args.out)} (a per-sequence run removes "
+                         f"that file), which is the --input file {args.input}; choose another --out")
     device = resolve_device(args.device)
     args.model = checkpoint_directory(args.model)
-    texts = read_texts(args.input, args.text_column, args.text_pair_column, args.format)
     config = load_config(args.model)
+    check_backend(args.backend, config.backend, device)
     tokenizer = tokenizer_for(args.model, args.tokenizer, args.lowercase, config.model_type)
-    model, info = load_checkpoint(architectures.model_class(config, "Model"), args.model, dtype=torch.float32,
-                                  **({"backend": args.backend} if args.backend else {}))
-    if args.pooled and any(k.startswith("pooler.") for k in info["missing_keys"]):
-        raise ValueError(f"--pooled: the checkpoint {args.model} has no pooler weights")
     positions = config.max_sequence_length  # RoBERTa's 514 positions hold 512 tokens
     max_seq_length = min(128, positions) if args.max_seq_length is None else args.max_seq_length
     if max_seq_length > positions:
         raise ValueError(f"--max-seq-length {max_seq_length} is longer than the model's {positions} positions "
                          f"(max_position_embeddings {config.max_position_embeddings})")
+    # its template sets the shortest --max-seq-length (a pair's special tokens and one of text): checked now
     packer = Packer(tokenizer, max_seq_length, token_types=config.type_vocab_size > 1)
+    texts = read_texts(args.input, args.text_column, args.text_pair_column, args.format)
+    model, info = load_checkpoint(architectures.model_class(config, "Model"), args.model, dtype=torch.float32,
+                                  **({"backend": args.backend} if args.backend else {}))
+    if args.pooled and any(k.startswith("pooler.") for k in info["missing_keys"]):
+        raise ValueError(f"--pooled: the checkpoint {args.model} has no pooler weights")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with output_lock(args.out):
         features, tokens = embed(model.to(device), packer, texts, layers, args.combine, args.pooled,

@@ -30,16 +30,16 @@ PAD_TOKENS = ("[PAD]", "<pad>")
 PROBE_TEXT = "a"  # any text the tokenizer turns into at least one token: its template is read around it
 
 
-def _auto_tokenizer(directory: str, flag: str):
+def _auto_tokenizer(directory: str, flag: str, **kwargs):
     """The `tokenizers.Tokenizer` inside transformers' AutoTokenizer of a directory (it converts
-    SentencePiece and vocab.json + merges.txt files into one)."""
+    SentencePiece and vocab.json + merges.txt files into one); kwargs go to its from_pretrained."""
     try:
         import transformers
     except ImportError:
         raise ImportError(f"{flag} {directory}: a tokenizer without tokenizer.json is read with transformers' "
                           "AutoTokenizer: pip install transformers") from None
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, **kwargs)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{flag} {directory}: transformers' AutoTokenizer cannot read its tokenizer files "
                          f"({type(exc).__name__}: {str(exc).strip()[:300]})") from None
@@ -65,12 +65,12 @@ def tokenizer_for(model_dir: str, path: str | None = None, lowercase: bool | Non
     """The tokenizer of a checkpoint, a `tokenizers.Tokenizer`. Padding and truncation are switched off
     (packing is done here).
 
-    BERT (model_type "bert"): `path` (tokenizer.json or vocab.txt) when given, else the model directory's
-    tokenizer.json, else its vocab.txt; lowercase (vocab.txt only) defaults to tokenizer_config.json's
-    do_lower_case, else True. The family (RoBERTa, XLM-R, CamemBERT, ELECTRA, DistilBERT, MPNet): `path`
-    (a tokenizer.json or a tokenizer directory) when given, else the model directory's tokenizer.json, else
-    what transformers' AutoTokenizer reads there (vocab.json + merges.txt, sentencepiece.bpe.model, ...).
-    ValueError when there is none."""
+    BERT (model_type "bert"): `path` (tokenizer.json or vocab.txt, or a tokenizer directory, read as the model
+    directory is) when given, else the model directory's tokenizer.json, else its vocab.txt; lowercase (vocab.txt
+    only) defaults to tokenizer_config.json's do_lower_case, else True. The family (RoBERTa, XLM-R, CamemBERT,
+    ELECTRA, DistilBERT, MPNet): `path` (a tokenizer.json or a tokenizer directory) when given, else the model
+    directory's tokenizer.json, else what transformers' AutoTokenizer reads there (vocab.json + merges.txt,
+    sentencepiece.bpe.model, ...). ValueError when there is none."""
     if model_type != "bert":
         tokenizer = _family_tokenizer(model_dir, path, model_type)
     else:
@@ -99,19 +99,25 @@ def _family_tokenizer(model_dir: str, path: str | None, model_type: str):
 
 
 def _bert_tokenizer(model_dir: str, path: str | None, lowercase: bool | None):
+    flag = "--model"
+    if path is not None and os.path.isdir(path):  # a tokenizer directory: read as a model directory's tokenizer is
+        model_dir, path, flag = path, None, "--tokenizer"
     if path is None:
         for name in ("tokenizer.json", "vocab.txt"):
             if os.path.isfile(os.path.join(model_dir, name)):
                 path = os.path.join(model_dir, name)
                 break
         else:
-            raise ValueError(f"--model {model_dir} has no tokenizer.json or vocab.txt; pass --tokenizer "
-                             "(fastbert prepare-data writes both into its output directory)")
+            raise ValueError(f"{flag} {model_dir} has no tokenizer.json or vocab.txt"
+                             + ("; pass --tokenizer (fastbert prepare-data writes both into its output directory)"
+                                if flag == "--model" else ""))
         # the directory's vocab.txt beside transformers' settings (strip_accents, tokenize_chinese_chars) or added
         # tokens: read as transformers' AutoTokenizer reads them, where it is installed
         if (lowercase is None and path.endswith("vocab.txt") and importlib.util.find_spec("transformers") is not None
                 and any(os.path.isfile(os.path.join(model_dir, name)) for name in BERT_TOKENIZER_SETTINGS)):
-            tokenizer = _auto_tokenizer(model_dir, "--model")
+            # a tokenizer directory may have no config.json to name the model type to AutoTokenizer: BERT's here
+            bert = {} if os.path.isfile(os.path.join(model_dir, "config.json")) else {"tokenizer_type": "bert"}
+            tokenizer = _auto_tokenizer(model_dir, flag, **bert)
             check_special_tokens(tokenizer, path)
             return tokenizer
     if lowercase is None:
@@ -184,8 +190,8 @@ class Packer:
             raise ValueError(f"the tokenizer has no padding token (one of {', '.join(PAD_TOKENS)})")
         minimum = self.special_tokens(pair=True) + 1
         if max_seq_length < minimum:
-            raise ValueError(f"max_seq_length must be at least {minimum} (a pair's {minimum - 1} special tokens and "
-                             f"one token of text), got {max_seq_length}")
+            raise ValueError(f"--max-seq-length must be at least {minimum} (a pair's {minimum - 1} special tokens "
+                             f"and one token of text), got {max_seq_length}")
         self.tokenizer = tokenizer
         self.max_seq_length = max_seq_length
         self.pad_id = pads[0]

@@ -45,7 +45,26 @@ def checkpoint_directory(path: str, flag: str = "--model") -> str:
         raise ValueError(f"{config}: not a JSON config ({exc}); the checkpoint is damaged") from None
     if not isinstance(values, dict):
         raise ValueError(f"{config}: expected a JSON object, got {type(values).__name__}")
+    if "model_type" not in values:  # a BERT config may lack it too, but not beside a run's checkpoints and metrics
+        _refuse_run_directory(path, flag)
     return path
+
+
+def _refuse_run_directory(path: str, flag: str) -> None:
+    """ValueError naming the models inside `path` when it is a `fastbert pretrain` run directory (its config.json
+    holds the run's options, not a model's): read as a checkpoint, it failed only after the data was tokenised."""
+    from fastbert.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
+    from fastbert.train.run import METRICS_FILE
+    from fastbert.train.state import MODEL_DIR
+
+    checkpoints = os.path.join(path, CHECKPOINT_DIR)
+    if not (os.path.isdir(checkpoints) or os.path.isfile(os.path.join(path, METRICS_FILE))):
+        return
+    newest = latest_checkpoint(checkpoints)
+    models = os.path.join(checkpoints, "step_N", MODEL_DIR)
+    raise ValueError(f"{flag} {path} is a `fastbert pretrain` run directory, not a model; its models are {models} "
+                     + (f"(newest: {os.path.join(newest, MODEL_DIR)}), with the run's data's tokenizer.json as "
+                        "--tokenizer" if newest else "and it has none yet"))
 
 
 def load_checkpoint(cls, path: str, flag: str = "--model", **overrides):
@@ -141,3 +160,19 @@ def resolve_device(name: str | None) -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
     return device
+
+
+def check_backend(backend: str | None, default: str, device: torch.device) -> None:
+    """--backend (None: `default`, the checkpoint config's) against the device the model will run on, and
+    FASTBERT_BACKEND, which "auto" follows: fastbert.ops' own check, run now, before the data and the model are
+    read, instead of a RuntimeError traceback at the first forward. ValueError naming them."""
+    from fastbert import ops
+
+    chosen = backend or default
+    try:
+        ops.check_backend(chosen, device)  # a bad FASTBERT_BACKEND is a ValueError naming it
+    except RuntimeError as exc:
+        env = os.environ.get("FASTBERT_BACKEND", "")
+        what = (f"FASTBERT_BACKEND={env} (which --backend {chosen} follows)" if chosen == "auto" and env
+                else f"--backend {chosen}")
+        raise ValueError(f"{what} cannot run on the device here, {device}: {exc}") from None

@@ -17,6 +17,7 @@ null_score - best_span_score > null_score_diff_threshold.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -77,14 +78,18 @@ class QuestionAnsweringTask(Task):
                  max_answer_length: int = 30, n_best: int = 20, null_score_diff_threshold: float = 0.0,
                  version_2: bool | None = None):
         super().__init__(packer)
-        for name, value in (("doc_stride", doc_stride), ("max_query_length", max_query_length),
-                            ("max_answer_length", max_answer_length), ("n_best", n_best)):
+        # named by `fastbert finetune`'s flags, which set them
+        for name, value in (("--doc-stride", doc_stride), ("--max-query-length", max_query_length),
+                            ("--max-answer-length", max_answer_length), ("--n-best", n_best)):
             if value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
+        # NaN never compares greater, so v2.0 would never answer "no answer"; inf means the same
+        if not math.isfinite(null_score_diff_threshold):
+            raise ValueError(f"--null-score-diff-threshold must be a finite number, got {null_score_diff_threshold}")
         specials = packer.special_tokens(pair=True)
         if packer.max_seq_length - max_query_length - specials < 1:
-            raise ValueError(f"max_seq_length ({packer.max_seq_length}) leaves no room for the context after "
-                             f"a question of max_query_length ({max_query_length}) tokens and {specials} special "
+            raise ValueError(f"--max-seq-length ({packer.max_seq_length}) leaves no room for the context after "
+                             f"a question of --max-query-length ({max_query_length}) tokens and {specials} special "
                              "tokens")
         if packer.pair[0][0] is None:
             raise ValueError("the tokenizer's pair template does not start with a special token ([CLS], <s>), "

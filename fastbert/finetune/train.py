@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fastbert.files import output_lock, replaced_directory
+from fastbert.files import check_output_parent, output_lock, replaced_directory
 from fastbert.finetune.encoding import Packer, collate, save_tokenizer_files, tokenizer_for
-from fastbert.finetune.loading import checkpoint_directory, load_config, load_task_model, resolve_device
+from fastbert.finetune.loading import check_backend, checkpoint_directory, load_config, load_task_model, resolve_device
 from fastbert.finetune.squad import QuestionAnsweringTask
 from fastbert.finetune.tasks import ChoiceTask, Columns, SequenceTask, Task, TokenTask
 from fastbert.train.optim import build_optimizer, linear_warmup_decay
@@ -91,27 +91,28 @@ class FinetuneConfig:
     progress: bool = True  # tqdm progress bar
 
     def validate(self) -> None:
+        """Each limit is named by the command's flag (--learning-rate), as the user typed it."""
         if self.task not in TASKS:
-            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+            raise ValueError(f"--task must be one of {TASKS}, got {self.task!r}")
         for name in ("batch_size", "epochs", "eval_batch_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be a positive integer, got {self.max_steps}")
+            raise ValueError(f"--max-steps must be a positive integer, got {self.max_steps}")
         if not 0 < self.learning_rate < math.inf:
-            raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
+            raise ValueError(f"--learning-rate must be a positive number, got {self.learning_rate}")
         if not 0 <= self.weight_decay < math.inf:
-            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
-        if not 0 < self.max_grad_norm < math.inf:
+            raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        if not 0 < self.max_grad_norm < math.inf:  # no flag: the Python API's only
             raise ValueError(f"max_grad_norm must be a positive finite number, got {self.max_grad_norm}")
         if not 0 <= self.warmup_proportion < 1:
-            raise ValueError(f"warmup_proportion must be in [0, 1), got {self.warmup_proportion}")
+            raise ValueError(f"--warmup-proportion must be in [0, 1), got {self.warmup_proportion}")
         if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+            raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.max_seq_length is not None and self.max_seq_length < 4:
-            raise ValueError(f"max_seq_length must be at least 4, got {self.max_seq_length}")
+            raise ValueError(f"--max-seq-length must be at least 4, got {self.max_seq_length}")
 
 
 def uses_bf16_autocast(precision: str, device: torch.device) -> bool:
@@ -138,13 +139,15 @@ def build_task(cfg: FinetuneConfig, packer: Packer) -> Task:
 
 
 def check_output_directory(out: str, model: str) -> None:
-    """--out is replaced as a whole when the run ends: refuse one that holds the model or other files."""
+    """--out is replaced as a whole when the run ends: refuse one that holds the model or other files, or that
+    cannot be created (under a file)."""
     out_path, model_path = os.path.realpath(out), os.path.realpath(model)
     if os.path.commonpath([out_path, model_path]) == out_path:
         raise ValueError(f"--out {out} {'is' if out_path == model_path else 'contains'} the --model directory "
                          f"{model}: fine-tuning would replace the checkpoint it starts from; choose another --out")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out} is a file; --out names the output directory")
+    check_output_parent(out)
     if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, CONFIG_FILE)):
         raise ValueError(f"--out {out} holds files that `fastbert finetune` did not write (no {CONFIG_FILE}); "
                          "the output directory is replaced as a whole, so choose a new or empty one")
@@ -193,6 +196,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
     torch.manual_seed(cfg.seed)
 
     config = load_config(model_dir)
+    check_backend(cfg.backend, config.backend, device)
     tokenizer = tokenizer_for(model_dir, cfg.tokenizer, cfg.lowercase, config.model_type)
     if tokenizer.get_vocab_size() > config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, more than the model's "
@@ -200,13 +204,13 @@ def finetune(cfg: FinetuneConfig) -> dict:
     positions = config.max_sequence_length  # RoBERTa's 514 positions hold 512 tokens
     max_seq_length = cfg.max_seq_length or min(384 if cfg.task == "question-answering" else 128, positions)
     if max_seq_length > positions:
-        raise ValueError(f"max_seq_length {max_seq_length} is longer than the {positions} tokens the model's "
+        raise ValueError(f"--max-seq-length {max_seq_length} is longer than the {positions} tokens the model's "
                          f"max_position_embeddings ({config.max_position_embeddings}) hold")
     packer = Packer(tokenizer, max_seq_length, token_types=config.type_vocab_size > 1)
     task = build_task(cfg, packer)
     metric = cfg.metric or task.main_metric
     if metric not in (*task.metric_names, "loss"):
-        raise ValueError(f"metric {metric!r} is not one of {task.name}'s: {', '.join(task.metric_names)}, loss")
+        raise ValueError(f"--metric {metric!r} is not one of {task.name}'s: {', '.join(task.metric_names)}, loss")
 
     train_examples = task.read(cfg.train)
     task.fit(train_examples)
