@@ -174,12 +174,19 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor | None, op: str 
     return backend
 
 
-def check_backend(backend: str | None, device: torch.device | str) -> None:
-    """Raise now what resolve_backend raises at the first op of a model on `device` asked for `backend`
-    (FASTBERT_BACKEND included), so that a command refuses it with its other options, before any work. The model's
-    tensors are stood in for by an empty one that resolve_backend tells apart as it tells theirs: a CPU one for
-    any device but CUDA, a meta one (a memory plan's stand-in for CUDA) for CUDA, which leaves the GPU untouched."""
-    resolve_backend(backend, torch.empty(0, device="meta" if torch.device(device).type == "cuda" else "cpu"))
+def check_backend(backend: str | None, device: torch.device | str, flag: str = "--backend") -> None:
+    """Raise now, as a ValueError naming `flag` (or FASTBERT_BACKEND, which "auto" follows), what resolve_backend
+    would raise at the first op of a model on `device` asked for `backend`, so that a command refuses it with its
+    other options, before any work. The model's tensors are stood in for by an empty one that resolve_backend
+    tells apart as it tells theirs: a CPU one for any device but CUDA, a meta one (a memory plan's stand-in for
+    CUDA) for CUDA, which leaves the GPU untouched."""
+    try:
+        resolve_backend(backend, torch.empty(0, device="meta" if torch.device(device).type == "cuda" else "cpu"))
+    except RuntimeError as exc:  # a bad name, FASTBERT_BACKEND's included, is resolve_backend's ValueError
+        environment = os.environ.get("FASTBERT_BACKEND", "")
+        what = (f"FASTBERT_BACKEND={environment} (which {flag} {backend} follows)" if backend in (None, "auto")
+                and environment else f"{flag} {backend}")
+        raise ValueError(f"{what} cannot run on the device here, {torch.device(device)}: {exc}") from None
 
 
 # Custom ops are invisible to autocast, so the Triton path casts each kernel's inputs as autocast would

@@ -267,6 +267,18 @@ def test_an_out_holding_a_model_is_refused_untouched(data, tmp_path, capsys):
     assert (model_directory / "config.json").read_text() == before and not (model_directory / "checkpoints").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_a_backend_the_device_cannot_run_is_refused_before_the_run(data, tmp_path, capsys, monkeypatch):
+    """--model.backend triton on a CPU was a traceback at the first step, after the run directory was written."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter would run the kernels on CPU
+    monkeypatch.delenv("FASTBERT_BACKEND", raising=False)
+    assert pretrain.main(["--data", data, "--out", str(tmp_path / "run"), "--model", "tiny", "--seq-lengths", "16",
+                          "--phase-fractions", "1", "--device", "cpu", "--model.backend", "triton"]) == 2
+    err = capsys.readouterr().err
+    assert "--model.backend triton cannot run on the device here, cpu" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_missing_phase_data_is_a_clear_error(data, tmp_path, capsys):
     assert pretrain.main(["--data", data, "--out", str(tmp_path), "--seq-lengths", "16,64"]) == 2
     assert "no dataset with max_seq_length 64" in capsys.readouterr().err

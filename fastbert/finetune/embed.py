@@ -29,7 +29,7 @@ from fastbert.captured import CapturedForward, length_buckets
 from fastbert.command import run_command
 from fastbert.files import check_output_parent, output_lock, preallocate, replaced_files
 from fastbert.finetune.encoding import Packer, collate, tokenizer_for
-from fastbert.finetune.loading import check_backend, checkpoint_directory, load_checkpoint, load_config, resolve_device
+from fastbert.finetune.loading import checkpoint_directory, load_checkpoint, load_config, resolve_device
 from fastbert.finetune.readers import TABLE_FORMATS, DataError, read_table, read_text
 
 PAIR_SEPARATOR = " ||| "
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> None:
     """Check every option, then embed into args.out (and its .tokens.jsonl) under the output's lock."""
-    from fastbert import architectures
+    from fastbert import architectures, ops
 
     try:
         layers = [int(x) for x in args.layers.split(",") if x.strip()]
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
     args.model = checkpoint_directory(args.model)
     config = load_config(args.model)
-    check_backend(args.backend, config.backend, device)
+    ops.check_backend(args.backend or config.backend, device)
     tokenizer = tokenizer_for(args.model, args.tokenizer, args.lowercase, config.model_type)
     positions = config.max_sequence_length  # RoBERTa's 514 positions hold 512 tokens
     max_seq_length = min(128, positions) if args.max_seq_length is None else args.max_seq_length

@@ -160,19 +160,3 @@ def resolve_device(name: str | None) -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
     return device
-
-
-def check_backend(backend: str | None, default: str, device: torch.device) -> None:
-    """--backend (None: `default`, the checkpoint config's) against the device the model will run on, and
-    FASTBERT_BACKEND, which "auto" follows: fastbert.ops' own check, run now, before the data and the model are
-    read, instead of a RuntimeError traceback at the first forward. ValueError naming them."""
-    from fastbert import ops
-
-    chosen = backend or default
-    try:
-        ops.check_backend(chosen, device)  # a bad FASTBERT_BACKEND is a ValueError naming it
-    except RuntimeError as exc:
-        env = os.environ.get("FASTBERT_BACKEND", "")
-        what = (f"FASTBERT_BACKEND={env} (which --backend {chosen} follows)" if chosen == "auto" and env
-                else f"--backend {chosen}")
-        raise ValueError(f"{what} cannot run on the device here, {device}: {exc}") from None

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fastbert import ops
 from fastbert.files import check_output_parent, output_lock, replaced_directory
 from fastbert.finetune.encoding import Packer, collate, save_tokenizer_files, tokenizer_for
-from fastbert.finetune.loading import check_backend, checkpoint_directory, load_config, load_task_model, resolve_device
+from fastbert.finetune.loading import checkpoint_directory, load_config, load_task_model, resolve_device
 from fastbert.finetune.squad import QuestionAnsweringTask
 from fastbert.finetune.tasks import ChoiceTask, Columns, SequenceTask, Task, TokenTask
 from fastbert.train.optim import build_optimizer, linear_warmup_decay
@@ -196,7 +197,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
     torch.manual_seed(cfg.seed)
 
     config = load_config(model_dir)
-    check_backend(cfg.backend, config.backend, device)
+    ops.check_backend(cfg.backend or config.backend, device)
     tokenizer = tokenizer_for(model_dir, cfg.tokenizer, cfg.lowercase, config.model_type)
     if tokenizer.get_vocab_size() > config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, more than the model's "

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fastbert import ops
 from fastbert.data.corpus import STDLIB
 from fastbert.data.examples import MLM, MLM_NSP
 from fastbert.data.masking import MaskingCollator
@@ -363,6 +364,7 @@ def build_run(cfg: PretrainConfig, model_overrides: dict) -> Run:
     if cfg.objective == MLM_NSP and config.type_vocab_size < 2:  # found by the first forward, after the set-up
         raise ValueError(f"--model.type_vocab_size {config.type_vocab_size} cannot hold --objective mlm+nsp's second "
                          "segments (token type 1): give 2 or more, or --objective mlm")
+    ops.check_backend(config.backend, env.device, "--model.backend")  # else a traceback at the first step
     # RoBERTa's positions start after the padding index: 514 of them hold 512 tokens
     phases = plan_phases(cfg, config.max_sequence_length, env.world_size)
     sharded = env.distributed and cfg.distributed == "fsdp"
