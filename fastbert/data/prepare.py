@@ -54,8 +54,8 @@ from fastbert.data.corpus import ENCODING_ERRORS, STDLIB, CorpusError, Segment, 
 from fastbert.data.examples import MLM, MLM_NSP, OBJECTIVES
 from fastbert.data.sharding import ShardParams, build_shards, marker_path
 from fastbert.data.shards import VOCAB_FILE, read_index, write_index
-from fastbert.data.tokenizer import (SPECIAL_TOKENS, load_tokenizer, save_tokenizer, train_wordpiece, vocabulary,
-                                     write_vocab)
+from fastbert.data.tokenizer import (SPECIAL_TOKENS, load_tokenizer, lowercases, save_tokenizer, train_wordpiece,
+                                     vocabulary, write_vocab)
 from fastbert.files import (cache_dir, check_output_parent, move_into_place, output_lock, remove_leftovers, write_text,
                             writing)
 
@@ -117,16 +117,11 @@ class VocabularySample:
             yield from self._chunk(segments)
 
 
-def _lowercases(tokenizer) -> bool:
-    """Whether the tokenizer's normaliser lower-cases (a tokenizer.json may have none, or a sequence of them)."""
-    return tokenizer.normalizer is not None and tokenizer.normalizer.normalize_str("A") == "a"
-
-
 def _ignored(tokenizer, size: int, vocab_size: int | None, lowercase: bool, asked: int | None = None) -> str:
     """The note naming the options that a tokenizer made elsewhere does not follow: only what the caller asked
     for and does not get, so a rerun with the same options hears nothing of them."""
     ignored = [f"--vocab-size {vocab_size}"] * (vocab_size not in (None, size, asked)) + \
-        ["--cased"] * (_lowercases(tokenizer) and not lowercase)
+        ["--cased"] * (lowercases(tokenizer) and not lowercase)
     return ", ".join(ignored)
 
 

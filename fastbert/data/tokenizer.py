@@ -118,6 +118,11 @@ def load_tokenizer(path: str, lowercase: bool = True):
     return tokenizer
 
 
+def lowercases(tokenizer) -> bool:
+    """Whether the tokenizer's normaliser lower-cases (a tokenizer.json may have none, or a sequence of them)."""
+    return tokenizer.normalizer is not None and tokenizer.normalizer.normalize_str("A") == "a"
+
+
 def check_special_tokens(tokenizer, path: str) -> None:
     """ValueError naming `path` when the tokenizer lacks one of BERT's special tokens."""
     missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]

@@ -16,7 +16,7 @@ import shutil
 
 import torch
 
-from fastbert.data.tokenizer import check_special_tokens, load_tokenizer, save_tokenizer
+from fastbert.data.tokenizer import check_special_tokens, load_tokenizer, lowercases, save_tokenizer
 from fastbert.validation import IGNORE_INDEX
 
 # files an HF tokenizer directory may hold besides tokenizer.json / vocab.txt; copied to the output
@@ -133,9 +133,12 @@ def save_tokenizer_files(tokenizer, model_dir: str, out: str, model_type: str = 
                          settings: dict | None = None) -> None:
     """The tokenizer into out (BERT's: tokenizer.json and vocab.txt; the family's: tokenizer.json) with the
     source directory's tokenizer_config.json (`settings` written into it) and special_tokens_map.json, so that
-    transformers' AutoTokenizer loads the same tokenizer from out."""
+    transformers' AutoTokenizer loads the same tokenizer from out. BERT's do_lower_case is the tokenizer's own:
+    transformers' BERT tokenizer lower-cases by it whatever tokenizer.json says (a --cased run on a model whose
+    tokenizer_config.json said true was read back lower-casing)."""
     if model_type == "bert":
         save_tokenizer(tokenizer, out)
+        settings = {"do_lower_case": lowercases(tokenizer), **(settings or {})}
     else:  # a byte-level or SentencePiece vocabulary has no vocab.txt form
         tokenizer.save(os.path.join(out, "tokenizer.json"))
     for name in TOKENIZER_SIDE_FILES:
