@@ -462,6 +462,20 @@ def save_pretrained(model: torch.nn.Module, path, is_main_process: bool = True, 
         if len(shards) > 1:
             _write_json(index, partials[-2])
         _write_json(values, partials[-1])
+    _remove_earlier_weights(path, {os.path.basename(file) for file in files})
+
+
+# the weight files of a save: one file, shards, their index; safetensors or pickled
+WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
+
+
+def _remove_earlier_weights(path: str, kept: set[str]) -> None:
+    """Remove the weight files an earlier save left in `path` that this one did not write (as transformers removes
+    old shards): a model.safetensors left beside a new index would be the one loaders read (they take the single
+    file first), and old shards would lie beside the index that no longer names them."""
+    for name in os.listdir(path):
+        if name not in kept and WEIGHT_FILE.fullmatch(name) and os.path.isfile(os.path.join(path, name)):
+            os.remove(os.path.join(path, name))
 
 
 def _write_json(values: dict, path: str) -> None:

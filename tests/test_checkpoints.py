@@ -356,6 +356,23 @@ def test_save_pretrained_takes_transformers_arguments(tmp_path):
         ours.save_pretrained(tmp_path / "x", push_to_hub=True)
 
 
+def test_a_save_over_an_earlier_one_leaves_only_its_own_weight_files(tmp_path):
+    """An earlier save's model.safetensors beside a new sharded one was what both libraries loaded (they read the
+    single file first): the old model, silently; old shards lay beside an index that no longer named them."""
+    torch.manual_seed(0)
+    first, second = fastbert.from_hf(tiny_hf()).eval(), fastbert.from_hf(tiny_hf()).eval()
+    first.save_pretrained(tmp_path, safe_serialization=False)
+    first.save_pretrained(tmp_path)
+    second.save_pretrained(tmp_path, max_shard_size="20KB")
+    shards = sorted(f for f in os.listdir(tmp_path) if f.startswith("model-"))
+    assert sorted(os.listdir(tmp_path)) == sorted(["config.json", "model.safetensors.index.json", *shards])
+    assert_same_encoder(second, transformers.BertForPreTraining.from_pretrained(tmp_path).eval())
+    assert_same_encoder(second, fastbert.BertForPreTraining.from_pretrained(tmp_path))
+    first.save_pretrained(tmp_path, max_shard_size="40KB")  # fewer shards: the later ones of before go
+    assert len([f for f in os.listdir(tmp_path) if f.startswith("model-")]) < len(shards)
+    assert_same_encoder(first, fastbert.BertForPreTraining.from_pretrained(tmp_path))
+
+
 def test_transformers_model_methods():
     torch.manual_seed(0)
     theirs = tiny_hf("BertForMaskedLM")
