@@ -64,6 +64,17 @@ def test_a_field_longer_than_the_csv_modules_limit_is_read(tmp_path, name):
     assert csv.field_size_limit() == 131072  # the module's limit is restored for other readers
 
 
+def test_a_record_spanning_lines_is_named_by_its_first(tmp_path):
+    """A quoted field may hold newlines: its record was named by its last line, and so was every message about it."""
+    path = tmp_path / "a.csv"
+    path.write_text('sentence,label\n"one\ntwo\nthree",1\nfour,0\n"five\nsix",1,extra\n')
+    with pytest.raises(DataError, match=r"a.csv:6: 3 fields, but the header on line 1 names 2"):
+        read_table(str(path), ["sentence", "label"])
+    path.write_text('sentence,label\n"one\ntwo\nthree",1\nfour,0\n')
+    assert read_table(str(path), ["sentence", "label"]) == [(2, {"sentence": "one\ntwo\nthree", "label": "1"}),
+                                                            (5, {"sentence": "four", "label": "0"})]
+
+
 def test_byte_order_mark_and_bad_bytes(tmp_path):
     path = tmp_path / "mrpc.tsv"
     path.write_bytes("\ufeffQuality\t#1 String\n1\tA caf\u00e9\n".encode("utf-8"))

@@ -82,18 +82,20 @@ def read_table(path: str, columns: list[str], fmt: str | None = None) -> list[tu
         header = None
         # a field of any length, as a JSONL value (the csv module's default limit is 128 KiB)
         limit = csv.field_size_limit(2**31 - 1)
+        end = 0  # the line the previous record ended on: a quoted field may span lines, so a record starts after it
         try:
             for row in reader:
+                start, end = end + 1, reader.line_num
                 if not any(cell.strip() for cell in row):
                     continue
                 if header is None:
                     header = [cell.strip() for cell in row]
-                    header_line = reader.line_num
+                    header_line = start
                     continue
                 if len(row) > len(header):
-                    raise DataError(path, reader.line_num, f"{len(row)} fields, but the header on line "
-                                                           f"{header_line} names {len(header)}")
-                records.append((reader.line_num, dict(zip(header, row))))
+                    raise DataError(path, start, f"{len(row)} fields, but the header on line "
+                                                 f"{header_line} names {len(header)}")
+                records.append((start, dict(zip(header, row))))
         except csv.Error as exc:
             raise DataError(path, reader.line_num, f"malformed {fmt.upper()}: {exc}") from None
         finally:
