@@ -309,14 +309,15 @@ def pad(packed, indices, batch, seqlen):
     return out.view(batch, seqlen, *packed.shape[1:])
 
 
-# Rows of logits materialised at once: bounds the reference's memory at chunk x V floats.
+# Rows of logits materialised at once in eager mode: bounds the reference's memory at chunk x V floats (traced by
+# torch.compile or torch.export, all the rows are one chunk, as the Triton kernel is what a GPU runs there).
 CROSS_ENTROPY_CHUNK_ROWS = 1024
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """Cross entropy of x @ weight.T + bias, in row chunks, with the gradient computed chunk by chunk
     in the forward (the logits' gradient softmax - target is known there), so neither pass holds
-    the [N, V] logits. New-style (setup_context apart), as torch.func.grad needs: the forward, which then
+    the [N, V] logits in eager mode (traced, one chunk of all the rows: CROSS_ENTROPY_CHUNK_ROWS). New-style (setup_context apart), as torch.func.grad needs: the forward, which then
     sees no ctx, is told whether to compute the gradients (needs_grad) and returns them, None where not. No jvp
     (Dynamo refuses a Function that has one): forward-mode AD gets PyTorch's error for a Function without."""
 

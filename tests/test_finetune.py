@@ -317,7 +317,7 @@ def test_a_bert_tokenizer_directory_is_read_as_a_model_directorys(tmp_path, tiny
     tokenizer_dir = tmp_path / "tokenizer"
     tokenizer_dir.mkdir()
     (tokenizer_dir / "vocab.txt").write_text(open_text(tiny_model, "vocab.txt"))
-    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": False}))
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": False, "strip_accents": True}))
     assert tokenizer_for(tiny_model).encode("Great", add_special_tokens=False).tokens == ["great"]
     assert tokenizer_for(tiny_model, str(tokenizer_dir)).encode("Great", add_special_tokens=False).tokens == ["[UNK]"]
     write_sentiment(tmp_path / "train.tsv", 8, seed=3)
@@ -326,6 +326,11 @@ def test_a_bert_tokenizer_directory_is_read_as_a_model_directorys(tmp_path, tiny
             "--no-progress", "--tokenizer", str(tokenizer_dir)]
     assert fastbert.cli.main(argv) == 0
     assert open_text(tmp_path / "out", "vocab.txt") == open_text(tokenizer_dir, "vocab.txt")
+    # its settings come with it (they were --model's): transformers reads the output as the run tokenized
+    assert json.loads(open_text(tmp_path / "out", "tokenizer_config.json"))["strip_accents"] is True
+    transformers = pytest.importorskip("transformers")
+    used = tokenizer_for(tiny_model, str(tokenizer_dir)).encode("Great café", add_special_tokens=False).tokens
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").tokenize("Great café") == used
     (tmp_path / "empty").mkdir()
     assert fastbert.cli.main([*argv[:-1], str(tmp_path / "empty")]) == 2
     assert f"--tokenizer {tmp_path / 'empty'} has no tokenizer.json or vocab.txt" in capsys.readouterr().err

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 import threading
 import time
 
@@ -142,6 +143,21 @@ def test_an_untied_run_saved_before_the_decoder_had_its_bias_resumes_exactly(dat
     assert losses(parts) == losses(whole)
     final = [read_state_dict(os.path.join(run, "checkpoints", "step_00000006", "model")) for run in (whole, parts)]
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+
+
+def test_an_untied_run_from_a_config_file_resumes_from_a_run_json_that_did_not_record_the_tie(data, tmp_path):
+    """An older run.json's fingerprint lacks tie_word_embeddings: taken as True, it refused to resume an untied run
+    whose --model file (not a --model.* flag) untied the head. The checkpoint's model/config.json says what ran."""
+    from fastbert.train.checkpoint import RUN_FILE
+    model_file = tmp_path / "untied.json"
+    model_file.write_text(json.dumps({"model_type": "bert", "vocab_size": 120, **SMALL, "tie_word_embeddings": False}))
+    run = tmp_path / "run"
+    first = pretrain.train(config(data, run, model=str(model_file), stop_at=3))
+    record = json.loads((Path(first["checkpoint"]) / RUN_FILE).read_text())
+    del record["fingerprint"]["model"]["tie_word_embeddings"]  # as fastbert wrote it before recording the field
+    (Path(first["checkpoint"]) / RUN_FILE).write_text(json.dumps(record))
+    checkpoint.write_digests(first["checkpoint"])
+    assert pretrain.train(config(data, run, model=str(model_file)))["step"] == 6
 
 
 def test_a_checkpoint_is_written_while_the_loop_goes_on(data, tmp_path, monkeypatch):

@@ -199,6 +199,8 @@ def finetune(cfg: FinetuneConfig) -> dict:
     config = load_config(model_dir)
     ops.check_backend(cfg.backend or config.backend, device)
     tokenizer = tokenizer_for(model_dir, cfg.tokenizer, cfg.lowercase, config.model_type)
+    # its settings files (tokenizer_config.json, special_tokens_map.json) come with the output from where it was read
+    tokenizer_dir = cfg.tokenizer if cfg.tokenizer and os.path.isdir(cfg.tokenizer) else model_dir
     if tokenizer.get_vocab_size() > config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, more than the model's "
                          f"vocab_size ({config.vocab_size}): they do not belong together")
@@ -228,7 +230,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
 
     def save(directory: str, predictions) -> None:
         model.save_pretrained(directory)
-        save_tokenizer_files(tokenizer, model_dir, directory, config.model_type, task.tokenizer_settings())
+        save_tokenizer_files(tokenizer, tokenizer_dir, directory, config.model_type, task.tokenizer_settings())
         with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=2)
         if predictions is not None:

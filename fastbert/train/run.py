@@ -306,15 +306,14 @@ def _lock(out: str, env: distributed.Dist) -> contextlib.ExitStack:
 def _prepare_directory(cfg: PretrainConfig, model_overrides: dict, out: str, resume: str | None,
                        current: dict, env: distributed.Dist) -> None:
     """Refuse a resume that would not continue its run (fingerprint.check_resume); move aside what belongs
-    to another run line; write config.json."""
+    to another run line."""
     from fastbert.train.fingerprint import check_resume
     if resume:
         checkpoint.verify_digests(resume)  # before anything reads it, or is moved aside for it
     saved = checkpoint.read_run_file(resume) if resume else None
     if saved is not None:
         recorded = saved["fingerprint"]
-        # a field the fingerprint recorded later (tie_word_embeddings): an older run.json has it where its run set it
-        recorded = {**recorded, "model": {**saved.get("model_overrides", {}), **recorded["model"]}}
+        recorded = {**recorded, "model": {**_recorded_later(resume, saved), **recorded["model"]}}
         check_resume(recorded, current, resume, cfg.accept_changes)
     elif resume and env.is_main:
         logger.warning(f"{resume} records no fingerprint of its run (an older fastbert wrote it): resuming unchecked")
@@ -323,6 +322,23 @@ def _prepare_directory(cfg: PretrainConfig, model_overrides: dict, out: str, res
         os.makedirs(out, exist_ok=True)
         checkpoint.remove_incomplete(root)
         checkpoint.set_aside(out, os.path.join(out, METRICS_FILE), resume)
+
+
+def _recorded_later(resume: str, saved: dict) -> dict:
+    """The values an older checkpoint ran with of the model fields its fingerprint did not record yet
+    (fingerprint.RECORDED_LATER: tie_word_embeddings): its model/config.json's (the whole config, whether set by
+    --model's file or a --model.* flag), else its run.json's --model.* overrides (FSDP2 writes model/ last only)."""
+    from fastbert.train.fingerprint import RECORDED_LATER
+    from fastbert.train.state import MODEL_DIR
+    try:
+        with open(os.path.join(resume, MODEL_DIR, "config.json"), encoding="utf-8") as f:
+            values = json.load(f)
+    except (OSError, ValueError):
+        values = {}
+    if not isinstance(values, dict):
+        values = {}
+    return {name: value for name, value in {**saved.get("model_overrides", {}), **values}.items()
+            if name in RECORDED_LATER}
 
 
 def write_run_config(run: Run) -> None:
