@@ -53,9 +53,8 @@ def checkpoint_directory(path: str, flag: str = "--model") -> str:
 def _refuse_run_directory(path: str, flag: str) -> None:
     """ValueError naming the models inside `path` when it is a `fastbert pretrain` run directory (its config.json
     holds the run's options, not a model's): read as a checkpoint, it failed only after the data was tokenised."""
-    from fastbert.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
+    from fastbert.train.checkpoint import CHECKPOINT_DIR, MODEL_DIR, latest_checkpoint
     from fastbert.train.run import METRICS_FILE
-    from fastbert.train.state import MODEL_DIR
 
     checkpoints = os.path.join(path, CHECKPOINT_DIR)
     if not (os.path.isdir(checkpoints) or os.path.isfile(os.path.join(path, METRICS_FILE))):

@@ -29,6 +29,7 @@ from fastbert.files import replaced_file, writing
 
 CHECKPOINT_DIR = "checkpoints"
 RUN_FILE = "run.json"  # what a checkpoint's run was: its options, model and data (state.py writes it)
+MODEL_DIR = "model"  # a checkpoint's weights in HF format (state.py writes it)
 DIGESTS_FILE = "digests.json"  # the sha256 of each of the checkpoint's other files, written after them
 PREVIOUS_DIR = "previous"
 _NAME = re.compile(r"^step_(\d{8,})$")

@@ -329,9 +329,8 @@ def _recorded_later(resume: str, saved: dict) -> dict:
     (fingerprint.RECORDED_LATER: tie_word_embeddings): its model/config.json's (the whole config, whether set by
     --model's file or a --model.* flag), else its run.json's --model.* overrides (FSDP2 writes model/ last only)."""
     from fastbert.train.fingerprint import RECORDED_LATER
-    from fastbert.train.state import MODEL_DIR
     try:
-        with open(os.path.join(resume, MODEL_DIR, "config.json"), encoding="utf-8") as f:
+        with open(os.path.join(resume, checkpoint.MODEL_DIR, "config.json"), encoding="utf-8") as f:
             values = json.load(f)
     except (OSError, ValueError):
         values = {}

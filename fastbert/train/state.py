@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fastbert.data.examples import MLM_NSP
 from fastbert.hf import choose_layer_norm_backward
 from fastbert.train import checkpoint, distributed
-from fastbert.train.checkpoint import RUN_FILE
+from fastbert.train.checkpoint import MODEL_DIR, RUN_FILE
 from fastbert.train.optim import param_group_names
 from fastbert.train.run import Run, checkpoint_objective
 
@@ -39,7 +39,6 @@ from fastbert.train.run import Run, checkpoint_objective
 NSP_ONLY_PREFIXES = ("bert.pooler.", "cls.seq_relationship.")
 
 TRAINER_FILE = "trainer.pt"
-MODEL_DIR = "model"
 SHARDED_DIR = "sharded"
 
 
