@@ -329,15 +329,19 @@ def _recorded_later(resume: str, saved: dict) -> dict:
     (fingerprint.RECORDED_LATER: tie_word_embeddings): its model/config.json's (the whole config, whether set by
     --model's file or a --model.* flag), else its run.json's --model.* overrides (FSDP2 writes model/ last only)."""
     from fastbert.train.fingerprint import RECORDED_LATER
-    try:
-        with open(os.path.join(resume, checkpoint.MODEL_DIR, "config.json"), encoding="utf-8") as f:
-            values = json.load(f)
-    except (OSError, ValueError):
-        values = {}
-    if not isinstance(values, dict):
-        values = {}
+    values = _json_object(os.path.join(resume, checkpoint.MODEL_DIR, "config.json"))
     return {name: value for name, value in {**saved.get("model_overrides", {}), **values}.items()
             if name in RECORDED_LATER}
+
+
+def _json_object(path: str) -> dict:
+    """The JSON object in `path`; {} where there is none (no file, not JSON, not an object)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return values if isinstance(values, dict) else {}
 
 
 def write_run_config(run: Run) -> None:
@@ -351,13 +355,9 @@ def write_run_config(run: Run) -> None:
 def _refuse_model_directory(out: str) -> None:
     """ValueError where --out holds a model (HF config.json, weights) rather than a run: the run's config.json
     would replace the model's."""
-    try:
-        with open(os.path.join(out, RUN_CONFIG_FILE), encoding="utf-8") as f:
-            options = json.load(f)
-    except (OSError, ValueError):
-        options = {}
+    options = _json_object(os.path.join(out, RUN_CONFIG_FILE))
     weights = [name for name in os.listdir(out) if name.endswith((".safetensors", ".bin"))]
-    if weights or isinstance(options, dict) and options and "model_overrides" not in options:
+    if weights or options and "model_overrides" not in options:
         raise ValueError(f"--out {out} holds a model ({', '.join(weights) or RUN_CONFIG_FILE}), not a pretraining "
                          f"run: the run would write its own {RUN_CONFIG_FILE} there; choose another --out")
 
