@@ -21,7 +21,7 @@ from fastbert.family_config import (MPNET_BUCKETS, MPNET_MAX_DISTANCE, Camembert
 from fastbert.modeling import (AttentionLayout, BertEncoder, BertForMaskedLM, BertLayer, BertModel,
                                BertPreTrainedModel, EncoderLayer, SelfAttention, VocabularyHead, _recompute,
                                add_and_norm, fused_feed_forward, fused_feed_forward_sublayer, gelu_dense_norm,
-                               is_unhooked, linear, one_node_sublayers, run_dropout, Submodule)
+                               check_layout, is_unhooked, linear, one_node_sublayers, run_dropout, Submodule)
 
 
 # RoBERTa, XLM-RoBERTa, CamemBERT: BERT's modules and names; positions from the padding index (config) -----
@@ -393,6 +393,7 @@ class MPNetEncoder(BertEncoder):
         self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_attention_heads)
 
     def forward(self, hidden, layout: AttentionLayout, output_hidden_states=False, output_attentions=False):
+        check_layout(self, layout)  # before the layout is copied
         weight = self.relative_attention_bias.weight
         buckets = ops.relative_position_buckets(MPNET_BUCKETS, MPNET_MAX_DISTANCE, device=weight.device)
         layout = dataclasses.replace(layout, relative_bias=weight, relative_buckets=buckets)

@@ -589,6 +589,7 @@ def run_layers(owner: nn.Module, layers, hidden, layout: AttentionLayout, output
     output_hidden_states is a flag or transformers' index / indices: unselected hidden states come back as
     None. `owner` holds the checkpointing switches (gradient_checkpointing, _gradient_checkpointing_func)
     and the config (BertEncoder, or a model whose layers are its own ModuleList: ModernBERT)."""
+    check_layout(owner, layout)
     kept = selected_hidden_states(output_hidden_states, len(layers) + 1) if output_hidden_states else None
     all_hidden = [hidden if kept is None or 0 in kept else None] if output_hidden_states else None
     all_probs = [] if output_attentions else None
@@ -615,6 +616,17 @@ def run_layers(owner: nn.Module, layers, hidden, layout: AttentionLayout, output
         if output_attentions:
             all_probs.append(probs)
     return hidden, all_hidden, all_probs
+
+
+def check_layout(encoder: nn.Module, layout) -> None:
+    """TypeError unless `layout` is fastbert's AttentionLayout: code written for transformers' encoder calls it
+    as encoder(hidden_states, attention_mask), which would fail deep in a layer (fastbert.apply puts fastbert's
+    encoder in a transformers model)."""
+    if not isinstance(layout, AttentionLayout):
+        raise TypeError(f"{type(encoder).__name__}.forward(hidden, layout, ...) takes fastbert's AttentionLayout as "
+                        f"its second argument, got {type(layout).__name__}: fastbert's encoder (also in a "
+                        "transformers model after fastbert.apply) is not called as transformers' "
+                        "encoder(hidden_states, attention_mask); call the model with its attention_mask instead")
 
 
 def selected_hidden_states(output_hidden_states, count: int) -> set[int] | None:

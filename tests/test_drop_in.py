@@ -525,3 +525,24 @@ def test_self_attention_has_transformers_attributes():
         for name in ("num_attention_heads", "attention_head_size", "all_head_size", "scaling"):
             assert getattr(ours.encoder.layer[0].attention.self, name) == getattr(
                 theirs.encoder.layer[0].attention.self, name), name
+
+
+@pytest.mark.parametrize("arch", ["bert", "mpnet", "distilbert", "modernbert"])
+def test_the_encoder_called_as_transformers_names_the_layout_it_takes(arch):
+    """Code written for transformers calls the encoder as encoder(hidden_states, attention_mask): after apply it
+    meets fastbert's encoder, which says what it takes rather than failing in a layer (AttributeError before)."""
+    from family_models import hf_model
+
+    if arch == "bert":
+        model = tiny_hf()
+    elif arch == "modernbert":
+        model = transformers.ModernBertModel(transformers.ModernBertConfig(
+            vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)).eval()
+    else:
+        model = hf_model(arch)
+    fastbert.apply(model)
+    encoder = {"distilbert": "transformer", "modernbert": "layers"}.get(arch, "encoder")
+    with pytest.raises(TypeError, match=r"takes fastbert's AttentionLayout as its second argument, got Tensor"):
+        getattr(model, encoder)(torch.randn(2, 5, 32), torch.zeros(2, 1, 1, 5))
+    assert model(input_ids=torch.randint(0, 60, (2, 5))).last_hidden_state.shape == (2, 5, 32)
