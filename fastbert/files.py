@@ -71,7 +71,6 @@ def output_lock(path: str, wait: bool = False) -> Iterator[None]:
 
     lock_file = lock_path(path)
     os.makedirs(os.path.dirname(lock_file), exist_ok=True)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # the caller writes beside `path`
     lock = filelock.FileLock(lock_file, mode=file_mode())
     try:
         lock.acquire(timeout=0)
@@ -82,6 +81,9 @@ def output_lock(path: str, wait: bool = False) -> Iterator[None]:
         logger.info(f"waiting for another fastbert process writing {path} (it holds {lock_file})")
         lock.acquire()
     try:
+        # the caller writes beside `path`: made under the lock, as the holder waited for may have removed it (a
+        # prepare-data run that created its --out removes it when its input proves bad)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         remove_leftovers(path)
         yield
     finally:

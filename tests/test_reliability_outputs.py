@@ -513,6 +513,65 @@ def test_interrupted_prepare_data_resumes_and_keeps_the_previous_dataset(tmp_pat
     assert prepare_files(tmp_path / "a") == prepare_files(tmp_path / "whole")
 
 
+def test_a_run_waiting_for_the_lock_survives_the_holder_removing_the_out_it_created(tmp_path, corpus, caplog):
+    """A prepare-data run that created --out removes it when its input proves bad; a second run waiting for its
+    lock meanwhile then found no --out (FileNotFoundError once it got the lock). It makes --out again."""
+    import logging
+    import threading
+
+    out, waiting, results = tmp_path / "a", threading.Event(), []
+
+    class Waiting(logging.Handler):
+        def emit(self, record):
+            if "waiting for another fastbert process" in record.getMessage():
+                waiting.set()
+
+    def second_run():
+        try:
+            results.append(prepare(corpus, out))
+        except Exception as error:  # the assertion below names it
+            results.append(error)
+
+    handler = Waiting()
+    logging.getLogger("fastbert").addHandler(handler)
+    try:
+        with caplog.at_level("INFO", logger="fastbert"), output_lock(str(out / "prepare")):  # the first run, which created --out
+            thread = threading.Thread(target=second_run)
+            thread.start()
+            assert waiting.wait(timeout=60)
+            shutil.rmtree(out)  # its input proved bad
+        thread.join(timeout=300)
+    finally:
+        logging.getLogger("fastbert").removeHandler(handler)
+    assert len(results) == 1 and not isinstance(results[0], Exception), results
+    prepare(corpus, tmp_path / "alone")
+    assert prepare_files(out) == prepare_files(tmp_path / "alone")
+
+
+def test_a_failed_run_removes_the_out_it_created_while_it_holds_the_lock(tmp_path, monkeypatch):
+    """Removed after the lock was released, the --out would go from under a run that took the lock in between."""
+    import filelock
+
+    from fastbert.files import lock_path
+
+    out, held = tmp_path / "a", []
+
+    def rmtree(path, ignore_errors=False):
+        if os.path.abspath(path) == str(out):
+            try:
+                filelock.FileLock(lock_path(str(out / "prepare"))).acquire(timeout=0).lock.release()
+                held.append(False)
+            except filelock.Timeout:
+                held.append(True)
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    real_rmtree = shutil.rmtree
+    monkeypatch.setattr(prepare_module.shutil, "rmtree", rmtree)
+    with pytest.raises(ValueError, match="needs at least 2"):
+        prepare(write_corpus(tmp_path / "one.txt", documents=1), out)
+    assert held == [True] and not out.exists()
+
+
 def test_a_damaged_dataset_index_is_a_message(tmp_path, corpus):
     prepare(corpus, tmp_path / "a")
     (tmp_path / "a" / "seq24" / "index.json").write_text('{"format_version": 1, "max_seq')

@@ -263,14 +263,14 @@ def prepare_dataset(corpus: list[str], out: str, **options) -> dict[int, str]:
     check_output_directory(out)
     plan = plan_chunks(options.corpus, options.chunk_bytes)
     created = not os.path.exists(out)
-    os.makedirs(out, exist_ok=True)
-    try:
-        with output_lock(os.path.join(out, "prepare"), wait=True):
+    with output_lock(os.path.join(out, "prepare"), wait=True):
+        try:
             return _build(options, plan)
-    except ValueError:  # bad input found while building (a corpus of one document, a tokenizer file that is not)
-        if created:  # what this call began there (the tokenizer it trained) goes with it
-            shutil.rmtree(out, ignore_errors=True)
-        raise
+        except ValueError:  # bad input found while building (a corpus of one document, a tokenizer file that is not)
+            if created:  # what this call began there (the tokenizer it trained) goes with it, under the lock: a
+                # run that waited for it must not lose what it then writes there
+                shutil.rmtree(out, ignore_errors=True)
+            raise
 
 
 def _build(options: PrepareOptions, plan: list[list[Segment]]) -> dict[int, str]:
