@@ -463,7 +463,9 @@ def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, reduction="
 
     x [N, H]; weight [V, H]; bias [V] or None; target int [N] in [0, V) or ignore_index.
     Returns (loss fp32 scalar, num_correct int64 scalar). "mean" divides by the labelled rows;
-    no labelled row gives loss 0 and zero gradients.
+    no labelled row gives loss 0 and zero gradients. Target values are not checked here (a device check per call
+    would cost more host time than the op; the models' heads check their labels): one outside [0, V) that is not
+    ignore_index gives the Triton path a NaN loss and NaN gradients, the reference PyTorch's index error.
     """
     # the differentiable inputs, as fastbert.paths reads them; not target, which inputs_pass (or check_inputs) holds
     # to x's device where the kernels run
