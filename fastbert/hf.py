@@ -70,7 +70,7 @@ def small_weight_layer_norms(model: torch.nn.Module) -> dict[str, int]:
     # and whatever wraps it (PEFT's LN tuning holds the norm it tunes)
     for name, module in model.named_modules():
         weight = module.weight if isinstance(module, torch.nn.LayerNorm) else None
-        if weight is not None:
+        if weight is not None and not weight.is_meta:  # a model built on the meta device: no weights yet
             whole = weight.full_tensor() if hasattr(weight, "full_tensor") else weight  # an FSDP2 shard
             counts[name] = int((whole.detach().abs() < kernel.MIN_WEIGHT).sum())
     return {name: count for name, count in counts.items() if count > kernel.SIDE_COLUMNS}

@@ -304,10 +304,30 @@ def _accelerate(bert: nn.Module, fast_class: type, config_overrides: dict) -> No
     for name, buffer in bert.embeddings.named_buffers(recurse=False):
         persistent = name not in bert.embeddings._non_persistent_buffers_set
         fast.embeddings.register_buffer(name, buffer, persistent=persistent)
+    # fastbert's modules -> transformers' at their paths, which they replace (a leaf taken is the same module)
+    counterparts = {module: theirs for name, module in fast.named_modules()
+                    if module is not fast and (theirs := _submodule(bert, name)) not in (None, module)}
+    bert._init_weights = functools.partial(_init_weights, bert, counterparts)  # a partial: deepcopy maps its modules
     for name, child in fast.named_children():  # embeddings, encoder / transformer, pooler: fastbert's modules
         setattr(bert, name, child)
     vars(bert)[ACCELERATED] = fast  # not a registered child: its modules already are bert's
     _replace_forward(bert, _forward, fast, bert)
+
+
+def _init_weights(bert: nn.Module, counterparts: dict, module: nn.Module) -> None:
+    """bert's _init_weights (transformers' init_weights after a model built on the meta device is materialised),
+    which sets some weights and buffers by the class of the module holding them (BERT's embeddings' position_ids,
+    DistilBERT's sinusoidal positions, ModernBERT's scaled projections): fastbert's module at a path where apply
+    replaced transformers' (`counterparts`) also gets the init of transformers' module, given its children,
+    parameters and buffers (the very leaves, shared) for the call."""
+    type(bert)._init_weights(bert, module)
+    theirs = counterparts.get(module)
+    if theirs is None:
+        return
+    for registry in ("_modules", "_parameters", "_buffers"):
+        ours, stale = getattr(module, registry), getattr(theirs, registry)
+        stale.update({key: ours[key] for key in stale if key in ours})
+    type(bert)._init_weights(bert, theirs)
 
 
 def _follow_replaced_child(fast: nn.Module, bert: nn.Module, name: str) -> None:

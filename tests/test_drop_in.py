@@ -546,3 +546,51 @@ def test_the_encoder_called_as_transformers_names_the_layout_it_takes(arch):
     with pytest.raises(TypeError, match=r"takes fastbert's AttentionLayout as its second argument, got Tensor"):
         getattr(model, encoder)(torch.randn(2, 5, 32), torch.zeros(2, 1, 1, 5))
     assert model(input_ids=torch.randint(0, 60, (2, 5))).last_hidden_state.shape == (2, 5, 32)
+
+
+def _meta_built(model_class, config, accelerate: bool) -> torch.nn.Module:
+    """The model built on the meta device, applied or not, materialised and initialised by transformers'
+    init_weights from one seed (how a large model is built before its weights are loaded or trained)."""
+    with torch.device("meta"):
+        model = model_class(config)
+    if accelerate:
+        fastbert.apply(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    return model
+
+
+@pytest.mark.parametrize("name", ["BertForMaskedLM", "DistilBertForSequenceClassification", "MPNetModel",
+                                  "ElectraModel", "ModernBertForMaskedLM"])
+def test_apply_on_a_meta_model_then_init_weights_gives_transformers_weights(name):
+    """apply read the LayerNorm weights of a model built on the meta device (RuntimeError: Tensor.item() on meta
+    tensors). After it, init_weights set what transformers' _init_weights sets by module class on transformers'
+    modules only: BERT's position_ids and token_type_ids buffers stayed uninitialised memory, DistilBERT's
+    sinusoidal positions were random, ModernBERT's projections had the generic std. Now every weight and buffer
+    is bitwise transformers' own."""
+    from family_models import hf_config
+
+    if name.startswith("Bert"):
+        config = transformers.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                         intermediate_size=64)
+    elif name.startswith("ModernBert"):
+        config = transformers.ModernBertConfig(vocab_size=120, hidden_size=32, intermediate_size=48,
+                                               num_hidden_layers=2, num_attention_heads=2, pad_token_id=0,
+                                               bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    elif name.startswith("DistilBert"):
+        config = hf_config("distilbert", sinusoidal_pos_embds=True)
+    else:
+        config = hf_config(name.removesuffix("Model").lower())
+    model_class = getattr(transformers, name)
+    theirs, ours = (_meta_built(model_class, config, accelerate) for accelerate in (False, True))
+    expected = {**dict(theirs.named_parameters()), **dict(theirs.named_buffers())}
+    got = {**dict(ours.named_parameters()), **dict(ours.named_buffers())}
+    assert got.keys() == expected.keys()
+    assert [key for key in expected if not torch.equal(got[key], expected[key])] == []
+    # a deep copy initialises its own modules (the init keeps its model as a partial's argument, which deepcopy maps)
+    copy_of_ours = copy.deepcopy(ours)
+    torch.manual_seed(0)
+    copy_of_ours.init_weights()
+    for (key, value), original in zip(copy_of_ours.state_dict().items(), ours.state_dict().values()):
+        assert torch.equal(value, original) and value.data_ptr() != original.data_ptr(), key
