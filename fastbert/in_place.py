@@ -288,7 +288,10 @@ def _output_class(head: nn.Module) -> type:
 
 
 def _accelerate(bert: nn.Module, fast_class: type, config_overrides: dict) -> None:
-    config = architectures.config_from_dict(bert.config.to_dict(), **config_overrides)
+    # the base model's config: without the head's problem_type, which transformers checks against num_labels when
+    # a config is built but not when a user sets either later (a model it then runs, which a rebuilt config refused)
+    values = {key: value for key, value in bert.config.to_dict().items() if key != "problem_type"}
+    config = architectures.config_from_dict(values, **config_overrides)
     with torch.device("meta"):
         fast = fast_class(config, **pooler_argument(fast_class, bert))
     fast.train(bert.training)  # before taking transformers' leaves, which keep their own modes

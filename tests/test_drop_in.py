@@ -594,3 +594,20 @@ def test_apply_on_a_meta_model_then_init_weights_gives_transformers_weights(name
     copy_of_ours.init_weights()
     for (key, value), original in zip(copy_of_ours.state_dict().items(), ours.state_dict().values()):
         assert torch.equal(value, original) and value.data_ptr() != original.data_ptr(), key
+
+
+def test_apply_takes_a_config_transformers_runs_though_its_constructor_refuses_it():
+    """transformers checks problem_type against num_labels when a config is built, not when a user sets them later
+    (its test_problem_types does): apply rebuilt the config for fastbert's base model and refused it."""
+    config = transformers.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64)
+    config.problem_type, config.num_labels = "single_label_classification", 1
+    torch.manual_seed(0)
+    theirs = transformers.BertForSequenceClassification(config).eval()
+    ours = fastbert.apply(copy.deepcopy(theirs))
+    ids = torch.randint(0, 120, (2, 7), generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 0])
+    expected, got = (model(input_ids=ids, labels=labels) for model in (theirs, ours))
+    torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.loss, expected.loss)
+    assert ours.config.problem_type == "single_label_classification"
