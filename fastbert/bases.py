@@ -132,7 +132,8 @@ class StandInModel(nn.Module):
     def gradient_checkpointing_disable(self) -> None:
         self._set_gradient_checkpointing(False, None)
 
-    def _set_gradient_checkpointing(self, enable: bool, function) -> None:
+    def _set_gradient_checkpointing(self, enable: bool, function, every_n_layers: int = 1) -> None:
+        """transformers' without its layer count: every_n_layers is fastbert's models' to read."""
         for module in self.modules():
             if hasattr(module, "gradient_checkpointing"):
                 module.gradient_checkpointing = enable

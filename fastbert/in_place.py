@@ -29,6 +29,7 @@ import logging
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from fastbert import architectures
 from fastbert.hf import choose_layer_norm_backward, pooler_argument
@@ -83,6 +84,9 @@ def apply(model: nn.Module, **config_overrides) -> nn.Module:
             _accelerate(base, fast_class, config_overrides)
         elif config_overrides:
             _set_switches(vars(base)[ACCELERATED].config, config_overrides)
+    for module in model.modules() if found else ():  # what activation_checkpointing_enable calls, wherever called
+        if _holds_accelerated(module) and "_set_gradient_checkpointing" not in vars(module):
+            module._set_gradient_checkpointing = functools.partial(_set_gradient_checkpointing, module)
     if not found and config_overrides:  # fastbert's own models
         for config in {id(m.config): m.config for m in model.modules() if isinstance(m, BertPreTrainedModel)}.values():
             _set_switches(config, config_overrides)
@@ -90,6 +94,26 @@ def apply(model: nn.Module, **config_overrides) -> nn.Module:
         if _is_transformers_mlm_head(head) and ACCELERATED_HEAD not in vars(head):
             _accelerate_mlm_head(head)
     return model
+
+
+def _holds_accelerated(module: nn.Module) -> bool:
+    """Whether `module` is a transformers model (not fastbert's own) holding a base model apply accelerated."""
+    from transformers import PreTrainedModel
+
+    from fastbert.modeling import BertPreTrainedModel
+
+    return (isinstance(module, PreTrainedModel) and not isinstance(module, BertPreTrainedModel)
+            and any(ACCELERATED in vars(m) for m in module.modules()))
+
+
+def _set_gradient_checkpointing(model: nn.Module, enable: bool = True, gradient_checkpointing_func=checkpoint,
+                                every_n_layers: int = 1) -> None:
+    """transformers' _set_gradient_checkpointing of `model`, then its every_n_layers for the fastbert encoders
+    apply put there, whose layers transformers does not count (modeling.checkpoint_every_n_layers)."""
+    from fastbert.modeling import checkpoint_every_n_layers
+
+    type(model)._set_gradient_checkpointing(model, enable, gradient_checkpointing_func, every_n_layers)
+    checkpoint_every_n_layers(model, every_n_layers)
 
 
 def _set_switches(config, overrides: dict) -> None:

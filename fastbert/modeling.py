@@ -575,9 +575,11 @@ class BertEncoder(nn.Module):
         self.layer = nn.ModuleList(self.layer_class(config) for _ in range(config.num_hidden_layers))
         # "full" activation checkpointing, whatever config.activation_checkpointing says, when set by
         # gradient_checkpointing_enable (transformers' or fastbert.bases'), with the checkpoint
-        # function it was given; non-reentrant torch.utils.checkpoint when none was
+        # function it was given; non-reentrant torch.utils.checkpoint when none was; of every
+        # checkpointed_every-th layer (checkpoint_every_n_layers)
         self.gradient_checkpointing = False
         self._gradient_checkpointing_func = None
+        self.checkpointed_every = 1
 
     def forward(self, hidden, layout: AttentionLayout, output_hidden_states=False, output_attentions=False):
         return run_layers(self, self.layer, hidden, layout, output_hidden_states, output_attentions)
@@ -597,13 +599,15 @@ def run_layers(owner: nn.Module, layers, hidden, layout: AttentionLayout, output
     checkpointing = "full" if owner.gradient_checkpointing else owner.config.activation_checkpointing
     if not (owner.training and torch.is_grad_enabled()):
         checkpointing = "none"  # no backward: nothing to keep
-    for layer in layers:
+    every = owner.checkpointed_every
+    for index, layer in enumerate(layers):
         try:
-            if checkpointing == "full":
+            if checkpointing == "full" and index % every == 0:
                 # Layer inputs are kept, activations recomputed in the backward (see _recompute on dropout).
                 hidden, probs = recompute(layer, hidden, layout, output_attentions)
             else:
-                hidden, probs = layer(hidden, layout, output_attentions, checkpointing)
+                hidden, probs = layer(hidden, layout, output_attentions, "none" if checkpointing == "full" else
+                                      checkpointing)
         except TypeError as exc:  # a layer that takes other arguments (transformers' BertLayer put in the list)
             if any(isinstance(module, EncoderLayer) for module in layer.modules()):
                 raise  # raised inside fastbert's layer, or a wrapper of one (torch.compile's, a checkpoint wrapper)
@@ -616,6 +620,17 @@ def run_layers(owner: nn.Module, layers, hidden, layout: AttentionLayout, output
         if output_attentions:
             all_probs.append(probs)
     return hidden, all_hidden, all_probs
+
+
+def checkpoint_every_n_layers(model: nn.Module, every_n_layers: int) -> None:
+    """transformers' activation_checkpointing_enable(every_n_layers=n) for fastbert's encoders in `model`: their
+    1st, (n+1)-th, ... layers are checkpointed. transformers counts only its own layer class (GradientCheckpointingLayer)
+    and sets each fastbert encoder's one flag, which alone checkpoints every layer."""
+    if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
+        raise ValueError(f"every_n_layers must be an int >= 1, got {every_n_layers!r}")
+    for module in model.modules():
+        if hasattr(module, "checkpointed_every"):
+            module.checkpointed_every = every_n_layers
 
 
 def check_layout(encoder: nn.Module, layout) -> None:
@@ -680,6 +695,12 @@ class BertPreTrainedModel(ModelBase):
             nn.init.zeros_(module.bias)
         elif isinstance(module, BertLMPredictionHead):
             nn.init.zeros_(module.bias)
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=checkpoint,
+                                    every_n_layers: int = 1) -> None:
+        """transformers' (or the stand-in's), then its every_n_layers for the encoders (checkpoint_every_n_layers)."""
+        super()._set_gradient_checkpointing(enable, gradient_checkpointing_func, every_n_layers)
+        checkpoint_every_n_layers(self, every_n_layers)
 
     def _bert(self) -> "BertModel":
         """The encoder model: self, or the head model's child named base_model_prefix."""

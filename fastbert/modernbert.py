@@ -156,6 +156,7 @@ class ModernBertLayers(nn.ModuleList):
         self.config = config
         self.gradient_checkpointing = False
         self._gradient_checkpointing_func = None
+        self.checkpointed_every = 1  # BertEncoder's
 
     def forward(self, hidden, layout: AttentionLayout, output_hidden_states=False, output_attentions=False):
         return run_layers(self, self, hidden, layout, output_hidden_states, output_attentions)

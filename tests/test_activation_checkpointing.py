@@ -2,12 +2,14 @@
 --activation-checkpointing`): each option's gradients are bitwise those of "none" (dropout included: the
 recomputation draws the same seeds), each keeps for the backward what its formula says, each costs the
 forward FLOPs fastbert.train.metrics.recompute_flops_per_token states, and a resume may change it."""
+import copy
 import os
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+import fastbert
 from fastbert import BertConfig, BertModel
 from fastbert.config import ACTIVATION_CHECKPOINTING
 from fastbert.hf import read_state_dict
@@ -176,3 +178,54 @@ def test_a_resume_may_change_the_option_and_stays_exact(data, tmp_path):  # noqa
                                 for out in (whole, parts))
     assert final_whole.keys() == final_parts.keys()
     assert all(torch.equal(final_whole[k], final_parts[k]) for k in final_whole)
+
+
+def _counted_recomputes(model) -> list:
+    """Wrap each encoder's checkpoint function to count the layers it recomputes."""
+    calls = []
+    for module in model.modules():
+        function = getattr(module, "_gradient_checkpointing_func", None)
+        if function is not None:
+            module._gradient_checkpointing_func = lambda *args, f=function, **kwargs: (calls.append(1),
+                                                                                       f(*args, **kwargs))[1]
+    return calls
+
+
+@pytest.mark.parametrize("applied", [False, True])
+def test_every_n_layers_checkpoints_the_layers_transformers_does(applied):
+    """transformers' activation_checkpointing_enable(every_n_layers=n) checkpoints the 1st, (n+1)-th, ... layers;
+    fastbert's encoders (its own models' and those apply puts in transformers') checkpointed every layer, since
+    transformers counts only its own layer class. Gradients stay those of the model without checkpointing."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                                     intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    theirs = transformers.BertForSequenceClassification(config).train()
+    ours = fastbert.apply(copy.deepcopy(theirs)) if applied else fastbert.from_hf(theirs).train()
+    ids, labels = torch.randint(0, 99, (2, 7), generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1])
+
+    def gradients(model):
+        model.zero_grad()
+        model(input_ids=ids, labels=labels).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    expected = gradients(ours)
+    for model in (theirs, ours):
+        model.activation_checkpointing_enable(every_n_layers=2)
+    counts = []
+    for model in (theirs, ours):
+        calls = _counted_recomputes(model)
+        got = gradients(model)
+        counts.append(len(calls))
+    assert counts == [2, 2]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    ours.activation_checkpointing_disable()
+    calls = _counted_recomputes(ours)
+    gradients(ours)
+    assert calls == []
+    ours.activation_checkpointing_enable()
+    calls = _counted_recomputes(ours)
+    gradients(ours)
+    assert len(calls) == 4
+    with pytest.raises(ValueError, match="every_n_layers must be an int >= 1, got 0"):
+        ours.activation_checkpointing_enable(every_n_layers=0)
