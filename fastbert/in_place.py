@@ -108,12 +108,12 @@ def _holds_accelerated(module: nn.Module) -> bool:
 
 def _set_gradient_checkpointing(model: nn.Module, enable: bool = True, gradient_checkpointing_func=checkpoint,
                                 every_n_layers: int = 1) -> None:
-    """transformers' _set_gradient_checkpointing of `model`, then its every_n_layers for the fastbert encoders
-    apply put there, whose layers transformers does not count (modeling.checkpoint_every_n_layers)."""
-    from fastbert.modeling import checkpoint_every_n_layers
+    """transformers' _set_gradient_checkpointing of `model`, and its every_n_layers for the fastbert encoders apply
+    put there, whose layers transformers does not count (modeling.set_gradient_checkpointing)."""
+    from fastbert.modeling import set_gradient_checkpointing
 
-    type(model)._set_gradient_checkpointing(model, enable, gradient_checkpointing_func, every_n_layers)
-    checkpoint_every_n_layers(model, every_n_layers)
+    set_gradient_checkpointing(model, functools.partial(type(model)._set_gradient_checkpointing, model), enable,
+                               gradient_checkpointing_func, every_n_layers)
 
 
 def _set_switches(config, overrides: dict) -> None:

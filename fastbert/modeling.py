@@ -576,7 +576,7 @@ class BertEncoder(nn.Module):
         # "full" activation checkpointing, whatever config.activation_checkpointing says, when set by
         # gradient_checkpointing_enable (transformers' or fastbert.bases'), with the checkpoint
         # function it was given; non-reentrant torch.utils.checkpoint when none was; of every
-        # checkpointed_every-th layer (checkpoint_every_n_layers)
+        # checkpointed_every-th layer (set_gradient_checkpointing)
         self.gradient_checkpointing = False
         self._gradient_checkpointing_func = None
         self.checkpointed_every = 1
@@ -622,12 +622,15 @@ def run_layers(owner: nn.Module, layers, hidden, layout: AttentionLayout, output
     return hidden, all_hidden, all_probs
 
 
-def checkpoint_every_n_layers(model: nn.Module, every_n_layers: int) -> None:
-    """transformers' activation_checkpointing_enable(every_n_layers=n) for fastbert's encoders in `model`: their
-    1st, (n+1)-th, ... layers are checkpointed. transformers counts only its own layer class (GradientCheckpointingLayer)
-    and sets each fastbert encoder's one flag, which alone checkpoints every layer."""
+def set_gradient_checkpointing(model: nn.Module, transformers_setter, enable: bool, function,
+                               every_n_layers: int) -> None:
+    """`model`'s _set_gradient_checkpointing: transformers' (`transformers_setter`, or the stand-in's), then its
+    every_n_layers for fastbert's encoders in `model`, whose 1st, (n+1)-th, ... layers are checkpointed:
+    transformers counts only its own layer class (GradientCheckpointingLayer) and sets each fastbert encoder's one
+    flag, which alone checkpoints every layer. A bad every_n_layers is a ValueError before anything is set."""
     if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
         raise ValueError(f"every_n_layers must be an int >= 1, got {every_n_layers!r}")
+    transformers_setter(enable, function, every_n_layers)
     for module in model.modules():
         if hasattr(module, "checkpointed_every"):
             module.checkpointed_every = every_n_layers
@@ -698,9 +701,8 @@ class BertPreTrainedModel(ModelBase):
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=checkpoint,
                                     every_n_layers: int = 1) -> None:
-        """transformers' (or the stand-in's), then its every_n_layers for the encoders (checkpoint_every_n_layers)."""
-        super()._set_gradient_checkpointing(enable, gradient_checkpointing_func, every_n_layers)
-        checkpoint_every_n_layers(self, every_n_layers)
+        set_gradient_checkpointing(self, super()._set_gradient_checkpointing, enable, gradient_checkpointing_func,
+                                   every_n_layers)
 
     def _bert(self) -> "BertModel":
         """The encoder model: self, or the head model's child named base_model_prefix."""

@@ -227,5 +227,7 @@ def test_every_n_layers_checkpoints_the_layers_transformers_does(applied):
     calls = _counted_recomputes(ours)
     gradients(ours)
     assert len(calls) == 4
+    ours.activation_checkpointing_disable()
     with pytest.raises(ValueError, match="every_n_layers must be an int >= 1, got 0"):
         ours.activation_checkpointing_enable(every_n_layers=0)
+    assert not ours.is_gradient_checkpointing  # nothing was set
