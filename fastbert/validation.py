@@ -167,8 +167,10 @@ def packed_arguments(kwargs: dict) -> dict:
                 packed.setdefault(target, value)
         elif name in UNSET_HF_ARGUMENTS:
             if value is not None:
+                prefix = (" (PEFT's prefix tuning, P-Tuning v2, passes its learned prefix keys and values this way: "
+                          "run such a model without fastbert)" if name in ("past_key_values", "cache") else "")
                 raise ValueError(f"{name} is not supported: fastbert implements BERT's encoder (no decoder, "
-                                 "cross-attention or cache); pass None")
+                                 f"cross-attention or cache){prefix}; pass None")
         elif name == "is_causal":
             if value:
                 raise ValueError("is_causal=True is not supported: BERT's attention is bidirectional")

@@ -171,3 +171,19 @@ def test_plain_linear_check():
     assert not is_plain_linear(linear)  # a global hook must see every Linear's call too
     handle.remove()
     assert is_plain_linear(linear) and not is_plain_linear(type("Sub", (nn.Linear,), {})(4, 4))
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def test_prefix_tuning_is_refused_after_apply_with_a_message_naming_it():
+    """PEFT's prefix tuning hands transformers' BERT its learned prefix keys and values as past_key_values, which
+    fastbert does not implement: the forward says so (it said only "no decoder, cross-attention or cache"), and
+    the same PEFT model runs on transformers' own forward."""
+    config = peft.PrefixTuningConfig(task_type="FEATURE_EXTRACTION", num_virtual_tokens=4)
+    inputs = {key: value for key, value in batch().items() if key != "labels"}
+    torch.manual_seed(0)
+    plain = peft.get_peft_model(transformers.BertModel(hf_config()).eval(), config)
+    assert plain(**inputs).last_hidden_state.shape == (3, 9, 32)
+    torch.manual_seed(0)
+    applied = peft.get_peft_model(fastbert.apply(transformers.BertModel(hf_config()).eval()), config)
+    with pytest.raises(ValueError, match=r"past_key_values is not supported: .*PEFT's prefix tuning"):
+        applied(**inputs)
