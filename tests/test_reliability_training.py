@@ -305,6 +305,8 @@ def test_a_second_ctrl_c_stops_at_once_with_a_message_not_a_traceback(data, tmp_
         return step(*args, **kwargs)
 
     monkeypatch.setattr(pretrain, "train_step", interrupted_twice_in_step_4)
+    # restored afterwards: Python's default_int_handler, or SIG_IGN in a process started in the background
+    handler = signal.getsignal(signal.SIGINT)
     try:
         assert pretrain.main(cli(data, tmp_path, "--save-every", "2")) == 130
     except KeyboardInterrupt:  # which would stop pytest itself
@@ -312,7 +314,7 @@ def test_a_second_ctrl_c_stops_at_once_with_a_message_not_a_traceback(data, tmp_
     previous = tmp_path / "checkpoints" / "step_00000002"
     assert capsys.readouterr().err.endswith("error: interrupted by a second Ctrl-C: stopped at once, without a "
                                             f"checkpoint; the same command resumes from {previous}\n")
-    assert checkpoint_steps(tmp_path) == [2] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert checkpoint_steps(tmp_path) == [2] and signal.getsignal(signal.SIGINT) is handler
 
 
 def test_a_truncated_last_metrics_line_is_dropped_with_a_warning(data, resumable, caplog):
