@@ -64,9 +64,10 @@ def lock_path(path: str) -> str:
 
 
 @contextlib.contextmanager
-def output_lock(path: str, wait: bool = False) -> Iterator[None]:
-    """Hold `path`'s lock (lock_path) for the block. wait=False: another holder is an error (OSError)
-    saying so; wait=True: wait for it (logged), as for a shared cache that the other process is filling."""
+def output_lock(path: str, wait: bool = False) -> Iterator[bool]:
+    """Hold `path`'s lock (lock_path) for the block, which gets whether the folder of `path` was made for it (it
+    did not exist once the lock was held). wait=False: another holder is an error (OSError) saying so; wait=True:
+    wait for it (logged), as for a shared cache that the other process is filling."""
     import filelock
 
     lock_file = lock_path(path)
@@ -83,9 +84,11 @@ def output_lock(path: str, wait: bool = False) -> Iterator[None]:
     try:
         # the caller writes beside `path`: made under the lock, as the holder waited for may have removed it (a
         # prepare-data run that created its --out removes it when its input proves bad)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        folder = os.path.dirname(os.path.abspath(path))
+        made = not os.path.isdir(folder)
+        os.makedirs(folder, exist_ok=True)
         remove_leftovers(path)
-        yield
+        yield made
     finally:
         lock.release()
 

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -546,6 +547,27 @@ def test_a_run_waiting_for_the_lock_survives_the_holder_removing_the_out_it_crea
     assert len(results) == 1 and not isinstance(results[0], Exception), results
     prepare(corpus, tmp_path / "alone")
     assert prepare_files(out) == prepare_files(tmp_path / "alone")
+
+
+def test_a_failed_run_removes_only_an_out_it_made_under_the_lock(tmp_path, caplog):
+    """A run that found no --out before waiting for the lock took itself for its maker: when another run made and
+    filled --out meanwhile, its failure removed that run's dataset. Whether it made --out is decided under the lock."""
+    import threading
+
+    out, results = tmp_path / "a", []
+    with caplog.at_level("INFO", logger="fastbert"), output_lock(str(out / "prepare")):
+        shutil.rmtree(out)  # not there when the failing run starts
+        thread = threading.Thread(target=lambda: results.append(pytest.raises(
+            ValueError, prepare, write_corpus(tmp_path / "one.txt", documents=1), out)))
+        thread.start()
+        deadline = time.monotonic() + 60
+        while "waiting for another fastbert process" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out.mkdir()
+        (out / "theirs.txt").write_text("what the run holding the lock wrote")
+    thread.join(timeout=300)
+    assert results and "needs at least 2" in str(results[0].value)
+    assert (out / "theirs.txt").read_text() == "what the run holding the lock wrote"
 
 
 def test_a_failed_run_removes_the_out_it_created_while_it_holds_the_lock(tmp_path, monkeypatch):

@@ -262,8 +262,8 @@ def prepare_dataset(corpus: list[str], out: str, **options) -> dict[int, str]:
     options.validate()
     check_output_directory(out)
     plan = plan_chunks(options.corpus, options.chunk_bytes)
-    created = not os.path.exists(out)
-    with output_lock(os.path.join(out, "prepare"), wait=True):
+    # created: whether this run makes --out, known only under the lock (another run may make or remove it first)
+    with output_lock(os.path.join(out, "prepare"), wait=True) as created:
         try:
             return _build(options, plan)
         except ValueError:  # bad input found while building (a corpus of one document, a tokenizer file that is not)
