@@ -133,7 +133,8 @@ class StandInModel(nn.Module):
         self._set_gradient_checkpointing(False, None)
 
     def _set_gradient_checkpointing(self, enable: bool, function, every_n_layers: int = 1) -> None:
-        """transformers' without its layer count: every_n_layers is fastbert's models' to read."""
+        """transformers' signature; without transformers nothing passes every_n_layers (stand-ins have no
+        activation_checkpointing_enable), and fastbert's models read it in their override."""
         for module in self.modules():
             if hasattr(module, "gradient_checkpointing"):
                 module.gradient_checkpointing = enable

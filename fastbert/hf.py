@@ -83,6 +83,12 @@ def choose_layer_norm_backward(model: torch.nn.Module, config: BertConfig, log: 
     the main one, which all choose alike). Callers skip it when the user set the field."""
     if config.layer_norm_backward == "input":
         return
+    unchecked = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm) and m.weight is not None
+                 and m.weight.is_meta]
+    if unchecked and log:
+        logger.info("%s: its LayerNorm weights are on the meta device, so they were not checked for small weights, "
+                    "nor will be the weights loaded into it later: pass layer_norm_backward='input' where they have "
+                    "many weights near zero", type(model).__name__)
     small = small_weight_layer_norms(model)
     if small:
         config.layer_norm_backward = "input"

@@ -97,12 +97,15 @@ def apply(model: nn.Module, **config_overrides) -> nn.Module:
 
 
 def _holds_accelerated(module: nn.Module) -> bool:
-    """Whether `module` is a transformers model (not fastbert's own) holding a base model apply accelerated."""
+    """Whether `module` is a transformers model (not fastbert's own) holding a base model apply accelerated, whose
+    _set_gradient_checkpointing is transformers' present one: one of the format before transformers 4.35 (remote
+    code's `(module, value)`, which transformers calls otherwise) is left as it is."""
     from transformers import PreTrainedModel
 
     from fastbert.modeling import BertPreTrainedModel
 
     return (isinstance(module, PreTrainedModel) and not isinstance(module, BertPreTrainedModel)
+            and "value" not in inspect.signature(type(module)._set_gradient_checkpointing).parameters
             and any(ACCELERATED in vars(m) for m in module.modules()))
 
 
@@ -326,7 +329,7 @@ def _accelerate(bert: nn.Module, fast_class: type, config_overrides: dict) -> No
                          f"fastbert's {fast_class.__name__}; it is left unchanged")
     _refuse_lost_hooks(bert, {id(m) for m in fast.modules()})
     if "layer_norm_backward" not in config_overrides:
-        choose_layer_norm_backward(fast, config)  # the weights are transformers', already loaded
+        choose_layer_norm_backward(fast, config)  # transformers' weights (on the meta device: not there to check)
     # transformers' position_ids / token_type_ids buffers (non-persistent: in no state_dict), which clients read
     for name, buffer in bert.embeddings.named_buffers(recurse=False):
         persistent = name not in bert.embeddings._non_persistent_buffers_set
@@ -345,8 +348,8 @@ def _init_weights(bert: nn.Module, counterparts: dict, module: nn.Module) -> Non
     """bert's _init_weights (transformers' init_weights after a model built on the meta device is materialised),
     which sets some weights and buffers by the class of the module holding them (BERT's embeddings' position_ids,
     DistilBERT's sinusoidal positions, ModernBERT's scaled projections): fastbert's module at a path where apply
-    replaced transformers' (`counterparts`) also gets the init of transformers' module, given its children,
-    parameters and buffers (the very leaves, shared) for the call."""
+    replaced transformers' (`counterparts`) also gets the init of transformers' module, whose children, parameters
+    and buffers are first pointed at fastbert's module's own (the very leaves, shared), so that it inits those."""
     type(bert)._init_weights(bert, module)
     theirs = counterparts.get(module)
     if theirs is None:

@@ -13,6 +13,7 @@ budget per sequence (config.max_predictions_per_seq).
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -599,15 +600,18 @@ def run_layers(owner: nn.Module, layers, hidden, layout: AttentionLayout, output
     checkpointing = "full" if owner.gradient_checkpointing else owner.config.activation_checkpointing
     if not (owner.training and torch.is_grad_enabled()):
         checkpointing = "none"  # no backward: nothing to keep
-    every = owner.checkpointed_every
+    # under "full", the layers between every checkpointed_every-th one run as config.activation_checkpointing says
+    # (selective checkpointing, or none)
+    every, others = owner.checkpointed_every, checkpointing
+    if checkpointing == "full":
+        others = owner.config.activation_checkpointing if owner.config.activation_checkpointing != "full" else "none"
     for index, layer in enumerate(layers):
         try:
             if checkpointing == "full" and index % every == 0:
                 # Layer inputs are kept, activations recomputed in the backward (see _recompute on dropout).
                 hidden, probs = recompute(layer, hidden, layout, output_attentions)
             else:
-                hidden, probs = layer(hidden, layout, output_attentions, "none" if checkpointing == "full" else
-                                      checkpointing)
+                hidden, probs = layer(hidden, layout, output_attentions, others)
         except TypeError as exc:  # a layer that takes other arguments (transformers' BertLayer put in the list)
             if any(isinstance(module, EncoderLayer) for module in layer.modules()):
                 raise  # raised inside fastbert's layer, or a wrapper of one (torch.compile's, a checkpoint wrapper)
@@ -628,8 +632,9 @@ def set_gradient_checkpointing(model: nn.Module, transformers_setter, enable: bo
     every_n_layers for fastbert's encoders in `model`, whose 1st, (n+1)-th, ... layers are checkpointed:
     transformers counts only its own layer class (GradientCheckpointingLayer) and sets each fastbert encoder's one
     flag, which alone checkpoints every layer. A bad every_n_layers is a ValueError before anything is set."""
-    if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
+    if isinstance(every_n_layers, bool) or not hasattr(every_n_layers, "__index__") or every_n_layers < 1:
         raise ValueError(f"every_n_layers must be an int >= 1, got {every_n_layers!r}")
+    every_n_layers = operator.index(every_n_layers)  # a NumPy integer, as transformers takes it
     transformers_setter(enable, function, every_n_layers)
     for module in model.modules():
         if hasattr(module, "checkpointed_every"):

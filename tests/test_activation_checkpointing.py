@@ -5,6 +5,7 @@ forward FLOPs fastbert.train.metrics.recompute_flops_per_token states, and a res
 import copy
 import os
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -227,7 +228,34 @@ def test_every_n_layers_checkpoints_the_layers_transformers_does(applied):
     calls = _counted_recomputes(ours)
     gradients(ours)
     assert len(calls) == 4
+    ours.activation_checkpointing_enable(every_n_layers=np.int64(3))  # transformers takes a NumPy integer too
+    calls = _counted_recomputes(ours)
+    gradients(ours)
+    assert len(calls) == 2  # layers 0 and 3
     ours.activation_checkpointing_disable()
     with pytest.raises(ValueError, match="every_n_layers must be an int >= 1, got 0"):
         ours.activation_checkpointing_enable(every_n_layers=0)
     assert not ours.is_gradient_checkpointing  # nothing was set
+
+
+@pytest.mark.filterwarnings("ignore:You are using an old version of the checkpointing format")
+def test_a_model_with_the_old_checkpointing_setter_keeps_it_after_apply():
+    """Remote code of the format before transformers 4.35 overrides _set_gradient_checkpointing(module, value),
+    which transformers detects by its signature: apply's every_n_layers setter hid it (a TypeError)."""
+    transformers = pytest.importorskip("transformers")
+
+    class OldFormat(transformers.BertPreTrainedModel):
+        def __init__(self, config):
+            super().__init__(config)
+            self.bert = transformers.BertModel(config)
+            self.post_init()
+
+        def _set_gradient_checkpointing(self, module, value=False):
+            if hasattr(module, "gradient_checkpointing"):
+                module.gradient_checkpointing = value
+
+    config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64)
+    model = fastbert.apply(OldFormat(config))
+    model.activation_checkpointing_enable()
+    assert model.bert.encoder.gradient_checkpointing
