@@ -91,6 +91,9 @@ class BertConfig(ConfigBase):
     # class attributes and `defaults`, never the encoder.
     # position ids count from pad_token_id + 1, padding keeping pad_token_id (RoBERTa, MPNet)
     positions_from_padding = False
+    # a learned position table of max_position_embeddings rows, which limits the sequence length (ModernBERT's
+    # rotary positions have none: transformers runs it on longer sequences)
+    position_table = True
     # field defaults other than BertConfig's (the architecture's, as transformers' config class has them),
     # including fields BERT lacks (ELECTRA's embedding_size)
     defaults = {}  # type: dict[str, Any]  (no annotation: not a config field)

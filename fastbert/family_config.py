@@ -119,6 +119,7 @@ class ModernBertConfig(BertConfig):
 
     model_type = "modernbert"
     architecture = "ModernBERT"
+    position_table = False  # rotary positions
     defaults = {"vocab_size": 50368, "hidden_size": 768, "intermediate_size": 1152, "num_hidden_layers": 22,
                 "max_position_embeddings": 8192, "layer_norm_eps": 1e-5, "pad_token_id": 50283,
                 "eos_token_id": 50282, "bos_token_id": 50281, "cls_token_id": 50281, "sep_token_id": 50282,

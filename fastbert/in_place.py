@@ -334,6 +334,7 @@ def _accelerate(bert: nn.Module, fast_class: type, config_overrides: dict) -> No
     for name, buffer in bert.embeddings.named_buffers(recurse=False):
         persistent = name not in bert.embeddings._non_persistent_buffers_set
         fast.embeddings.register_buffer(name, buffer, persistent=persistent)
+    _take_checkpointing(bert, fast)
     # fastbert's modules -> transformers' at their paths, which they replace (a leaf taken is the same module)
     counterparts = {module: theirs for name, module in fast.named_modules()
                     if module is not fast and (theirs := _submodule(bert, name)) not in (None, module)}
@@ -342,6 +343,23 @@ def _accelerate(bert: nn.Module, fast_class: type, config_overrides: dict) -> No
         setattr(bert, name, child)
     vars(bert)[ACCELERATED] = fast  # not a registered child: its modules already are bert's
     _replace_forward(bert, _forward, fast, bert)
+
+
+def _take_checkpointing(bert: nn.Module, fast: nn.Module) -> None:
+    """Checkpointing enabled before apply (activation_checkpointing_enable, or a config.json asking for it) is set
+    on transformers' layers, which apply replaces: fastbert's encoder takes it over, with their checkpoint function
+    and every n-th layer as they were."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [module for module in bert.modules() if isinstance(module, GradientCheckpointingLayer)]
+    checkpointed = [index for index, layer in enumerate(layers) if layer.gradient_checkpointing]
+    if not checkpointed:
+        return
+    every = checkpointed[1] - checkpointed[0] if len(checkpointed) > 1 else len(layers)
+    for module in fast.modules():
+        if hasattr(module, "checkpointed_every"):  # fastbert's encoders
+            module.gradient_checkpointing, module.checkpointed_every = True, every
+            module._gradient_checkpointing_func = layers[checkpointed[0]]._gradient_checkpointing_func
 
 
 def _init_weights(bert: nn.Module, counterparts: dict, module: nn.Module) -> None:
@@ -404,10 +422,19 @@ def _forward(fast: nn.Module, bert: nn.Module, parameters: ForwardParameters, *a
     for name in ("output_hidden_states", "output_attentions", "return_dict"):
         if arguments.get(name) is None:
             arguments[name] = getattr(hf_config, name)
+    # a forward of transformers' older style (MPNet's: return_dict among its parameters) returns its tuple by
+    # position, the pooler's place kept when None, which its heads index (outputs[2:]); fastbert's, as transformers'
+    # newer ones, leaves out every None
+    positional = not arguments["return_dict"] and "return_dict" in parameters.names
+    if positional:
+        arguments["return_dict"] = True
     fast.config.vocab_size = hf_config.vocab_size
     result = fast.forward(**arguments)
     if isinstance(result, tuple):
         return result
+    if positional:
+        return (result.last_hidden_state, result.pooler_output) + tuple(
+            states for states in (result.hidden_states, result.attentions) if states is not None)
     # transformers' own output class: its heads also read the decoder fields (BertLMHeadModel: cache), None here
     return BaseModelOutputWithPoolingAndCrossAttentions(
         last_hidden_state=result.last_hidden_state, pooler_output=result.pooler_output,

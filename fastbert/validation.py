@@ -109,7 +109,8 @@ def check_model_inputs(config, input_ids, attention_mask, token_type_ids, positi
         shape = tuple(inputs_embeds.shape[:2])
     if shape[1] == 0:
         raise ValueError(f"sequences must hold at least one token, got input shape {shape}")
-    if shape[1] > config.max_sequence_length and not packed and position_ids is None:  # given ones are checked below
+    # given position_ids are checked below
+    if shape[1] > config.max_sequence_length and config.position_table and not packed and position_ids is None:
         offset = config.position_offset
         offset = f" less the {offset} positions before the first token" if offset else ""
         raise ValueError(f"sequence length {shape[1]} is longer than max_position_embeddings "

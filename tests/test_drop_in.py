@@ -611,3 +611,71 @@ def test_apply_takes_a_config_transformers_runs_though_its_constructor_refuses_i
     torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.loss, expected.loss)
     assert ours.config.problem_type == "single_label_classification"
+
+
+@pytest.mark.parametrize("arch", ["bert", "distilbert", "modernbert"])
+def test_checkpointing_enabled_before_apply_is_kept(arch):
+    """transformers sets checkpointing on its layers, which apply replaces: enabled before apply, it was lost (a
+    training forward kept every activation; DistilBERT even said it was off). fastbert's encoder now takes it over,
+    every n-th layer included: it saves for the backward what the model enabled after apply saves."""
+    from family_models import hf_model
+
+    from tests.test_ffn import saved_bytes
+
+    def build():
+        if arch == "bert":
+            model = transformers.BertModel(transformers.BertConfig(
+                vocab_size=120, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64))
+        elif arch == "modernbert":
+            model = transformers.ModernBertModel(transformers.ModernBertConfig(
+                vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=2,
+                pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2))
+        else:
+            model = hf_model(arch, num_hidden_layers=4)
+        return model.train()
+
+    ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(0))
+
+    def kept(model):
+        return sum(size for size, _ in saved_bytes(lambda: model(input_ids=ids).last_hidden_state)[0].values())
+
+    before = build()
+    before.activation_checkpointing_enable(every_n_layers=2)
+    fastbert.apply(before)
+    after = fastbert.apply(build())
+    after.activation_checkpointing_enable(every_n_layers=2)
+    assert before.is_gradient_checkpointing
+    encoder = next(m for m in before.modules() if hasattr(m, "checkpointed_every"))
+    assert encoder.gradient_checkpointing and encoder.checkpointed_every == 2
+    assert kept(before) == kept(after) < kept(fastbert.apply(build()))
+
+
+def test_mpnet_heads_index_the_tuple_of_an_applied_base_as_transformers_builds_it():
+    """transformers' MPNet returns its base's tuple by position, the pooler's None kept, and its heads take
+    outputs[2:]: after apply the base left the None out, so a head's hidden_states came back as its attentions."""
+    from family_models import hf_model, randomize
+
+    theirs = hf_model("mpnet", "ForSequenceClassification")
+    ours = fastbert.apply(randomize(copy.deepcopy(theirs)))
+    ids = torch.randint(3, 60, (3, 7), generator=torch.Generator().manual_seed(0))
+    for flags in (dict(output_hidden_states=True), dict(output_hidden_states=True, output_attentions=True), {}):
+        expected, got = (model(input_ids=ids, return_dict=False, **flags) for model in (theirs, ours))
+        assert len(got) == len(expected), flags
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(torch.stack(list(a)) if isinstance(a, tuple) else a,
+                                       torch.stack(list(b)) if isinstance(b, tuple) else b, atol=1e-5, rtol=1e-5)
+
+
+def test_modernbert_runs_past_max_position_embeddings_as_transformers():
+    """ModernBERT's positions are rotary, with no table to run out of: transformers runs a sequence longer than
+    max_position_embeddings, which fastbert refused as it refuses it for BERT's learned table."""
+    config = transformers.ModernBertConfig(vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                           num_attention_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                           cls_token_id=1, sep_token_id=2, max_position_embeddings=16)
+    torch.manual_seed(0)
+    theirs = transformers.ModernBertModel(config).eval()
+    ours = fastbert.apply(copy.deepcopy(theirs))
+    ids = torch.randint(3, 120, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids).last_hidden_state, theirs(input_ids=ids).last_hidden_state,
+                                   atol=1e-5, rtol=1e-5)
