@@ -19,6 +19,14 @@ def tiny_hf(name="BertModel", **fields):
     return getattr(transformers, name)(config).eval()
 
 
+def tiny_modernbert_config(**fields):
+    """transformers' ModernBERT config at the tiny sizes, its special token ids inside the small vocabulary."""
+    return transformers.ModernBertConfig(**{**dict(vocab_size=120, hidden_size=32, intermediate_size=48,
+                                                   num_hidden_layers=2, num_attention_heads=2, pad_token_id=0,
+                                                   bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2),
+                                            **fields})
+
+
 def test_from_pretrained_loading_info_and_mismatched_sizes_as_transformers(tmp_path):
     tiny_hf("BertForSequenceClassification", num_labels=2).save_pretrained(tmp_path / "two")
     for cls in (transformers.BertForSequenceClassification, fastbert.BertForSequenceClassification):
@@ -536,9 +544,7 @@ def test_the_encoder_called_as_transformers_names_the_layout_it_takes(arch):
     if arch == "bert":
         model = tiny_hf()
     elif arch == "modernbert":
-        model = transformers.ModernBertModel(transformers.ModernBertConfig(
-            vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)).eval()
+        model = transformers.ModernBertModel(tiny_modernbert_config()).eval()
     else:
         model = hf_model(arch)
     fastbert.apply(model)
@@ -575,9 +581,7 @@ def test_apply_on_a_meta_model_then_init_weights_gives_transformers_weights(name
         config = transformers.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                          intermediate_size=64)
     elif name.startswith("ModernBert"):
-        config = transformers.ModernBertConfig(vocab_size=120, hidden_size=32, intermediate_size=48,
-                                               num_hidden_layers=2, num_attention_heads=2, pad_token_id=0,
-                                               bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+        config = tiny_modernbert_config()
     elif name.startswith("DistilBert"):
         config = hf_config("distilbert", sinusoidal_pos_embds=True)
     else:
@@ -627,9 +631,7 @@ def test_checkpointing_enabled_before_apply_is_kept(arch):
             model = transformers.BertModel(transformers.BertConfig(
                 vocab_size=120, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64))
         elif arch == "modernbert":
-            model = transformers.ModernBertModel(transformers.ModernBertConfig(
-                vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=2,
-                pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2))
+            model = transformers.ModernBertModel(tiny_modernbert_config(num_hidden_layers=4))
         else:
             model = hf_model(arch, num_hidden_layers=4)
         return model.train()
@@ -669,9 +671,7 @@ def test_mpnet_heads_index_the_tuple_of_an_applied_base_as_transformers_builds_i
 def test_modernbert_runs_past_max_position_embeddings_as_transformers():
     """ModernBERT's positions are rotary, with no table to run out of: transformers runs a sequence longer than
     max_position_embeddings, which fastbert refused as it refuses it for BERT's learned table."""
-    config = transformers.ModernBertConfig(vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                           num_attention_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                           cls_token_id=1, sep_token_id=2, max_position_embeddings=16)
+    config = tiny_modernbert_config(max_position_embeddings=16)
     torch.manual_seed(0)
     theirs = transformers.ModernBertModel(config).eval()
     ours = fastbert.apply(copy.deepcopy(theirs))
