@@ -370,13 +370,19 @@ def qkv_projection(x, weight, bias, num_heads, backend=None):
     return reference.qkv_projection(x, weight, bias, num_heads)
 
 
-def _check_attention_args(q, k, v, attention_mask, dropout_p) -> None:
-    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(f"q, k, v must share one [B, heads, S, d] shape, got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    batch, _, seqlen, _ = q.shape
-    if attention_mask is not None and attention_mask.shape != (batch, seqlen):
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(batch, seqlen)}")
+def _check_attention_args(q, k, v, attention_mask, dropout_p, relative_bias, rotary_base, window) -> None:
+    """q [B, heads, S, d]; k, v [B, heads, P + S, d] (P >= 0 prefix keys); attention_mask [B, P + S] or None."""
+    if (q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]
+            or k.shape[2] < q.shape[2]):
+        raise ValueError(f"q, k, v must be [B, heads, S, d] with k and v [B, heads, P + S, d] (P >= 0 prefix keys), "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    batch, _, keys, _ = k.shape
+    if attention_mask is not None and attention_mask.shape != (batch, keys):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(batch, keys)} "
+                         f"(batch, keys)")
+    if keys != q.shape[2] and (relative_bias is not None or rotary_base is not None or window is not None):
+        raise ValueError(f"prefix keys ({keys - q.shape[2]} more keys than queries) have no position: they take no "
+                         "relative_bias, rotary_base or window")
     _check_dropout(dropout_p)
 
 
@@ -388,6 +394,9 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
     """softmax(q k^T * scale + key padding mask + relative-position bias) v, bidirectional.
 
     q, k, v [B, heads, S, d]; attention_mask [B, S], 1 = token, 0 = padding (bool or int).
+    k and v may hold P prefix keys before the queries' own, [B, heads, P + S, d], with attention_mask [B, P + S]
+    (PEFT's prefix tuning, transformers' cache): the reference runs them ("triton" is an error: the kernel
+    takes as many keys as queries), with no relative_bias, rotary_base or window.
     scale defaults to d ** -0.5. Padded query rows come out as zeros; never NaN.
     relative_bias [num_buckets, heads] (any float dtype: MPNet's relative_attention_bias.weight, which gets
     its gradient) with relative_buckets int32 [2D + 1] from `relative_position_buckets`, or both None:
@@ -395,13 +404,19 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
     rotary_base (RoPE's theta, or None): q and k rotated at their position, the row index (transformers'
     rotate_half layout); window (or None): only keys with |i - j| <= window (ModernBERT's local layers).
     """
-    _check_attention_args(q, k, v, attention_mask, dropout_p)
+    _check_attention_args(q, k, v, attention_mask, dropout_p, relative_bias, rotary_base, window)
     check_relative_bias(relative_bias, relative_buckets, q.shape[1], q.device)
     check_rotary_window(rotary_base, window, q.shape[-1])
     # SDPA is a candidate path only for plain dense attention (fastbert.paths)
     plain = attention_mask is None and relative_bias is None and rotary_base is None and window is None
-    if resolve_backend(backend, q, k, v, attention_mask, relative_bias, relative_buckets,
-                       op="attention" if plain else None, kernel_fits=q.shape[-1] in ATTENTION_HEAD_DIMS) == "triton":
+    prefixed = k.shape[2] != q.shape[2]
+    path = resolve_backend(backend, q, k, v, attention_mask, relative_bias, relative_buckets,
+                           op="attention" if plain else None,
+                           kernel_fits=q.shape[-1] in ATTENTION_HEAD_DIMS and not prefixed)
+    if path == "triton" and prefixed:
+        raise ValueError(f"backend='triton' cannot run prefix keys (k has {k.shape[2]} keys, q {q.shape[2]} queries): "
+                         "the attention kernel takes as many keys as queries; use backend 'auto' or 'torch'")
+    if path == "triton":
         q, k, v = _matmul_inputs(q, k, v)
         kernel = KERNELS["attention"]
         kernel.check_limits(q, k, v, attention_mask, None, q.shape[2], None, relative_bias, relative_buckets,
@@ -414,10 +429,10 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
 
 def attention_with_probs(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, relative_bias=None,
                          relative_buckets=None, rotary_base=None, window=None):
-    """`attention` plus the attention probabilities [B, heads, S, S] (transformers' output_attentions).
+    """`attention` plus the attention probabilities [B, heads, S, P + S] (transformers' output_attentions).
     The probabilities are materialised, which is what a fused kernel avoids, so this runs the
     reference on every backend."""
-    _check_attention_args(q, k, v, attention_mask, dropout_p)
+    _check_attention_args(q, k, v, attention_mask, dropout_p, relative_bias, rotary_base, window)
     check_relative_bias(relative_bias, relative_buckets, q.shape[1], q.device)
     check_rotary_window(rotary_base, window, q.shape[-1])
     return reference.attention_with_probs(q, k, v, attention_mask, dropout_p, scale, training, relative_bias,

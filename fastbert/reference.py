@@ -91,9 +91,11 @@ def _key_mask_bias(attention_mask, dtype):
 
 def _zero_padded_queries(out, attention_mask):
     """out [B, heads, S, d]: rows of padded query positions become zeros (any nonzero mask value is a token, as in
-    transformers' masks and the kernels: a mask of 2s keeps a row, it does not double it)."""
-    return out * _QUERY_KEEP.get(attention_mask, out.dtype,
-                                 lambda: attention_mask.to(torch.bool).to(out.dtype)[:, None, :, None])
+    transformers' masks and the kernels: a mask of 2s keeps a row, it does not double it). The key mask
+    [B, P + S] of prefix keys masks the queries by its last S columns."""
+    prefix = attention_mask.shape[1] - out.shape[2]
+    return out * _QUERY_KEEP.get(attention_mask, (out.dtype, prefix),
+                                 lambda: attention_mask[:, prefix:].to(torch.bool).to(out.dtype)[:, None, :, None])
 
 
 def relative_position_buckets(num_buckets: int = 32, max_distance: int = 128, device=None) -> torch.Tensor:
@@ -201,7 +203,8 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
               relative_buckets=None, rotary_base=None, window=None):
     """softmax(rotate(q) rotate(k)^T * scale + key mask + relative-position bias + window band) v, bidirectional.
 
-    q, k, v [B, heads, S, d]; attention_mask [B, S] with 1 = token, 0 = padding (bool or int).
+    q, k, v [B, heads, S, d]; attention_mask [B, S] with 1 = token, 0 = padding (bool or int). With P prefix keys
+    (no position: no relative bias, rotation or window), k and v are [B, heads, P + S, d] and the mask [B, P + S].
     relative_bias [num_buckets, heads] (any float dtype, cast to q's) with relative_buckets int32 [2D + 1]
     (relative_position_buckets), or both None: MPNet's bias relative_bias[bucket(j - i), h] on score (i, j)
     of head h, materialised [heads, S, S]. rotary_base: q and k rotated by RoPE (`rotate`) at their row
@@ -218,12 +221,12 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=
 
 def attention_with_probs(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, training=True, relative_bias=None,
                          relative_buckets=None, rotary_base=None, window=None):
-    """`attention` that also returns the probabilities [B, heads, S, S] (before dropout), as
+    """`attention` that also returns the probabilities [B, heads, S, P + S] (before dropout), as
     transformers' output_attentions does. It materialises the S x S scores: for inspection, not speed."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if rotary_base is not None:
         q, k = rotate(q, rotary_base), rotate(k, rotary_base)
-    scores = (q @ k.transpose(-1, -2)) * scale  # [B, heads, S, S]
+    scores = (q @ k.transpose(-1, -2)) * scale  # [B, heads, S, P + S]
     bias = _score_bias(q, attention_mask, relative_bias, relative_buckets, window)
     if bias is not None:
         scores = scores + bias
