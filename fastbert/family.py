@@ -298,6 +298,7 @@ class DistilBertModel(DistilBertPreTrainedModel, BertModel):
     encoder_name = "transformer"
     has_pooler = False
     has_cross_attentions = False
+    takes_cache = False
 
     def __init__(self, config: DistilBertConfig):  # transformers' signature: no add_pooling_layer, there is no pooler
         super().__init__(config)
@@ -408,6 +409,7 @@ class MPNetPreTrainedModel(BertPreTrainedModel):
 class MPNetModel(MPNetPreTrainedModel, BertModel):
     encoder_class = MPNetEncoder
     has_cross_attentions = False
+    takes_cache = False
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
         """transformers' MPNetModel arguments (no token types); the rest as BertModel.forward."""

@@ -13,6 +13,7 @@ budget per sequence (config.max_predictions_per_seq).
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from fastbert import hf, ops, outputs
 from fastbert.bases import ModelBase
 from fastbert.config import BertConfig
 from fastbert.kernels.fused_op import eager_autograd
+from fastbert.prefix import cache_argument, check_batch, prefix_keys
 from fastbert.sublayer import attention_sublayer, feed_forward_sublayer
 from fastbert.validation import (IGNORE_INDEX, PACKED_ARGUMENTS, HF_PACKED_ALIASES, check_label_budget, check_labels,
                                  check_model_inputs, check_on_device, check_packed_inputs, key_padding_mask,
@@ -41,6 +43,11 @@ class AttentionLayout:
     # distance, int32 [2D+1] (ops.relative_position_buckets); None for the rest of the family
     relative_bias: torch.Tensor | None = None
     relative_buckets: torch.Tensor | None = None
+    # prefix keys (transformers' cache, as PEFT's prefix tuning fills it, fastbert.prefix): every layer's (key, value)
+    # [B, heads, P, d], attended before the tokens' own keys, with attention_mask [B, P + S]; None for none.
+    # run_layers gives each layer its own pair as layer_prefix
+    prefixes: tuple | None = None
+    layer_prefix: tuple | None = None
 
     @property
     def packed(self) -> bool:
@@ -194,22 +201,27 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(width, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def default_position_ids(self, input_ids, seqlen: int, device) -> torch.Tensor:
+    def default_position_ids(self, input_ids, seqlen: int, device, cache_length: int = 0) -> torch.Tensor:
         """[B or 1, S]: 0..S-1, or for positions from the padding index, as transformers' RoBERTa counts them:
         padding_index + 1 onwards over the real tokens, padding_index on padding tokens (config.padding_index:
-        pad_token_id, or MPNet's fixed 1)."""
+        pad_token_id, or MPNet's fixed 1). After cache_length prefix keys, the tokens' positions start that much
+        later, as transformers counts them (not RoBERTa's from inputs_embeds: transformers does not offset those)."""
         if not self.config.positions_from_padding:
-            return torch.arange(seqlen, device=device)[None, :]
+            return torch.arange(cache_length, cache_length + seqlen, device=device)[None, :]
         pad = self.config.padding_index
         if input_ids is None:  # inputs_embeds: no padding can be seen, every position is a token
             return torch.arange(pad + 1, seqlen + pad + 1, device=device)[None, :]
         real = input_ids.ne(pad).int()
-        return (torch.cumsum(real, dim=1).type_as(real) * real).long() + pad
+        counted = torch.cumsum(real, dim=1).type_as(real)
+        if cache_length:
+            counted = counted + cache_length
+        return (counted * real).long() + pad
 
-    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None):
+    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                cache_length: int = 0):
         embeds = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds  # [B, S, E]
         if position_ids is None:
-            position_ids = self.default_position_ids(input_ids, embeds.shape[1], embeds.device)
+            position_ids = self.default_position_ids(input_ids, embeds.shape[1], embeds.device, cache_length)
         embeds = embeds + self.position_embeddings(position_ids)
         if self.config.type_vocab_size:
             if token_type_ids is None:  # segment 0 everywhere, broadcast over the batch
@@ -282,6 +294,8 @@ class SelfAttention(nn.Module):
         backend = config.backend
         linears = self.linears()
         hidden_p = 0.0 if dropout is None else dropout_rate(dropout)
+        if layout.layer_prefix is not None:
+            return None  # prefix keys: the reference's attention, called by forward
         if not is_plain_norm(norm) or not (pre_norm is None or is_plain_norm(pre_norm)):
             return None  # a norm to call
         norm_weight, norm_bias = weight_and_bias(norm)
@@ -343,6 +357,10 @@ class SelfAttention(nn.Module):
         config = self.config
         dropout_p = self.probs_dropout()
         q, k, v = self.project(hidden)
+        if layout.layer_prefix is not None:  # this layer's prefix keys first: k, v [B, heads, P + S, d]
+            prefix_key, prefix_value = layout.layer_prefix
+            k = torch.cat([prefix_key.to(k.dtype), k], dim=2)
+            v = torch.cat([prefix_value.to(v.dtype), v], dim=2)
         probs = None
         bias = {} if layout.relative_bias is None else dict(relative_bias=layout.relative_bias,
                                                             relative_buckets=layout.relative_buckets)
@@ -609,9 +627,16 @@ def run_layers(owner: nn.Module, layers, hidden, layout: AttentionLayout, output
         try:
             if checkpointing == "full" and index % every == 0:
                 # Layer inputs are kept, activations recomputed in the backward (see _recompute on dropout).
-                hidden, probs = recompute(layer, hidden, layout, output_attentions)
-            else:
+                if layout.prefixes is None:
+                    hidden, probs = recompute(layer, hidden, layout, output_attentions)
+                else:  # the prefix keys as tensor arguments: a reentrant checkpoint gives gradients to those only
+                    hidden, probs = recompute(_run_prefixed, layer, hidden, layout, output_attentions,
+                                              *layout.prefixes[index])
+            elif layout.prefixes is None:
                 hidden, probs = layer(hidden, layout, output_attentions, others)
+            else:
+                hidden, probs = _run_prefixed(layer, hidden, layout, output_attentions, *layout.prefixes[index],
+                                              checkpointing=others)
         except TypeError as exc:  # a layer that takes other arguments (transformers' BertLayer put in the list)
             if any(isinstance(module, EncoderLayer) for module in layer.modules()):
                 raise  # raised inside fastbert's layer, or a wrapper of one (torch.compile's, a checkpoint wrapper)
@@ -624,6 +649,11 @@ def run_layers(owner: nn.Module, layers, hidden, layout: AttentionLayout, output
         if output_attentions:
             all_probs.append(probs)
     return hidden, all_hidden, all_probs
+
+
+def _run_prefixed(layer, hidden, layout: AttentionLayout, output_attentions, key, value, checkpointing="none"):
+    """layer(...) attending to its prefix keys (key, value) first."""
+    return layer(hidden, dataclasses.replace(layout, layer_prefix=(key, value)), output_attentions, checkpointing)
 
 
 def set_gradient_checkpointing(model: nn.Module, transformers_setter, enable: bool, function,
@@ -827,10 +857,14 @@ class BertModel(BertPreTrainedModel):
     has_pooler = True  # a [CLS] pooler (when add_pooling_layer); DistilBERT and ELECTRA have none
     # transformers' output has cross_attentions, () for an encoder, with output_attentions (not DistilBERT's, MPNet's)
     has_cross_attentions = True
+    # transformers' model takes a cache, which PEFT's prefix tuning fills with its prefix keys (fastbert.prefix)
+    takes_cache = True
 
-    def embed(self, input_ids, token_type_ids, position_ids, inputs_embeds):
-        """The embeddings' output, projected to hidden_size where the tables are narrower (ELECTRA)."""
-        hidden = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)
+    def embed(self, input_ids, token_type_ids, position_ids, inputs_embeds, cache_length: int = 0):
+        """The embeddings' output, projected to hidden_size where the tables are narrower (ELECTRA); positions
+        start after cache_length prefix keys (architectures that take a cache)."""
+        inputs = (input_ids, token_type_ids, position_ids, inputs_embeds)
+        hidden = self.embeddings(*inputs, cache_length=cache_length) if cache_length else self.embeddings(*inputs)
         project = getattr(self, "embeddings_project", None)
         return hidden if project is None else project(hidden)
 
@@ -848,25 +882,34 @@ class BertModel(BertPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, *, output_hidden_states=None, output_attentions=None, return_dict=None,
-                validate=True, **kwargs):
+                validate=True, cache=None, **kwargs):
         config = self.config
         output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        # prefix keys (fastbert.prefix): [B, heads, P, d] a layer, the mask [B, P + S]; no call without them (host time)
+        if "past_key_values" in kwargs:
+            cache = cache_argument(cache, kwargs)
+        prefixes, prefix_length = (None, 0) if cache is None else prefix_keys(self, cache)
         packed = packed_arguments(kwargs)
         if packed:
+            if prefixes is not None:
+                raise ValueError("a cache (prefix keys) takes padded inputs [batch, seq_len], not packed ones")
             result = self._forward_packed(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                           output_hidden_states, output_attentions, validate, **packed)
             return self._outputs(result, return_dict)
         attention_mask = key_padding_mask(attention_mask, validate)
         batch, seqlen = check_model_inputs(config, input_ids, attention_mask, token_type_ids, position_ids,
-                                           inputs_embeds, validate)
-        hidden = self.embed(input_ids, token_type_ids, position_ids, inputs_embeds)  # [B, S, H]
-        unpadded = config.unpad and attention_mask is not None and not output_attentions and self.unpads(hidden)
+                                           inputs_embeds, validate, prefix_length=prefix_length)
+        if prefixes is not None:
+            check_batch(prefixes, batch)
+        hidden = self.embed(input_ids, token_type_ids, position_ids, inputs_embeds, prefix_length)  # [B, S, H]
+        unpadded = (config.unpad and attention_mask is not None and not output_attentions and prefixes is None
+                    and self.unpads(hidden))
         if unpadded:
             hidden, indices, cu_seqlens, max_seqlen = ops.unpad(hidden, attention_mask)  # [T, H]
             layout = AttentionLayout(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         else:
-            layout = AttentionLayout(attention_mask=attention_mask)
+            layout = AttentionLayout(attention_mask=attention_mask, prefixes=prefixes)
         hidden, all_hidden, all_probs = self.encode(hidden, layout, output_hidden_states, output_attentions)
         if unpadded:
             hidden = ops.pad(hidden, indices, batch, seqlen)

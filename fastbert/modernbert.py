@@ -193,6 +193,7 @@ class ModernBertModel(ModernBertPreTrainedModel, BertModel):
     """Embeddings, the layers and final_norm. Takes BertModel's layouts (padded with attention_mask, packed
     with cu_seqlens); position_ids, if given, must count up by one within each sequence (each token's offset
     in its sequence up to a constant, which rotates as the offsets do): others are an error, never ignored."""
+    takes_cache = False
 
     def __init__(self, config: ModernBertConfig, add_pooling_layer: bool = True):
         config.validate()

@@ -28,7 +28,7 @@ IGNORED_HF_ARGUMENTS = ("use_cache", "cache_position", "num_items_in_batch", "ou
 # transformers' arguments for features fastbert does not implement (a decoder, cross-attention): accepted only
 # when they ask for nothing. head_mask is not one: transformers 5's BERT no longer has it and ignores it in its
 # **kwargs, as fastbert then does (logged once, below)
-UNSET_HF_ARGUMENTS = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values", "cache", "seq_idx")
+UNSET_HF_ARGUMENTS = ("encoder_hidden_states", "encoder_attention_mask", "seq_idx")
 # other keyword names a forward was given (transformers' BERT takes **kwargs and ignores them; clients such as
 # sentence-transformers rely on it): each logged once, so a typo is seen without breaking those clients
 _REPORTED_UNKNOWN: set[str] = set()
@@ -91,10 +91,12 @@ def _check_range(name: str, tensor: torch.Tensor, limit: int, limit_name: str, i
 
 
 def check_model_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                       validate: bool, packed: bool = False) -> tuple[int, int]:
+                       validate: bool, packed: bool = False, prefix_length: int = 0) -> tuple[int, int]:
     """Check BertModel's inputs; return (batch, seqlen). Packed inputs ([1, T], `packed`) may be longer
     than max_position_embeddings: their positions restart with each sequence; so may inputs with position_ids,
-    which must each be below it, as transformers reads them."""
+    which must each be below it, as transformers reads them. After prefix_length prefix keys (fastbert.prefix),
+    the attention mask covers them too ([B, P + S]) and the positions start after them (not RoBERTa's from
+    inputs_embeds, which transformers does not offset)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
     if input_ids is not None:
@@ -110,23 +112,30 @@ def check_model_inputs(config, input_ids, attention_mask, token_type_ids, positi
     if shape[1] == 0:
         raise ValueError(f"sequences must hold at least one token, got input shape {shape}")
     # given position_ids are checked below
-    if shape[1] > config.max_sequence_length and config.position_table and not packed and position_ids is None:
+    first = prefix_length if input_ids is not None or not config.positions_from_padding else 0  # first position
+    if (shape[1] + first > config.max_sequence_length and config.position_table and not packed
+            and position_ids is None):
         offset = config.position_offset
         offset = f" less the {offset} positions before the first token" if offset else ""
-        raise ValueError(f"sequence length {shape[1]} is longer than max_position_embeddings "
+        after = f" after {first} prefix keys" if first else ""
+        raise ValueError(f"sequence length {shape[1]}{after} is longer than max_position_embeddings "
                          f"({config.max_position_embeddings}{offset})")
     for name, tensor in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
                          ("position_ids", position_ids)):
         if tensor is None:
             continue
+        expected = shape
         if name == "attention_mask":
             if validate and tensor.is_floating_point() and not torch.compiler.is_compiling():
                 check_on_device(((tensor == 0) | (tensor == 1)).all(),
                                 "attention_mask must hold 1 for tokens and 0 for padding; got other values")
+            expected = (shape[0], prefix_length + shape[1])
         else:
             _check_index_dtype(name, tensor)
-        if tuple(tensor.shape) != shape and not (name == "position_ids" and tuple(tensor.shape) == (1, shape[1])):
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, but input_ids has shape {shape}")
+        if tuple(tensor.shape) != expected and not (name == "position_ids" and tuple(tensor.shape) == (1, shape[1])):
+            keys = f" (the {prefix_length} prefix keys' columns first)" if expected != shape else ""
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {expected}{keys}: input_ids has "
+                             f"shape {shape}")
     if validate:
         if input_ids is not None:
             _check_range("input_ids", input_ids, config.vocab_size, "vocab_size")
@@ -168,10 +177,8 @@ def packed_arguments(kwargs: dict) -> dict:
                 packed.setdefault(target, value)
         elif name in UNSET_HF_ARGUMENTS:
             if value is not None:
-                prefix = (" (PEFT's prefix tuning, P-Tuning v2, passes its learned prefix keys and values this way: "
-                          "run such a model without fastbert)" if name in ("past_key_values", "cache") else "")
-                raise ValueError(f"{name} is not supported: fastbert implements BERT's encoder (no decoder, "
-                                 f"cross-attention or cache){prefix}; pass None")
+                raise ValueError(f"{name} is not supported: fastbert implements BERT's encoder (no decoder or "
+                                 f"cross-attention); pass None")
         elif name == "is_causal":
             if value:
                 raise ValueError("is_causal=True is not supported: BERT's attention is bidirectional")

@@ -1,6 +1,8 @@
 """Tools that replace or hook the encoder's Linears: PEFT LoRA (train, save, load, on fastbert models and on
 models accelerated by fastbert.apply), forward hooks and module-swapping quantizers. A wrapped or hooked
 Linear is called, never bypassed by a fused op that reads its weight."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -174,16 +176,38 @@ def test_plain_linear_check():
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
-def test_prefix_tuning_is_refused_after_apply_with_a_message_naming_it():
-    """PEFT's prefix tuning hands transformers' BERT its learned prefix keys and values as past_key_values, which
-    fastbert does not implement: the forward says so (it said only "no decoder, cross-attention or cache"), and
-    the same PEFT model runs on transformers' own forward."""
+@pytest.mark.parametrize("kind", ["fastbert", "apply"])
+def test_prefix_tuning_trains_saves_and_loads_as_on_transformers(tmp_path, kind):
+    """PEFT's prefix tuning (P-Tuning v2) hands the model its learned prefix keys and values as past_key_values
+    (fastbert.prefix): its output and its prompt encoder's gradients are those on transformers' own BertModel
+    and the saved adapter loads back (PEFT's inference mode reads the prefix without the encoder). PEFT refuses
+    prefix tuning under activation checkpointing (tests/test_prefix_keys.py checks fastbert's)."""
     config = peft.PrefixTuningConfig(task_type="FEATURE_EXTRACTION", num_virtual_tokens=4)
     inputs = {key: value for key, value in batch().items() if key != "labels"}
+    real = inputs["attention_mask"].bool()
     torch.manual_seed(0)
-    plain = peft.get_peft_model(transformers.BertModel(hf_config()).eval(), config)
-    assert plain(**inputs).last_hidden_state.shape == (3, 9, 32)
-    torch.manual_seed(0)
-    applied = peft.get_peft_model(fastbert.apply(transformers.BertModel(hf_config()).eval()), config)
-    with pytest.raises(ValueError, match=r"past_key_values is not supported: .*PEFT's prefix tuning"):
-        applied(**inputs)
+    theirs = transformers.BertModel(hf_config()).train()
+    base = copy.deepcopy(theirs)
+    base = fastbert.from_hf(base) if kind == "fastbert" else fastbert.apply(base)
+
+    def run(model):
+        torch.manual_seed(1)  # the prompt encoder's initial prefix
+        tuned = peft.get_peft_model(model, config)
+        output = tuned(**inputs).last_hidden_state
+        output[real].square().sum().backward()
+        grads = [p.grad for p in tuned.parameters() if p.requires_grad]
+        assert grads and all(g is not None for g in grads)
+        return tuned, output.detach()[real], grads
+
+    _, expected, expected_grads = run(theirs)
+    tuned, actual, grads = run(base)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-4)
+    tuned.save_pretrained(tmp_path)
+    fresh = copy.deepcopy(base).eval()
+    loaded = peft.PeftModel.from_pretrained(fresh, tmp_path)
+    tuned.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).last_hidden_state[real], tuned(**inputs).last_hidden_state[real],
+                                   atol=1e-6, rtol=1e-5)

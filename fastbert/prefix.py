@@ -1,0 +1,68 @@
+"""Prefix keys: transformers' cache as an encoder reads it.
+
+PEFT's prefix tuning (P-Tuning v2) learns P keys and values for every layer and hands them to transformers'
+BERT, RoBERTa and ELECTRA as the model's cache (`cache=`, before transformers 5 `past_key_values=`, still
+accepted): every layer attends to its P prefix keys before the tokens' own, the attention mask covers both
+([B, P + S]: PEFT prepends ones), and the tokens' positions start after the prefix. fastbert reads the prefix
+from the cache and leaves the cache as it was, where transformers' layers append the batch's keys to it: an
+encoder never reads them back (a cache passed to a second forward holds the prefix alone here, prefix and
+the first batch in transformers).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def cache_argument(cache, kwargs: dict):
+    """The forward's cache: `cache`, or transformers' older name past_key_values (taken out of kwargs)."""
+    legacy = kwargs.pop("past_key_values", None)
+    if legacy is not None and cache is not None:
+        raise ValueError("pass the prefix keys as cache or as past_key_values, not both")
+    return cache if legacy is None else legacy
+
+
+def prefix_keys(model, cache) -> tuple[tuple | None, int]:
+    """(each layer's (key, value) [B, heads, P, d], P) from a transformers Cache (DynamicCache, the
+    self-attention part of an EncoderDecoderCache) or a sequence of (key, value) pairs, one per layer;
+    (None, 0) for no cache or an empty one. ValueError for an architecture whose transformers model takes
+    no cache (DistilBERT, MPNet, ModernBERT), for keys whose shapes do not fit the config, or for a cache of
+    another number of layers."""
+    if cache is None:
+        return None, 0
+    if not model.takes_cache:
+        raise ValueError(f"cache (past_key_values) is not supported by {type(model).__name__}: transformers' model "
+                         "of this architecture takes no cache, so PEFT's prefix tuning cannot run on it; pass None")
+    cache = getattr(cache, "self_attention_cache", cache)  # an EncoderDecoderCache: its self-attention part
+    layers = getattr(cache, "layers", None)
+    if layers is None and not isinstance(cache, (list, tuple)):
+        raise ValueError(f"cache must be a transformers Cache or a sequence of (key, value) pairs, one per layer, "
+                         f"got {type(cache).__name__}")
+    pairs = ([(layer.keys, layer.values) for layer in layers] if layers is not None
+             else [tuple(pair) for pair in cache])
+    if any(len(pair) != 2 for pair in pairs):
+        raise ValueError("cache must hold one (key, value) pair per layer")
+    if all(key is None or key.numel() == 0 for key, _ in pairs):
+        return None, 0  # nothing cached: transformers' forward is the one without a cache
+    config = model.config
+    if len(pairs) != config.num_hidden_layers:
+        raise ValueError(f"cache holds {len(pairs)} layers' keys, the model has {config.num_hidden_layers} layers")
+    first = pairs[0][0]
+    if not isinstance(first, torch.Tensor):
+        raise ValueError(f"cache layer 0 holds no keys (got {type(first).__name__}): every layer needs its prefix")
+    length = first.shape[2] if first.dim() == 4 else -1
+    expected = (first.shape[0], config.num_attention_heads, length, config.head_dim)
+    for index, pair in enumerate(pairs):
+        for name, tensor in zip(("keys", "values"), pair):
+            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != expected or length < 1:
+                shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise ValueError(f"cache layer {index}'s {name} must be [batch, {config.num_attention_heads} heads, "
+                                 f"prefix length, {config.head_dim}] like layer 0's keys {tuple(first.shape)}, "
+                                 f"got {shape}")
+    return tuple(pairs), length
+
+
+def check_batch(prefixes, batch: int) -> None:
+    """ValueError unless the prefix keys are the batch's: one prefix per sequence, as transformers concatenates."""
+    if prefixes[0][0].shape[0] != batch:
+        raise ValueError(f"cache holds prefix keys for a batch of {prefixes[0][0].shape[0]}, the inputs have {batch} "
+                         "sequences")

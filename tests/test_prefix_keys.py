@@ -1,0 +1,212 @@
+"""Prefix keys (fastbert.prefix): transformers' cache as PEFT's prefix tuning (P-Tuning v2) fills it, on fastbert's
+models and on transformers' models after fastbert.apply, against transformers' own forward and gradients on the
+same weights; the architectures whose transformers model takes no cache refuse one."""
+import copy
+
+import pytest
+import torch
+
+import fastbert
+from fastbert import ops
+from family_models import SIZES, VOCAB, base_loss, hf_model, padded_batch, randomize, real_tokens, transformers
+
+PREFIX = 3  # prefix keys a layer
+ARCHITECTURES = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
+
+
+def their_model(arch: str):
+    """transformers' base model with random weights; eager attention, which returns the probabilities."""
+    if arch == "bert":
+        torch.manual_seed(0)
+        config = transformers.BertConfig(vocab_size=VOCAB, attn_implementation="eager", **SIZES)
+        return randomize(transformers.BertModel(config)).eval()
+    return hf_model(arch, attn_implementation="eager")
+
+
+def ours(theirs, kind: str):
+    return fastbert.from_hf(theirs) if kind == "fastbert" else fastbert.apply(copy.deepcopy(theirs))
+
+
+def prefix_source(config, batch: int, seed: int = 0):
+    """[layers, 2, B, heads, PREFIX, d], random: every layer's key and value."""
+    generator = torch.Generator().manual_seed(seed + 3)
+    heads = config.num_attention_heads
+    return torch.randn(config.num_hidden_layers, 2, batch, heads, PREFIX, config.hidden_size // heads,
+                       generator=generator)
+
+
+def prefix_pairs(config, batch: int):
+    """Each layer's (key, value) [B, heads, PREFIX, d], random."""
+    return [tuple(pair) for pair in prefix_source(config, batch)]
+
+
+def cache(pairs):
+    return transformers.DynamicCache([(k, v) for k, v in pairs])
+
+
+def with_prefix_columns(mask):
+    """The attention mask [B, PREFIX + S] PEFT passes: ones for the prefix keys, then the tokens'."""
+    return torch.cat([torch.ones(mask.shape[0], PREFIX, dtype=mask.dtype), mask], dim=1)
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+@pytest.mark.parametrize("kind", ["fastbert", "apply"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_prefix_keys_match_transformers(arch, kind):
+    """Every output transformers gives with a cache of prefix keys (the positions start after them, the mask
+    covers them, the probabilities [B, heads, S, P + S]), on padded batches and without a mask; the cache passed
+    as `cache` or as past_key_values."""
+    theirs = their_model(arch)
+    model = ours(theirs, kind).eval()
+    inputs = padded_batch(theirs.config)
+    mask = inputs["attention_mask"]
+    pairs = prefix_pairs(theirs.config, mask.shape[0])
+    for attention_mask, real in ((with_prefix_columns(mask), mask), (None, torch.ones_like(mask))):
+        arguments = dict(input_ids=inputs["input_ids"], attention_mask=attention_mask, output_attentions=True,
+                         output_hidden_states=True)
+        expected = theirs(**arguments, cache=cache(pairs))
+        for name in ("cache", "past_key_values"):
+            actual = model(**arguments, **{name: cache(pairs)})
+            torch.testing.assert_close(real_tokens(actual.last_hidden_state, real),
+                                       real_tokens(expected.last_hidden_state, real), atol=1e-5, rtol=1e-5)
+            for ours_, theirs_ in zip(actual.hidden_states, expected.hidden_states, strict=True):
+                torch.testing.assert_close(real_tokens(ours_, real), real_tokens(theirs_, real), atol=1e-5, rtol=1e-5)
+            for ours_, theirs_ in zip(actual.attentions, expected.attentions, strict=True):
+                assert ours_.shape == (*mask.shape[:1], theirs.config.num_attention_heads, mask.shape[1],
+                                       PREFIX + mask.shape[1])
+                rows = real.bool()[:, None, :, None].expand_as(ours_)  # padded query rows: zeros in fastbert
+                torch.testing.assert_close(ours_[rows], theirs_[rows], atol=1e-6, rtol=1e-5)
+            if getattr(theirs, "pooler", None) is not None:
+                torch.testing.assert_close(actual.pooler_output, expected.pooler_output, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # the prefix changes the result: the keys are read, not dropped
+        plain = model(input_ids=inputs["input_ids"], attention_mask=mask).last_hidden_state
+        prefixed = model(input_ids=inputs["input_ids"], attention_mask=with_prefix_columns(mask),
+                         cache=cache(pairs)).last_hidden_state
+    assert (real_tokens(plain, mask) - real_tokens(prefixed, mask)).abs().max() > 1e-2
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+@pytest.mark.parametrize("kind", ["fastbert", "apply"])
+@pytest.mark.parametrize("arch", ["bert", "roberta"])
+def test_prefix_gradients_match_transformers_with_and_without_checkpointing(arch, kind):
+    """The prefix's and the parameters' gradients are transformers' (training mode), and stay so under activation
+    checkpointing, where transformers' layers drop a cache (they would write it twice): the recompute reads the
+    same prefix. The prefix is computed from one tensor, as PEFT's prompt encoder computes it, so a reentrant
+    checkpoint that backpropagated into it from inside each layer would fail (its graph is shared by the layers)."""
+    theirs = their_model(arch).train()
+    inputs = padded_batch(theirs.config)
+    mask = inputs["attention_mask"]
+
+    def gradients(model, checkpointing=None):
+        model.zero_grad()
+        if checkpointing is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+        source = prefix_source(theirs.config, mask.shape[0]).requires_grad_()
+        pairs = [tuple(pair) for pair in source * 2.0]  # views of one non-leaf tensor
+        output = model(input_ids=inputs["input_ids"], attention_mask=with_prefix_columns(mask), cache=cache(pairs))
+        base_loss(output, mask).backward()
+        return {"prefix": source.grad} | {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    expected = gradients(theirs)
+    for reentrant in (None, False, True):
+        actual = gradients(ours(theirs, kind).train(), reentrant)
+        assert set(actual) == set(expected)
+        for name, grad in expected.items():
+            torch.testing.assert_close(actual[name], grad, atol=1e-5, rtol=1e-4,
+                                       msg=lambda m: f"{name} (checkpointing, reentrant: {reentrant}): {m}")
+
+
+def test_reference_attention_with_prefix_keys_is_the_softmax_over_all_keys():
+    """ops.attention with k, v longer than q: the float64 softmax over the prefix keys and the tokens' keys, the
+    key mask [B, P + S] masking both, padded query rows (its last S columns) zero; refused with a position
+    (rotary) and on the Triton kernel, which takes as many keys as queries."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 5, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, PREFIX + 5, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    mask = torch.ones(2, PREFIX + 5, dtype=torch.long)
+    mask[0, 1] = 0  # a prefix key masked
+    mask[1, PREFIX + 3:] = 0  # two padded tokens
+    scores = (q @ k.transpose(-1, -2)) / 8 ** 0.5 + torch.where(mask.bool(), 0.0, -torch.inf)[:, None, None, :]
+    expected = (scores.softmax(-1) @ v) * mask[:, PREFIX:, None].bool()[:, None]
+    torch.testing.assert_close(ops.attention(q, k, v, mask, backend="torch"), expected)
+    output, probs = ops.attention_with_probs(q, k, v, mask)
+    torch.testing.assert_close(output, expected)
+    torch.testing.assert_close(probs, scores.softmax(-1))
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 5\), expected \(2, 8\)"):
+        ops.attention(q, k, v, mask[:, PREFIX:])
+    with pytest.raises(ValueError, match="prefix keys .* no position"):
+        ops.attention(q, k, v, mask, rotary_base=10000.0)
+    with pytest.raises(ValueError, match=r"k and v \[B, heads, P \+ S, d\]"):
+        ops.attention(q, k[:, :, :4], v[:, :, :4])
+    if ops.TRITON_IMPORT_ERROR is None:
+        with pytest.raises(ValueError, match="backend='triton' cannot run prefix keys"):
+            ops.attention(q.float(), k.float(), v.float(), backend="triton")
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def test_empty_cache_is_no_cache_and_the_cache_is_left_as_given():
+    """An empty DynamicCache (transformers' forward adds nothing) gives the forward without one, bitwise; the
+    cache holds the prefix alone after the forward (an encoder does not append its keys: README)."""
+    theirs = their_model("bert")
+    model = fastbert.from_hf(theirs).eval()
+    inputs = padded_batch(theirs.config)
+    plain = model(**inputs).last_hidden_state
+    assert torch.equal(model(**inputs, cache=transformers.DynamicCache()).last_hidden_state, plain)
+    assert torch.equal(model(**inputs, cache=transformers.DynamicCache(config=theirs.config)).last_hidden_state, plain)
+    pairs = prefix_pairs(theirs.config, 3)
+    given = cache(pairs)
+    model(input_ids=inputs["input_ids"], attention_mask=with_prefix_columns(inputs["attention_mask"]), cache=given)
+    assert given.get_seq_length() == PREFIX and torch.equal(given.layers[0].keys, pairs[0][0])
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def test_bad_prefix_keys_are_refused_naming_the_argument():
+    theirs = their_model("bert")
+    model = fastbert.from_hf(theirs).eval()
+    inputs = padded_batch(theirs.config)
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    pairs = prefix_pairs(theirs.config, 3)
+    full = with_prefix_columns(mask)
+    cases = [
+        (dict(attention_mask=mask, cache=cache(pairs)),
+         r"attention_mask has shape \(3, 13\), expected \(3, 16\) \(the 3 prefix keys' columns first\)"),
+        (dict(attention_mask=full, cache=cache(pairs), past_key_values=cache(pairs)), "not both"),
+        (dict(attention_mask=full, cache=cache(pairs[:1])), "cache holds 1 layers' keys, the model has 2 layers"),
+        (dict(attention_mask=full, cache=cache([(k[:, :1], v[:, :1]) for k, v in pairs])),
+         r"cache layer 0's keys must be \[batch, 2 heads, prefix length, 16\]"),
+        (dict(attention_mask=full, cache=cache([pairs[0], (pairs[1][0], pairs[1][1][:, :, :2])])),
+         "cache layer 1's values must be"),
+        (dict(attention_mask=full[:2], cache=cache(pairs)), "cache holds prefix keys for a batch of 3"),
+        (dict(attention_mask=full, cache="keys"), "cache must be a transformers Cache or a sequence"),
+    ]
+    for arguments, message in cases:
+        with pytest.raises(ValueError, match=message):
+            rows = arguments["attention_mask"].shape[0]
+            model(input_ids=ids[:rows], **arguments)
+    long_ids = torch.randint(5, VOCAB, (1, SIZES["max_position_embeddings"] - PREFIX + 1))
+    with pytest.raises(ValueError, match=f"sequence length {long_ids.shape[1]} after 3 prefix keys is longer"):
+        model(input_ids=long_ids, cache=cache(prefix_pairs(theirs.config, 1)))
+    packed = dict(input_ids=ids[:1], cu_seqlens=torch.tensor([0, 13], dtype=torch.int32), max_seqlen=13)
+    with pytest.raises(ValueError, match="takes padded inputs"):
+        model(**packed, cache=cache(prefix_pairs(theirs.config, 1)))
+    # a list of (key, value) pairs, as transformers' legacy cache, is read as the Cache
+    expected = model(input_ids=ids, attention_mask=full, cache=cache(pairs)).last_hidden_state
+    assert torch.equal(model(input_ids=ids, attention_mask=full, cache=pairs).last_hidden_state, expected)
+    assert model(**inputs).last_hidden_state.shape == (3, 13, SIZES["hidden_size"])  # still works
+
+
+@pytest.mark.parametrize("arch", ["distilbert", "mpnet"])
+def test_architectures_without_a_cache_refuse_one(arch):
+    """transformers' DistilBERT, MPNet and ModernBERT take no cache (PEFT's prefix tuning does not run on them):
+    fastbert's refuse one by name, before anything runs."""
+    model = fastbert.from_hf(hf_model(arch))
+    inputs = padded_batch(model.config)
+    pairs = prefix_pairs(model.config, 3)
+    with pytest.raises(ValueError, match=f"not supported by {type(model).__name__}: transformers' model"):
+        model(**inputs, cache=cache(pairs))
+    config = transformers.ModernBertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                           num_hidden_layers=2, num_attention_heads=2, pad_token_id=0,
+                                           bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    modern = fastbert.from_hf(transformers.ModernBertModel(config))
+    with pytest.raises(ValueError, match="not supported by ModernBertModel"):
+        modern(**inputs, cache=cache(pairs))
