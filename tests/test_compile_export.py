@@ -202,3 +202,24 @@ def test_an_unknown_keyword_compiles_fullgraph():
     inputs, _ = padded_batch()
     got = torch.compile(model, backend="aot_eager", fullgraph=True)(**inputs, an_argument_no_test_passed_before=None)
     torch.testing.assert_close(got.last_hidden_state, model(**inputs).last_hidden_state, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def test_prefix_keys_compile_fullgraph_and_export():
+    """Prefix keys (fastbert.prefix, PEFT's prefix tuning): a transformers DynamicCache compiles without a graph
+    break, and (key, value) pairs export."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = fastbert.BertModel(config()).eval()
+    inputs, _ = padded_batch()
+    heads, head_dim = model.config.num_attention_heads, model.config.head_dim
+    pairs = tuple(tuple(torch.randn(len(LENGTHS), heads, 2, head_dim) for _ in range(2))
+                  for _ in range(model.config.num_hidden_layers))
+    inputs["attention_mask"] = torch.cat([torch.ones(len(LENGTHS), 2, dtype=torch.long), inputs["attention_mask"]], 1)
+    expected = model(**inputs, cache=pairs).last_hidden_state
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(**inputs,
+                                                                          cache=transformers.DynamicCache(pairs))
+    exported = torch.export.export(model, (), dict(inputs, cache=pairs)).module()(**inputs, cache=pairs)
+    for got in (compiled, exported):
+        torch.testing.assert_close(got.last_hidden_state, expected, atol=1e-5, rtol=1e-5)
+    assert (expected - model(**padded_batch()[0]).last_hidden_state).abs().max() > 1e-2  # the prefix is read
