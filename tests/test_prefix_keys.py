@@ -119,7 +119,7 @@ def test_prefix_gradients_match_transformers_with_and_without_checkpointing(arch
 def test_reference_attention_with_prefix_keys_is_the_softmax_over_all_keys():
     """ops.attention with k, v longer than q: the float64 softmax over the prefix keys and the tokens' keys, the
     key mask [B, P + S] masking both, padded query rows (its last S columns) zero; refused with a position
-    (rotary) and on the Triton kernel, which takes as many keys as queries."""
+    (rotary)."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 2, 5, 8, generator=generator, dtype=torch.float64)
     k, v = (torch.randn(2, 2, PREFIX + 5, 8, generator=generator, dtype=torch.float64) for _ in range(2))
@@ -138,9 +138,17 @@ def test_reference_attention_with_prefix_keys_is_the_softmax_over_all_keys():
         ops.attention(q, k, v, mask, rotary_base=10000.0)
     with pytest.raises(ValueError, match=r"k and v \[B, heads, P \+ S, d\]"):
         ops.attention(q, k[:, :, :4], v[:, :, :4])
-    if ops.TRITON_IMPORT_ERROR is None:
-        with pytest.raises(ValueError, match="backend='triton' cannot run prefix keys"):
-            ops.attention(q.float(), k.float(), v.float(), backend="triton")
+
+
+def test_the_triton_attention_refuses_prefix_keys(device):
+    """The kernel takes as many keys as queries: backend="triton" with prefix keys is an error before any launch
+    ("auto" runs the reference: the test above)."""
+    if ops.TRITON_IMPORT_ERROR is not None:
+        pytest.skip(f"Triton does not import: {ops.TRITON_IMPORT_ERROR}")
+    q = torch.randn(2, 2, 5, 32, device=device)
+    k = torch.randn(2, 2, PREFIX + 5, 32, device=device)
+    with pytest.raises(ValueError, match="backend='triton' cannot run prefix keys .* as many keys as queries"):
+        ops.attention(q, k, k, backend="triton")
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
