@@ -372,7 +372,8 @@ def qkv_projection(x, weight, bias, num_heads, backend=None):
 
 def _check_attention_args(q, k, v, attention_mask, dropout_p, relative_bias, rotary_base, window) -> None:
     """q [B, heads, S, d]; k, v [B, heads, P + S, d] (P >= 0 prefix keys); attention_mask [B, P + S] or None."""
-    if (q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]
+    # (B, heads, d) alike, read from the shapes without a call (each is host time on every layer)
+    if (q.dim() != 4 or k.shape != v.shape or k.shape[:2] + k.shape[3:] != q.shape[:2] + q.shape[3:]
             or k.shape[2] < q.shape[2]):
         raise ValueError(f"q, k, v must be [B, heads, S, d] with k and v [B, heads, P + S, d] (P >= 0 prefix keys), "
                          f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
