@@ -901,7 +901,7 @@ class BertModel(BertPreTrainedModel):
         batch, seqlen = check_model_inputs(config, input_ids, attention_mask, token_type_ids, position_ids,
                                            inputs_embeds, validate, prefix_length=prefix_length)
         if prefixes is not None:
-            check_batch(prefixes, batch)
+            check_batch(prefixes, batch, (input_ids if input_ids is not None else inputs_embeds).device)
         hidden = self.embed(input_ids, token_type_ids, position_ids, inputs_embeds, prefix_length)  # [B, S, H]
         unpadded = (config.unpad and attention_mask is not None and not output_attentions and prefixes is None
                     and self.unpads(hidden))

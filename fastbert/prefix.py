@@ -53,16 +53,23 @@ def prefix_keys(model, cache) -> tuple[tuple | None, int]:
     expected = (first.shape[0], config.num_attention_heads, length, config.head_dim)
     for index, pair in enumerate(pairs):
         for name, tensor in zip(("keys", "values"), pair):
-            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != expected or length < 1:
-                shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-                raise ValueError(f"cache layer {index}'s {name} must be [batch, {config.num_attention_heads} heads, "
-                                 f"prefix length, {config.head_dim}] like layer 0's keys {tuple(first.shape)}, "
-                                 f"got {shape}")
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"cache layer {index}'s {name} must be a tensor, got {type(tensor).__name__}")
+            if tuple(tensor.shape) != expected or length < 1:
+                raise ValueError(f"cache layer {index}'s {name} has shape {tuple(tensor.shape)}: every layer's keys and "
+                                 f"values must be [batch, {config.num_attention_heads} heads, prefix length >= 1, "
+                                 f"{config.head_dim}], all alike (layer 0's keys: {tuple(first.shape)})")
+            if not tensor.is_floating_point() or tensor.device != first.device:
+                raise ValueError(f"cache layer {index}'s {name} is {tensor.dtype} on {tensor.device}: prefix keys must "
+                                 f"be floating point, all on one device (layer 0's keys: {first.device})")
     return tuple(pairs), length
 
 
-def check_batch(prefixes, batch: int) -> None:
-    """ValueError unless the prefix keys are the batch's: one prefix per sequence, as transformers concatenates."""
-    if prefixes[0][0].shape[0] != batch:
-        raise ValueError(f"cache holds prefix keys for a batch of {prefixes[0][0].shape[0]}, the inputs have {batch} "
-                         "sequences")
+def check_batch(prefixes, batch: int, device: torch.device) -> None:
+    """ValueError unless the prefix keys are the batch's: one prefix per sequence, as transformers concatenates,
+    on the inputs' device."""
+    keys = prefixes[0][0]
+    if keys.shape[0] != batch:
+        raise ValueError(f"cache holds prefix keys for a batch of {keys.shape[0]}, the inputs have {batch} sequences")
+    if keys.device != device:
+        raise ValueError(f"cache's prefix keys are on {keys.device}, the inputs on {device}")

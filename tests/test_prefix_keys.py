@@ -181,9 +181,16 @@ def test_bad_prefix_keys_are_refused_naming_the_argument():
         (dict(attention_mask=full, cache=cache(pairs), past_key_values=cache(pairs)), "not both"),
         (dict(attention_mask=full, cache=cache(pairs[:1])), "cache holds 1 layers' keys, the model has 2 layers"),
         (dict(attention_mask=full, cache=cache([(k[:, :1], v[:, :1]) for k, v in pairs])),
-         r"cache layer 0's keys must be \[batch, 2 heads, prefix length, 16\]"),
+         r"cache layer 0's keys has shape \(3, 1, 3, 16\): every layer's keys and values must be \[batch, 2 heads, "
+         r"prefix length >= 1, 16\]"),
         (dict(attention_mask=full, cache=cache([pairs[0], (pairs[1][0], pairs[1][1][:, :, :2])])),
-         "cache layer 1's values must be"),
+         r"cache layer 1's values has shape \(3, 2, 2, 16\)"),
+        (dict(attention_mask=full, cache=[pairs[0], (pairs[1][0], pairs[1][1].long())]),
+         "cache layer 1's values is torch.int64 on cpu: prefix keys must be floating point"),
+        (dict(attention_mask=full, cache=[pairs[0], (pairs[1][0], pairs[1][1].to("meta"))]),
+         "all on one device"),
+        (dict(attention_mask=full, cache=[(k.to("meta"), v.to("meta")) for k, v in pairs]),
+         "cache's prefix keys are on meta, the inputs on cpu"),
         (dict(attention_mask=full[:2], cache=cache(pairs)), "cache holds prefix keys for a batch of 3"),
         (dict(attention_mask=full, cache="keys"), "cache must be a transformers Cache or a sequence"),
     ]
