@@ -38,7 +38,7 @@ test_files=${FASTBERT_CHECK_TESTS:-"tests/test_layer_norm.py tests/test_layer_no
     tests/test_dropout.py tests/test_qkv.py tests/test_ffn.py tests/test_geglu.py tests/test_attention.py
     tests/test_attention_relative_bias.py tests/test_attention_rotary_window.py tests/test_mlm_loss.py
     tests/test_numerics.py tests/test_model_triton.py tests/test_family_triton.py tests/test_modernbert.py
-    tests/test_bench.py::test_device_time_leaves_the_host_out"}
+    tests/test_prefix_keys.py tests/test_bench.py::test_device_time_leaves_the_host_out"}
 bench=${FASTBERT_CHECK_BENCH:-"python -m fastbert.bench"}
 # the whole-model cases of the GPU suite (fastbert/bench/model_cases.py names them mode/model,...)
 model_cases=${FASTBERT_CHECK_MODELS:-'^(train|inference|capacity)/'}

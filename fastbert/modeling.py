@@ -357,10 +357,14 @@ class SelfAttention(nn.Module):
         config = self.config
         dropout_p = self.probs_dropout()
         q, k, v = self.project(hidden)
+        backend = config.backend
         if layout.layer_prefix is not None:  # this layer's prefix keys first: k, v [B, heads, P + S, d]
             prefix_key, prefix_value = layout.layer_prefix
             k = torch.cat([prefix_key.to(k.dtype), k], dim=2)
             v = torch.cat([prefix_value.to(v.dtype), v], dim=2)
+            # the attention kernel takes as many keys as queries: PyTorch's path on every backend, as for
+            # output_attentions (the other ops keep theirs)
+            backend = "torch"
         probs = None
         bias = {} if layout.relative_bias is None else dict(relative_bias=layout.relative_bias,
                                                             relative_buckets=layout.relative_buckets)
@@ -371,7 +375,7 @@ class SelfAttention(nn.Module):
             context = ops.attention_varlen(q, k, v, layout.cu_seqlens, layout.max_seqlen, dropout_p,
                                            backend=config.backend, **bias)  # [T, heads, d]
         else:
-            context = ops.attention(q, k, v, layout.attention_mask, dropout_p, backend=config.backend, **bias)
+            context = ops.attention(q, k, v, layout.attention_mask, dropout_p, backend=backend, **bias)
         # sizes one by one: PyTorch's argument parser takes longer over a torch.Size
         if layout.packed:
             context = context.reshape(*hidden.shape)  # [T, H]

@@ -1,14 +1,17 @@
 """Prefix keys (fastbert.prefix): transformers' cache as PEFT's prefix tuning (P-Tuning v2) fills it, on fastbert's
 models and on transformers' models after fastbert.apply, against transformers' own forward and gradients on the
 same weights; the architectures whose transformers model takes no cache refuse one."""
+import contextlib
 import copy
 
 import pytest
 import torch
+from tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, assert_within_rule, pytorch_in
 
 import fastbert
 from fastbert import ops
-from family_models import SIZES, VOCAB, base_loss, hf_model, padded_batch, randomize, real_tokens, transformers
+from family_models import (SIZES, VOCAB, base_loss, hf_model, padded_batch, randomize, real_tokens, to_device,
+                           transformers)
 
 PREFIX = 3  # prefix keys a layer
 ARCHITECTURES = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
@@ -46,7 +49,7 @@ def cache(pairs):
 
 def with_prefix_columns(mask):
     """The attention mask [B, PREFIX + S] PEFT passes: ones for the prefix keys, then the tokens'."""
-    return torch.cat([torch.ones(mask.shape[0], PREFIX, dtype=mask.dtype), mask], dim=1)
+    return torch.cat([torch.ones(mask.shape[0], PREFIX, dtype=mask.dtype, device=mask.device), mask], dim=1)
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
@@ -225,3 +228,59 @@ def test_architectures_without_a_cache_refuse_one(arch):
     modern = fastbert.from_hf(transformers.ModernBertModel(config))
     with pytest.raises(ValueError, match="not supported by ModernBertModel"):
         modern(**inputs, cache=cache(pairs))
+
+
+KERNEL_CONFIG = fastbert.BertConfig.tiny(vocab_size=VOCAB, hidden_size=64, num_attention_heads=2, intermediate_size=128,
+                                         max_position_embeddings=40, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0, backend="torch")
+
+
+def kernel_pair(device, dtype):
+    """(the model on PyTorch's path in float64 or `dtype`, the same weights in `dtype` on backend "triton")."""
+    torch.manual_seed(0)
+    reference = fastbert.BertModel(KERNEL_CONFIG).to(device, dtype).train()
+    kernels = copy.deepcopy(reference)
+    kernels.config.backend = "triton"  # read at forward time; the prefix attention runs PyTorch's path on it too
+    return reference, kernels
+
+
+def prefix_run(model, inputs, source):
+    """The forward with the prefix computed from `source` (one tensor, as PEFT's prompt encoder gives it), its
+    output, and the backward of a loss reading every real token and the pooler."""
+    mask = inputs["attention_mask"]
+    pairs = [tuple(pair) for pair in source * 2.0]
+    output = model(**inputs | dict(attention_mask=with_prefix_columns(mask)), cache=pairs)
+    loss = output.last_hidden_state[mask.bool()].double().square().mean() + output.pooler_output.double().mean()
+    loss.backward()
+    return output
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefix_keys_on_the_kernels_within_the_rule(device, dtype):
+    """backend="triton" (the interpreter on a CPU): the QKV projection, the LayerNorms and the feed-forward on
+    their kernels around the prefix attention, which runs PyTorch's path. fp32 within 1e-4 of PyTorch's path; bf16
+    within DESIGN.md's rule against float64 (2x, gradients 3x, PyTorch's error in bf16): outputs and gradients,
+    the prefix's included."""
+    reference, kernels = kernel_pair(device, dtype)
+    inputs = to_device(padded_batch(KERNEL_CONFIG), device)
+    real = inputs["attention_mask"].bool()
+    source = prefix_source(KERNEL_CONFIG, real.shape[0]).to(device)
+    models = [kernels, reference] if dtype == torch.float32 else [kernels, reference, copy.deepcopy(reference)]
+    if dtype != torch.float32:
+        models[2].double()
+    outputs, grads = [], []
+    for model in models:
+        leaf = source.to(model.dtype).requires_grad_()
+        with pytorch_in(dtype) if model.dtype != torch.float64 else contextlib.nullcontext():
+            outputs.append(prefix_run(model, inputs, leaf))
+        grads.append({"prefix": leaf.grad} | {name: p.grad for name, p in model.named_parameters()})
+    if dtype == torch.float32:
+        torch.testing.assert_close(outputs[0].last_hidden_state[real], outputs[1].last_hidden_state[real],
+                                   atol=1e-4, rtol=1e-4)
+        for name, grad in grads[1].items():
+            torch.testing.assert_close(grads[0][name], grad, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        return
+    assert_within_rule("last hidden state", *(out.last_hidden_state[real] for out in outputs), FORWARD_FACTOR)
+    assert_within_rule("pooler", *(out.pooler_output for out in outputs), FORWARD_FACTOR)
+    for name in grads[2]:
+        assert_within_rule(f"d {name}", *(g[name] for g in grads), GRADIENT_FACTOR)
