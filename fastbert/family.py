@@ -21,7 +21,8 @@ from fastbert.family_config import (MPNET_BUCKETS, MPNET_MAX_DISTANCE, Camembert
 from fastbert.modeling import (AttentionLayout, BertEncoder, BertForMaskedLM, BertLayer, BertModel,
                                BertPreTrainedModel, EncoderLayer, SelfAttention, VocabularyHead, _recompute,
                                add_and_norm, fused_feed_forward, fused_feed_forward_sublayer, gelu_dense_norm,
-                               check_layout, is_unhooked, linear, one_node_sublayers, run_dropout, Submodule)
+                               check_layout, is_unhooked, linear, one_node_sublayers, run_dropout, Submodule,
+                               token_padding_mask)
 
 
 # RoBERTa, XLM-RoBERTa, CamemBERT: BERT's modules and names; positions from the padding index (config) -----
@@ -175,8 +176,8 @@ class ElectraForPreTraining(BertPreTrainedModel):
         if labels is not None:
             if tuple(labels.shape) != tuple(logits.shape):
                 raise ValueError(f"labels has shape {tuple(labels.shape)}, expected {tuple(logits.shape)}")
-            if attention_mask is not None:
-                real = attention_mask.reshape(-1) == 1
+            if attention_mask is not None:  # the tokens' columns (not a prefix's: fastbert.prefix)
+                real = token_padding_mask(attention_mask, logits.shape[1]).reshape(-1) == 1
                 loss = F.binary_cross_entropy_with_logits(logits.reshape(-1)[real], labels.reshape(-1)[real].float())
             else:
                 loss = F.binary_cross_entropy_with_logits(logits.reshape(-1), labels.reshape(-1).float())

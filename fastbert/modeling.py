@@ -1378,6 +1378,13 @@ class BertForTokenClassification(BertPreTrainedModel):
         return self._outputs(result, return_dict)
 
 
+def token_padding_mask(attention_mask, seqlen: int) -> torch.Tensor | None:
+    """The tokens' padding mask [B, S] (1 = token) from a forward's attention_mask: transformers' 4-D masks
+    reduced (key_padding_mask), the prefix keys' columns of a [B, P + S] mask (fastbert.prefix) left out."""
+    mask = key_padding_mask(attention_mask, validate=False)
+    return mask if mask is None or mask.shape[-1] == seqlen else mask[..., mask.shape[-1] - seqlen:]
+
+
 def token_classification_loss(logits, labels, attention_mask, validate: bool):
     """Cross entropy of logits [B, S, num_labels] over labels [B, S] (-100 ignored), padding never a token
     whatever its label; None without labels."""
@@ -1385,7 +1392,7 @@ def token_classification_loss(logits, labels, attention_mask, validate: bool):
     labels = check_labels("labels", labels, logits.shape[:2], num_labels, "num_labels", validate)
     if labels is None:
         return None
-    mask = key_padding_mask(attention_mask, validate=False)
+    mask = token_padding_mask(attention_mask, logits.shape[1])
     if mask is not None:
         labels = labels.masked_fill(~mask.bool(), IGNORE_INDEX)
     return F.cross_entropy(logits.reshape(-1, num_labels), labels.reshape(-1), ignore_index=IGNORE_INDEX)
@@ -1420,7 +1427,7 @@ class BertForQuestionAnswering(BertPreTrainedModel):
                          output_hidden_states=output_hidden_states, output_attentions=output_attentions,
                          return_dict=True, validate=validate, **kwargs)
         logits = self.qa_outputs(base.last_hidden_state)  # [B, S, 2]
-        mask = key_padding_mask(attention_mask, validate=False)
+        mask = token_padding_mask(attention_mask, logits.shape[1])
         if mask is not None:
             logits = logits.masked_fill(~mask.bool()[..., None], torch.finfo(logits.dtype).min)
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))

@@ -10,7 +10,12 @@ the first batch in transformers).
 """
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
+_REPORTED_IGNORED = set()  # the model classes whose ignored cache was logged (once each)
 
 
 def cache_argument(cache, kwargs: dict):
@@ -24,14 +29,18 @@ def cache_argument(cache, kwargs: dict):
 def prefix_keys(model, cache) -> tuple[tuple | None, int]:
     """(each layer's (key, value) [B, heads, P, d], P) from a transformers Cache (DynamicCache, the
     self-attention part of an EncoderDecoderCache) or a sequence of (key, value) pairs, one per layer;
-    (None, 0) for no cache or an empty one. ValueError for an architecture whose transformers model takes
-    no cache (DistilBERT, MPNet, ModernBERT), for keys whose shapes do not fit the config, or for a cache of
-    another number of layers."""
+    (None, 0) for no cache or an empty one, and for an architecture whose transformers model ignores a cache
+    (DistilBERT, MPNet, ModernBERT: ignored here too, logged once). ValueError for keys whose shapes do not fit
+    the config, or for a cache of another number of layers."""
     if cache is None:
         return None, 0
     if not model.takes_cache:
-        raise ValueError(f"cache (past_key_values) is not supported by {type(model).__name__}: transformers' model "
-                         "of this architecture takes no cache, so PEFT's prefix tuning cannot run on it; pass None")
+        name = type(model).__name__
+        if name not in _REPORTED_IGNORED and not torch.compiler.is_compiling():  # a traced graph cannot log
+            _REPORTED_IGNORED.add(name)
+            logger.warning("%s.forward() ignored its cache (past_key_values), as transformers' model of this "
+                           "architecture does: it has no prefix keys (PEFT's prefix tuning cannot run on it)", name)
+        return None, 0
     cache = getattr(cache, "self_attention_cache", cache)  # an EncoderDecoderCache: its self-attention part
     layers = getattr(cache, "layers", None)
     if layers is None and not isinstance(cache, (list, tuple)):

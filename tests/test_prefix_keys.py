@@ -10,20 +10,20 @@ from tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, assert_within_rule, pytor
 
 import fastbert
 from fastbert import ops
-from family_models import (SIZES, VOCAB, base_loss, hf_model, padded_batch, randomize, real_tokens, to_device,
-                           transformers)
+from family_models import (SIZES, VOCAB, base_loss, head_inputs, hf_model, padded_batch, randomize, real_tokens,
+                           to_device, transformers)
 
 PREFIX = 3  # prefix keys a layer
 ARCHITECTURES = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
 
 
-def their_model(arch: str):
-    """transformers' base model with random weights; eager attention, which returns the probabilities."""
+def their_model(arch: str, head: str = "Model"):
+    """transformers' model with random weights; eager attention, which returns the probabilities."""
     if arch == "bert":
         torch.manual_seed(0)
         config = transformers.BertConfig(vocab_size=VOCAB, attn_implementation="eager", **SIZES)
-        return randomize(transformers.BertModel(config)).eval()
-    return hf_model(arch, attn_implementation="eager")
+        return randomize(getattr(transformers, "Bert" + head)(config)).eval()
+    return hf_model(arch, head, attn_implementation="eager")
 
 
 def ours(theirs, kind: str):
@@ -86,6 +86,40 @@ def test_prefix_keys_match_transformers(arch, kind):
         prefixed = model(input_ids=inputs["input_ids"], attention_mask=with_prefix_columns(mask),
                          cache=cache(pairs)).last_hidden_state
     assert (real_tokens(plain, mask) - real_tokens(prefixed, mask)).abs().max() > 1e-2
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+@pytest.mark.parametrize("arch, head", [("bert", "ForSequenceClassification"), ("bert", "ForTokenClassification"),
+                                        ("bert", "ForQuestionAnswering"), ("bert", "ForMultipleChoice"),
+                                        ("roberta", "ForMaskedLM"), ("electra", "ForPreTraining")])
+def test_heads_given_prefix_keys_match_transformers(arch, head):
+    """fastbert's heads given a cache: their logits and losses are transformers' (the heads that read the
+    attention mask read the tokens' columns of [B, P + S]; they indexed it as [B, S]). transformers'
+    ElectraForPreTraining fails on that mask, so its loss is checked against its definition: the binary cross
+    entropy over the real tokens."""
+    theirs = their_model(arch, head)
+    ours = fastbert.from_hf(theirs).eval()
+    inputs = head_inputs(theirs.config, head)
+    mask = inputs["attention_mask"]
+    rows = mask.numel() // mask.shape[-1]  # multiple choice: [B, C, S], B * C sequences
+    inputs["attention_mask"] = torch.cat([torch.ones(*mask.shape[:-1], PREFIX, dtype=mask.dtype), mask], dim=-1)
+    pairs = prefix_pairs(theirs.config, rows)
+    labels = inputs.pop("labels") if head == "ForPreTraining" else None
+    expected = theirs(**inputs, cache=cache(pairs))
+    actual = ours(**inputs, labels=labels, cache=cache(pairs)) if labels is not None else ours(**inputs,
+                                                                                                cache=cache(pairs))
+    names = [name for name in ("loss", "logits", "start_logits", "end_logits") if expected.get(name) is not None]
+    assert names and all(actual.get(name) is not None for name in names)
+    token_level = head in ("ForTokenClassification", "ForMaskedLM", "ForPreTraining")
+    for name in names:
+        got, want = actual[name], expected[name]
+        if token_level and name != "loss":
+            got, want = real_tokens(got, mask), real_tokens(want, mask)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    if labels is not None:
+        real = mask.bool()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(expected.logits[real], labels[real].float())
+        torch.testing.assert_close(actual.loss, loss, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
@@ -213,21 +247,34 @@ def test_bad_prefix_keys_are_refused_naming_the_argument():
     assert model(**inputs).last_hidden_state.shape == (3, 13, SIZES["hidden_size"])  # still works
 
 
-@pytest.mark.parametrize("arch", ["distilbert", "mpnet"])
-def test_architectures_without_a_cache_refuse_one(arch):
-    """transformers' DistilBERT, MPNet and ModernBERT take no cache (PEFT's prefix tuning does not run on them):
-    fastbert's refuse one by name, before anything runs."""
-    model = fastbert.from_hf(hf_model(arch))
+@pytest.mark.parametrize("arch", ["distilbert", "mpnet", "modernbert"])
+def test_architectures_without_a_cache_ignore_one_as_transformers_does(arch, caplog, monkeypatch):
+    """transformers' DistilBERT, MPNet and ModernBERT take no cache and ignore one (PEFT's prefix tuning does not
+    run on them): fastbert's ignore it too, with a warning naming the class once, and refuse the [B, P + S] mask
+    PEFT would pass, as transformers fails on it."""
+    if arch == "modernbert":
+        config = transformers.ModernBertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                               num_hidden_layers=2, num_attention_heads=2, pad_token_id=0,
+                                               bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+        theirs = transformers.ModernBertModel(config).eval()
+    else:
+        theirs = hf_model(arch)
+    model = fastbert.from_hf(theirs).eval()
     inputs = padded_batch(model.config)
+    real = inputs["attention_mask"]
     pairs = prefix_pairs(model.config, 3)
-    with pytest.raises(ValueError, match=f"not supported by {type(model).__name__}: transformers' model"):
-        model(**inputs, cache=cache(pairs))
-    config = transformers.ModernBertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
-                                           num_hidden_layers=2, num_attention_heads=2, pad_token_id=0,
-                                           bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
-    modern = fastbert.from_hf(transformers.ModernBertModel(config))
-    with pytest.raises(ValueError, match="not supported by ModernBertModel"):
-        modern(**inputs, cache=cache(pairs))
+    expected = theirs(**inputs, cache=cache(pairs)).last_hidden_state
+    monkeypatch.setattr(fastbert.prefix, "_REPORTED_IGNORED", set())  # logged once a process
+    with caplog.at_level("WARNING", logger="fastbert"):
+        for _ in range(2):
+            actual = model(**inputs, past_key_values=cache(pairs)).last_hidden_state
+            torch.testing.assert_close(real_tokens(actual, real), real_tokens(expected, real), atol=1e-5, rtol=1e-5)
+            assert torch.equal(actual, model(**inputs).last_hidden_state)
+    assert [r.getMessage() for r in caplog.records].count(
+        f"{type(model).__name__}.forward() ignored its cache (past_key_values), as transformers' model of this "
+        "architecture does: it has no prefix keys (PEFT's prefix tuning cannot run on it)") == 1
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(3, 16\), expected \(3, 13\)"):
+        model(input_ids=inputs["input_ids"], attention_mask=with_prefix_columns(real), cache=cache(pairs))
 
 
 KERNEL_CONFIG = fastbert.BertConfig.tiny(vocab_size=VOCAB, hidden_size=64, num_attention_heads=2, intermediate_size=128,
