@@ -207,7 +207,7 @@ class BertConfig(ConfigBase):
         return type(other) is type(self) and vars(self) == vars(other)
 
     def __repr__(self) -> str:
-        changed = {k: v for k, v in self.to_dict().items() if k not in ("id2label", "label2id", "model_type")}
+        changed = {k: v for k, v in self.config_json().items() if k not in ("id2label", "label2id", "model_type")}
         fastbert = {name: getattr(self, name) for name in FASTBERT_FIELDS}
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in {**changed, **fastbert}.items())})"
 
@@ -334,7 +334,9 @@ class BertConfig(ConfigBase):
 
     def to_dict(self) -> dict[str, Any]:
         """HF config.json's dict: the fields, the unknown keys kept from the source and the common
-        transformers fields that differ from their defaults; fastbert's own switches left out."""
+        transformers fields that differ from their defaults; fastbert's own switches left out. With
+        `_name_or_path`, as transformers' to_dict (PEFT's model card reads the base model there), which
+        config.json leaves out (config_json)."""
         values = {k: v for k, v in vars(self).items()
                   if not k.startswith("_") and k not in FASTBERT_FIELDS and k not in COMMON_CONFIG_DEFAULTS}
         for name, default in COMMON_CONFIG_DEFAULTS.items():
@@ -347,6 +349,14 @@ class BertConfig(ConfigBase):
         values = self.to_hf_names(values)
         values["id2label"] = {str(k): v for k, v in self.id2label.items()}
         values["label2id"] = {v: int(k) for k, v in self.id2label.items()}
+        values["_name_or_path"] = self.name_or_path
+        return values
+
+    def config_json(self) -> dict[str, Any]:
+        """config.json's dict: to_dict without `_name_or_path` (where the config was loaded from is not a field,
+        and transformers leaves it out of config.json too)."""
+        values = self.to_dict()
+        del values["_name_or_path"]
         return values
 
     def to_json(self, path: str | os.PathLike) -> None:
@@ -355,7 +365,7 @@ class BertConfig(ConfigBase):
             path = os.path.join(path, "config.json")
         from fastbert.files import write_text  # replaced whole; a full disk is a message naming the file
 
-        write_text(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        write_text(path, json.dumps(self.config_json(), indent=2, sort_keys=True) + "\n")
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         """config.json into `save_directory` (created if needed), as transformers' method of that name."""

@@ -439,7 +439,7 @@ def save_pretrained(model: torch.nn.Module, path, is_main_process: bool = True, 
     if not is_main_process:
         return
     os.makedirs(path, exist_ok=True)
-    values = model.config.to_dict()
+    values = model.config.config_json()
     values["architectures"] = [type(model).__name__]
     values["dtype"] = str(model.dtype).removeprefix("torch.")
     values.pop("transformers_version", None)  # the writer's version, as transformers records it
