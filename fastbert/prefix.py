@@ -1,12 +1,13 @@
 """Prefix keys: transformers' cache as an encoder reads it.
 
 PEFT's prefix tuning (P-Tuning v2) learns P keys and values for every layer and hands them to transformers'
-BERT, RoBERTa and ELECTRA as the model's cache (`cache=`, before transformers 5 `past_key_values=`, still
-accepted): every layer attends to its P prefix keys before the tokens' own, the attention mask covers both
-([B, P + S]: PEFT prepends ones), and the tokens' positions start after the prefix. fastbert reads the prefix
-from the cache and leaves the cache as it was, where transformers' layers append the batch's keys to it: an
-encoder never reads them back (a cache passed to a second forward holds the prefix alone here, prefix and
-the first batch in transformers).
+BERT, RoBERTa and ELECTRA as the model's cache (`cache=`, or its older name `past_key_values=`, which
+transformers still accepts): every layer attends to its P prefix keys before the tokens' own, the attention mask
+covers both ([B, P + S]: PEFT prepends ones), and the tokens' positions start after the prefix. fastbert reads
+the prefix from the cache and leaves the cache as it was, where transformers' layers append the batch's keys to
+it: an encoder never reads them back (a cache passed to a second forward holds the prefix alone here, prefix and
+the first batch in transformers). The architectures whose transformers model has no cache (DistilBERT, MPNet,
+ModernBERT) ignore one, as transformers does.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Prefix keys (fastbert.prefix): transformers' cache as PEFT's prefix tuning (P-Tuning v2) fills it, on fastbert's
 models and on transformers' models after fastbert.apply, against transformers' own forward and gradients on the
-same weights; the architectures whose transformers model takes no cache refuse one."""
+same weights; the architectures whose transformers model has no cache ignore one, as it does."""
 import contextlib
 import copy
 
