@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from test_drop_in import tiny_modernbert_config
 from tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, assert_within_rule, pytorch_in
 
 import fastbert
@@ -253,10 +254,7 @@ def test_architectures_without_a_cache_ignore_one_as_transformers_does(arch, cap
     run on them): fastbert's ignore it too, with a warning naming the class once, and refuse the [B, P + S] mask
     PEFT would pass, as transformers fails on it."""
     if arch == "modernbert":
-        config = transformers.ModernBertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
-                                               num_hidden_layers=2, num_attention_heads=2, pad_token_id=0,
-                                               bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
-        theirs = transformers.ModernBertModel(config).eval()
+        theirs = transformers.ModernBertModel(tiny_modernbert_config()).eval()
     else:
         theirs = hf_model(arch)
     model = fastbert.from_hf(theirs).eval()
